@@ -1,0 +1,131 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_len: int
+    sampling: SamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished_ids: _containers.RepeatedScalarFieldContainer[int]
+    preempted_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    forward_ms: float
+    def __init__(self, step: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("protocol_version", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "scheduler_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    scheduler_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    tensor_parallel_size: int
+    epoch: int
+    vocab_size: int
+    worker_id: str
+    device: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...

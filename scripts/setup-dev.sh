@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Creates .venv with CPU torch and every dependency at the versions in constraints.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"

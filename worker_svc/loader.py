@@ -1,0 +1,69 @@
+"""Loads a Hugging Face checkpoint folder (one model.safetensors or shards listed in
+model.safetensors.index.json) into a model, mapping HF names onto packed layers and keeping only
+this rank's shard of each tensor."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any
+    unexpected or missing name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                name, shard_id = _our_name(hf_name, packed)
+                if name == "lm_head.weight" and tied:
+                    continue  # tied checkpoints may still store the head; the embedding is the source
+                if name not in params:
+                    raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {path.name}")
+                param = params[name]
+                tensor = f.get_tensor(hf_name).to(param.dtype)
+                loader = getattr(param, "weight_loader", None)
+                with torch.no_grad():
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    elif shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                loaded.add(f"{name}:{shard_id}")
+    expected = {f"{name}:{shard}" for name in params for shard in _shards_of(name, packed)}
+    if tied:
+        expected = {e for e in expected if not e.startswith("lm_head.")}
+    missing = expected - loaded
+    if missing:
+        raise KeyError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+
+
+def _our_name(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    name = hf_name.removeprefix("model.")
+    for fragment, (target, shard_id) in packed.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, target), shard_id
+    return name, None
+
+
+def _shards_of(name: str, packed: dict[str, tuple[str, object]]) -> list[object]:
+    shards = [shard for target, shard in packed.values() if f".{target}." in name]
+    return shards or [None]

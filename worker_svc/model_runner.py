@@ -1,0 +1,282 @@
+"""ModelRunner: applies each StepPlan (a delta) to the worker's mirrored state, builds the step's
+tensors, runs Qwen3 and samples.
+
+State per sequence lives in a persistent batch row: its last sampled token stays on the device, so
+a decode needs no token id from the scheduler and no host round trip.
+"""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protos import WORKER_PROTOCOL_VERSION
+from protos import worker_pb2 as pb
+from worker_svc.attention import AttentionMetadata, make_backend
+from worker_svc.config import DTYPES, ModelConfig
+from worker_svc.loader import load_weights
+from worker_svc.qwen3 import Qwen3ForCausalLM
+from worker_svc.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the worker's state (gap in steps, other epoch, unknown sequence)."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    row: int
+    token_ids: list[int]   # the ids the scheduler sent; later tokens exist only on the device
+    prompt_len: int
+    num_computed: int
+    block_table: list[int]
+    params: pb.SamplingParams
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: str | None = None            # default: the checkpoint's dtype
+    block_size: int = 16
+    num_blocks: int | None = None       # default: from kv_cache_memory
+    kv_cache_memory: int = 256 << 20    # bytes for the KV cache when num_blocks is not given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None    # default: the config's max_position_embeddings
+    attention: str = "auto"
+
+
+class PendingStep:
+    """A launched step; `result()` waits for its sampled ids (the step's one host sync)."""
+
+    def __init__(self, step: int, seq_ids: list[int], out: SamplerOutput | None,
+                 logprob_counts: list[int], started: float):
+        self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
+        self.host: list[torch.Tensor | None] = []
+        self.event = None
+        if out is not None:
+            tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+            self.host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+            if out.token_ids.is_cuda:
+                self.event = torch.cuda.Event()
+                self.event.record()
+
+    def result(self) -> pb.StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        res = pb.StepResult(step=self.step, seq_ids=self.seq_ids)
+        if self.host:
+            tokens, logprobs, top_ids, top_logprobs = self.host
+            res.token_ids.extend(tokens.tolist())
+            if logprobs is not None:
+                res.logprobs.extend(logprobs.tolist())
+                for i, n in enumerate(self.logprob_counts):
+                    if n > 0:
+                        res.top_token_ids.extend(top_ids[i, :n].tolist())
+                        res.top_logprobs.extend(top_logprobs[i, :n].tolist())
+        res.forward_ms = (time.perf_counter() - self.started) * 1e3
+        return res
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
+        self.config = cfg = config or RunnerConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype else mc.dtype
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.block_size = cfg.block_size
+        self.epoch = random.getrandbits(63)
+        self.worker_id = uuid.uuid4().hex[:12]
+
+        torch.set_default_dtype(self.dtype)
+        with torch.device(self.device):
+            self.model = Qwen3ForCausalLM(mc)
+        torch.set_default_dtype(torch.float32)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.attention = make_backend(cfg.attention, self.device)
+        self._allocate_kv_cache()
+
+        rows = cfg.max_num_seqs
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.seqs: dict[int, SeqState] = {}
+        self.last_token = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.penalties: Penalties | None = None
+        self.next_step = 1
+        # per-row sampling parameters, gathered on the host each step
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int64)
+        self.top_p = np.ones(rows, np.float32)
+        self.min_p = np.zeros(rows, np.float32)
+        self.seed = np.zeros(rows, np.int64)
+        self.logprobs = np.full(rows, -1, np.int64)
+        self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _allocate_kv_cache(self) -> None:
+        mc, cfg = self.model_config, self.config
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.dtype.itemsize
+        self.num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory // per_block)
+        shape = (2, mc.num_hidden_layers, self.num_blocks, self.block_size, kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
+        return pb.DescribeResponse(
+            protocol_version=WORKER_PROTOCOL_VERSION, model=self.model_dir.name,
+            dtype=str(self.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len, tensor_parallel_size=1,
+            epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
+            device=str(self.device), max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    # ---- applying the delta -------------------------------------------------------------------
+    def _drop(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    def _add(self, new: pb.NewSequence) -> SeqState:
+        if new.seq_id in self.seqs:
+            raise PlanError(f"sequence {new.seq_id} is already running on this worker")
+        if not self.free_rows:
+            raise PlanError(f"more than max_num_seqs={self.config.max_num_seqs} sequences")
+        row = self.free_rows.pop()
+        p = new.sampling
+        state = SeqState(row, list(new.token_ids), new.prompt_len, new.num_computed_tokens,
+                         list(new.block_ids), p)
+        self.seqs[new.seq_id] = state
+        self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
+        self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & (2**63 - 1), p.logprobs
+        self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
+        if self._has_penalty(row):
+            if self.penalties is None:
+                self.penalties = Penalties(len(self.temperature), self.model_config.vocab_size, self.device)
+            ids = torch.tensor(state.token_ids, dtype=torch.int64, device=self.device)
+            self.penalties.reset_row(row, ids[: new.prompt_len], ids[new.prompt_len:])
+        return state
+
+    def _has_penalty(self, row: int) -> bool:
+        rep, pres, freq = self.penalty[row]
+        return rep != 1.0 or pres != 0.0 or freq != 0.0
+
+    def _schedule(self, plan: pb.StepPlan) -> list[tuple[int, SeqState, int]]:
+        if plan.epoch != self.epoch:
+            raise PlanError(f"plan for epoch {plan.epoch}, this worker is at epoch {self.epoch}")
+        if plan.step != self.next_step:
+            raise PlanError(f"expected step {self.next_step}, got {plan.step}")
+        self.next_step += 1
+        for seq_id in plan.finished_ids:
+            self._drop(seq_id)
+        for seq_id in plan.preempted_ids:
+            self._drop(seq_id)
+        batch = [(new.seq_id, self._add(new), new.num_scheduled_tokens) for new in plan.new_seqs]
+        offset = 0
+        for seq_id, n, nb in zip(plan.seq_ids, plan.num_scheduled_tokens, plan.num_new_blocks):
+            state = self.seqs.get(seq_id)
+            if state is None:
+                raise PlanError(f"unknown sequence {seq_id}")
+            state.block_table.extend(plan.new_block_ids[offset:offset + nb])
+            offset += nb
+            batch.append((seq_id, state, n))
+        for seq_id, state, n in batch:
+            end = state.num_computed + n
+            if n == 0 or end > self.max_model_len or end > len(state.block_table) * self.block_size:
+                raise PlanError(f"sequence {seq_id}: {n} tokens from {state.num_computed} do not fit "
+                                f"its {len(state.block_table)} blocks or max_model_len {self.max_model_len}")
+            if state.num_computed >= len(state.token_ids) and n != 1:
+                raise PlanError(f"sequence {seq_id}: a decode runs exactly one token, got {n}")
+        return batch
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: pb.StepPlan) -> PendingStep:
+        started = time.perf_counter()
+        batch = self._schedule(plan)
+        if not batch:
+            return PendingStep(plan.step, [], None, [], started)
+        bs = self.block_size
+        query_lens = [n for _, _, n in batch]
+        context_lens = [s.num_computed + n for _, s, n in batch]
+        total = sum(query_lens)
+        input_ids = np.zeros(total, np.int64)
+        positions = np.empty(total, np.int64)
+        decode_at, decode_rows = [], []
+        width = max(len(s.block_table) for _, s, _ in batch)
+        page_table = np.zeros((len(batch), width), np.int32)
+        sample_at, sample_ids, sample_rows = [], [], []
+        start = 0
+        for i, (seq_id, s, n) in enumerate(batch):
+            c, known = s.num_computed, len(s.token_ids)
+            positions[start:start + n] = np.arange(c, c + n)
+            if c < known:
+                input_ids[start:start + n] = s.token_ids[c:c + n]
+            else:
+                decode_at.append(start)
+                decode_rows.append(s.row)
+            page_table[i, :len(s.block_table)] = s.block_table
+            if c + n >= known:
+                sample_at.append(start + n - 1)
+                sample_ids.append(seq_id)
+                sample_rows.append(s.row)
+            s.num_computed = c + n
+            start += n
+        slot_mapping = page_table[np.repeat(np.arange(len(batch)), query_lens), positions // bs] * bs + positions % bs
+        cu = np.zeros(len(batch) + 1, np.int32)
+        np.cumsum(query_lens, out=cu[1:])
+
+        dev = self.device
+        ids_t = _to(input_ids, dev)
+        if decode_at:
+            ids_t[_to(np.array(decode_at), dev)] = self.last_token[_to(np.array(decode_rows), dev)]
+        meta = AttentionMetadata(
+            cu_seqlens_q=_to(cu, dev), seqused_k=_to(np.array(context_lens, np.int32), dev),
+            page_table=_to(page_table, dev), slot_mapping=_to(slot_mapping.astype(np.int64), dev),
+            max_seqlen_q=max(query_lens), query_lens=query_lens, context_lens=context_lens)
+        hidden = self.model(ids_t, _to(positions, dev), meta, self.attention)
+        if not sample_at:
+            return PendingStep(plan.step, [], None, [], started)
+        logits = self.model.compute_logits(hidden[_to(np.array(sample_at), dev)]).float()
+        rows = np.array(sample_rows)
+        out = self._sample(logits, rows, positions[sample_at] + 1)
+        rows_t = _to(rows, dev)
+        self.last_token[rows_t] = out.token_ids
+        if self.penalties is not None:
+            self.penalties.record(rows_t, out.token_ids)
+        counts = [int(n) for n in self.logprobs[rows]] if out.logprobs is not None else []
+        return PendingStep(plan.step, sample_ids, out, counts, started)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, positions: np.ndarray) -> SamplerOutput:
+        dev = self.device
+        temperature = self.temperature[rows]
+        top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        vocab = logits.shape[-1]
+        if self.penalties is not None:
+            pen = self.penalty[rows]
+            if (pen[:, 0] != 1).any() or pen[:, 1:].any():
+                t = _to(pen, dev)
+                logits = self.penalties.apply(logits, _to(rows, dev), t[:, 0], t[:, 1], t[:, 2])
+        use_k = ((top_k > 0) & (top_k < vocab)).any()
+        batch = SamplingBatch(
+            temperature=_to(temperature, dev), seeds=_to(self.seed[rows], dev),
+            positions=_to(positions, dev),
+            top_k=_to(np.where((top_k > 0) & (top_k < vocab), top_k, vocab), dev) if use_k else None,
+            top_p=_to(top_p, dev) if (top_p < 1).any() else None,
+            min_p=_to(min_p, dev) if (min_p > 0).any() else None,
+            all_greedy=bool((temperature == 0).all()),
+            max_logprobs=int(self.logprobs[rows].max()))
+        return sample(logits, batch)
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,122 @@
+"""Sampling on the device without host syncs.
+
+Every random draw comes from a counter-based hash of (seed, position, token id), so a seeded request
+samples the same tokens whatever else is in the batch, and after a preemption it re-samples exactly
+what it sampled before. Unseeded requests get a random seed from the scheduler; one code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step (rows = sequences that sample)."""
+    temperature: torch.Tensor          # float32 [S]; 0 = greedy
+    seeds: torch.Tensor                # int64 [S]
+    positions: torch.Tensor            # int64 [S]: position of the token being sampled
+    top_k: torch.Tensor | None         # int64 [S], vocab size where off; None if no row uses it
+    top_p: torch.Tensor | None         # float32 [S], 1 where off
+    min_p: torch.Tensor | None         # float32 [S], 0 where off
+    all_greedy: bool
+    max_logprobs: int                  # -1: no row wants logprobs; else the largest top-n asked
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor            # int64 [S]
+    logprobs: torch.Tensor | None      # float32 [S]: log p(sampled token) under the model
+    top_ids: torch.Tensor | None       # int64 [S, max_logprobs]
+    top_logprobs: torch.Tensor | None  # float32 [S, max_logprobs]
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, vocab] float32 in (0, 1), a pure function of (seed, position, token id)."""
+    key = _mix32((seeds & _M32) ^ _mix32(positions & _M32))
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(key[:, None] ^ ((ids * 0x9E3779B9) & _M32)[None, :])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: float32 [S, vocab], already penalised."""
+    logprobs = top_ids = top_logprobs = None
+    if batch.max_logprobs >= 0:
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        x = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
+        x = _filter(x, batch)
+        probs = torch.softmax(x, dim=-1)
+        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
+        race = probs / -torch.log(uniform_noise(batch.seeds, batch.positions, logits.shape[-1]))
+        tokens = torch.where(batch.temperature > 0, race.argmax(dim=-1), greedy)
+    if batch.max_logprobs >= 0:
+        logprobs = all_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        if batch.max_logprobs > 0:
+            top_logprobs, top_ids = all_logprobs.topk(batch.max_logprobs, dim=-1)
+    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs)
+
+
+def _filter(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.top_k is not None or batch.top_p is not None:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if batch.top_k is not None:
+            ranks = torch.arange(x.shape[-1], device=x.device)[None, :]
+            drop |= ranks >= batch.top_k[:, None]
+        if batch.top_p is not None:
+            probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+            drop |= before >= batch.top_p[:, None]  # the top token always stays (before = 0)
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    if batch.min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values,
+                          float("-inf"))
+    return x
+
+
+class Penalties:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties.
+
+    Token statistics live on the device per persistent-batch row; allocated on first use, since
+    [rows, vocab] is large and most requests use no penalty."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+
+    def reset_row(self, row: int, prompt_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        self.in_prompt[row, prompt_ids] = True
+        self.counts[row].index_add_(0, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor,
+              presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+        counts = self.counts[rows]
+        seen = self.in_prompt[rows] | (counts > 0)
+        rep = repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                               accumulate=True)
