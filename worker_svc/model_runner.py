@@ -19,6 +19,7 @@ from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc.attention import AttentionMetadata, make_backend
 from worker_svc.config import DTYPES, ModelConfig
+from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.loader import load_weights
 from worker_svc.qwen3 import Qwen3ForCausalLM
 from worker_svc.sampler import Penalties, SamplerOutput, SamplingBatch, sample
@@ -43,8 +44,10 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str | None = None            # default: the checkpoint's dtype
     block_size: int = 16
-    num_blocks: int | None = None       # default: from kv_cache_memory
-    kv_cache_memory: int = 256 << 20    # bytes for the KV cache when num_blocks is not given
+    num_blocks: int | None = None       # default: from a memory profile (GPU) or kv_cache_memory (CPU)
+    kv_cache_memory: int = 256 << 20    # bytes for the KV cache on a CPU when num_blocks is not given
+    gpu_memory_utilization: float = 0.9 # share of the GPU's memory this worker may use in all
+    cuda_graphs: bool = True            # capture decode steps (GPU with the flash_attn backend)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None    # default: the config's max_position_embeddings
@@ -103,6 +106,12 @@ class ModelRunner:
         self.model.eval()
         self.attention = make_backend(cfg.attention, self.device)
         self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name == "flash_attn":
+            self.graphs = DecodeGraphs(self.model, self.attention, cfg.max_num_seqs,
+                                       -(-self.max_model_len // self.block_size), self.num_blocks,
+                                       self.block_size, self.device)
+            self.graphs.capture(capture_sizes(cfg.max_num_seqs))
 
         rows = cfg.max_num_seqs
         self.free_rows = list(range(rows - 1, -1, -1))
@@ -121,14 +130,58 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> None:
+        """One allocation for every layer's K and V, plus one scratch block (the last) that the
+        scheduler never owns: padded rows of graph-captured steps write there."""
         mc, cfg = self.model_config, self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.dtype.itemsize
-        self.num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory // per_block)
-        shape = (2, mc.num_hidden_layers, self.num_blocks, self.block_size, kv_heads, mc.head_dim)
+        if cfg.num_blocks:
+            self.num_blocks = cfg.num_blocks
+        elif self.device.type == "cuda":
+            self.num_blocks = self._profile_num_blocks(per_block)
+        else:
+            self.num_blocks = max(1, cfg.kv_cache_memory // per_block)
+        shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """Runs the largest step the worker accepts on a throw-away cache and sizes the KV cache from
+        what is left of gpu_memory_utilization, keeping room for CUDA graphs and the sampler."""
+        cfg, mc = self.config, self.model_config
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        seqs = max(1, min(cfg.max_num_seqs, tokens))
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        blocks_each = -(-max(lens) // self.block_size)
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        scratch = torch.zeros(2, mc.num_hidden_layers, blocks_each, self.block_size, kv_heads, mc.head_dim,
+                              dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[0, i], scratch[1, i]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        page = torch.arange(blocks_each, dtype=torch.int32, device=self.device).expand(seqs, -1).contiguous()
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(self.device)
+        slots = positions % (blocks_each * self.block_size)
+        meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                                 page_table=page, slot_mapping=slots, max_seqlen_q=max(lens),
+                                 query_lens=lens, context_lens=lens)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta,
+                            self.attention)
+        self.model.compute_logits(hidden[:cfg.max_num_seqs]).float().softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        graph_reserve = 1 << 30
+        free = total * cfg.gpu_memory_utilization - peak - graph_reserve
+        if free < per_block * 2:
+            raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB of {total >> 20} MiB")
+        return int(free // per_block) - 1
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         return pb.DescribeResponse(
@@ -200,6 +253,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: pb.StepPlan) -> PendingStep:
+        """Applies the plan and launches its step; on a GPU it returns before the step has run."""
         started = time.perf_counter()
         batch = self._schedule(plan)
         if not batch:
@@ -230,53 +284,72 @@ class ModelRunner:
                 sample_rows.append(s.row)
             s.num_computed = c + n
             start += n
-        slot_mapping = page_table[np.repeat(np.arange(len(batch)), query_lens), positions // bs] * bs + positions % bs
+        seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
+        slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         cu = np.zeros(len(batch) + 1, np.int32)
         np.cumsum(query_lens, out=cu[1:])
-
-        dev = self.device
-        ids_t = _to(input_ids, dev)
+        rows = np.array(sample_rows, np.int64)
+        (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
+         cu_t, seqused_t, page_t) = self._upload(
+            input_ids, positions, slot_mapping, np.array(decode_at, np.int64),
+            np.array(decode_rows, np.int64), np.array(sample_at, np.int64), rows,
+            positions[sample_at] + 1, self.seed[rows], cu, np.array(context_lens, np.int32), page_table)
         if decode_at:
-            ids_t[_to(np.array(decode_at), dev)] = self.last_token[_to(np.array(decode_rows), dev)]
-        meta = AttentionMetadata(
-            cu_seqlens_q=_to(cu, dev), seqused_k=_to(np.array(context_lens, np.int32), dev),
-            page_table=_to(page_table, dev), slot_mapping=_to(slot_mapping.astype(np.int64), dev),
-            max_seqlen_q=max(query_lens), query_lens=query_lens, context_lens=context_lens)
-        hidden = self.model(ids_t, _to(positions, dev), meta, self.attention)
+            ids_t[dec_at_t] = self.last_token[dec_rows_t]
+        meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(len(batch), width),
+                                 slot_mapping=slots_t, max_seqlen_q=max(query_lens), query_lens=query_lens,
+                                 context_lens=context_lens)
+        if self.graphs is not None and total == len(batch) and self.graphs.can_run(total):
+            hidden = self.graphs.run(ids_t, pos_t, meta)
+        else:
+            hidden = self.model(ids_t, pos_t, meta, self.attention)
         if not sample_at:
             return PendingStep(plan.step, [], None, [], started)
-        logits = self.model.compute_logits(hidden[_to(np.array(sample_at), dev)]).float()
-        rows = np.array(sample_rows)
-        out = self._sample(logits, rows, positions[sample_at] + 1)
-        rows_t = _to(rows, dev)
+        logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
+        out = self._sample(logits, rows, rows_t, sample_pos_t, seeds_t)
         self.last_token[rows_t] = out.token_ids
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
         counts = [int(n) for n in self.logprobs[rows]] if out.logprobs is not None else []
         return PendingStep(plan.step, sample_ids, out, counts, started)
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, positions: np.ndarray) -> SamplerOutput:
-        dev = self.device
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
+                positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
         temperature = self.temperature[rows]
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
         vocab = logits.shape[-1]
-        if self.penalties is not None:
-            pen = self.penalty[rows]
-            if (pen[:, 0] != 1).any() or pen[:, 1:].any():
-                t = _to(pen, dev)
-                logits = self.penalties.apply(logits, _to(rows, dev), t[:, 0], t[:, 1], t[:, 2])
-        use_k = ((top_k > 0) & (top_k < vocab)).any()
+        use_k = (top_k > 0) & (top_k < vocab)
+        pen = self.penalty[rows]
+        use_pen = self.penalties is not None and ((pen[:, 0] != 1).any() or pen[:, 1:].any())
+        max_logprobs = int(self.logprobs[rows].max())
+        temperature_t, pen_t, top_k_t, top_p_t, min_p_t = self._upload(
+            temperature, pen, np.where(use_k, top_k, vocab), top_p, min_p)
+        if use_pen or max_logprobs >= 0 or not logits.is_cuda:
+            logits = logits.float()
+        if use_pen:
+            pen_t = pen_t.view(-1, 3)
+            logits = self.penalties.apply(logits, rows_t, pen_t[:, 0], pen_t[:, 1], pen_t[:, 2])
         batch = SamplingBatch(
-            temperature=_to(temperature, dev), seeds=_to(self.seed[rows], dev),
-            positions=_to(positions, dev),
-            top_k=_to(np.where((top_k > 0) & (top_k < vocab), top_k, vocab), dev) if use_k else None,
-            top_p=_to(top_p, dev) if (top_p < 1).any() else None,
-            min_p=_to(min_p, dev) if (min_p > 0).any() else None,
-            all_greedy=bool((temperature == 0).all()),
-            max_logprobs=int(self.logprobs[rows].max()))
+            temperature=temperature_t, seeds=seeds, positions=positions,
+            top_k=top_k_t if use_k.any() else None, top_p=top_p_t if (top_p < 1).any() else None,
+            min_p=min_p_t if (min_p > 0).any() else None, all_greedy=bool((temperature == 0).all()),
+            max_logprobs=max_logprobs)
         return sample(logits, batch)
 
-
-def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Moves host arrays to the device with one copy per dtype (one pinned staging buffer each);
+        returns flat views in the same order."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in arrays]
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for i, a in enumerate(arrays):
+            by_dtype.setdefault(a.dtype, []).append(i)
+        out: list[torch.Tensor] = [None] * len(arrays)  # type: ignore[list-item]
+        for indices in by_dtype.values():
+            flat = np.concatenate([arrays[i].reshape(-1) for i in indices])
+            dev = torch.from_numpy(flat).pin_memory().to(self.device, non_blocking=True)
+            offset = 0
+            for i in indices:
+                out[i] = dev[offset:offset + arrays[i].size]
+                offset += arrays[i].size
+        return out

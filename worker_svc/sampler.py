@@ -43,12 +43,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from (seed, position)."""
+    key = _mix32((seeds & _M32) ^ _mix32(positions & _M32))
+    return _mix32(key ^ ((seeds >> 32) & _M32))
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[S, vocab] float32 in (0, 1), a pure function of (seed, position, token id)."""
-    key = _mix32((seeds & _M32) ^ _mix32(positions & _M32))
-    key = _mix32(key ^ ((seeds >> 32) & _M32))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(key[:, None] ^ ((ids * 0x9E3779B9) & _M32)[None, :])
+    bits = _mix32(row_keys(seeds, positions)[:, None] ^ ((ids * 0x9E3779B9) & _M32)[None, :])
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
@@ -57,15 +61,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logprobs = top_ids = top_logprobs = None
     if batch.max_logprobs >= 0:
         all_logprobs = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        tokens = greedy
+    filtered = batch.top_k is not None or batch.top_p is not None or batch.min_p is not None
+    if logits.is_cuda and not filtered:
+        from worker_svc.sampler_triton import gumbel_argmax
+
+        tokens = gumbel_argmax(logits, batch.temperature, row_keys(batch.seeds, batch.positions))
+    elif batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
     else:
+        greedy = logits.argmax(dim=-1)
         x = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
         x = _filter(x, batch)
-        probs = torch.softmax(x, dim=-1)
-        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
-        race = probs / -torch.log(uniform_noise(batch.seeds, batch.positions, logits.shape[-1]))
+        # Gumbel-max: argmax(x_i + G_i), G_i = -log(-log U_i), draws token i with probability softmax(x)_i
+        u = uniform_noise(batch.seeds, batch.positions, logits.shape[-1])
+        race = x - torch.log(-torch.log(u))
         tokens = torch.where(batch.temperature > 0, race.argmax(dim=-1), greedy)
     if batch.max_logprobs >= 0:
         logprobs = all_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
