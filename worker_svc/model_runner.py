@@ -33,10 +33,6 @@ class PlanError(ValueError):
 class SeqState:
     row: int
     token_ids: list[int]   # the ids the scheduler sent; later tokens exist only on the device
-    prompt_len: int
-    num_computed: int
-    block_table: list[int]
-    params: pb.SamplingParams
 
 
 @dataclass(slots=True)
@@ -115,6 +111,11 @@ class ModelRunner:
 
         rows = cfg.max_num_seqs
         self.free_rows = list(range(rows - 1, -1, -1))
+        # the persistent batch on the host: one row per running sequence
+        self.num_computed = np.zeros(rows, np.int64)
+        self.num_known = np.zeros(rows, np.int64)      # len(token_ids): later positions are decodes
+        self.block_table = np.zeros((rows, -(-self.max_model_len // self.block_size)), np.int32)
+        self.num_table_blocks = np.zeros(rows, np.int64)
         self.seqs: dict[int, SeqState] = {}
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -203,11 +204,15 @@ class ModelRunner:
             raise PlanError(f"sequence {new.seq_id} is already running on this worker")
         if not self.free_rows:
             raise PlanError(f"more than max_num_seqs={self.config.max_num_seqs} sequences")
+        if not 0 <= new.num_computed_tokens < len(new.token_ids):
+            raise PlanError(f"sequence {new.seq_id}: num_computed_tokens must be below its token count")
         row = self.free_rows.pop()
-        p = new.sampling
-        state = SeqState(row, list(new.token_ids), new.prompt_len, new.num_computed_tokens,
-                         list(new.block_ids), p)
+        state = SeqState(row, list(new.token_ids))
         self.seqs[new.seq_id] = state
+        self.num_computed[row], self.num_known[row] = new.num_computed_tokens, len(new.token_ids)
+        self.num_table_blocks[row] = 0
+        self._append_blocks(new.seq_id, row, new.block_ids)
+        p = new.sampling
         self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
         self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & (2**63 - 1), p.logprobs
         self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
@@ -218,11 +223,21 @@ class ModelRunner:
             self.penalties.reset_row(row, ids[: new.prompt_len], ids[new.prompt_len:])
         return state
 
+    def _append_blocks(self, seq_id: int, row: int, blocks) -> None:
+        have = int(self.num_table_blocks[row])
+        if have + len(blocks) > self.block_table.shape[1]:
+            raise PlanError(f"sequence {seq_id}: block table longer than max_model_len needs")
+        if len(blocks) and not 0 <= min(blocks) <= max(blocks) < self.num_blocks:
+            raise PlanError(f"sequence {seq_id}: block id outside [0, {self.num_blocks})")
+        self.block_table[row, have:have + len(blocks)] = blocks
+        self.num_table_blocks[row] = have + len(blocks)
+
     def _has_penalty(self, row: int) -> bool:
         rep, pres, freq = self.penalty[row]
         return rep != 1.0 or pres != 0.0 or freq != 0.0
 
-    def _schedule(self, plan: pb.StepPlan) -> list[tuple[int, SeqState, int]]:
+    def _schedule(self, plan: pb.StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[SeqState]]:
+        """Applies the delta; returns the step's (seq ids, rows, tokens to run) in plan order."""
         if plan.epoch != self.epoch:
             raise PlanError(f"plan for epoch {plan.epoch}, this worker is at epoch {self.epoch}")
         if plan.step != self.next_step:
@@ -232,86 +247,83 @@ class ModelRunner:
             self._drop(seq_id)
         for seq_id in plan.preempted_ids:
             self._drop(seq_id)
-        batch = [(new.seq_id, self._add(new), new.num_scheduled_tokens) for new in plan.new_seqs]
-        offset = 0
-        for seq_id, n, nb in zip(plan.seq_ids, plan.num_scheduled_tokens, plan.num_new_blocks):
-            state = self.seqs.get(seq_id)
-            if state is None:
-                raise PlanError(f"unknown sequence {seq_id}")
-            state.block_table.extend(plan.new_block_ids[offset:offset + nb])
-            offset += nb
-            batch.append((seq_id, state, n))
-        for seq_id, state, n in batch:
-            end = state.num_computed + n
-            if n == 0 or end > self.max_model_len or end > len(state.block_table) * self.block_size:
-                raise PlanError(f"sequence {seq_id}: {n} tokens from {state.num_computed} do not fit "
-                                f"its {len(state.block_table)} blocks or max_model_len {self.max_model_len}")
-            if state.num_computed >= len(state.token_ids) and n != 1:
-                raise PlanError(f"sequence {seq_id}: a decode runs exactly one token, got {n}")
-        return batch
+        states = [self._add(new) for new in plan.new_seqs]
+        try:
+            states += [self.seqs[seq_id] for seq_id in plan.seq_ids]
+        except KeyError as e:
+            raise PlanError(f"unknown sequence {e.args[0]}") from None
+        running = len(plan.new_seqs)
+        ids = np.array([new.seq_id for new in plan.new_seqs] + list(plan.seq_ids), np.uint64)
+        rows = np.fromiter((st.row for st in states), np.int64, len(states))
+        n = np.array([new.num_scheduled_tokens for new in plan.new_seqs] + list(plan.num_scheduled_tokens),
+                     np.int64)
+        if len(n) != len(states) or len(plan.num_new_blocks) != len(plan.seq_ids):
+            raise PlanError("seq_ids, num_scheduled_tokens and num_new_blocks differ in length")
+        new_blocks = np.array(plan.new_block_ids, np.int64)
+        counts = np.array(plan.num_new_blocks, np.int64)
+        if counts.sum() != len(new_blocks):
+            raise PlanError("num_new_blocks does not add up to the number of new_block_ids")
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for i in np.flatnonzero(counts):
+            self._append_blocks(int(ids[running + i]), int(rows[running + i]),
+                                new_blocks[offsets[i]:offsets[i + 1]])
+        c, end = self.num_computed[rows], self.num_computed[rows] + n
+        bad = (n <= 0) | (end > self.max_model_len) | (end > self.num_table_blocks[rows] * self.block_size)
+        bad |= (c >= self.num_known[rows]) & (n != 1)  # a decode runs exactly one token
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PlanError(f"sequence {ids[i]}: {n[i]} tokens from position {c[i]} do not fit its "
+                            f"{self.num_table_blocks[rows[i]]} blocks, max_model_len {self.max_model_len}, "
+                            f"or a decode's single token")
+        return ids, rows, n, states
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: pb.StepPlan) -> PendingStep:
         """Applies the plan and launches its step; on a GPU it returns before the step has run."""
         started = time.perf_counter()
-        batch = self._schedule(plan)
-        if not batch:
+        ids, rows, n, states = self._schedule(plan)
+        if not len(rows):
             return PendingStep(plan.step, [], None, [], started)
         bs = self.block_size
-        query_lens = [n for _, _, n in batch]
-        context_lens = [s.num_computed + n for _, s, n in batch]
-        total = sum(query_lens)
+        c, known = self.num_computed[rows], self.num_known[rows]
+        cu = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(rows)), n)
+        positions = c[seq_of_token] + np.arange(total) - cu[:-1][seq_of_token]
         input_ids = np.zeros(total, np.int64)
-        positions = np.empty(total, np.int64)
-        decode_at, decode_rows = [], []
-        width = max(len(s.block_table) for _, s, _ in batch)
-        page_table = np.zeros((len(batch), width), np.int32)
-        sample_at, sample_ids, sample_rows = [], [], []
-        start = 0
-        for i, (seq_id, s, n) in enumerate(batch):
-            c, known = s.num_computed, len(s.token_ids)
-            positions[start:start + n] = np.arange(c, c + n)
-            if c < known:
-                input_ids[start:start + n] = s.token_ids[c:c + n]
-            else:
-                decode_at.append(start)
-                decode_rows.append(s.row)
-            page_table[i, :len(s.block_table)] = s.block_table
-            if c + n >= known:
-                sample_at.append(start + n - 1)
-                sample_ids.append(seq_id)
-                sample_rows.append(s.row)
-            s.num_computed = c + n
-            start += n
-        seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
+        prefill = c < known
+        for i in np.flatnonzero(prefill):  # decodes take their token from the device instead
+            input_ids[cu[i]:cu[i + 1]] = states[i].token_ids[c[i]:c[i] + n[i]]
+        sampling = c + n >= known
+        sample_at, sample_rows = cu[1:][sampling] - 1, rows[sampling]
+        page_table = self.block_table[rows, :int(self.num_table_blocks[rows].max())]
         slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        cu = np.zeros(len(batch) + 1, np.int32)
-        np.cumsum(query_lens, out=cu[1:])
-        rows = np.array(sample_rows, np.int64)
+        self.num_computed[rows] = c + n
         (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
          cu_t, seqused_t, page_t) = self._upload(
-            input_ids, positions, slot_mapping, np.array(decode_at, np.int64),
-            np.array(decode_rows, np.int64), np.array(sample_at, np.int64), rows,
-            positions[sample_at] + 1, self.seed[rows], cu, np.array(context_lens, np.int32), page_table)
-        if decode_at:
+            input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
+            positions[sample_at] + 1, self.seed[sample_rows], cu.astype(np.int32),
+            (c + n).astype(np.int32), page_table)
+        if not prefill.all():
             ids_t[dec_at_t] = self.last_token[dec_rows_t]
-        meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(len(batch), width),
-                                 slot_mapping=slots_t, max_seqlen_q=max(query_lens), query_lens=query_lens,
-                                 context_lens=context_lens)
-        if self.graphs is not None and total == len(batch) and self.graphs.can_run(total):
+        meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
+                                 slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
+                                 context_lens=(c + n).tolist())
+        if self.graphs is not None and total == len(rows) and self.graphs.can_run(total):
             hidden = self.graphs.run(ids_t, pos_t, meta)
         else:
             hidden = self.model(ids_t, pos_t, meta, self.attention)
-        if not sample_at:
+        if not len(sample_at):
             return PendingStep(plan.step, [], None, [], started)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
-        out = self._sample(logits, rows, rows_t, sample_pos_t, seeds_t)
+        out = self._sample(logits, sample_rows, rows_t, sample_pos_t, seeds_t)
         self.last_token[rows_t] = out.token_ids
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
-        counts = [int(n) for n in self.logprobs[rows]] if out.logprobs is not None else []
-        return PendingStep(plan.step, sample_ids, out, counts, started)
+        counts = self.logprobs[sample_rows].tolist() if out.logprobs is not None else []
+        return PendingStep(plan.step, ids[sampling].tolist(), out, counts, started)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
                 positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:

@@ -1,0 +1,99 @@
+"""A minimal test driver for the ModelRunner: builds StepPlans for a handful of sequences with
+controllable chunking, block placement, prefix reuse and drops, without the real scheduler."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from protos import worker_pb2 as pb
+from worker_svc.model_runner import ModelRunner
+
+GREEDY = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1)
+
+
+@dataclass
+class DriverSeq:
+    seq_id: int
+    tokens: list[int]          # everything known: prompt + generated
+    prompt_len: int
+    max_new: int
+    params: pb.SamplingParams
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    on_worker: bool = False
+    known_to_worker: int = 0   # len(token_ids) sent in NewSequence
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class PagedDriver:
+    def __init__(self, runner: ModelRunner, chunk: int = 1 << 30, shuffle_seed: int | None = None):
+        self.runner, self.chunk, self.bs = runner, chunk, runner.block_size
+        self.free = list(range(runner.num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self.free)
+        self.seqs: dict[int, DriverSeq] = {}
+        self.step = 0
+        self.pending_drop: list[int] = []
+        self.next_id = 0
+
+    def add(self, prompt: list[int], max_new: int, params: pb.SamplingParams = GREEDY,
+            prefix_blocks: list[int] | None = None, seq_id: int | None = None) -> DriverSeq:
+        """prefix_blocks: blocks that already hold the KV of the prompt's first tokens (a prefix hit)."""
+        seq_id = self.next_id if seq_id is None else seq_id
+        self.next_id = max(self.next_id, seq_id + 1)
+        s = DriverSeq(seq_id, list(prompt), len(prompt), max_new, params)
+        if prefix_blocks:
+            s.blocks, s.computed = list(prefix_blocks), len(prefix_blocks) * self.bs
+        self.seqs[seq_id] = s
+        return s
+
+    def drop(self, s: DriverSeq) -> None:
+        """Forgets the sequence's KV (as a preemption does); it is recomputed from all known tokens."""
+        self.pending_drop.append(s.seq_id)
+        self.free.extend(s.blocks)
+        s.blocks, s.computed, s.on_worker = [], 0, False
+
+    def done(self, s: DriverSeq) -> bool:
+        return len(s.generated) >= s.max_new
+
+    def run_step(self, only: set[int] | None = None) -> dict[int, int]:
+        self.step += 1
+        plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, preempted_ids=self.pending_drop)
+        self.pending_drop = []
+        scheduled = []
+        for s in self.seqs.values():
+            if self.done(s) or (only is not None and s.seq_id not in only):
+                continue
+            known = len(s.tokens)
+            n = 1 if s.computed >= known else min(self.chunk, known - s.computed)
+            need = -(-(s.computed + n) // self.bs) - len(s.blocks)
+            new_blocks = [self.free.pop() for _ in range(max(0, need))]
+            s.blocks += new_blocks
+            if not s.on_worker:
+                plan.new_seqs.add(seq_id=s.seq_id, token_ids=s.tokens, prompt_len=s.prompt_len,
+                                  sampling=s.params, block_ids=s.blocks, num_computed_tokens=s.computed,
+                                  num_scheduled_tokens=n)
+                s.on_worker, s.known_to_worker = True, known
+            else:
+                plan.seq_ids.append(s.seq_id)
+                plan.num_scheduled_tokens.append(n)
+                plan.num_new_blocks.append(len(new_blocks))
+                plan.new_block_ids.extend(new_blocks)
+            s.computed += n
+            scheduled.append(s)
+        for s in self.seqs.values():
+            if self.done(s) and s.on_worker:
+                plan.finished_ids.append(s.seq_id)
+                s.on_worker = False
+        result = self.runner.execute(plan).result()
+        out = dict(zip(result.seq_ids, result.token_ids))
+        for seq_id, token in out.items():
+            self.seqs[seq_id].tokens.append(token)
+        return out
+
+    def run_all(self) -> None:
+        while any(not self.done(s) for s in self.seqs.values()):
+            self.run_step()

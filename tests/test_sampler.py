@@ -1,0 +1,93 @@
+"""Sampling: seeded draws independent of the batch, filters that keep only allowed tokens,
+penalties, logprobs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protos import worker_pb2 as pb
+from tests.paged_driver import PagedDriver
+from worker_svc.model_runner import ModelRunner, RunnerConfig
+from worker_svc.sampler import Penalties, SamplingBatch, sample, uniform_noise
+
+
+def _batch(n, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, logprobs=-1):
+    def col(v, dtype):
+        return None if v is None else torch.full((n,), v, dtype=dtype)
+    return SamplingBatch(
+        temperature=torch.full((n,), temperature), seeds=seeds if seeds is not None else torch.arange(n),
+        positions=torch.zeros(n, dtype=torch.int64), top_k=col(top_k, torch.int64),
+        top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
+        all_greedy=temperature == 0, max_logprobs=logprobs)
+
+
+def test_noise_is_a_function_of_seed_position_and_token():
+    seeds, pos = torch.tensor([1, 2, 1, 2**40 + 1]), torch.tensor([5, 5, 6, 5])
+    u = uniform_noise(seeds, pos, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    again = uniform_noise(seeds[[1, 0]], pos[[1, 0]], 1000)
+    assert torch.equal(u[[1, 0]], again)
+    assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[3])
+    assert abs(u.mean().item() - 0.5) < 0.02
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n))
+    freq = torch.bincount(out.token_ids, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("kw,allowed", [
+    ({"top_k": 2}, {0, 1}),
+    ({"top_p": 0.7}, {0, 1}),           # 0.5 + 0.3 reaches 0.7: tokens 0 and 1
+    ({"top_p": 0.5}, {0}),
+    ({"min_p": 0.25}, {0, 1, 2}),        # p >= 0.25 * 0.5
+    ({"top_k": 3, "top_p": 0.9, "min_p": 0.35}, {0, 1}),
+])
+def test_filters_keep_only_allowed_tokens(kw, allowed):
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 2000
+    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n, **kw))
+    assert set(out.token_ids.tolist()) == allowed
+
+
+def test_greedy_and_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = sample(logits, _batch(2, temperature=0.0, logprobs=2))
+    assert out.token_ids.tolist() == [1, 0]
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs, ref[[0, 1], [1, 0]])
+    assert out.top_ids.tolist() == [[1, 2], [0, 1]]
+
+
+def test_penalties():
+    pen = Penalties(rows=2, vocab=4, device=torch.device("cpu"))
+    pen.reset_row(0, torch.tensor([1]), torch.tensor([2, 2]))
+    logits = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
+    out = pen.apply(logits, torch.tensor([0]), torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]))
+    # token 1: in prompt -> repetition only; token 2: twice in output -> all three
+    assert torch.allclose(out, torch.tensor([[1.0, 0.5, 0.5 - 0.5 - 0.5, -1.0]]))
+    pen.record(torch.tensor([0]), torch.tensor([3]))
+    assert pen.counts[0].tolist() == [0, 0, 2, 1]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir):
+    """The same seeded request samples the same tokens alone and inside different batches."""
+    def params(seed):
+        return pb.SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed, repetition_penalty=1.0,
+                                 logprobs=-1)
+
+    def run(prompts_and_seeds, chunk):
+        runner = ModelRunner(tiny_model_dir, RunnerConfig(dtype="float32", num_blocks=64, max_num_seqs=8))
+        driver = PagedDriver(runner, chunk=chunk)
+        seqs = [driver.add(p, 12, params(seed)) for p, seed in prompts_and_seeds]
+        driver.run_all()
+        return [s.generated for s in seqs]
+
+    target = ([11, 12, 13, 14, 15], 1234)
+    alone = run([target], chunk=100)[0]
+    mixed = run([([7] * 20, 1), target, ([9, 8, 7], 99)], chunk=4)[1]
+    assert alone == mixed
+    assert run([([11, 12, 13, 14, 15], 4321)], chunk=100)[0] != alone
