@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -10,11 +11,12 @@ from pathlib import Path
 
 
 def environment() -> dict:
+    commit = os.environ.get("SPLITSERVE_COMMIT", "")  # set where the tree travels without .git
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
+                                check=False).stdout.strip() or commit or "unknown"
     except OSError:
-        commit = "unknown"
+        commit = commit or "unknown"
     gpu = "none"
     try:
         import torch
