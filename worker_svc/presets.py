@@ -1,0 +1,91 @@
+"""Named Qwen3 configurations, as the fields of a Hugging Face `config.json`.
+
+The real presets copy the published Qwen/Qwen3-* shapes; the test presets keep Qwen3's vocabulary
+(the real tokenizer needs it) and shrink everything else.
+"""
+
+from __future__ import annotations
+
+import copy
+
+VOCAB_SIZE = 151936
+BOS_TOKEN_ID = 151643  # <|endoftext|>
+EOS_TOKEN_ID = 151645  # <|im_end|>
+ROPE_THETA = 1000000.0
+
+DEFAULT_PRESET = "qwen3-small"
+
+
+def _qwen3(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    tied: bool,
+    max_pos: int = 40960,
+    dtype: str = "bfloat16",
+) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_pos,
+        "max_window_layers": layers,
+        "model_type": "qwen3",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-06,
+        # Published Qwen3 configs carry `rope_theta` at top level; transformers 5 reads `rope_parameters`.
+        "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
+        "rope_scaling": None,
+        "rope_theta": ROPE_THETA,
+        "sliding_window": None,
+        "tie_word_embeddings": tied,
+        # transformers < 5 reads `torch_dtype`, transformers 5 `dtype`.
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 8, 128, 9728, tied=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 8, 128, 12288, tied=False),
+    "qwen3-tiny": _qwen3(64, 2, 4, 2, 16, 128, tied=True, max_pos=512, dtype="float32"),
+    "qwen3-tiny-untied": _qwen3(64, 2, 4, 2, 16, 128, tied=False, max_pos=512, dtype="float32"),
+    "qwen3-small": _qwen3(128, 4, 4, 2, 32, 256, tied=True, max_pos=1024, dtype="float32"),
+    # Heads, KV heads and intermediate size divisible by 2 and 4 for tensor-parallel tests.
+    "qwen3-tiny-tp": _qwen3(128, 2, 8, 4, 16, 256, tied=True, max_pos=512, dtype="float32"),
+}
+
+GENERATION_CONFIG: dict = {
+    "bos_token_id": BOS_TOKEN_ID,
+    "do_sample": True,
+    "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
+    "pad_token_id": BOS_TOKEN_ID,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+def get_preset(name: str) -> dict:
+    """A copy of the named preset's config fields; KeyError lists the known names."""
+    try:
+        return copy.deepcopy(PRESETS[name])
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
