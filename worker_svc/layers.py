@@ -1,9 +1,59 @@
-"""Elementwise pieces of the transformer: RMSNorm (with fused residual add), rotary embedding, SwiGLU."""
+"""Elementwise pieces of the transformer: RMSNorm (with fused residual add), q/k norm with rotary
+embedding, SwiGLU. On a GPU each is compiled into one fused kernel (torch.compile); on a CPU they run
+eagerly, which keeps tests free of compile time."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _fused(fn):
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(x: torch.Tensor, *args):
+        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+
+    return call
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+@_fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, weight, eps)
+
+
+@_fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + residual
+    return _rms(x, weight, eps), x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@_fused
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
+    """Per-head RMSNorm of q and k, then rotary embedding (rotate-half layout, as Qwen3)."""
+    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
+    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
+
+
+@_fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -12,39 +62,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout, as Qwen3) from a precomputed cos/sin table."""
+    """The cos/sin table of rotary position embedding, shared by every layer."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -6,7 +6,7 @@ from torch import nn
 
 from worker_svc.attention import AttentionBackend, AttentionMetadata, store_kv
 from worker_svc.config import ModelConfig
-from worker_svc.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from worker_svc.layers import RMSNorm, RotaryEmbedding, qk_norm_rope, silu_and_mul
 from worker_svc.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                  RowParallelLinear, VocabParallelEmbedding)
 
@@ -29,9 +29,10 @@ class Qwen3Attention(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, positions, self.rotary.cos_sin, self.q_norm.weight, self.k_norm.weight,
+                            self.q_norm.eps)
         store_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache,
                  meta.slot_mapping)
         o = backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
