@@ -23,7 +23,7 @@ SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0,
 
 
 def measure(model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int) -> dict:
-    blocks_per_seq = -(-(context + steps + 1) // block_size)
+    blocks_per_seq = -(-(context + steps + 8) // block_size)
     runner = ModelRunner(model_dir, RunnerConfig(
         device="cuda", block_size=block_size, num_blocks=batch * blocks_per_seq, max_num_seqs=batch,
         max_num_batched_tokens=8192, max_model_len=context + steps + 64, cuda_graphs=graphs))

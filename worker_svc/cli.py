@@ -27,6 +27,53 @@ def _list_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ensure_model(args: argparse.Namespace) -> int:
+    from worker_svc.make_model import ensure_model
+
+    print(ensure_model(args.preset, seed=args.seed))
+    return 0
+
+
+def resolve_model(model: str) -> Path:
+    """A checkpoint folder, or a preset name whose checkpoint is written once into the cache."""
+    if Path(model).is_dir():
+        return Path(model)
+    if model in PRESETS:
+        from worker_svc.make_model import ensure_model
+
+        return ensure_model(model)
+    raise SystemExit(f"--model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from worker_svc.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = RunnerConfig(
+        device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, attention=args.attention, cuda_graphs=not args.no_cuda_graphs)
+    runner = ModelRunner(resolve_model(args.model), config)
+    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
+    info = runner.describe()
+    logging.getLogger("splitserve.worker").info(
+        "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, epoch %d",
+        info.model, args.host, port, info.device, info.dtype, info.num_blocks, info.block_size,
+        info.max_model_len, runner.attention.name, info.epoch)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=args.shutdown_grace).wait()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,7 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list-presets", help="list the named model configurations")
     p.set_defaults(func=_list_presets)
 
-    # `serve` (run the worker gRPC service) is added here as another subparser.
+    p = sub.add_parser("ensure-model", help="write a preset's checkpoint into the cache once; print its folder")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_ensure_model)
+
+    p = sub.add_parser("serve", help="run the worker gRPC service")
+    p.add_argument("--model", required=True, help="checkpoint folder, or a preset name (written once)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
+    p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--attention", default="auto", choices=["auto", "flash_attn", "torch"])
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--shutdown-grace", type=float, default=5.0)
+    p.add_argument("--debug-step-delay", type=float, default=0.0,
+                   help="testing only: sleep this many seconds before every step")
+    p.set_defaults(func=_serve)
     return parser
 
 

@@ -193,6 +193,13 @@ class ModelRunner:
             device=str(self.device), max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)
 
+    def reset(self) -> None:
+        """Forgets every sequence and starts a new epoch (the scheduler that drove us is gone)."""
+        for seq_id in list(self.seqs):
+            self._drop(seq_id)
+        self.next_step = 1
+        self.epoch = random.getrandbits(63)
+
     # ---- applying the delta -------------------------------------------------------------------
     def _drop(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)

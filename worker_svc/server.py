@@ -1,0 +1,109 @@
+"""The worker's gRPC service: a Describe handshake and one long-lived Execute stream of step plans.
+
+Three threads per stream keep gRPC I/O off the thread that launches kernels: a reader queues plans
+as they arrive, the launcher applies each plan and launches its step (on a GPU it does not wait for
+the step to finish, so step N+1 is launched while N still runs), and the handler thread waits for
+each step's sampled ids and sends its StepResult.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import WORKER_PROTOCOL_VERSION
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc
+from worker_svc.model_runner import ModelRunner, PendingStep, PlanError
+
+log = logging.getLogger("splitserve.worker")
+SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+_END = object()
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, step_delay: float = 0.0):
+        self.runner = runner
+        self.step_delay = step_delay  # test-only slow-down, so tests can act while a request runs
+        self._stream_lock = threading.Lock()
+
+    def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
+        if request.protocol_version != WORKER_PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker speaks protocol {WORKER_PROTOCOL_VERSION}, scheduler {request.protocol_version}")
+        return self.runner.describe(request)
+
+    def Execute(self, request_iterator, context):
+        if not self._stream_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.ABORTED, "another scheduler is driving this worker")
+        plans: queue.Queue = queue.Queue()
+        pending: queue.Queue = queue.Queue()
+        log.info("execute stream opened by %s (epoch %d)", context.peer(), self.runner.epoch)
+
+        def read() -> None:
+            try:
+                for plan in request_iterator:
+                    plans.put(plan)
+            except grpc.RpcError:
+                pass
+            plans.put(_END)
+
+        def launch() -> None:
+            while (plan := plans.get()) is not _END:
+                if not context.is_active():
+                    break
+                try:
+                    if self.step_delay:
+                        time.sleep(self.step_delay)
+                    pending.put(self.runner.execute(plan))
+                except PlanError as e:
+                    pending.put(e)
+                    return
+                except Exception as e:  # a failed step must end the stream, never hang it
+                    log.exception("step %d failed", plan.step)
+                    pending.put(e)
+                    return
+            pending.put(_END)
+
+        threading.Thread(target=read, daemon=True, name="plan-reader").start()
+        launcher = threading.Thread(target=launch, daemon=True, name="step-launcher")
+        launcher.start()
+        try:
+            while (item := pending.get()) is not _END:
+                if isinstance(item, PlanError):
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+                if isinstance(item, Exception):
+                    context.abort(grpc.StatusCode.INTERNAL, f"step failed: {item}")
+                assert isinstance(item, PendingStep)
+                yield item.result()
+        finally:
+            # The scheduler that drove this stream is gone or broke the protocol: its sequences die
+            # with it, and a new epoch tells the next scheduler to start from a fresh block pool.
+            plans.put(_END)
+            launcher.join()
+            self.runner.reset()
+            self._stream_lock.release()
+            log.info("execute stream closed; new epoch %d", self.runner.epoch)
+
+
+def serve(runner: ModelRunner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, step_delay), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    server.start()
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
