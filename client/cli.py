@@ -1,0 +1,274 @@
+"""`splitserve` command line: talk to a scheduler, or start one with a local worker (`up`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+
+import grpc
+
+from client.launcher import LocalCluster
+from client.client import GENERATION_SERVICE, Client, CompletionCollector, Delta
+
+DEFAULT_ADDRESS = os.environ.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051")
+DEFAULT_PRESET = "qwen3-small"
+SAMPLE_PROMPT = "The capital of France is"
+READY_TIMEOUT_S = 180.0
+
+
+class _UsageError(Exception):
+    """A command line that cannot be sent; reported like a gRPC error, without a traceback."""
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.token_ids is None):
+        raise _UsageError("give exactly one of PROMPT or --token-ids")
+    if args.token_ids is not None and args.chat:
+        raise _UsageError("--chat needs a PROMPT, not --token-ids")
+    if args.no_thinking and not args.chat:
+        raise _UsageError("--no-thinking applies to --chat only")
+    if args.chat:
+        prompt = {"messages": [{"role": "user", "content": args.prompt}],
+                  "enable_thinking": False if args.no_thinking else None}
+    elif args.prompt is not None:
+        prompt = {"prompt": args.prompt}
+    else:
+        prompt = {"token_ids": args.token_ids}
+    with Client(args.address, timeout=args.timeout) as client:
+        try:
+            stream = client.generate(
+                **prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                min_tokens=args.min_tokens, logprobs=args.logprobs, n=args.n, priority=args.priority,
+            )
+        except ValueError as e:  # e.g. a number out of its protobuf field's range
+            raise _UsageError(str(e)) from None
+        with closing(stream):
+            if args.json:
+                _print_json(stream)
+            else:
+                _print_text(stream, args.n or 1)
+    return 0
+
+
+def _print_json(stream: Iterator[Delta]) -> None:
+    """One object per delta; after a completion's last delta, one with its whole text, tokens and usage."""
+    collector = CompletionCollector()
+    for delta in stream:
+        collector.add(delta)
+        _write(json.dumps({"type": "delta", **dataclasses.asdict(delta)}, ensure_ascii=False) + "\n")
+        if delta.finish_reason is not None:
+            completion = collector.completion(delta.index)
+            _write(json.dumps({"type": "completion", **dataclasses.asdict(completion)}, ensure_ascii=False) + "\n")
+
+
+def _print_text(stream: Iterator[Delta], n: int) -> None:
+    """Streams completion 0 as it arrives; with n > 1 the others follow it, each under a header."""
+    others: dict[int, list[str]] = {}
+    if n > 1:
+        _write("--- completion 0 ---\n")
+    tail = "\n"
+    for delta in stream:
+        if delta.index == 0:
+            _write(delta.text)
+            tail = delta.text[-1:] or tail
+        else:
+            others.setdefault(delta.index, []).append(delta.text)
+    if tail != "\n":
+        _write("\n")
+    for index in sorted(others):
+        text = "".join(others[index])
+        _write(f"--- completion {index} ---\n{text}" + ("" if text.endswith("\n") else "\n"))
+
+
+def _info(args: argparse.Namespace) -> int:
+    with Client(args.address, timeout=args.timeout) as client:
+        print(json.dumps(client.model_info(), indent=2))
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    with Client(args.address, timeout=args.timeout) as client:
+        ids = client.tokenize(args.text)
+    print(",".join(map(str, ids)))  # the format `generate --token-ids` reads
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    with Client(args.address, timeout=args.timeout) as client:
+        status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+# --- up: a scheduler and one local worker as child processes -------------------------------------------
+
+
+def _resolve_model(model: str) -> Path | None:
+    """A checkpoint folder as given, or the one `worker_svc.cli ensure-model` writes (or finds) for a preset."""
+    if Path(model).is_dir():
+        return Path(model).resolve()
+    print(f"preparing model {model!r} ...", flush=True)
+    done = subprocess.run([sys.executable, "-m", "worker_svc.cli", "ensure-model", "--preset", model],
+                          stdout=subprocess.PIPE, text=True)  # stderr (progress, errors) goes to the terminal
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines or not Path(lines[-1].strip()).is_dir():
+        print(f"error: {model!r} is neither a model folder nor a preset that could be prepared", file=sys.stderr)
+        return None
+    return Path(lines[-1].strip())
+
+
+def _sample(client: Client) -> None:
+    _write(f"sample (greedy, 32 tokens): {SAMPLE_PROMPT}")
+    try:
+        for delta in client.generate(SAMPLE_PROMPT, max_tokens=32, temperature=0.0, timeout=120):
+            _write(delta.text)
+        _write("\n")
+    except grpc.RpcError as e:
+        _write("\n")
+        print(f"error: sample generation failed: {e.code().name}: {e.details()}", file=sys.stderr)
+
+
+def _up(args: argparse.Namespace) -> int:
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    cluster: LocalCluster | None = None
+    try:
+        model = _resolve_model(args.model)
+        if model is None:
+            return 1
+        cluster = LocalCluster(model, device=args.device or "cpu", port=args.port or 0,
+                               worker_ports=[args.worker_port] if args.worker_port else [],
+                               log_dir=Path(tempfile.mkdtemp(prefix="splitserve-up-")))
+        print(f"starting a worker and a scheduler on {model}; logs in {cluster.log_dir}", flush=True)
+        started = time.monotonic()
+        try:
+            cluster.start(timeout=READY_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"ready after {time.monotonic() - started:.1f} s", flush=True)
+        if not args.no_sample:
+            with Client(cluster.address) as client:
+                _sample(client)
+        print(f"serving at {cluster.address} (worker at 127.0.0.1:{cluster.worker_ports[0]}); Ctrl-C stops",
+              flush=True)
+        print(f'try: splitserve generate --address {cluster.address} "Hello"', flush=True)
+        while (dead := cluster.exited()) is None:
+            time.sleep(0.5)
+        print(f"error: the {dead.name} exited with code {dead.popen.returncode}; last lines of {dead.log_path}:\n"
+              f"{dead.tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# --- parser ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--address", default=DEFAULT_ADDRESS,
+                        help=f"scheduler HOST:PORT (default $SPLITSERVE_ADDRESS or {DEFAULT_ADDRESS})")
+    common.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+
+    p = sub.add_parser("generate", parents=[common], help="stream a generation")
+    p.add_argument("prompt", nargs="?", metavar="PROMPT")
+    p.add_argument("--token-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids instead of text")
+    p.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
+    p.add_argument("--no-thinking", action="store_true", help="with --chat: Qwen3's enable_thinking=False")
+    p.add_argument("--max-tokens", type=_non_negative_int)
+    p.add_argument("--min-tokens", type=_non_negative_int)
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--seed", type=_non_negative_int)
+    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, metavar="ID", help="stop token (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=_non_negative_int, help="completions of the prompt")
+    p.add_argument("--logprobs", type=_non_negative_int, metavar="N", help="logprobs of the sampled token and top N")
+    p.add_argument("--priority", type=int, default=0, help="larger is more urgent")
+    p.add_argument("--json", action="store_true", help="one JSON object per delta, then one per completion")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("info", parents=[common], help="print the served model's description")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
+    p.add_argument("text", metavar="TEXT")
+    p.set_defaults(func=_tokenize)
+
+    p = sub.add_parser("health", parents=[common], help="print the serving status; exit 0 when SERVING")
+    p.add_argument("--service", default=GENERATION_SERVICE, help='health service name ("" = whole server)')
+    p.set_defaults(func=_health)
+
+    p = sub.add_parser("up", help="start a scheduler and one local worker, and run until interrupted")
+    p.add_argument("--model", default=DEFAULT_PRESET, help=f"checkpoint folder or preset (default {DEFAULT_PRESET})")
+    p.add_argument("--port", type=int, help="scheduler port (default: a free one)")
+    p.add_argument("--worker-port", type=int, help="worker port (default: a free one)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="worker device (default: the worker's)")
+    p.add_argument("--no-sample", action="store_true", help="skip the sample generation")
+    p.set_defaults(func=_up)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    except _UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

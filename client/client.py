@@ -1,0 +1,390 @@
+"""Sync and asyncio clients of the public `splitserve.v1.Generation` API.
+
+gRPC failures reach the caller as `grpc.RpcError` (status code and details intact). Leaving a
+`generate()` stream early (break, close(), task cancellation) cancels the call, which makes the
+server abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, Unpack
+
+import grpc
+import grpc.aio
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+
+GENERATION_SERVICE = "splitserve.v1.Generation"
+
+Metadata = Sequence[tuple[str, str | bytes]]
+# One generated token: (its logprob, [(token_id, logprob) of the top alternatives]).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+_FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+# Health states worth polling through while a server starts.
+_NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens and text of one completion since its previous delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # None until the completion's last delta: "stop", "length" or "abort"
+    stop_reason: str | None = None  # the stop string or token that ended it, if any
+    usage: Usage | None = None  # on the completion's last delta
+
+
+@dataclass(slots=True)
+class Completion:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | None
+    usage: Usage | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class GenerateParams(TypedDict, total=False):
+    """Keyword arguments of `generate()` / `complete()`; mirrors `build_request`."""
+
+    token_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    enable_thinking: bool | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    min_tokens: int | None
+    logprobs: int | None
+    n: int | None
+    priority: int
+    skip_special_tokens: bool | None
+    request_id: str
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    enable_thinking: bool | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    min_tokens: int | None = None,
+    logprobs: int | None = None,
+    n: int | None = None,
+    priority: int = 0,
+    skip_special_tokens: bool | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest."""
+    if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, token_ids or messages")
+    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    if prompt is not None:
+        request.text = prompt
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    if messages is not None:
+        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking))
+    elif enable_thinking is not None:
+        raise ValueError("enable_thinking applies to chat messages only")
+
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                "frequency_penalty": frequency_penalty, "seed": seed}
+    for name, value in sampling.items():
+        if value is not None:
+            setattr(request.sampling, name, value)
+
+    if max_tokens is not None:
+        request.stopping.max_tokens = max_tokens
+    if min_tokens is not None:
+        request.stopping.min_tokens = min_tokens
+    if stop:
+        request.stopping.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids:
+        request.stopping.stop_token_ids.extend(stop_token_ids)
+    if ignore_eos:
+        request.stopping.ignore_eos = True
+
+    if logprobs is not None:
+        request.logprobs = logprobs
+    if n is not None:
+        request.n = n
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
+    return request
+
+
+def _chat_prompt(messages: list[dict[str, str]], enable_thinking: bool | None) -> pb.ChatPrompt:
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+    if enable_thinking is not None:
+        chat.enable_thinking = enable_thinking
+    return chat
+
+
+def _tokenize_request(
+    text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
+) -> pb.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text or messages")
+    if messages is None:
+        if enable_thinking is not None:
+            raise ValueError("enable_thinking applies to chat messages only")
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking))
+
+
+def _delta(response: pb.GenerateResponse) -> Delta:
+    usage = response.usage
+    return Delta(
+        index=response.index,
+        token_ids=list(response.token_ids),
+        text=response.text,
+        logprobs=[(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in response.logprobs] or None,
+        finish_reason=_FINISH_REASONS[response.finish_reason],
+        stop_reason=response.stop_reason or None,
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
+        if response.HasField("usage") else None,
+    )
+
+
+@dataclass(slots=True)
+class CompletionCollector:
+    """Joins the deltas of one `generate()` stream into a Completion per index."""
+
+    parts: dict[int, list[Delta]] = field(default_factory=dict)
+
+    def add(self, delta: Delta) -> None:
+        self.parts.setdefault(delta.index, []).append(delta)
+
+    def completion(self, index: int) -> Completion:
+        deltas = self.parts[index]
+        last = deltas[-1]
+        with_logprobs = [d.logprobs for d in deltas if d.logprobs is not None]
+        return Completion(
+            index=index,
+            text="".join(d.text for d in deltas),
+            token_ids=[t for d in deltas for t in d.token_ids],
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            usage=last.usage,
+            logprobs=[lp for lps in with_logprobs for lp in lps] if with_logprobs else None,
+        )
+
+    def completions(self) -> list[Completion]:
+        return [self.completion(index) for index in sorted(self.parts)]
+
+
+def _model_info_dict(info: pb.ModelInfo) -> dict[str, Any]:
+    return json_format.MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _status_name(response: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def _not_ready_status(error: grpc.RpcError) -> str:
+    """What a health poll failed with, when that only means the server is still starting; else re-raises."""
+    if error.code() not in _NOT_READY_CODES:
+        raise error
+    return f"{error.code().name}: {error.details()}"
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; `metadata` goes with each."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
+                 metadata: Metadata | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = tuple(metadata) if metadata else None
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **params: Unpack[GenerateParams]) -> Generator[Delta, None, None]:
+        """Streams the deltas of every completion (interleaved by `index` when n > 1).
+
+        Arguments are checked here; the call starts on the first `next()`.
+        """
+        return self._stream(build_request(prompt, **params), self._deadline(timeout))
+
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Generator[Delta, None, None]:
+        call = self._stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        try:
+            for response in call:
+                yield _delta(response)
+        finally:
+            call.cancel()  # no-op once the stream has ended; aborts the request when left early
+
+    def complete(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **params: Unpack[GenerateParams]) -> list[Completion]:
+        """The whole result: one Completion per `n`, in index order."""
+        collector = CompletionCollector()
+        for delta in self.generate(prompt, timeout=timeout, **params):
+            collector.add(delta)
+        return collector.completions()
+
+    def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        info = self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._deadline(timeout), metadata=self.metadata)
+        return _model_info_dict(info)
+
+    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None, *,
+                 enable_thinking: bool | None = None, timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking)
+        response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
+        return list(response.token_ids)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """"SERVING", "NOT_SERVING", ... of `service` ("" = the whole server)."""
+        response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=self._deadline(timeout), metadata=self.metadata)
+        return _status_name(response)
+
+    def wait_until_ready(self, timeout: float) -> None:
+        """Polls the Generation service's health until SERVING; TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                status = self.health(GENERATION_SERVICE, timeout=max(min(remaining, 1.0), 0.01))
+            except grpc.RpcError as e:
+                status = _not_ready_status(e)
+            if status == "SERVING":
+                return
+            if time.monotonic() + 0.1 >= deadline:
+                raise TimeoutError(f"{self.address} not ready after {timeout} s (last: {status})")
+            time.sleep(0.1)
+
+
+class AsyncClient:
+    """asyncio client with the surface of `Client`; create it inside the running event loop."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
+                 metadata: Metadata | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = tuple(metadata) if metadata else None
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **params: Unpack[GenerateParams]) -> AsyncGenerator[Delta, None]:
+        """Streams the deltas of every completion. Cancelling the consuming task cancels the call; after a
+        `break`, `await stream.aclose()` (or `contextlib.aclosing`) cancels it at once instead of at GC."""
+        return self._stream(build_request(prompt, **params), self._deadline(timeout))
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[Delta, None]:
+        call = self._stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        try:
+            async for response in call:
+                yield _delta(response)
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **params: Unpack[GenerateParams]) -> list[Completion]:
+        collector = CompletionCollector()
+        async for delta in self.generate(prompt, timeout=timeout, **params):
+            collector.add(delta)
+        return collector.completions()
+
+    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._deadline(timeout),
+                                             metadata=self.metadata)
+        return _model_info_dict(info)
+
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None, *,
+                       enable_thinking: bool | None = None, timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking)
+        response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
+        return list(response.token_ids)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self._deadline(timeout), metadata=self.metadata)
+        return _status_name(response)
+
+    async def wait_until_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                status = await self.health(GENERATION_SERVICE, timeout=max(min(remaining, 1.0), 0.01))
+            except grpc.RpcError as e:
+                status = _not_ready_status(e)
+            if status == "SERVING":
+                return
+            if time.monotonic() + 0.1 >= deadline:
+                raise TimeoutError(f"{self.address} not ready after {timeout} s (last: {status})")
+            await asyncio.sleep(0.1)

@@ -1,0 +1,128 @@
+"""Starts a scheduler and worker processes on this machine (for `splitserve up`, tests and
+benchmarks) and stops them again. Only processes: nothing of the services is imported."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PUBLIC_SERVICE = "splitserve.v1.Generation"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """A scheduler over `num_workers` single-process workers, all on 127.0.0.1."""
+    model_dir: Path
+    num_workers: int = 1
+    device: str = "cpu"
+    worker_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    port: int = 0
+    worker_ports: list[int] = field(default_factory=list)
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        proc = Process(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
+
+    def start_worker(self, port: int | None = None, extra: list[str] | None = None) -> Process:
+        port = port or free_port()
+        if port not in self.worker_ports:
+            self.worker_ports.append(port)
+        return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", "serve", "--model", str(self.model_dir),
+                                              "--host", "127.0.0.1", "--port", str(port), "--device",
+                                              self.device, *self.worker_args, *(extra or [])])
+
+    def start(self, timeout: float = 300.0) -> "LocalCluster":
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        ports = self.worker_ports or [free_port() for _ in range(self.num_workers)]
+        for port in ports:
+            self.start_worker(port)
+        workers = [a for p in self.worker_ports for a in ("--worker", f"127.0.0.1:{p}")]
+        self._spawn("scheduler", ["-m", "scheduler_svc.cli", "--model", str(self.model_dir), "--host",
+                                  "127.0.0.1", "--port", str(self.port), *workers, *self.scheduler_args])
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.processes:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            if health_status(self.address, PUBLIC_SERVICE) == "SERVING":
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"scheduler not serving after {timeout:.0f} s; logs in {self.log_dir}")
+
+    def exited(self) -> Process | None:
+        return next((p for p in self.processes if p.popen.poll() is not None), None)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for proc in reversed(self.processes):  # scheduler first: it drains, then workers go
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+                try:
+                    proc.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
