@@ -1,0 +1,210 @@
+"""Paged KV blocks of one worker group: ref counts, a free list in LRU order and a prefix-cache index.
+
+A full block is identified by a chained hash: xxhash64 of its token ids, seeded with the hash of the
+previous block, so equal hashes mean equal prefixes. The index keeps each block's token ids and parent
+hash and a lookup compares them, so a hash collision can never hand out the wrong KV. Freed blocks keep
+their hash and stay hittable until they are reallocated; the free list reuses blocks with no hash
+first, then the least recently freed.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import xxhash
+
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import Sequence
+
+ROOT_HASH = 0  # the "previous hash" of a sequence's first block
+_PROBE_PARAMS = SamplingParams()
+_xxh64 = xxhash.xxh64_intdigest
+
+
+def block_bytes(token_ids: list[int]) -> bytes:
+    return array("i", token_ids).tobytes()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pack_block = struct.Struct(f"={block_size}i").pack
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks  # set while registered in the index
+        self._parent = [ROOT_HASH] * num_blocks
+        self._data: list[bytes | None] = [None] * num_blocks  # token ids of a registered block
+        self._index: dict[int, int] = {}  # hash -> block id
+        # Free blocks; the front is reused first. Values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def _hash_upto(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Extend seq.block_hashes to cover its first num_blocks blocks (all of them full)."""
+        hashes = seq.block_hashes
+        start = len(hashes)
+        if start < num_blocks:
+            bs = self.block_size
+            width = 4 * bs
+            data = block_bytes(seq.token_ids[start * bs : num_blocks * bs])
+            h = hashes[-1] if start else ROOT_HASH
+            for off in range(0, len(data), width):
+                h = _xxh64(data[off : off + width], h)
+                hashes.append(h)
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of seq's tokens, never its last token.
+
+        Takes no references: pair with acquire()."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        limit = (len(seq.token_ids) - 1) // bs
+        hashes = self._hash_upto(seq, limit)
+        index = self._index
+        hits: list[int] = []
+        for i in range(limit):
+            bid = index.get(hashes[i])
+            if bid is None:
+                break
+            hits.append(bid)
+        if hits:
+            # Rule out collisions: same parent hash and same token ids, block by block.
+            width = 4 * bs
+            data = block_bytes(seq.token_ids[: len(hits) * bs])
+            for i, bid in enumerate(hits):
+                parent = hashes[i - 1] if i else ROOT_HASH
+                if self._parent[bid] != parent or self._data[bid] != data[i * width : (i + 1) * width]:
+                    return hits[:i]
+        return hits
+
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """Tokens of a prompt the prefix cache would serve now (routing; no state changes)."""
+        probe = Sequence(0, token_ids, _PROBE_PARAMS, seed=0)
+        return len(self.match_prefix(probe)) * self.block_size
+
+    def num_free_among(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are on the free list (acquiring them takes them off it)."""
+        ref = self._ref
+        return sum(1 for b in block_ids if ref[b] == 0)
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks (prefix hits)."""
+        ref = self._ref
+        for b in block_ids:
+            if ref[b] == 0:
+                del self._free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, each with one reference; evicts their old hashes."""
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV blocks: need {n}, {len(self._free)} free")
+        return [self.allocate_one() for _ in range(n)]
+
+    def allocate_one(self) -> int:
+        b, _ = self._free.popitem(last=False)  # KeyError when none is free
+        h = self._hash[b]
+        if h is not None:
+            del self._index[h]
+            self._hash[b] = None
+            self._data[b] = None
+        self._ref[b] = 1
+        return b
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block. Tail blocks are released first, so a sequence's prefix
+        blocks are the most recently freed and the last evicted."""
+        ref = self._ref
+        free = self._free
+        for b in reversed(block_ids):
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+                if self._hash[b] is None:
+                    free.move_to_end(b, last=False)
+            elif ref[b] < 0:
+                raise RuntimeError(f"block {b} freed more often than referenced")
+
+    def commit(self, seq: Sequence) -> None:
+        """Register seq's blocks that are full of known tokens whose KV is scheduled.
+
+        Plans run in step order, so a block registered while its last chunk is in flight is written
+        before any later plan can read it through a hit."""
+        bs = self.block_size
+        c = seq.num_computed_tokens
+        toks = seq.token_ids
+        end = (c if c < len(toks) else len(toks)) // bs
+        start = seq.num_committed_blocks
+        if end <= start:
+            return
+        seq.num_committed_blocks = end
+        if not self.enable_prefix_caching:
+            return
+        width = 4 * bs
+        if end - start == 1:  # the common case, a decode completing a block
+            data = self._pack_block(*toks[start * bs : end * bs])
+        else:
+            data = block_bytes(toks[start * bs : end * bs])
+        hashes = seq.block_hashes
+        known = len(hashes)
+        table = seq.block_table
+        index = self._index
+        hash_of, parent_of, data_of = self._hash, self._parent, self._data
+        parent = hashes[start - 1] if start else ROOT_HASH
+        off = 0
+        for i in range(start, end):
+            block = data[off : off + width]
+            off += width
+            if i < known:
+                h = hashes[i]
+            else:
+                h = _xxh64(block, parent)
+                hashes.append(h)
+            if h not in index:  # else the same content is already cached in another block
+                b = table[i]
+                index[h] = b
+                hash_of[b] = h
+                parent_of[b] = parent
+                data_of[b] = block
+            parent = h
+
+    def check(self, tables: Iterable[list[int]]) -> None:
+        """Assert the invariants, given the block tables of every sequence holding blocks."""
+        owners = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                owners[b] += 1
+        for b in range(self.num_blocks):
+            assert self._ref[b] == owners[b], f"block {b}: ref {self._ref[b]} but {owners[b]} owners"
+            assert (b in self._free) == (owners[b] == 0), f"block {b}: free list disagrees with ref count"
+            h = self._hash[b]
+            if h is None:
+                assert self._data[b] is None, f"block {b}: token ids kept without a hash"
+            else:
+                assert self._index.get(h) == b, f"block {b}: hash {h:#x} not indexed to it"
+                assert self._data[b] is not None and len(self._data[b]) == 4 * self.block_size
+                assert h == _xxh64(self._data[b], self._parent[b]), f"block {b}: hash does not match its tokens"
+        for h, b in self._index.items():
+            assert self._hash[b] == h, f"index entry {h:#x} -> {b} is stale"

@@ -1,0 +1,69 @@
+"""Incremental detokenization of one sequence, with stop strings.
+
+Text comes from `tokenizers.decoders.DecodeStream` (Rust), which returns nothing while a UTF-8
+character is incomplete, so no delta ever splits one. With stop strings, the tail of the text that
+could be the start of a stop string is held back until the next tokens decide; a stop string found
+truncates the text before it and is never emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+_PROMPT_CONTEXT = 4  # prompt tokens seeding the stream, so the first delta decodes in context
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_tokenizer", "_stream", "_stops", "_prefix_ends", "_pending")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+    ):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
+        self._stops = tuple(stop)
+        # Characters that can end a proper prefix of a stop string: text ending otherwise holds nothing.
+        self._prefix_ends = frozenset(ch for s in self._stops for ch in s[:-1])
+        self._pending = ""  # decoded but held back
+
+    def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Feed one token; returns (text delta, stop string found). After a stop, stop feeding."""
+        piece = self._stream.step(self._tokenizer, token_id)
+        if not self._stops:
+            return piece or "", False
+        text = self._pending + piece if piece else self._pending
+        if not check_stop:
+            self._pending = ""
+            return text, False
+        # A match cannot start in text already emitted: that text was not a stop-string prefix.
+        cut = -1
+        for s in self._stops:
+            k = text.find(s)
+            if k != -1 and (cut == -1 or k < cut):
+                cut = k
+        if cut != -1:
+            self._pending = ""
+            return text[:cut], True
+        if not text or text[-1] not in self._prefix_ends:
+            self._pending = ""
+            return text, False
+        hold = 0  # the longest tail of text that starts a stop string
+        for s in self._stops:
+            for size in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:size]):
+                    hold = size
+                    break
+        self._pending = text[len(text) - hold :]
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        """Text held back for a stop string that did not come (the sequence ended otherwise)."""
+        text, self._pending = self._pending, ""
+        return text

@@ -1,0 +1,183 @@
+"""The engine loop over one worker group: requests in, schedule -> submit -> receive -> update, text
+deltas out. With pipelining the plan of step N+1 is submitted before the result of step N is read
+(depth 2), so the worker never waits for the scheduler's Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from protos import worker_pb2
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.executor import PROTOCOL_VERSION, Executor
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sequence import Sequence, TokenLogprob
+from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0  # 0 = the worker's
+    long_prefill_token_threshold: int = 0  # 0 = max_num_batched_tokens // 4
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+    pipeline: bool = True  # plan step N+1 before reading the result of step N
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new since the previous output
+    text: str  # new text since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
+    usage: Usage | None = None  # on the final output
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        executor: Executor,
+        config: EngineConfig | None = None,
+        tokenizer: ModelTokenizer | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        self.executor = executor
+        info = executor.describe(
+            worker_pb2.DescribeRequest(
+                protocol_version=PROTOCOL_VERSION,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                scheduler_id="engine",
+            )
+        )
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise RuntimeError(f"worker speaks protocol {info.protocol_version}, scheduler {PROTOCOL_VERSION}")
+        self.worker_info = info
+        max_model_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=info.num_blocks,
+                block_size=info.block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_waiting=config.max_waiting,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            epoch=info.epoch,
+        )
+        self._vocab_size = info.vocab_size or self.tokenizer.vocab_size
+        self._depth = 2 if config.pipeline else 1
+        self._in_flight = 0
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._next_seq_id = 1
+        self._aborted: list[RequestOutput] = []  # returned by the next step()
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises ValueError (bad input) or QueueFullError."""
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self._vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        seq_id = self._next_seq_id
+        request_id = request_id if request_id is not None else str(seq_id)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(seq_id, token_ids, params, params.resolved_seed(), request_id=request_id)
+        self.scheduler.add(seq)
+        self._next_seq_id += 1
+        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, params.stop)
+        self._requests[request_id] = self._by_seq[seq_id] = _Request(seq, detok)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request in any state; its final output (reason "abort") comes from the next step()."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.abort(req.seq.seq_id)
+        self._aborted.append(RequestOutput(request_id, [], "", True, "abort", usage=self._usage(req.seq)))
+        self._forget(req.seq)
+        return True
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight > 0 or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self.executor.submit(plan)
+            self._in_flight += 1
+        outputs = self._aborted
+        self._aborted = []
+        if self._in_flight and (plan is None or self._in_flight >= self._depth):
+            result = self.executor.receive()
+            self._in_flight -= 1
+            for seq in self.scheduler.update(result):
+                outputs.append(self._output(seq))
+        return outputs
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detokenizer = self._by_seq[seq.seq_id].detokenizer
+        token = seq.token_ids[-1]
+        reason = seq.finish_reason
+        if reason == "stop":  # a stop token (EOS or stop_token_ids): not part of the text
+            text = detokenizer.flush()
+        else:
+            text, stopped = detokenizer.add(token, len(seq.token_ids) >= seq.min_len)
+            if stopped:
+                if reason is None:
+                    self.scheduler.finish(seq.seq_id, "stop")
+                reason = seq.finish_reason = "stop"
+            elif reason is not None:
+                text += detokenizer.flush()
+        out = RequestOutput(
+            seq.request_id, [token], text, reason is not None, reason, [seq.logprobs[-1]] if seq.logprobs else None
+        )
+        if reason is not None:
+            out.usage = self._usage(seq)
+            self._forget(seq)
+        return out
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens or 0)
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._requests[seq.request_id]
+        del self._by_seq[seq.seq_id]

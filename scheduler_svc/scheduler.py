@@ -1,0 +1,517 @@
+"""Continuous batching over one worker group: turns waiting and running sequences into StepPlans
+(deltas against the worker's state) and applies StepResults.
+
+Policy, per step: one token budget. Decodes of running sequences first, oldest first; then prompts
+already partially prefilled continue; then waiting sequences are admitted in arrival order; all in
+one mixed plan. Prefill chunks get at most `chunk_cap` tokens in that pass so several prompts
+progress side by side; budget left over afterwards goes back to the capped chunks, oldest first.
+KV blocks are allocated chunk by chunk. When a decode needs a block and none is free, the newest
+running sequence is preempted (recompute) and goes back to the waiting queue in arrival order; a
+continuing prefill with no free block preempts newer prefills not scheduled yet, or waits.
+
+Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
+known, so a decode is scheduled for the token still being sampled. Rules that keep this exact:
+- a sequence is not scheduled past its length limit: max_tokens never wastes a step;
+- a sequence that stops at step N (EOS, stop token, stop string) may have a decode in flight at N+1;
+  its id reaches the worker in the next plan's finished_ids and the extra token is discarded;
+- the scheduler knows which sequences sample in each plan it hands out and checks each result
+  against that list; a token is accepted only from a sequence still RUNNING in the incarnation that
+  plan ran (start_step <= step); anything else (finished, aborted, preempted, or a result from
+  before a resume) is discarded, and a preempted sequence recomputes from the tokens it knows;
+- a sequence's preemption reaches the worker before it is resent: it is never admitted in a plan
+  that carries its preempted id, and a plan is sent even with nothing to run when it carries
+  preempted ids;
+- blocks freed while a plan is in flight may be reused at once (the worker runs plans in order);
+  a block is registered in the prefix cache only after the plan computing its last token is handed
+  out, and never in the plan that computes it, so a hit never reads KV written in the same step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from protos import worker_pb2
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.sequence import NEVER, Sequence, SequenceStatus, TokenLogprob
+
+RUNNING = SequenceStatus.RUNNING
+PREEMPTED = SequenceStatus.PREEMPTED
+FINISHED = SequenceStatus.FINISHED
+WAITING = SequenceStatus.WAITING
+
+
+class _InFlight(NamedTuple):
+    step: int
+    samplers: list[Sequence]  # the sequences that sample in the plan, in result order
+    sampler_ids: list[int]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_waiting: admission refused."""
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # Cap on a prefill chunk in the first pass of a step; 0 = max_num_batched_tokens // 4.
+    long_prefill_token_threshold: int = 0
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    @property
+    def chunk_cap(self) -> int:
+        if self.long_prefill_token_threshold:
+            return self.long_prefill_token_threshold
+        return max(self.block_size, self.max_num_batched_tokens // 4)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), epoch: int = 0):
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.epoch = epoch
+        self.waiting: deque[Sequence] = deque()  # in arrival order
+        self.running: list[Sequence] = []  # in arrival order; the last one is preempted first
+        self._seqs: dict[int, Sequence] = {}  # every sequence not finished
+        self._in_flight: deque[_InFlight] = deque()
+        self._finished_ids: list[int] = []  # for the next plan
+        self._preempted_ids: list[int] = []  # for the next plan
+        self._step = 0  # of the latest plan
+        self._arrivals = 0
+        self._waiting_tokens = 0
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt (and resume) tokens served from the prefix cache
+        self.num_admitted_tokens = 0  # tokens of every admission, the hit rate's denominator
+
+    # --- admission and removal -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises QueueFullError or ValueError (naming the field)."""
+        cfg = self.config
+        if len(self.waiting) >= cfg.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests)")
+        n = len(seq.token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already in use")
+        params = seq.params
+        max_new = params.max_tokens if params.max_tokens is not None else cfg.max_model_len - n
+        if max_new < 1 or n + max_new > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_new}) exceeds max_model_len ({cfg.max_model_len})"
+            )
+        # The last token is never fed back, so max_len - 1 positions of KV.
+        blocks = math.ceil((n + max_new - 1) / cfg.block_size)
+        if blocks > cfg.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker has {cfg.num_blocks}"
+            )
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seq.stop_ids = frozenset(stop_ids)
+        seq.max_len = n + max_new
+        seq.min_len = seq.prompt_len + params.min_tokens
+        seq.sampling = params.to_proto(seq.seed)
+        seq.logprobs = [] if params.logprobs is not None else None
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        seq.status = WAITING
+        self.waiting.append(seq)
+        self._waiting_tokens += n
+        self._seqs[seq.seq_id] = seq
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def abort(self, seq_id: int) -> bool:
+        """Finish a sequence in any state with reason "abort"; every block it holds comes back."""
+        return self.finish(seq_id, "abort")
+
+    def finish(self, seq_id: int, reason: str) -> bool:
+        """Finish a live sequence (e.g. a stop string found by the detokenizer). False if not live."""
+        seq = self.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def preempt(self, seq_id: int) -> bool:
+        """Send a running sequence back to the waiting queue; it recomputes when resumed."""
+        seq = self.get(seq_id)
+        if seq is None or seq.status is not RUNNING:
+            return False
+        self._preempt(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens of the waiting sequences (prefill work queued), for routing."""
+        return self._waiting_tokens
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _finish(self, seq: Sequence, reason: str, unlink: bool = True) -> None:
+        """unlink=False leaves it in `running` for the caller to compact in one pass."""
+        if seq.status is RUNNING:
+            if unlink:
+                self.running.remove(seq)
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+            self._finished_ids.append(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
+            self._waiting_tokens -= len(seq.token_ids)
+        seq.status = FINISHED
+        seq.start_step = NEVER
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_sent_tokens = 0
+        seq.num_committed_blocks = 0
+        seq.status = PREEMPTED
+        seq.start_step = NEVER
+        waiting = self.waiting
+        i = 0
+        while i < len(waiting) and waiting[i].arrival < seq.arrival:
+            i += 1
+        waiting.insert(i, seq)
+        self._waiting_tokens += len(seq.token_ids)
+        self._preempted_ids.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    def _make_room(self, seq: Sequence, num_blocks: int) -> bool:
+        """Preempt the newest running sequences until num_blocks are free; False if seq itself went."""
+        bm = self.block_manager
+        while bm.num_free_blocks < num_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    # --- scheduling ------------------------------------------------------------------------------
+
+    def schedule(self) -> worker_pb2.StepPlan | None:
+        """The next step's plan, or None when there is nothing to run or tell the worker."""
+        cfg = self.config
+        bm = self.block_manager
+        bs = cfg.block_size
+        cap = cfg.chunk_cap
+        caching = cfg.enable_prefix_caching
+        step = self._step + 1
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+        n_preempted = self.num_preemptions
+
+        dec_seqs: list[Sequence] = []
+        dec_ids: list[int] = []
+        grew: list[int] = []  # indices into dec_seqs of decodes that got a new block
+        dec_blocks: list[int] = []
+        dec_commit: list[Sequence] = []
+        chunks: list[list] = []  # running prefills: [seq, n, table length before]
+        admitted: list[list] = []  # new sequences: [seq, n, num computed before]
+        capped: list[list] = []  # entries of both whose chunk was cut at the cap
+
+        # Pass 1: decodes of running sequences, oldest first. Victims of preemption are popped from
+        # the end of `running`, so they were not visited (scheduled) yet; the loop then ends sooner.
+        partial: list[Sequence] = []  # running sequences still prefilling, in arrival order
+        for seq in running:
+            if budget == 0:
+                break
+            c = seq.num_computed_tokens
+            if c < seq.num_sent_tokens:
+                partial.append(seq)
+                continue
+            if c + 2 > seq.max_len:  # its last token is in flight
+                continue
+            if c % bs == 0:  # its table is full (tables hold exactly the blocks computed tokens use)
+                if bm.num_free_blocks == 0 and not self._make_room(seq, 1):
+                    break
+                b = bm.allocate_one()
+                seq.block_table.append(b)
+                dec_blocks.append(b)
+                grew.append(len(dec_seqs))
+            dec_seqs.append(seq)
+            dec_ids.append(seq.seq_id)
+            c += 1
+            seq.num_computed_tokens = c
+            budget -= 1
+            if c % bs == 0 and caching and len(seq.token_ids) >= c:
+                dec_commit.append(seq)  # the block is complete once this step runs
+
+        # Pass 2: continue partial prefills with what is free. With no free slot at all, preempt
+        # newer partial prefills (not scheduled in this step); with none left, wait a step.
+        j = 0
+        while j < len(partial) and budget > 0:
+            seq = partial[j]
+            j += 1
+            c = seq.num_computed_tokens
+            remaining = seq.num_sent_tokens - c
+            n = min(remaining, cap, budget)
+            table = seq.block_table
+            room = len(table) * bs - c
+            while room == 0 and bm.num_free_blocks == 0 and len(partial) > j:
+                self._preempt(partial.pop())
+            n = min(n, room + bm.num_free_blocks * bs)
+            if n == 0:
+                continue
+            entry = [seq, n, len(table)]
+            if n > room:
+                table.extend(bm.allocate(-(-(n - room) // bs)))
+            if n < remaining and n == cap:
+                capped.append(entry)
+            chunks.append(entry)
+            seq.num_computed_tokens = c + n
+            budget -= n
+
+        # Admit waiting sequences, unless this step preempted (they would only thrash).
+        if self.num_preemptions == n_preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                seq = waiting[0]
+                if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
+                    break  # the worker must drop it before it is resent
+                hits = bm.match_prefix(seq)
+                total = len(seq.token_ids)
+                c = len(hits) * bs
+                remaining = total - c
+                n = min(remaining, cap, budget)
+                need = -(-(c + n) // bs) - len(hits)
+                if need + bm.num_free_among(hits) > bm.num_free_blocks:
+                    break
+                waiting.popleft()
+                self._waiting_tokens -= total
+                bm.acquire(hits)
+                hits.extend(bm.allocate(need))
+                seq.block_table = hits
+                seq.num_committed_blocks = c // bs
+                seq.num_computed_tokens = c + n
+                seq.num_sent_tokens = total
+                seq.start_step = step
+                seq.status = RUNNING
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = c
+                self.num_prefix_hit_tokens += c
+                self.num_admitted_tokens += total
+                if not running or running[-1].arrival < seq.arrival:
+                    running.append(seq)
+                else:
+                    bisect.insort(running, seq, key=_arrival)
+                entry = [seq, n, c]
+                if n < remaining and n == cap:
+                    capped.append(entry)
+                admitted.append(entry)
+                budget -= n
+
+        # Budget left: extend capped chunks, oldest first, with blocks that are free (no preemption).
+        for entry in capped:
+            if budget == 0:
+                break
+            seq = entry[0]
+            c = seq.num_computed_tokens
+            table = seq.block_table
+            room = len(table) * bs - c
+            extra = min(seq.num_sent_tokens - c, budget, room + bm.num_free_blocks * bs)
+            if extra <= 0:
+                continue
+            if extra > room:
+                table.extend(bm.allocate(-(-(extra - room) // bs)))
+            entry[1] += extra
+            seq.num_computed_tokens = c + extra
+            budget -= extra
+
+        if not (dec_ids or chunks or admitted or self._preempted_ids):
+            return None
+
+        # Result order: new sequences, then the columns (decodes, then continued prefills).
+        samplers: list[Sequence] = []
+        sampler_ids: list[int] = []
+        plan = worker_pb2.StepPlan(step=step, epoch=self.epoch)
+        for seq, n, c in admitted:
+            ns = plan.new_seqs.add()
+            ns.seq_id = seq.seq_id
+            ns.token_ids.extend(seq.token_ids)
+            ns.prompt_len = seq.prompt_len
+            ns.sampling.CopyFrom(seq.sampling)
+            ns.block_ids.extend(seq.block_table)
+            ns.num_computed_tokens = c
+            ns.num_scheduled_tokens = n
+            if c + n == seq.num_sent_tokens:
+                samplers.append(seq)
+                sampler_ids.append(seq.seq_id)
+        samplers += dec_seqs
+        sampler_ids += dec_ids
+        num_tokens = [1] * len(dec_ids)
+        dec_new = [0] * len(dec_ids)  # new blocks per decode: 0 or 1
+        for k in grew:
+            dec_new[k] = 1
+        for seq, n, before in chunks:
+            table = seq.block_table
+            dec_ids.append(seq.seq_id)
+            num_tokens.append(n)
+            dec_new.append(len(table) - before)
+            dec_blocks.extend(table[before:])
+            if seq.num_computed_tokens == seq.num_sent_tokens:
+                samplers.append(seq)
+                sampler_ids.append(seq.seq_id)
+        plan.seq_ids.extend(dec_ids)
+        plan.num_scheduled_tokens.extend(num_tokens)
+        plan.num_new_blocks.extend(dec_new)
+        plan.new_block_ids.extend(dec_blocks)
+        if self._finished_ids:
+            plan.finished_ids.extend(self._finished_ids)
+            self._finished_ids.clear()
+        if self._preempted_ids:
+            plan.preempted_ids.extend(self._preempted_ids)
+            self._preempted_ids.clear()
+        self._in_flight.append(_InFlight(step, samplers, sampler_ids))
+
+        # Register full blocks only now: a hit in this same plan would read KV the step writes.
+        if caching:
+            for seq in dec_commit:
+                bm.commit(seq)
+            for entry in chunks:
+                bm.commit(entry[0])
+            for entry in admitted:
+                bm.commit(entry[0])
+        self._step = step
+        return plan
+
+    # --- results ---------------------------------------------------------------------------------
+
+    def update(self, result: worker_pb2.StepResult) -> list[Sequence]:
+        """Apply the result of the oldest plan in flight.
+
+        Returns the sequences that received a token: each has just appended exactly one
+        (token_ids[-1]), with its logprob appended to seq.logprobs when asked for, and
+        finish_reason set when it stopped ("stop" or "length"); its blocks are then already free.
+        """
+        if not self._in_flight:
+            raise RuntimeError(f"result for step {result.step} with no plan in flight")
+        step, samplers, ids = self._in_flight.popleft()
+        if result.step != step or result.seq_ids != ids or len(result.token_ids) != len(ids):
+            raise RuntimeError(
+                f"result for step {result.step} does not answer plan {step}: "
+                f"{len(result.seq_ids)} sequences, {len(ids)} expected"
+            )
+        if len(result.logprobs):
+            return self._update_with_logprobs(step, samplers, result)
+        # The hot loop: _accept inlined.
+        bs = self.config.block_size
+        caching = self.config.enable_prefix_caching
+        commit = self.block_manager.commit
+        finish = self._finish
+        stale: list[Sequence] = []
+        num_finished = 0
+        for seq, tok in zip(samplers, result.token_ids):
+            if step < seq.start_step:
+                stale.append(seq)  # finished, aborted or preempted since
+                continue
+            toks = seq.token_ids
+            toks.append(tok)
+            n = len(toks)
+            if n % bs == 0 and caching and seq.num_computed_tokens >= n:
+                commit(seq)
+            if tok in seq.stop_ids and n >= seq.min_len:
+                finish(seq, "stop", False)
+                num_finished += 1
+            elif n >= seq.max_len:
+                finish(seq, "length", False)
+                num_finished += 1
+        if num_finished:
+            self.running = [s for s in self.running if s.status is RUNNING]
+        if stale:
+            skip = set(stale)
+            return [s for s in samplers if s not in skip]
+        return samplers
+
+    def _update_with_logprobs(self, step: int, samplers: list[Sequence], result: worker_pb2.StepResult) -> list[Sequence]:
+        out = []
+        top_ids = result.top_token_ids
+        top_lps = result.top_logprobs
+        offset = 0
+        for k, (seq, tok) in enumerate(zip(samplers, result.token_ids)):
+            n_top = max(seq.sampling.logprobs, 0)
+            if step >= seq.start_step:
+                self._accept(seq, tok)
+                if seq.logprobs is not None:
+                    top = None
+                    if n_top:
+                        top = list(zip(top_ids[offset : offset + n_top], top_lps[offset : offset + n_top]))
+                    seq.logprobs.append(TokenLogprob(tok, result.logprobs[k], top))
+                out.append(seq)
+            offset += n_top
+        return out
+
+    def _accept(self, seq: Sequence, tok: int) -> None:
+        """One token of update()'s slow path (its hot loop inlines this)."""
+        toks = seq.token_ids
+        toks.append(tok)
+        n = len(toks)
+        # Its last block is complete once known and computed: the later of the two commits it.
+        if n % self.config.block_size == 0 and self.config.enable_prefix_caching and seq.num_computed_tokens >= n:
+            self.block_manager.commit(seq)
+        if tok in seq.stop_ids and n >= seq.min_len:
+            self._finish(seq, "stop")
+        elif n >= seq.max_len:
+            self._finish(seq, "length")
+
+    # --- checks ----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the scheduler's and the block manager's invariants (tests)."""
+        self.block_manager.check(s.block_table for s in self.running)
+        for seq in self.waiting:
+            assert seq.status in (WAITING, PREEMPTED) and not seq.block_table
+        arrivals = [s.arrival for s in self.waiting]
+        assert arrivals == sorted(arrivals), "waiting queue out of arrival order"
+        assert self._waiting_tokens == sum(len(s.token_ids) for s in self.waiting)
+        arrivals = [s.arrival for s in self.running]
+        assert arrivals == sorted(arrivals), "running list out of arrival order"
+        bs = self.config.block_size
+        for seq in self.running:
+            assert seq.status is RUNNING
+            assert seq.num_computed_tokens <= len(seq.block_table) * bs
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // bs), "blocks allocated ahead of use"
+            assert seq.num_committed_blocks <= min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        live = {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}
+        assert live == self._seqs.keys()
+        for seq in self.waiting:
+            assert seq.start_step == NEVER
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival

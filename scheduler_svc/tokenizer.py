@@ -1,0 +1,117 @@
+"""A model folder's tokenizer without transformers: tokenizer.json through `tokenizers`, EOS ids from
+generation_config.json and config.json, and the chat template rendered with jinja2 the way
+transformers renders it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclass(slots=True)
+class ModelTokenizer:
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int  # with added tokens
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... for the template
+    _template: jinja2.Template | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render messages (extra kwargs such as enable_thinking reach the template)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            self._template = _environment().from_string(self.chat_template)
+        text = self._template.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+            **kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # As transformers' chat-template renderer.
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "...", ...} in older tokenizer configs
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found")
+    tokenizer = Tokenizer.from_file(str(path))
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(tok_config.get(k))) is not None}
+
+    eos: list[int] = []
+    for cfg in (_read_json(model_dir / "generation_config.json"), _read_json(model_dir / "config.json")):
+        ids = cfg.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids] if ids is not None else []:
+            if i not in eos:
+                eos.append(i)
+    if not eos and "eos_token" in special:
+        eos_id = tokenizer.token_to_id(special["eos_token"])
+        if eos_id is not None:
+            eos.append(eos_id)
+
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_file = model_dir / "chat_template.jinja"
+    if template is None and jinja_file.exists():
+        template = jinja_file.read_text(encoding="utf-8")
+
+    return ModelTokenizer(
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(eos),
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        chat_template=template,
+        special_tokens=special,
+    )

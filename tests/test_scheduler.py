@@ -1,0 +1,534 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from protos import worker_pb2
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from scheduler_svc.sequence import Sequence, SequenceStatus
+from tests.fake_worker import FakeWorker, fake_logprob
+
+EOS = 0
+
+
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 64,
+    cap: int = 0,
+    max_num_seqs: int = 16,
+    max_model_len: int = 128,
+    caching: bool = True,
+    max_waiting: int = 100,
+    vocab_size: int = 1000,
+    token_fn=None,
+) -> tuple[Scheduler, FakeWorker]:
+    cfg = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=cap,
+        max_waiting=max_waiting,
+        enable_prefix_caching=caching,
+    )
+    worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn)
+    worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
+    return Scheduler(cfg, eos_token_ids=[EOS], epoch=worker.epoch), worker
+
+
+def seq(seq_id: int, prompt, **params) -> Sequence:
+    params.setdefault("ignore_eos", True)
+    return Sequence(seq_id, list(prompt), SamplingParams(**params), seed=1000 + seq_id)
+
+
+def expected_output(worker: FakeWorker, s: Sequence) -> tuple[list[int], str]:
+    """What the sequence must generate, whatever the batching: token = f(seed, position)."""
+    out = []
+    n = s.prompt_len
+    while True:
+        tok = worker.token_fn(s.seed, n)
+        out.append(tok)
+        n += 1
+        if tok in s.stop_ids and n >= s.min_len:
+            return out, "stop"
+        if n >= s.max_len:
+            return out, "length"
+
+
+class Driver:
+    """Runs a scheduler against a fake worker with `depth` plans in flight at most."""
+
+    def __init__(self, sched: Scheduler, worker: FakeWorker, depth: int = 2):
+        self.sched, self.worker, self.depth = sched, worker, depth
+        self.plans: list[worker_pb2.StepPlan] = []
+        self.finished: list[Sequence] = []
+
+    def step(self) -> list[Sequence]:
+        plan = self.sched.schedule()
+        if plan is not None:
+            self.plans.append(plan)
+            self.worker.submit(plan)
+        self.sched.check()
+        if self.worker.num_in_flight and (plan is None or self.worker.num_in_flight >= self.depth):
+            out = self.sched.update(self.worker.receive())
+            self.finished += [s for s in out if s.finish_reason]
+            self.sched.check()
+            return out
+        return []
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not (self.sched.has_unfinished() or self.worker.num_in_flight):
+                return
+            self.step()
+        raise AssertionError("no progress")
+
+
+def scheduled(plan: worker_pb2.StepPlan) -> dict[int, int]:
+    """seq id -> tokens scheduled in the plan."""
+    out = {ns.seq_id: ns.num_scheduled_tokens for ns in plan.new_seqs}
+    out.update(zip(plan.seq_ids, plan.num_scheduled_tokens))
+    return out
+
+
+# --- examples ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_decode_first_budget_accounting(depth):
+    sched, worker = make(budget=16, cap=16)
+    d = Driver(sched, worker, depth)
+    for i in range(3):
+        sched.add(seq(i, range(10 + i * 4, 14 + i * 4), max_tokens=20))
+    d.step()
+    if depth == 2:
+        d.step()  # decodes are scheduled for the tokens still in flight
+    sched.add(seq(9, range(100, 140), max_tokens=4))
+    d.step()
+    plan = d.plans[-1]
+    assert list(plan.seq_ids) == [0, 1, 2] and list(plan.num_scheduled_tokens) == [1, 1, 1]
+    assert [ns.seq_id for ns in plan.new_seqs] == [9]
+    assert plan.new_seqs[0].num_scheduled_tokens == 13  # the budget left after the decodes
+    d.run()
+    for s in d.finished:
+        assert s.output_token_ids == expected_output(worker, s)[0]
+
+
+def test_two_long_prompts_chunked_side_by_side():
+    sched, worker = make(budget=16, cap=8)
+    d = Driver(sched, worker, 1)
+    sched.add(seq(1, range(1, 41), max_tokens=2))
+    sched.add(seq(2, range(101, 141), max_tokens=2))
+    for _ in range(5):
+        d.step()
+        assert scheduled(d.plans[-1]) == {1: 8, 2: 8}
+    d.run()
+    assert {s.seq_id for s in d.finished} == {1, 2}
+
+
+def test_chunk_cap_does_not_starve_others_and_leftover_goes_to_the_oldest():
+    sched, worker = make(budget=32, cap=8)
+    d = Driver(sched, worker, 1)
+    for i in range(3):
+        sched.add(seq(i, range(100 * i + 1, 100 * i + 41), max_tokens=2))
+    d.step()
+    assert scheduled(d.plans[-1]) == {0: 16, 1: 8, 2: 8}
+    # A prompt alone gets the whole budget.
+    sched2, worker2 = make(budget=32, cap=8)
+    sched2.add(seq(5, range(1, 100), max_tokens=2))
+    assert scheduled(sched2.schedule()) == {5: 32}
+
+
+def test_prefix_hit_on_admission_skips_cached_blocks():
+    sched, worker = make(block_size=4)
+    d = Driver(sched, worker)
+    sched.add(seq(1, range(1, 19), max_tokens=2))  # 4 full blocks + 2 tokens
+    d.run()
+    sched.add(seq(2, list(range(1, 17)) + [77, 78, 79], max_tokens=2))
+    d.step()
+    ns = d.plans[-1].new_seqs[0]
+    assert ns.num_computed_tokens == 16 and ns.num_scheduled_tokens == 3
+    sched.add(seq(3, range(1, 17), max_tokens=2))  # exactly 4 blocks: the last token is computed
+    d.step()
+    ns = d.plans[-1].new_seqs[0]
+    assert ns.num_computed_tokens == 12 and ns.num_scheduled_tokens == 4
+    d.run()
+    assert sched.num_prefix_hit_tokens == 28
+    assert [s.num_cached_tokens for s in sorted(d.finished, key=lambda s: s.seq_id)] == [0, 16, 12]
+
+
+def test_preemption_order_and_resume_with_rehit():
+    # 3 prompts of 2 blocks that grow to 4 blocks each, in a pool of 9 blocks.
+    sched, worker = make(num_blocks=9, block_size=4, budget=64)
+    d = Driver(sched, worker, 2)
+    seqs = [seq(i, range(20 * i + 1, 20 * i + 9), max_tokens=6) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    victim = None
+    while victim is None:
+        d.step()
+        victim = next((p.preempted_ids[0] for p in d.plans if p.preempted_ids), None)
+    assert victim == 2  # the newest
+    preempting_plan = next(p for p in d.plans if p.preempted_ids)
+    assert 2 not in scheduled(preempting_plan)
+    assert seqs[2].status is SequenceStatus.PREEMPTED and sched.waiting[0] is seqs[2]
+    d.run()
+    resumed = [ns for p in d.plans for ns in p.new_seqs if ns.seq_id == 2][1]
+    assert resumed.num_computed_tokens >= 4  # its own prompt block, hit again
+    assert len(resumed.token_ids) > 8  # prompt plus what it had generated
+    assert sched.num_preemptions >= 1
+    for s in seqs:
+        assert s.finish_reason == "length"
+        assert s.output_token_ids == expected_output(worker, s)[0]
+    assert sched.block_manager.num_free_blocks == 9
+
+
+def test_incremental_allocation_of_a_prompt_larger_than_half_the_pool():
+    sched, worker = make(num_blocks=10, block_size=4, budget=8, cap=4)
+    d = Driver(sched, worker, 2)
+    long = seq(1, range(1, 29), max_tokens=4)  # 7 blocks
+    short = seq(2, range(50, 54), max_tokens=6)
+    sched.add(long)
+    sched.add(short)
+    d.step()
+    assert len(long.block_table) == 1 and scheduled(d.plans[-1]) == {1: 4, 2: 4}
+    tables = []
+    while long.num_computed_tokens < 28:
+        d.step()
+        tables.append(len(long.block_table))
+    assert tables == sorted(tables) and tables[0] < 7
+    d.run()
+    assert long.output_token_ids == expected_output(worker, long)[0]
+    assert short.output_token_ids == expected_output(worker, short)[0]
+
+
+def test_max_tokens_never_wastes_a_pipelined_step():
+    sched, worker = make()
+    d = Driver(sched, worker, 2)
+    s = seq(1, range(1, 6), max_tokens=3)
+    sched.add(s)
+    d.run()
+    assert sum(1 in scheduled(p) for p in d.plans) == 3
+    assert s.finish_reason == "length" and len(s.output_token_ids) == 3
+
+
+def test_stop_token_in_flight_discards_the_extra_token():
+    def token_fn(seed, position):
+        return EOS if position == 7 else 500 + position
+
+    sched, worker = make(token_fn=token_fn)
+    d = Driver(sched, worker, 2)
+    s = seq(1, range(1, 6), max_tokens=10, ignore_eos=False)
+    sched.add(s)
+    d.run()
+    assert s.output_token_ids == [505, 506, EOS]
+    assert s.finish_reason == "stop"
+    # The decode after EOS was in flight when EOS arrived; the worker sampled it anyway.
+    assert sum(1 in scheduled(p) for p in d.plans) == 4
+    assert sched.block_manager.num_free_blocks == 64
+    # Idle, the worker still holds it; the next plan tells it to drop it.
+    sched.add(seq(2, [1, 2], max_tokens=1))
+    assert list(sched.schedule().finished_ids) == [1]
+
+
+def test_min_tokens_ignores_early_stop_tokens():
+    def token_fn(seed, position):
+        return EOS if position in (5, 6) else 7
+
+    sched, worker = make(token_fn=token_fn)
+    d = Driver(sched, worker, 2)
+    s = seq(1, range(1, 6), max_tokens=10, ignore_eos=False, min_tokens=2)
+    sched.add(s)
+    d.run()
+    assert s.output_token_ids == [EOS, EOS] and s.finish_reason == "stop"
+
+
+def test_stop_token_ids_and_ignore_eos():
+    def token_fn(seed, position):
+        return [EOS, 42, 9][position - 3]
+
+    sched, worker = make(token_fn=token_fn)
+    d = Driver(sched, worker, 1)
+    a = seq(1, [1, 2, 3], max_tokens=5, ignore_eos=True, stop_token_ids=[42])
+    sched.add(a)
+    d.run()
+    assert a.output_token_ids == [EOS, 42] and a.finish_reason == "stop"
+
+
+def test_abort_in_every_state_returns_every_block():
+    sched, worker = make(num_blocks=12, block_size=2, budget=6, cap=2)
+    d = Driver(sched, worker, 2)
+    for i in range(5):
+        sched.add(seq(i, range(10 * i + 1, 10 * i + 8), max_tokens=8))
+    d.step()
+    d.step()
+    assert sched.abort(4) and sched.get(4) is None  # still waiting
+    assert sched.preempt(1)
+    assert sched.abort(1)  # preempted, its preemption not yet sent
+    running = sched.running[0]
+    assert sched.abort(running.seq_id)  # running, with a plan in flight
+    assert not sched.abort(running.seq_id) and not sched.abort(12345)
+    d.run()
+    assert sched.block_manager.num_free_blocks == 12
+    assert not sched._seqs
+    sched.block_manager.check([])
+
+
+def test_external_preemption_is_sent_before_the_sequence_is_resent():
+    sched, worker = make()
+    d = Driver(sched, worker, 2)
+    a = seq(1, range(1, 9), max_tokens=6)
+    sched.add(a)
+    d.step()
+    d.step()
+    assert sched.preempt(1)
+    plan = sched.schedule()  # nothing else to run: a plan that only drops it
+    assert list(plan.preempted_ids) == [1] and not plan.new_seqs and not plan.seq_ids
+    worker.submit(plan)
+    d.plans.append(plan)
+    d.run()
+    assert a.output_token_ids == expected_output(worker, a)[0]
+
+
+def test_results_of_a_preempted_sequence_in_flight_are_discarded():
+    sched, worker = make()
+    a = seq(1, range(1, 9), max_tokens=6)
+    sched.add(a)
+    worker.submit(sched.schedule())  # step 1: prefill, samples position 8
+    assert sched.preempt(1)
+    worker.submit(sched.schedule())  # step 2: drops it
+    assert sched.update(worker.receive()) == []  # its token of step 1 is discarded
+    assert a.token_ids == list(range(1, 9))
+    d = Driver(sched, worker, 2)
+    sched.update(worker.receive())
+    d.run()
+    assert a.output_token_ids == expected_output(worker, a)[0]
+
+
+def test_a_result_that_does_not_answer_the_plan_is_rejected():
+    sched, worker = make()
+    sched.add(seq(1, range(1, 5), max_tokens=4))
+    sched.add(seq(2, range(1, 5), max_tokens=4))
+    plan = sched.schedule()
+    wrong = worker.execute(plan)
+    wrong.seq_ids[:] = list(reversed(wrong.seq_ids))
+    with pytest.raises(RuntimeError, match="does not answer plan 1"):
+        sched.update(wrong)
+    with pytest.raises(RuntimeError, match="no plan in flight"):
+        sched.update(worker_pb2.StepResult(step=2))
+
+
+def test_logprobs_are_parsed_across_discarded_sequences():
+    sched, worker = make()
+    d = Driver(sched, worker, 2)
+    a = seq(1, range(1, 5), max_tokens=4, logprobs=2)
+    b = seq(2, range(1, 5), max_tokens=4, logprobs=1)
+    c = seq(3, range(1, 5), max_tokens=4)
+    for s in (a, b, c):
+        sched.add(s)
+    d.step()
+    d.step()
+    sched.abort(1)  # in flight with top-2 logprobs: its entries must still be skipped
+    d.run()
+    assert len(b.logprobs) == 4 and c.logprobs is None
+    for tok, lp in zip(b.output_token_ids, b.logprobs):
+        assert lp.token_id == tok and lp.logprob == fake_logprob(tok)
+        assert lp.top == [(tok, fake_logprob(tok))]
+
+
+def test_admission_limits():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=32, max_waiting=2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq(1, range(30), max_tokens=3))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add(seq(2, range(1, 17), max_tokens=4))  # 19 positions > 16 slots
+    with pytest.raises(ValueError, match="empty"):
+        sched.add(seq(3, []))
+    sched.add(seq(4, [1, 2], max_tokens=2))
+    with pytest.raises(ValueError, match="in use"):
+        sched.add(seq(4, [1, 2], max_tokens=2))
+    sched.add(seq(5, [1, 2], max_tokens=2))
+    with pytest.raises(QueueFullError):
+        sched.add(seq(6, [1, 2], max_tokens=2))
+    sched, _ = make(num_blocks=8, block_size=4, max_model_len=32)
+    s = seq(7, [1, 2], max_tokens=None)
+    sched.add(s)
+    assert s.max_len == 32
+
+
+def test_max_num_seqs_bounds_running():
+    sched, worker = make(max_num_seqs=2)
+    d = Driver(sched, worker, 2)
+    for i in range(5):
+        sched.add(seq(i, range(1, 4), max_tokens=3))
+    while sched.has_unfinished() or worker.num_in_flight:
+        d.step()
+        assert sched.num_running <= 2
+    assert len(d.finished) == 5
+
+
+# --- properties ----------------------------------------------------------------------------------
+
+PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random interleavings of add / schedule / result / abort / preempt over tiny pools, with up to
+    two plans in flight. The fake worker checks every plan (block tables, KV content of prefix hits,
+    no write to a block another live sequence holds); every sequence must produce exactly the tokens
+    f(seed, position), and when everything ends every block is free."""
+
+    @initialize(
+        num_blocks=st.integers(4, 20),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(3, 24),
+        cap=st.integers(0, 6),
+        max_num_seqs=st.integers(1, 5),
+        caching=st.sampled_from([True, True, True, False]),
+        depth=st.sampled_from([1, 2, 2]),
+    )
+    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth):
+        self.sched, self.worker = make(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            budget=budget,
+            cap=cap,
+            max_num_seqs=max_num_seqs,
+            max_model_len=40,
+            caching=caching,
+            max_waiting=8,
+            vocab_size=10,  # EOS (0) now and then
+        )
+        self.depth = depth
+        self.next_id = 1
+        self.seqs: dict[int, Sequence] = {}
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        keep=st.sampled_from([0, 3, 6, 8, 12, 12]),
+        tail=st.lists(st.integers(1, 9), max_size=3),
+        max_tokens=st.integers(1, 10),
+        ignore_eos=st.booleans(),
+        min_tokens=st.integers(0, 2),
+        logprobs=st.sampled_from([None, 0, 2]),
+    )
+    def add(self, prefix, keep, tail, max_tokens, ignore_eos, min_tokens, logprobs):
+        prompt = prefix[:keep] + tail
+        s = seq(
+            self.next_id,
+            prompt,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            min_tokens=min(min_tokens, max_tokens),
+            logprobs=logprobs,
+            stop_token_ids=[7] if max_tokens % 3 == 0 else [],
+        )
+        try:
+            self.sched.add(s)
+        except (ValueError, QueueFullError):
+            return
+        self.seqs[s.seq_id] = s
+        self.next_id += 1
+
+    @precondition(lambda self: self.worker.num_in_flight < self.depth)
+    @rule()
+    def schedule(self):
+        plan = self.sched.schedule()
+        if plan is not None:
+            self.worker.submit(plan)
+
+    @precondition(lambda self: self.worker.num_in_flight > 0)
+    @rule()
+    def result(self):
+        for s in self.sched.update(self.worker.receive()):
+            want, reason = expected_output(self.worker, s)
+            assert s.output_token_ids == want[: s.num_output_tokens]
+            if s.finish_reason is not None:
+                assert (s.finish_reason, s.num_output_tokens) == (reason, len(want))
+            if s.logprobs is not None:
+                lp = s.logprobs[-1]
+                assert lp.token_id == s.token_ids[-1] and lp.logprob == fake_logprob(lp.token_id)
+                assert len(lp.top or []) == s.params.logprobs
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if self.seqs:
+            self.sched.abort(data.draw(st.sampled_from(sorted(self.seqs))))
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        if self.sched.running:
+            self.sched.preempt(data.draw(st.sampled_from(self.sched.running)).seq_id)
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "sched"):
+            self.sched.check()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        sched, worker = self.sched, self.worker
+        for _ in range(2000):
+            if worker.num_in_flight < self.depth and (plan := sched.schedule()) is not None:
+                worker.submit(plan)
+            elif worker.num_in_flight:
+                self.result()
+            else:
+                break
+            sched.check()
+        assert not sched.has_unfinished(), "no progress"
+        assert sched.block_manager.num_free_blocks == sched.config.num_blocks
+        sched.block_manager.check([])
+        assert not sched._seqs
+        event(f"preempted: {sched.num_preemptions > 0}")
+        event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
+        event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")
+        for s in self.seqs.values():
+            event(f"finish: {s.finish_reason}")
+            assert s.is_finished and not s.block_table
+            if s.finish_reason != "abort":
+                want, reason = expected_output(worker, s)
+                assert (s.output_token_ids, s.finish_reason) == (want, reason)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=250, stateful_step_count=80, deadline=None)
+
+
+def test_block_count_bound_matches_the_worst_case():
+    # prompt + max_tokens - 1 positions of KV are ever written: the admission bound is exact.
+    sched, worker = make(num_blocks=4, block_size=4, budget=64)
+    s = seq(1, range(1, 9), max_tokens=9)
+    sched.add(s)
+    assert math.ceil((8 + 9 - 1) / 4) == 4
+    Driver(sched, worker, 2).run()
+    assert s.finish_reason == "length" and len(s.output_token_ids) == 9
+
+
+def test_sampling_params_resolve_for_the_worker():
+    p = SamplingParams(temperature=0.0, top_k=-1, seed=7).to_proto(7)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.logprobs) == (0.0, 1.0, 0, 0.0, 7, -1)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert SamplingParams(logprobs=0).to_proto(1).logprobs == 0
+    assert SamplingParams(seed=5).resolved_seed() == 5
+    assert SamplingParams().resolved_seed() != SamplingParams().resolved_seed()
+    for bad in (
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(min_p=2.0),
+        dict(repetition_penalty=0.0),
+        dict(seed=-1),
+        dict(stop=[""]),
+        dict(logprobs=-1),
+        dict(min_tokens=5, max_tokens=4),
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad).validate()
