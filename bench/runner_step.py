@@ -59,7 +59,6 @@ def measure(model_dir: Path, batch: int, context: int, block_size: int, graphs: 
         pending = nxt
     pending.result()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    del runner
     torch.cuda.empty_cache()
     return {"block_size": block_size, "cuda_graphs": graphs, "batch": batch, "context": context,
             "step_ms": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from tests.paged_driver import GREEDY, PagedDriver
+from tests.paged_driver import PagedDriver
 from worker_svc.attention import AttentionMetadata
 from worker_svc.make_model import make_model
 from worker_svc.model_runner import ModelRunner, RunnerConfig
