@@ -70,20 +70,22 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mode", choices=["in-process", "services", "both"], default="both")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", default="bench/results/offline.json")
     args = ap.parse_args()
-    reqs = offline(args.num_seqs)
+    reqs = offline(args.num_seqs, args.max_input, args.max_output)
     total = sum(r.max_tokens for r in reqs)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or __import__("worker_svc.make_model", fromlist=["make_model"]).make_model(
             args.preset, Path(tmp) / "model", seed=0, dtype="bfloat16")
-        worker = dict(device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
-        engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        worker = dict(device=args.device, block_size=args.block_size)
+        engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=args.max_model_len)
         rows = []
         if args.mode in ("in-process", "both"):
             t = run_in_process(model_dir, reqs, worker, engine)

@@ -17,6 +17,7 @@ from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_SHARED_FIELDS = frozenset({"max_num_seqs", "max_num_batched_tokens", "max_model_len"})
 
 
 @dataclass(slots=True)
@@ -39,10 +40,11 @@ class LLM:
 
     def __init__(self, model_dir: str | Path, executor: Executor | None = None, **config: Any):
         engine_options = {k: v for k, v in config.items() if k in _ENGINE_FIELDS}
-        worker_options = {k: v for k, v in config.items() if k not in _ENGINE_FIELDS}
+        # limits both sides must agree on go to the engine and to the default executor's worker
+        worker_options = {k: v for k, v in config.items() if k not in _ENGINE_FIELDS or k in _SHARED_FIELDS}
         if executor is None:
             executor = in_process_executor(model_dir, **worker_options)
-        elif worker_options:
+        elif set(worker_options) - _SHARED_FIELDS:
             raise TypeError(f"unknown options {sorted(worker_options)} (an executor was given)")
         self.engine = LLMEngine(model_dir, executor, EngineConfig(**engine_options))
 
