@@ -93,7 +93,11 @@ class LocalCluster:
         workers = [a for p in self.worker_ports for a in ("--worker", f"127.0.0.1:{p}")]
         self._spawn("scheduler", ["-m", "scheduler_svc.cli", "--model", str(self.model_dir), "--host",
                                   "127.0.0.1", "--port", str(self.port), *workers, *self.scheduler_args])
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # no orphans holding ports or GPU memory
+            raise
         return self
 
     def wait_ready(self, timeout: float) -> None:

@@ -17,7 +17,7 @@ class WorkerUnavailable(RuntimeError):
 
 
 class GrpcExecutor:
-    def __init__(self, address: str, connect_timeout: float = 30.0):
+    def __init__(self, address: str, connect_timeout: float = 600.0):
         self.address = address
         self.connect_timeout = connect_timeout
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

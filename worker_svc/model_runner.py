@@ -177,9 +177,11 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
         del scratch, hidden
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        ours = torch.cuda.memory_reserved(self.device)
+        others = total - free_now - ours  # other processes on this GPU
         graph_reserve = 1 << 30
-        free = total * cfg.gpu_memory_utilization - peak - graph_reserve
+        free = total * cfg.gpu_memory_utilization - others - peak - graph_reserve
         if free < per_block * 2:
             raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB of {total >> 20} MiB")
         return int(free // per_block) - 1
