@@ -52,10 +52,11 @@ async def _through_services(address: str, reqs: list[Request]) -> float:
 
 
 def run_services(model_dir: Path, reqs: list[Request], worker_args: list[str], scheduler_args: list[str],
-                 device: str) -> float:
+                 device: str, simulate: bool = False) -> float:
     from client.launcher import LocalCluster
 
-    with LocalCluster(model_dir, device=device, worker_args=worker_args, scheduler_args=scheduler_args) as cluster:
+    with LocalCluster(model_dir, device=device, worker_args=worker_args, scheduler_args=scheduler_args,
+                      worker_command="simulate" if simulate else "serve") as cluster:
         try:
             return asyncio.run(_through_services(cluster.address, reqs))
         finally:
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--simulate", action="store_true",
+                    help="services over the simulated worker (no model, GPU-like step times): the split's cost on a CPU")
     ap.add_argument("--out", default="bench/results/offline.json")
     args = ap.parse_args()
     reqs = offline(args.num_seqs, args.max_input, args.max_output)
@@ -98,8 +101,8 @@ def main() -> None:
                            "--max-model-len", str(args.max_model_len)]
             scheduler_args = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                               str(args.max_num_batched_tokens)]
-            t = run_services(model_dir, reqs, worker_args, scheduler_args, args.device)
-            rows.append({"path": "grpc services", "seconds": round(t, 2), "output_tokens": total,
+            t = run_services(model_dir, reqs, worker_args, scheduler_args, args.device, args.simulate)
+            rows.append({"path": "grpc services" + (" (simulated worker)" if args.simulate else ""), "seconds": round(t, 2), "output_tokens": total,
                          "tokens_per_s": round(total / t)})
             print(rows[-1], flush=True)
     record(args.out, "offline", vars(args) | {"model": str(args.model or args.preset)}, rows)

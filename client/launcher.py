@@ -53,6 +53,7 @@ class LocalCluster:
     model_dir: Path
     num_workers: int = 1
     device: str = "cpu"
+    worker_command: str = "serve"  # or "simulate": the simulated worker
     worker_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
@@ -79,7 +80,7 @@ class LocalCluster:
         port = port or free_port()
         if port not in self.worker_ports:
             self.worker_ports.append(port)
-        return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", "serve", "--model", str(self.model_dir),
+        return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", self.worker_command, "--model", str(self.model_dir),
                                               "--host", "127.0.0.1", "--port", str(port), "--device",
                                               self.device, *self.worker_args, *(extra or [])])
 

@@ -74,6 +74,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from worker_svc.server import serve
+    from worker_svc.simulated import SimulatedRunner, StepCost
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    runner = SimulatedRunner(args.model, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
+                             args.max_num_batched_tokens, StepCost(args.base_ms, args.per_token_us,
+                                                                   args.per_context_token_ns))
+    server, port = serve(runner, args.host, args.port)
+    logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, port,
+                                                args.num_blocks, args.block_size)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1.0).wait()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("simulate", help="run a simulated worker: same protocol, no model, GPU-like step times")
+    p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--device", default="simulated", help=argparse.SUPPRESS)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--base-ms", type=float, default=1.5)
+    p.add_argument("--per-token-us", type=float, default=2.0)
+    p.add_argument("--per-context-token-ns", type=float, default=40.0)
+    p.set_defaults(func=_simulate)
     return parser
 
 

@@ -19,14 +19,11 @@ from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc.attention import AttentionMetadata, make_backend
 from worker_svc.config import DTYPES, ModelConfig
+from worker_svc.errors import PlanError
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.loader import load_weights
 from worker_svc.qwen3 import Qwen3ForCausalLM
 from worker_svc.sampler import Penalties, SamplerOutput, SamplingBatch, sample
-
-
-class PlanError(ValueError):
-    """A plan that does not fit the worker's state (gap in steps, other epoch, unknown sequence)."""
 
 
 @dataclass(slots=True)

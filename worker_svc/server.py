@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from worker_svc.model_runner import ModelRunner, PendingStep, PlanError
+from worker_svc.errors import PlanError
 
 log = logging.getLogger("splitserve.worker")
 SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -28,7 +28,9 @@ _END = object()
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, step_delay: float = 0.0):
+    """Serves a runner: the ModelRunner, or the SimulatedRunner (same protocol, no model)."""
+
+    def __init__(self, runner, step_delay: float = 0.0):
         self.runner = runner
         self.step_delay = step_delay  # test-only slow-down, so tests can act while a request runs
         self._stream_lock = threading.Lock()
@@ -80,7 +82,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
                 if isinstance(item, Exception):
                     context.abort(grpc.StatusCode.INTERNAL, f"step failed: {item}")
-                assert isinstance(item, PendingStep)
                 yield item.result()
         finally:
             # The scheduler that drove this stream is gone or broke the protocol: its sequences die
@@ -92,7 +93,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.info("execute stream closed; new epoch %d", self.runner.epoch)
 
 
-def serve(runner: ModelRunner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
+def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
