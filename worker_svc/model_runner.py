@@ -99,6 +99,8 @@ class ModelRunner:
         self.model.eval()
         self.attention = make_backend(cfg.attention, self.device)
         self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            self._warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name == "flash_attn":
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.max_num_seqs,
@@ -182,6 +184,35 @@ class ModelRunner:
         if free < per_block * 2:
             raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB of {total >> 20} MiB")
         return int(free // per_block) - 1
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Runs mixed steps of several query lengths before serving, so that kernels compiled on first
+        use (flash-attn-4's variants, torch.compile's fused ops) are built now, not inside a request."""
+        bs, budget = self.block_size, self.config.max_num_batched_tokens
+        longest = min(budget, self.max_model_len - 1)
+        for q_len in sorted({min(4 ** i, longest) for i in range(12)}):
+            per_seq = -(-(q_len + 1) // bs)
+            seqs = max(1, min(self.config.max_num_seqs, budget // q_len, self.num_blocks // per_seq))
+            lens = [q_len] * seqs
+            lens[0] = 1  # a decode beside the chunks: a mixed batch
+            ctx = [n + 1 for n in lens]  # over a one-token cached prefix
+            page = torch.arange(seqs * per_seq, dtype=torch.int32, device=self.device).view(seqs, per_seq)
+            positions = torch.cat([torch.arange(1, n + 1) for n in lens]).to(self.device)
+            seq_of = torch.repeat_interleave(torch.arange(seqs), torch.tensor(lens)).to(self.device)
+            slots = page[seq_of, positions // bs].long() * bs + positions % bs
+            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
+            seqused = torch.tensor(ctx, dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=seqused, page_table=page, slot_mapping=slots,
+                                     max_seqlen_q=max(lens), query_lens=lens, context_lens=ctx)
+            hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta,
+                                self.attention)
+            logits = self.model.compute_logits(hidden[cu[1:] - 1])
+        rows = logits.shape[0]
+        zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        sample(logits, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
+                                     all_greedy=False, max_logprobs=-1))
+        torch.cuda.synchronize()
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         return pb.DescribeResponse(
