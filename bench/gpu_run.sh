@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One whole GPU measurement in one go, on the lent H200 (see ../shared/device/README.md):
+#   call 1 (carry .fa4/a):        mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/
+#   call 2 (carry .fa4/b, .whl):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
+# Installs the wheels brought along, writes the Qwen3-0.6B-shaped checkpoint once, runs the GPU checks
+# and the benchmarks (each warms up first), and writes results under $OUT (default bench/results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+[ -d /tmp/site/flash_attn ] || bash bench/gpu_setup.sh || exit 1
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+MODEL=/tmp/qwen3-0.6b
+[ -f $MODEL/config.json ] || python3 -m worker_svc.cli make-model --preset qwen3-0.6b --out $MODEL >/dev/null
+benches=${*:-checks offline latency online prefix}
+for b in $benches; do
+  echo "=== $b ==="
+  case $b in
+    checks)  timeout 300 python3 -m pytest -q -p no:warnings tests/gpu 2>&1 | tail -3 ;;
+    profile) timeout 300 python3 -m bench.profile_step --preset qwen3-0.6b 2>&1 | grep -v -i warn | tail -32 ;;
+    offline) timeout 500 python3 -m bench.offline --model $MODEL --out $OUT/offline.json 2>&1 | grep -v -i warn | grep -v Generating | tail -6 ;;
+    *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;
+  esac
+done
