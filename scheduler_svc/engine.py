@@ -75,13 +75,15 @@ class LLMEngine:
             raise RuntimeError(f"worker speaks protocol {info.protocol_version}, scheduler {PROTOCOL_VERSION}")
         self.worker_info = info
         max_model_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        # The worker refuses plans beyond what it answered it can hold (0: it did not say).
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=info.num_blocks,
                 block_size=info.block_size,
                 max_model_len=max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=min(config.max_num_seqs, info.max_num_seqs or config.max_num_seqs),
+                max_num_batched_tokens=min(config.max_num_batched_tokens,
+                                           info.max_num_batched_tokens or config.max_num_batched_tokens),
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_waiting=config.max_waiting,
                 enable_prefix_caching=config.enable_prefix_caching,
@@ -98,9 +100,11 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []  # returned by the next step()
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request; raises ValueError (bad input) or QueueFullError."""
+        """Queue a request (a larger priority is more urgent); raises ValueError (bad input) or
+        QueueFullError."""
         params = params if params is not None else SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -113,7 +117,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(seq_id, token_ids, params, params.resolved_seed(), request_id=request_id)
+        seq = Sequence(seq_id, token_ids, params, params.resolved_seed(), request_id=request_id, priority=priority)
         self.scheduler.add(seq)
         self._next_seq_id += 1
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, params.stop)

@@ -1,6 +1,11 @@
 """Continuous batching over one worker group: turns waiting and running sequences into StepPlans
 (deltas against the worker's state) and applies StepResults.
 
+Order: a sequence's `arrival` is its arrival count minus priority_aging x its priority, so a more
+urgent request (larger priority) is admitted first and preempted last, equal priorities stay first
+come first served, and a request is overtaken by at most priority_aging x (difference in priority)
+requests that arrive after it (the bound on starvation). "Arrival order" below means this order.
+
 Policy, per step: one token budget. Decodes of running sequences first, oldest first; then prompts
 already partially prefilled continue; then waiting sequences are admitted in arrival order; all in
 one mixed plan. Prefill chunks get at most `chunk_cap` tokens in that pass so several prompts
@@ -66,6 +71,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_waiting: int = 4096
     enable_prefix_caching: bool = True
+    # How many later arrivals one level of priority may overtake (aging: bounds starvation).
+    priority_aging: int = 256
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -132,10 +139,13 @@ class Scheduler:
         seq.min_len = seq.prompt_len + params.min_tokens
         seq.sampling = params.to_proto(seq.seed)
         seq.logprobs = [] if params.logprobs is not None else None
-        seq.arrival = self._arrivals
+        seq.arrival = self._arrivals - cfg.priority_aging * seq.priority
         self._arrivals += 1
         seq.status = WAITING
-        self.waiting.append(seq)
+        if not self.waiting or self.waiting[-1].arrival <= seq.arrival:
+            self.waiting.append(seq)
+        else:
+            bisect.insort(self.waiting, seq, key=_arrival)
         self._waiting_tokens += n
         self._seqs[seq.seq_id] = seq
 

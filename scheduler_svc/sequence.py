@@ -35,7 +35,8 @@ class Sequence:
     request_id: str = ""
     prompt_len: int = 0  # set from token_ids when 0
     status: SequenceStatus = SequenceStatus.WAITING
-    arrival: int = 0  # admission order, assigned by the scheduler
+    priority: int = 0  # larger is more urgent
+    arrival: int = 0  # queue order, assigned by the scheduler from arrival count and priority
     # Positions whose KV is computed or scheduled in a plan already handed out (in flight included).
     num_computed_tokens: int = 0
     # len(NewSequence.token_ids) of the current incarnation; later positions are decodes.
