@@ -1,0 +1,267 @@
+"""What the benchmark scripts share: the model and engine flags, the checkpoint folder, the local cluster
+(real or simulated worker), an in-process executor over the simulated worker, timed streams
+(Trace, stream), percentiles, and record() with the command as `python -m bench.<name> ...`."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from protos import worker_pb2
+
+
+def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
+    """--preset/--model, --device, --simulate, the limits both sides agree on, and --out (unless None)."""
+    ap.add_argument("--preset", default="qwen3-0.6b", help="checkpoint written to a temp dir when --model is not given")
+    ap.add_argument("--model", type=Path, help="checkpoint folder (default: write the preset, bfloat16)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--simulate", action="store_true",
+                    help="the simulated worker (same protocol, no model, GPU-like step times): runs on a CPU")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    if out is not None:
+        ap.add_argument("--out", default=out, help="results JSON (a .md table is written next to it)")
+
+
+def write_config_only(preset: str, out: Path) -> Path:
+    """config.json, generation_config.json and the tokenizer: all the simulated worker and the scheduler
+    read (no weights, no torch)."""
+    from worker_svc.presets import GENERATION_CONFIG, get_preset
+    from worker_svc.tokenizer_files import write_qwen_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = get_preset(preset)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    write_qwen_tokenizer(out)
+    return out
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[Path]:
+    """--model as given; else the preset in a temp dir: weights in bfloat16, or only config and tokenizer
+    with --simulate (the simulated worker needs no weights)."""
+    if args.model:
+        yield Path(args.model)
+        return
+    with tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp:
+        if args.simulate:
+            yield write_config_only(args.preset, Path(tmp) / args.preset)
+        else:
+            from worker_svc.make_model import make_model
+
+            yield make_model(args.preset, Path(tmp) / args.preset, seed=0, dtype="bfloat16")
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """Flags of `splitserve-worker serve` and `simulate` alike."""
+    return ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+
+
+def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
+    return ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), *extra]
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """EngineConfig fields (those the worker must agree on go to an in-process worker too)."""
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len)
+
+
+def path_label(args: argparse.Namespace, path: str) -> str:
+    return path + (" (simulated worker)" if args.simulate else "")
+
+
+def _plain(v: object) -> object:
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def save(module: str, argv: Sequence[str] | None, path: str | Path, name: str, args: argparse.Namespace,
+         rows: list[dict]) -> dict:
+    """record() with the command as `python -m <module> <argv>`, however the script was reached
+    (python -m bench <name>, a test calling main(argv), ...)."""
+    from bench.record import record
+
+    saved = sys.argv
+    sys.argv = ["-m", module, *(sys.argv[1:] if argv is None else argv)]
+    try:
+        return record(path, name, params(args), rows)
+    finally:
+        sys.argv = saved
+
+
+def params(args: argparse.Namespace) -> dict:
+    """The run's parameters for record(): every flag (JSON-safe), the model as given."""
+    return {k: _plain(v) for k, v in vars(args).items()} | {"model": str(args.model or args.preset)}
+
+
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace, model: Path, extra_scheduler_args: Sequence[str] = (),
+            log_lines: int = 8) -> Iterator[str]:
+    """A scheduler and one worker (or simulated worker) on loopback; yields the scheduler's address and
+    prints the log tails when it stops."""
+    from client.launcher import LocalCluster
+
+    with LocalCluster(model, device=args.device, worker_args=worker_args(args),
+                      scheduler_args=scheduler_args(args, extra_scheduler_args),
+                      worker_command="simulate" if args.simulate else "serve") as c:
+        try:
+            yield c.address
+        finally:
+            if log_lines:
+                for p in c.processes:
+                    print(f"--- {p.name} log tail ---\n{p.tail(log_lines)}", flush=True)
+
+
+class SimulatedExecutor:
+    """The simulated worker behind the scheduler's Executor seam, in this process: the in-process
+    counterpart of `--simulate` (no torch, no gRPC)."""
+
+    def __init__(self, model: Path, args: argparse.Namespace, num_blocks: int = 4096):
+        from worker_svc.simulated import SimulatedRunner, StepCost
+
+        self.runner = SimulatedRunner(model, num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
+                                      args.max_num_batched_tokens, StepCost())
+        self._pending: list = []
+
+    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
+        return self.runner.describe(request)
+
+    def submit(self, plan: worker_pb2.StepPlan) -> None:
+        self._pending.append(self.runner.execute(plan))
+
+    def receive(self) -> worker_pb2.StepResult:
+        return self._pending.pop(0).result()
+
+    def close(self) -> None:
+        self._pending.clear()
+
+
+def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
+    """scheduler_svc.llm.LLM over the model on --device, or over the simulated worker with --simulate."""
+    from scheduler_svc.llm import LLM
+
+    options = engine_options(args) | engine
+    if args.simulate:
+        return LLM(model, executor=SimulatedExecutor(model, args), **options)
+    return LLM(model, device=args.device, block_size=args.block_size, **options)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def rnd(x: float, digits: int = 2) -> float | None:
+    """Rounded for the table; None (JSON null) for nan."""
+    if x is None or math.isnan(x):
+        return None
+    return round(x) if digits == 0 else round(x, digits)
+
+
+def csv_numbers(text: str, kind: type = float) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+class Trace:
+    """One streamed request: when it was sent, when each delta with tokens came, and its usage."""
+    __slots__ = ("sent", "times", "counts", "usage", "finish_reason", "error")
+
+    def __init__(self, sent: float):
+        self.sent = sent
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.usage = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.sent if self.times else math.nan
+
+    @property
+    def end(self) -> float:
+        return self.times[-1] if self.times else self.sent
+
+    def token_gaps(self) -> list[float]:
+        """Seconds per token after the first delta: the gap before a delta, shared by the tokens it brings."""
+        gaps = []
+        for i in range(1, len(self.times)):
+            n = self.counts[i]
+            gaps += [(self.times[i] - self.times[i - 1]) / n] * n
+        return gaps
+
+    @property
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first (nan with fewer than 2 tokens)."""
+        n = self.output_tokens - self.counts[0] if self.counts else 0
+        return (self.times[-1] - self.times[0]) / n if n > 0 else math.nan
+
+
+async def stream(client, prompt_ids: list[int], max_tokens: int, *, sent: float | None = None,
+                 **sampling: object) -> Trace:
+    """Streams one request with `client` (an AsyncClient) and times its deltas (time.perf_counter)."""
+    import grpc
+
+    trace = Trace(time.perf_counter() if sent is None else sent)
+    try:
+        async for delta in client.generate(token_ids=prompt_ids, max_tokens=max_tokens, **sampling):
+            if delta.token_ids:
+                trace.times.append(time.perf_counter())
+                trace.counts.append(len(delta.token_ids))
+            if delta.usage is not None:
+                trace.usage = delta.usage
+            if delta.finish_reason is not None:
+                trace.finish_reason = delta.finish_reason
+    except grpc.RpcError as e:
+        trace.error = f"{e.code().name}: {e.details()}"
+    return trace
+
+
+def offline_workload(num: int, max_input: int, max_output: int, seed: int = 0):
+    """bench.workload.offline (lengths uniform in [100, max]); below 100 the lower bound drops to the max,
+    with the same draws, so that smoke tests can shrink it."""
+    from bench.workload import Request, offline
+
+    if min(max_input, max_output) >= 100:
+        return offline(num, max_input, max_output, seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min(100, max_input), max_input))]
+               for _ in range(num)]
+    return [Request(p, rng.randint(min(100, max_output), max_output)) for p in prompts]
+
+
+def redraw_tokens(reqs: list, seed: int) -> list:
+    """The same lengths with fresh random token ids (so that a second pass does not hit the prefix cache)."""
+    from bench.workload import Request
+
+    rng = random.Random(seed)
+    return [Request([rng.randint(0, 10000) for _ in r.prompt_ids], r.max_tokens) for r in reqs]

@@ -1,0 +1,98 @@
+"""The benchmark scripts end to end on a CPU: each runs with --simulate (real scheduler and simulated
+worker processes on loopback) on a tiny workload and writes its results. No speed is asserted."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import common
+
+SIM = ["--simulate", "--block-size", "16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+       "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """config.json, generation_config.json and the tokenizer of qwen3-tiny: all --simulate reads."""
+    return common.write_config_only("qwen3-tiny", tmp_path_factory.mktemp("bench") / "qwen3-tiny")
+
+
+def _load(out: Path, name: str, module: str) -> dict:
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == name
+    for key in ("command", "commit", "gpu", "date", "params", "results"):
+        assert key in doc, key
+    assert doc["command"].split()[1:3] == ["-m", module]
+    assert out.with_suffix(".md").read_text().startswith(f"# {name}")
+    return doc
+
+
+def _positive(row: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+
+
+def test_online(model: Path, tmp_path: Path) -> None:
+    from bench import online
+
+    out = tmp_path / "online.json"
+    online.main(["--model", str(model), *SIM, "--rates", "50,inf", "--num-requests", "6", "--max-input", "32",
+                 "--max-output", "12", "--warmup", "2", "--out", str(out)])
+    doc = _load(out, "online", "bench.online")
+    rows = doc["results"]
+    assert [r["rate_req_s"] for r in rows] == [50.0, "inf"]
+    for r in rows:
+        assert r["requests"] == 6 and r["errors"] == 0
+        _positive(r, "seconds", "achieved_req_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                  "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
+        assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] and r["itl_p99_ms"] >= r["itl_p50_ms"]
+        assert 0 <= r["slo_met_pct"] <= 100 and 0 <= r["goodput_req_s"] <= r["achieved_req_s"] + 1e-9
+
+
+def test_latency_through_dispatch(model: Path, tmp_path: Path) -> None:
+    from bench.__main__ import main
+
+    out = tmp_path / "latency.json"
+    main(["latency", "--model", str(model), *SIM, "--repeats", "2", "--prompt-len", "16", "--output-len", "12",
+          "--warmup", "1", "--out", str(out)])
+    doc = _load(out, "latency", "bench.latency")
+    rows = doc["results"]
+    assert [r["path"] for r in rows] == ["in-process (simulated worker)", "grpc services (simulated worker)"]
+    for r in rows:
+        assert r["requests"] == 2 and r["errors"] == 0 and r["output_tokens"] == 12
+        _positive(r, "ttft_p50_ms", "ms_per_token_p50", "ms_per_token_mean", "ms_per_token_p99", "tokens_per_s")
+        assert r["ms_per_token_p99"] >= r["ms_per_token_p50"]
+
+
+def test_prefix(model: Path, tmp_path: Path) -> None:
+    from bench import prefix
+
+    out = tmp_path / "prefix.json"
+    # one request at a time: every request after its prefix's first hits exactly the prefix's 3 full blocks
+    prefix.main(["--model", str(model), *SIM, "--num-prefixes", "2", "--per-prefix", "3", "--prefix-len", "48",
+                 "--suffix-len", "8", "--output-len", "4", "--max-concurrency", "1", "--warmup", "1",
+                 "--out", str(out)])
+    doc = _load(out, "prefix", "bench.prefix")
+    on, off = doc["results"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == ("on", "off")
+    for r in (on, off):
+        assert r["requests"] == 6 and r["errors"] == 0 and r["prompt_tokens"] == 6 * 56
+        _positive(r, "seconds", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_ms")
+    assert on["cached_prompt_tokens"] == 4 * 48
+    assert on["hit_rate"] == on["ideal_hit_rate"] == round(4 * 48 / (6 * 56), 4)
+    assert off["cached_prompt_tokens"] == 0 and off["hit_rate"] == 0.0
+
+
+def test_all_offline_simulated(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m bench all` hands the shared flags on (here to offline alone, services path)."""
+    from bench.__main__ import main
+
+    main(["all", "--model", str(model), *SIM, "--results-dir", str(tmp_path), "--only", "offline",
+          "--offline-args", "--num-seqs 3 --max-input 100 --max-output 100"])
+    doc = _load(tmp_path / "offline.json", "offline", "bench.offline")
+    (row,) = doc["results"]
+    assert row["path"] == "grpc services (simulated worker)" and row["output_tokens"] > 0
+    assert "| grpc services (simulated worker) |" in capsys.readouterr().out
