@@ -87,12 +87,14 @@ def test_prefix(model: Path, tmp_path: Path) -> None:
 
 
 def test_all_offline_simulated(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`python -m bench all` hands the shared flags on (here to offline alone, services path)."""
+    """`python -m bench all` hands the shared flags on (here to offline alone: both paths)."""
     from bench.__main__ import main
 
     main(["all", "--model", str(model), *SIM, "--results-dir", str(tmp_path), "--only", "offline",
           "--offline-args", "--num-seqs 3 --max-input 100 --max-output 100"])
     doc = _load(tmp_path / "offline.json", "offline", "bench.offline")
-    (row,) = doc["results"]
-    assert row["path"] == "grpc services (simulated worker)" and row["output_tokens"] > 0
+    in_process, services = doc["results"]
+    assert in_process["path"] == "in-process (simulated worker)"
+    assert services["path"] == "grpc services (simulated worker)"
+    assert in_process["output_tokens"] == services["output_tokens"] > 0
     assert "| grpc services (simulated worker) |" in capsys.readouterr().out
