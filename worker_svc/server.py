@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent import futures
@@ -93,7 +94,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.info("execute stream closed; new epoch %d", self.runner.epoch)
 
 
+# The launcher thread must get the GIL as soon as a plan arrives, not after the default 5 ms switch
+# interval of the thread that is building the previous result.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
