@@ -59,18 +59,28 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, attention=args.attention, cuda_graphs=not args.no_cuda_graphs)
-    runner = ModelRunner(resolve_model(args.model), config)
-    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
-    info = runner.describe()
-    logging.getLogger("splitserve.worker").info(
-        "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, epoch %d",
-        info.model, args.host, port, info.device, info.dtype, info.num_blocks, info.block_size,
-        info.max_model_len, runner.attention.name, info.epoch)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=args.shutdown_grace).wait()
+    if args.tensor_parallel_size > 1:
+        # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
+        from worker_svc.tensor_parallel import TensorParallelRunner
+
+        runner = TensorParallelRunner(resolve_model(args.model), config, args.tensor_parallel_size)
+    else:
+        runner = ModelRunner(resolve_model(args.model), config)
+    try:
+        server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
+        info = runner.describe()
+        logging.getLogger("splitserve.worker").info(
+            "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, epoch %d",
+            info.model, args.host, port, info.device, info.dtype, info.num_blocks, info.block_size,
+            info.max_model_len, runner.attention.name, info.tensor_parallel_size, info.epoch)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        server.stop(grace=args.shutdown_grace).wait()
+    finally:
+        if hasattr(runner, "close"):
+            runner.close()  # stops the other tensor-parallel ranks
     return 0
 
 
@@ -132,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--attention", default="auto", choices=["auto", "flash_attn", "torch"])
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
+                        "this process is rank 0 and spawns the others")
     p.add_argument("--shutdown-grace", type=float, default=5.0)
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")

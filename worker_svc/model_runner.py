@@ -22,6 +22,7 @@ from worker_svc.config import DTYPES, ModelConfig
 from worker_svc.errors import PlanError
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.loader import load_weights
+from worker_svc.parallel import min_over_ranks, tp_size
 from worker_svc.qwen3 import Qwen3ForCausalLM
 from worker_svc.sampler import Penalties, SamplerOutput, SamplingBatch, sample
 
@@ -141,6 +142,7 @@ class ModelRunner:
             self.num_blocks = self._profile_num_blocks(per_block)
         else:
             self.num_blocks = max(1, cfg.kv_cache_memory // per_block)
+        self.num_blocks = min_over_ranks(self.num_blocks, self.device)  # one block pool for all TP ranks
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
@@ -218,7 +220,7 @@ class ModelRunner:
         return pb.DescribeResponse(
             protocol_version=WORKER_PROTOCOL_VERSION, model=self.model_dir.name,
             dtype=str(self.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
-            block_size=self.block_size, max_model_len=self.max_model_len, tensor_parallel_size=1,
+            block_size=self.block_size, max_model_len=self.max_model_len, tensor_parallel_size=tp_size(),
             epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
             device=str(self.device), max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)

@@ -19,6 +19,15 @@ def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def min_over_ranks(value: int, device: torch.device | str) -> int:
+    """The smallest `value` over the tensor-parallel ranks (itself at world size 1)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * (t.shape[dim] // size), t.shape[dim] // size)
 

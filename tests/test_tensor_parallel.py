@@ -1,0 +1,371 @@
+"""Tensor parallelism inside one worker (issue 8), on CPUs with gloo, fp32, project-written checkpoints:
+- the weight loaders cut the right slices (fake rank and size, KV heads sharded and replicated);
+- in a real TP=2 group each rank holds exactly its slices of the checkpoint, the gathered logits are
+  the same on every rank and equal transformers', and the KV block count is the minimum over ranks;
+- through the full gRPC path (client -> scheduler -> `worker_svc.cli serve --tensor-parallel-size N`)
+  greedy generations at TP=2 and at TP=4 (2 KV heads: replicated) equal TP=1 and transformers' generate;
+- SIGTERM stops every rank; killing one non-leader rank takes the worker down, and the request in
+  flight ends with UNAVAILABLE instead of hanging.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from client.client import Client
+from client.launcher import LocalCluster
+from protos import WORKER_PROTOCOL_VERSION
+from protos import worker_pb2, worker_pb2_grpc
+from worker_svc import parallel
+from worker_svc.make_model import make_model
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_NEW = 12
+PROMPT_LENS = [5, 19, 1, 33]
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _prompts(seed: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 150000) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _hf(model_dir: Path):
+    import transformers  # not at module level: the spawned ranks import this module
+
+    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_generate(model_dir: Path, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
+    hf = _hf(model_dir)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                              pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def _rank_pids(leader: int) -> list[int]:
+    """The leader's rank processes (multiprocessing spawn children, not its resource tracker)."""
+    out = []
+    for pid in _children(leader):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            out.append(pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _worker(cluster: LocalCluster):
+    return next(p for p in cluster.processes if p.name.startswith("worker-"))
+
+
+def _generate_all(address: str, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
+    """All prompts at once, so the worker runs them as mixed batches."""
+    def one(p):
+        with Client(address, timeout=120) as client:
+            [c] = client.complete(token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)
+            assert c.finish_reason == "length"
+            return c.token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _describe(port: int) -> worker_pb2.DescribeResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Describe(
+            worker_pb2.DescribeRequest(protocol_version=WORKER_PROTOCOL_VERSION), timeout=30)
+
+
+# ---- weight loaders, fake rank and size -----------------------------------------------------------
+def _with_rank(monkeypatch, rank: int, size: int) -> None:
+    monkeypatch.setattr(parallel, "tp_rank", lambda: rank)
+    monkeypatch.setattr(parallel, "tp_size", lambda: size)
+
+
+@pytest.mark.parametrize("heads,kv_heads,size", [(8, 4, 2), (8, 4, 4), (4, 2, 4), (8, 2, 4), (4, 1, 2)])
+def test_qkv_loader_shards_or_replicates_kv_heads(monkeypatch, heads, kv_heads, size):
+    hidden, d = 8, 4
+    q = torch.randn(heads * d, hidden)
+    k, v = torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    for rank in range(size):
+        _with_rank(monkeypatch, rank, size)
+        layer = parallel.QKVParallelLinear(hidden, d, heads, kv_heads)
+        for shard_id, t in (("q", q), ("k", k), ("v", v)):
+            layer.weight.weight_loader(layer.weight, t, shard_id)
+        my_heads = list(range(rank * heads // size, (rank + 1) * heads // size))
+        # the KV heads those query heads use (GQA groups of heads // kv_heads)
+        my_kv = sorted({h // (heads // kv_heads) for h in my_heads})
+        assert layer.num_kv_heads == len(my_kv) == max(1, kv_heads // size)
+        rows = lambda t, hs: torch.cat([t[h * d:(h + 1) * d] for h in hs])  # noqa: E731
+        expected = torch.cat([rows(q, my_heads), rows(k, my_kv), rows(v, my_kv)])
+        torch.testing.assert_close(layer.weight.data, expected, rtol=0, atol=0)
+
+
+def test_linear_and_vocab_loaders(monkeypatch):
+    size, hidden, inter, vocab = 4, 8, 16, 30  # 30 rows over 4 ranks: padded to 8 each
+    gate, up, down = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)
+    emb = torch.randn(vocab, hidden)
+    for rank in range(size):
+        _with_rank(monkeypatch, rank, size)
+        s = slice(rank * inter // size, (rank + 1) * inter // size)
+        gu = parallel.MergedColumnParallelLinear(hidden, [inter, inter])
+        gu.weight.weight_loader(gu.weight, gate, 0)
+        gu.weight.weight_loader(gu.weight, up, 1)
+        torch.testing.assert_close(gu.weight.data, torch.cat([gate[s], up[s]]), rtol=0, atol=0)
+        row = parallel.RowParallelLinear(inter, hidden)
+        row.weight.weight_loader(row.weight, down)
+        torch.testing.assert_close(row.weight.data, down[:, s], rtol=0, atol=0)
+        e = parallel.VocabParallelEmbedding(vocab, hidden)
+        e.weight.weight_loader(e.weight, emb)
+        mine = emb[rank * 8:(rank + 1) * 8]
+        torch.testing.assert_close(e.weight.data[:len(mine)], mine, rtol=0, atol=0)
+        assert not e.weight.data[len(mine):].any()
+
+
+# ---- a real TP=2 group: sharded loading, logits, block count --------------------------------------
+def _probe_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
+    """One rank of a TP group in its own process: load the model, save its parameters, its logits of
+    two prompts and its block count."""
+    import torch.distributed as dist
+
+    from worker_svc.attention import AttentionMetadata
+    from worker_svc.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.tensor_parallel import _init_process_group
+
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=120))
+    _init_process_group(rank, size, store, "cpu")
+    # every rank has room for a different number of blocks: the cache gets the minimum
+    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", max_num_seqs=4,
+                                                 kv_cache_memory=(1 << 20) * (2 + rank)))
+    params = {}
+    for name, p in runner.model.named_parameters():
+        if name == "embed_tokens.weight":
+            params[name + ".shape"] = torch.tensor(p.shape)
+            params[name + ".head"], params[name + ".tail"] = p[:4].clone(), p[-4:].clone()
+        else:
+            params[name] = p.detach().clone()
+    prompts = [[11, 22, 33, 44, 55], [151000, 7, 99, 123456, 5, 6, 7, 8, 9]]
+    lens = [len(p) for p in prompts]
+    bs = runner.block_size
+    page = torch.tensor([[0], [1]], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    seq = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32),
+        seqused_k=torch.tensor(lens, dtype=torch.int32), page_table=page,
+        slot_mapping=page[seq, positions // bs].long() * bs + positions % bs, max_seqlen_q=max(lens),
+        query_lens=lens, context_lens=lens)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(sum(prompts, [])), positions, meta, runner.attention)
+        logits = runner.model.compute_logits(hidden)
+    torch.save({"params": params, "logits": logits, "prompts": prompts, "num_blocks": runner.num_blocks,
+                "kv_heads": runner.model.layers[0].self_attn.num_kv_heads,
+                "describe_tp": runner.describe().tensor_parallel_size},
+               Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory) -> Path:
+    """qwen3-tiny-tp: 8 heads, 4 KV heads, head_dim 16, hidden 128, intermediate 256, tied."""
+    return make_model("qwen3-tiny-tp", tmp_path_factory.mktemp("tiny-tp") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tp_model_dir) -> list[list[int]]:
+    return _hf_generate(tp_model_dir, _prompts())
+
+
+def test_tp2_ranks_hold_their_slices_and_gather_the_same_logits(tp_model_dir, tmp_path):
+    import torch.distributed as dist
+
+    size = 2
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_probe_rank, args=(r, size, store.port, str(tp_model_dir), str(tmp_path)))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * size
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+
+    from safetensors.torch import load_file
+    from worker_svc.config import ModelConfig
+
+    ckpt = load_file(str(tp_model_dir / "model.safetensors"))
+    cfg = ModelConfig.from_dir(tp_model_dir)
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for rank, got in enumerate(ranks):
+        params = got["params"]
+        cut = lambda t, dim: t.chunk(size, dim)[rank]  # noqa: E731
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (ckpt[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+            expected = {
+                "self_attn.qkv_proj.weight": torch.cat([cut(q, 0), cut(k, 0), cut(v, 0)]),
+                "self_attn.o_proj.weight": cut(ckpt[p + "self_attn.o_proj.weight"], 1),
+                "mlp.gate_up_proj.weight": torch.cat([cut(ckpt[p + "mlp.gate_proj.weight"], 0),
+                                                      cut(ckpt[p + "mlp.up_proj.weight"], 0)]),
+                "mlp.down_proj.weight": cut(ckpt[p + "mlp.down_proj.weight"], 1),
+                "self_attn.q_norm.weight": ckpt[p + "self_attn.q_norm.weight"],
+                "self_attn.k_norm.weight": ckpt[p + "self_attn.k_norm.weight"],
+                "input_layernorm.weight": ckpt[p + "input_layernorm.weight"],
+                "post_attention_layernorm.weight": ckpt[p + "post_attention_layernorm.weight"],
+            }
+            for name, want in expected.items():
+                torch.testing.assert_close(params[f"layers.{i}.{name}"], want, rtol=0, atol=0,
+                                           msg=lambda m: f"rank {rank} {name} layer {i}: {m}")
+        assert params["layers.0.self_attn.qkv_proj.weight"].shape[0] == (heads + 2 * kv) * d // size
+        torch.testing.assert_close(params["norm.weight"], ckpt["model.norm.weight"], rtol=0, atol=0)
+        emb = cut(ckpt["model.embed_tokens.weight"], 0)
+        assert params["embed_tokens.weight.shape"].tolist() == list(emb.shape)  # half the vocabulary
+        torch.testing.assert_close(params["embed_tokens.weight.head"], emb[:4], rtol=0, atol=0)
+        torch.testing.assert_close(params["embed_tokens.weight.tail"], emb[-4:], rtol=0, atol=0)
+        assert got["kv_heads"] == kv // size
+        assert got["describe_tp"] == size
+
+    # one block pool: the smallest rank's (rank 0 was given the least memory)
+    per_block = 2 * cfg.num_hidden_layers * 16 * (kv // size) * d * 4
+    assert {g["num_blocks"] for g in ranks} == {(2 << 20) // per_block}
+    # every rank samples from the same gathered logits, bit for bit; and they are transformers'
+    torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"], rtol=0, atol=0)
+    hf = _hf(tp_model_dir)
+    start = 0
+    with torch.inference_mode():
+        for prompt in ranks[0]["prompts"]:
+            ref = hf(torch.tensor([prompt])).logits[0]
+            torch.testing.assert_close(ranks[0]["logits"][start:start + len(prompt)], ref, atol=1e-4, rtol=0)
+            start += len(prompt)
+
+
+# ---- full gRPC path ------------------------------------------------------------------------------
+def _cluster(model_dir: Path, tp: int, tmp: Path, *extra: str) -> LocalCluster:
+    return LocalCluster(model_dir, worker_args=["--tensor-parallel-size", str(tp), "--dtype", "float32",
+                                                "--num-blocks", "64", "--max-num-seqs", "8", *extra],
+                        log_dir=tmp).start(timeout=180)
+
+
+@pytest.fixture(scope="module")
+def tp2_cluster(tp_model_dir, tmp_path_factory):
+    cluster = _cluster(tp_model_dir, 2, tmp_path_factory.mktemp("tp2-logs"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, tp_reference):
+    from scheduler_svc.llm import LLM
+    from scheduler_svc.sampling import SamplingParams
+
+    info = _describe(tp2_cluster.worker_ports[0])
+    assert info.tensor_parallel_size == 2 and info.num_blocks == 64
+    prompts = _prompts()
+    got = _generate_all(tp2_cluster.address, prompts)
+    assert got == tp_reference
+    with LLM(tp_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8) as llm:
+        tp1 = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.token_ids for o in tp1] == got
+
+
+def test_sigterm_stops_every_rank(tp2_cluster):
+    worker = _worker(tp2_cluster)
+    ranks = _rank_pids(worker.popen.pid)
+    assert len(ranks) == 1
+    tp2_cluster.stop()
+    assert worker.popen.returncode == 0
+    assert _wait_gone(ranks, 15) == []
+
+
+@pytest.fixture(scope="module")
+def tp4_cluster(tiny_model_dir, tmp_path_factory):
+    """qwen3-tiny (4 heads, 2 KV heads) at TP=4: one query head per rank, each KV head on two ranks.
+    Slowed down a little per step so a request is still running when a rank is killed."""
+    cluster = _cluster(tiny_model_dir, 4, tmp_path_factory.mktemp("tp4-logs"), "--debug-step-delay", "0.01")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_tp4_with_replicated_kv_heads_equals_transformers(tp4_cluster, tiny_model_dir):
+    info = _describe(tp4_cluster.worker_ports[0])
+    assert info.tensor_parallel_size == 4
+    prompts = _prompts(seed=9)
+    assert _generate_all(tp4_cluster.address, prompts) == _hf_generate(tiny_model_dir, prompts)
+
+
+def test_killing_a_rank_fails_the_request_in_flight(tp4_cluster):
+    worker = _worker(tp4_cluster)
+    ranks = _rank_pids(worker.popen.pid)
+    assert len(ranks) == 3
+    with Client(tp4_cluster.address, timeout=60) as client:
+        stream = client.generate(token_ids=[1, 2, 3, 4, 5], max_tokens=400, temperature=0.0, ignore_eos=True)
+        first = next(stream)  # the request is running on the worker
+        assert first.token_ids
+        os.kill(ranks[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert time.monotonic() - started < 30
+    # the leader went down with a non-zero status, and took the other ranks with it
+    assert worker.popen.wait(30) != 0
+    assert _wait_gone(ranks, 15) == []
+    log = worker.log_path.read_text(errors="replace")
+    assert "taking the worker down" in log or "failed on the leader" in log
