@@ -81,7 +81,7 @@ class FlashAttention:
 
 
 def flash_attn_available(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] < 9:
         return False
     try:
         import flash_attn.cute  # noqa: F401
