@@ -179,12 +179,13 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
-        ours = torch.cuda.memory_reserved(self.device)
-        others = total - free_now - ours  # other processes on this GPU
         graph_reserve = 1 << 30
-        free = total * cfg.gpu_memory_utilization - others - peak - graph_reserve
+        # This worker may use gpu_memory_utilization of the whole GPU, and no more than is free now.
+        free = min(total * cfg.gpu_memory_utilization - peak, free_now - (1 - cfg.gpu_memory_utilization) * total) \
+            - graph_reserve
         if free < per_block * 2:
-            raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB of {total >> 20} MiB")
+            raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB, free {free_now >> 20} MiB "
+                               f"of {total >> 20} MiB, gpu_memory_utilization {cfg.gpu_memory_utilization}")
         return int(free // per_block) - 1
 
     @torch.inference_mode()
