@@ -180,9 +180,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(self.device)
         graph_reserve = 1 << 30
-        # This worker may use gpu_memory_utilization of the whole GPU, and no more than is free now.
-        free = min(total * cfg.gpu_memory_utilization - peak, free_now - (1 - cfg.gpu_memory_utilization) * total) \
-            - graph_reserve
+        # One worker per GPU (as vLLM assumes): it may use gpu_memory_utilization of the whole GPU.
+        free = total * cfg.gpu_memory_utilization - peak - graph_reserve
         if free < per_block * 2:
             raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB, free {free_now >> 20} MiB "
                                f"of {total >> 20} MiB, gpu_memory_utilization {cfg.gpu_memory_utilization}")
