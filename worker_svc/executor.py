@@ -2,8 +2,11 @@
 same plan/result contract as the gRPC worker and no network (tests, benchmarks, offline use)."""
 from __future__ import annotations
 
+import gc
 from collections import deque
 from pathlib import Path
+
+import torch
 
 from protos import worker_pb2 as pb
 from worker_svc.model_runner import ModelRunner, PendingStep, RunnerConfig
@@ -24,4 +27,10 @@ class InProcessExecutor:
         return self._pending.popleft().result()
 
     def close(self) -> None:
+        """Releases the model and the KV cache (on a GPU, so that another worker can take them)."""
         self._pending.clear()
+        device = self.runner.device
+        self.runner = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
