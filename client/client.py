@@ -15,7 +15,6 @@ from typing import Any, TypedDict, Unpack
 
 import grpc
 import grpc.aio
-from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import splitserve_pb2 as pb
@@ -220,7 +219,22 @@ class CompletionCollector:
 
 
 def _model_info_dict(info: pb.ModelInfo) -> dict[str, Any]:
-    return json_format.MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """Every field, by its proto name; unlike JSON, 64-bit counters stay ints (per-worker `workers` included)."""
+    return _plain(info)
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in message.DESCRIPTOR.fields:
+        if f.has_presence and not f.is_repeated and not message.HasField(f.name):
+            continue
+        value = getattr(message, f.name)
+        if f.message_type is not None:
+            value = [_plain(v) for v in value] if f.is_repeated else _plain(value)
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
 
 
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:

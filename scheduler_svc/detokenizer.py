@@ -17,7 +17,8 @@ _PROMPT_CONTEXT = 4  # prompt tokens seeding the stream, so the first delta deco
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tokenizer", "_stream", "_stops", "_prefix_ends", "_pending")
+    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_stops", "_prefix_ends", "_pending", "_undecoded",
+                 "stop_string")
 
     def __init__(
         self,
@@ -27,15 +28,27 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
     ):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
+        self._skip_special = skip_special_tokens
+        context = list(prompt_ids[-_PROMPT_CONTEXT:])
+        # A context that ends inside a UTF-8 character makes DecodeStream emit all of the context's text
+        # with the first token: leave such tokens out (the text is then that of the generated tokens).
+        while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
         self._stops = tuple(stop)
         # Characters that can end a proper prefix of a stop string: text ending otherwise holds nothing.
         self._prefix_ends = frozenset(ch for s in self._stops for ch in s[:-1])
         self._pending = ""  # decoded but held back
+        self._undecoded: list[int] = []  # tokens since the stream's last text: an incomplete character
+        self.stop_string: str | None = None  # the stop string found, once add() reported one
 
     def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Feed one token; returns (text delta, stop string found). After a stop, stop feeding."""
         piece = self._stream.step(self._tokenizer, token_id)
+        if piece is None:
+            self._undecoded.append(token_id)
+        else:
+            self._undecoded.clear()
         if not self._stops:
             return piece or "", False
         text = self._pending + piece if piece else self._pending
@@ -47,7 +60,7 @@ class IncrementalDetokenizer:
         for s in self._stops:
             k = text.find(s)
             if k != -1 and (cut == -1 or k < cut):
-                cut = k
+                cut, self.stop_string = k, s
         if cut != -1:
             self._pending = ""
             return text[:cut], True
@@ -64,6 +77,10 @@ class IncrementalDetokenizer:
         return text[: len(text) - hold], False
 
     def flush(self) -> str:
-        """Text held back for a stop string that did not come (the sequence ended otherwise)."""
+        """Text held back for a stop string that did not come (the sequence ended otherwise), and an
+        incomplete character at the end as decode() renders it (U+FFFD), so the whole text is decode()'s."""
         text, self._pending = self._pending, ""
+        if self._undecoded:
+            text += self._tokenizer.decode(self._undecoded, skip_special_tokens=self._skip_special)
+            self._undecoded.clear()
         return text

@@ -43,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
     usage: Usage | None = None  # on the final output
+    stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
 
 
 @dataclass(slots=True)
@@ -161,18 +162,22 @@ class LLMEngine:
         detokenizer = self._by_seq[seq.seq_id].detokenizer
         token = seq.token_ids[-1]
         reason = seq.finish_reason
+        stop_reason = None
         if reason == "stop":  # a stop token (EOS or stop_token_ids): not part of the text
             text = detokenizer.flush()
+            stop_reason = str(token)
         else:
             text, stopped = detokenizer.add(token, len(seq.token_ids) >= seq.min_len)
             if stopped:
                 if reason is None:
                     self.scheduler.finish(seq.seq_id, "stop")
                 reason = seq.finish_reason = "stop"
+                stop_reason = detokenizer.stop_string
             elif reason is not None:
                 text += detokenizer.flush()
         out = RequestOutput(
-            seq.request_id, [token], text, reason is not None, reason, [seq.logprobs[-1]] if seq.logprobs else None
+            seq.request_id, [token], text, reason is not None, reason, [seq.logprobs[-1]] if seq.logprobs else None,
+            stop_reason=stop_reason,
         )
         if reason is not None:
             out.usage = self._usage(seq)

@@ -2,7 +2,10 @@
 field. Everything is checked here, before anything is allocated."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import xxhash
 
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import SamplingParams
@@ -23,6 +26,14 @@ class ParsedRequest:
     params: SamplingParams
     n: int
     priority: int
+
+    def completion_params(self, index: int) -> SamplingParams:
+        """The parameters of completion `index` of the n: with a seed, each completion gets its own seed
+        derived from it (the first keeps it), so the n differ and the request stays reproducible."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed))
 
 
 def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: ModelTokenizer,

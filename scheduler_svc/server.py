@@ -118,7 +118,7 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         try:
             # With n > 1 the first completion computes the prompt; the others start once it has, and
             # hit its cached blocks.
-            await self._submit(group, parsed, subs[0], context)
+            await self._submit(group, parsed, subs[0], 0, context)
             started_rest = parsed.n == 1
             while pending:
                 item = await stream.queue.get()
@@ -130,8 +130,8 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                                         f"worker {group.address} failed; retry the request")
                 if not started_rest:
                     started_rest = True
-                    for s in subs[1:]:
-                        await self._submit(group, parsed, s, context)
+                    for i, s in enumerate(subs[1:], 1):
+                        await self._submit(group, parsed, s, i, context)
                 for response in _responses(rid, batch, stream.index_of):
                     if response.finish_reason:
                         pending.discard(subs[response.index])
@@ -149,9 +149,9 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                      rid, group.address, parsed.n, len(parsed.prompt_ids), usage.completion_tokens,
                      usage.cached_prompt_tokens, reason, time.perf_counter() - started)
 
-    async def _submit(self, group: WorkerGroup, parsed, sub_id: str, context) -> None:
+    async def _submit(self, group: WorkerGroup, parsed, sub_id: str, index: int, context) -> None:
         try:
-            await asyncio.wrap_future(group.add(parsed.prompt_ids, parsed.params, sub_id))
+            await asyncio.wrap_future(group.add(parsed.prompt_ids, parsed.completion_params(index), sub_id))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
@@ -164,7 +164,8 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         info = groups[0].info
         return api.ModelInfo(model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                              eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups),
-                             dtype=info.dtype, block_size=info.block_size)
+                             dtype=info.dtype, block_size=info.block_size,
+                             workers=[g.status() for g in self.groups])
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
         try:
@@ -202,6 +203,7 @@ def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -
                                                         for t, p in (lp.top or [])])
         if out.finished:
             r.finish_reason = FINISH.get(out.finish_reason, api.FINISH_REASON_STOP)
+            r.stop_reason = out.stop_reason or ""
             if out.usage is not None:
                 r.usage.prompt_tokens = out.usage.prompt_tokens
                 r.usage.completion_tokens = out.usage.completion_tokens

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from protos import splitserve_pb2 as api
 from scheduler_svc.engine import EngineConfig, LLMEngine, RequestOutput
 from scheduler_svc.grpc_executor import GrpcExecutor, WorkerUnavailable
 from scheduler_svc.sampling import SamplingParams
@@ -25,6 +26,11 @@ class WorkerGroup:
         self.engine = LLMEngine(model_dir, GrpcExecutor(address), config, tokenizer)
         self.info = self.engine.worker_info
         self.alive = True
+        self.num_requests = 0  # sequences routed here (each of n completions counts)
+        # Prompt tokens of requests routed here whose add has not reached the engine thread yet:
+        # routing must see them, or a burst of requests all lands on the group that looked idle.
+        self._queued_tokens = 0
+        self._queued_lock = threading.Lock()
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -35,9 +41,19 @@ class WorkerGroup:
     # Called from other threads: every engine mutation happens on the engine thread.
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((self.engine.add_request, (prompt_ids, params, request_id), future))
+        self.num_requests += 1
+        with self._queued_lock:
+            self._queued_tokens += len(prompt_ids)
+        self._commands.put((self._add_request, (prompt_ids, params, request_id), future))
         self._wake.set()
         return future
+
+    def _add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        try:
+            return self.engine.add_request(prompt_ids, params, request_id)
+        finally:
+            with self._queued_lock:
+                self._queued_tokens -= len(prompt_ids)
 
     def abort(self, request_id: str) -> None:
         self._commands.put((self.engine.abort_request, (request_id,), None))
@@ -50,9 +66,20 @@ class WorkerGroup:
         self.engine.close()
 
     def load(self) -> tuple[int, int, int]:
-        """(waiting prompt tokens, running sequences, free blocks): an unlocked, approximate read."""
+        """(waiting prompt tokens, routed ones not yet queued included, running sequences, free blocks): an
+        unlocked, approximate read."""
         sched = self.engine.scheduler
-        return sched.num_waiting_tokens, sched.num_running, sched.block_manager.num_free_blocks
+        return (sched.num_waiting_tokens + self._queued_tokens, sched.num_running,
+                sched.block_manager.num_free_blocks)
+
+    def status(self) -> api.WorkerStatus:
+        """What GetModelInfo reports of this group: an unlocked, approximate read, like load()."""
+        sched = self.engine.scheduler
+        bm = sched.block_manager
+        return api.WorkerStatus(address=self.address, alive=self.alive, num_blocks=bm.num_blocks,
+                                free_blocks=bm.num_free_blocks, cached_blocks=bm.num_cached_blocks,
+                                num_running=sched.num_running, num_waiting=sched.num_waiting,
+                                num_requests=self.num_requests, num_preemptions=sched.num_preemptions)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return self.engine.scheduler.block_manager.cached_prefix_len(token_ids)

@@ -1,0 +1,152 @@
+"""Greedy generation through LLMEngine / LLM over the in-process executor (the worker's ModelRunner in
+this process, same plan/result contract as the gRPC worker) equals transformers' generate token for
+token: pipeline on and off, chunked prefills, block pressure that forces preemption and resume by
+recompute, and prefix-cache hits. fp32 on CPU, qwen3-tiny."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from scheduler_svc.engine import EngineConfig, LLMEngine
+from scheduler_svc.llm import LLM
+from scheduler_svc.sampling import SamplingParams
+from worker_svc.executor import InProcessExecutor
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT_LENS = [5, 17, 1, 13, 22, 9]
+MAX_NEW = 24
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(0, 150000) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _greedy(**overrides) -> SamplingParams:
+    # ignore_eos: transformers' reference runs with min_new_tokens, so it never stops early either
+    return SamplingParams(**{"max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, **overrides})
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _hf_generate(hf, prompt: list[int], n: int = MAX_NEW) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(hf) -> list[list[int]]:
+    return [_hf_generate(hf, p) for p in _prompts()]
+
+
+def _engine(model_dir, *, num_blocks: int, block_size: int, **config) -> LLMEngine:
+    config.setdefault("max_num_seqs", 8)
+    executor = InProcessExecutor(model_dir, device="cpu", dtype="float32", num_blocks=num_blocks,
+                                 block_size=block_size, max_num_seqs=config["max_num_seqs"],
+                                 max_num_batched_tokens=config.get("max_num_batched_tokens", 8192))
+    return LLMEngine(model_dir, executor, EngineConfig(**config))
+
+
+def _run(engine: LLMEngine, max_steps: int = 5000) -> dict:
+    """request id -> (tokens, text, finish reason, usage); checks the engine's invariants every step."""
+    tokens: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    done: dict[str, tuple] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        for out in engine.step():
+            assert out.request_id not in done, "output after the final one"
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            if out.finished:
+                done[out.request_id] = (tokens[out.request_id], texts[out.request_id], out.finish_reason, out.usage)
+        engine.scheduler.check()
+    raise AssertionError(f"no end after {max_steps} steps")
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
+def test_llm_generate_equals_transformers(tiny_model_dir, reference, pipeline):
+    """The offline API, roomy pool: every prompt admitted at once, one mixed batch of prefills."""
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
+             pipeline=pipeline) as llm:
+        outs = llm.generate(_prompts(), _greedy(), use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.finish_reason == "length" for o in outs)
+        assert [o.usage.completion_tokens for o in outs] == [MAX_NEW] * len(outs)
+        assert [o.usage.prompt_tokens for o in outs] == PROMPT_LENS
+        tok = llm.engine.tokenizer
+        assert [o.text for o in outs] == [tok.decode(r) for r in reference]
+        sched = llm.engine.scheduler
+        assert sched.num_preemptions == 0
+        assert sched.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
+def test_greedy_under_block_pressure_with_preemption(tiny_model_dir, reference, pipeline):
+    """16 blocks of 4 tokens cannot hold the six sequences at once: decodes preempt the newest running
+    sequence, which later resumes by recompute and re-hits its own cached full blocks. Small token
+    budget and chunk cap: prompts are prefilled in chunks, mixed with decodes."""
+    engine = _engine(tiny_model_dir, num_blocks=16, block_size=4, pipeline=pipeline, max_num_batched_tokens=16,
+                     long_prefill_token_threshold=6)
+    try:
+        ids = [engine.add_request(p, _greedy()) for p in _prompts()]
+        done = _run(engine)
+        assert [done[r][0] for r in ids] == reference
+        assert all(done[r][2] == "length" for r in ids)
+        sched = engine.scheduler
+        assert sched.num_preemptions > 0
+        # The prompts share no prefix: every hit is a resumed sequence finding its own blocks again.
+        assert sched.num_prefix_hit_tokens > 0
+        assert sched.block_manager.num_free_blocks == 16
+        assert not sched.running and not sched.waiting
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_hit_reports_cached_tokens(tiny_model_dir, hf):
+    """A second request that shares a long prefix with a finished one computes only its new tail,
+    reports the hit in usage, and still generates exactly what transformers does."""
+    rng = random.Random(99)
+    prefix = [rng.randrange(0, 150000) for _ in range(40)]
+    first, second = prefix + [11, 12, 13], prefix + [rng.randrange(0, 150000) for _ in range(7)]
+    engine = _engine(tiny_model_dir, num_blocks=64, block_size=8)
+    try:
+        a = engine.add_request(first, _greedy(max_tokens=12))
+        got_a = _run(engine)[a]
+        assert got_a[3].cached_tokens == 0
+        b = engine.add_request(second, _greedy(max_tokens=12))
+        got_b = _run(engine)[b]
+        assert got_b[3].prompt_tokens == len(second)
+        assert got_b[3].cached_tokens == 40  # five full blocks of 8
+        assert got_a[0] == _hf_generate(hf, first, 12)
+        assert got_b[0] == _hf_generate(hf, second, 12)
+        # The same prompt again: everything but the last token is a hit (it must be computed).
+        c = engine.add_request(second, _greedy(max_tokens=12))
+        got_c = _run(engine)[c]
+        assert got_c[3].cached_tokens == (len(second) - 1) // 8 * 8
+        assert got_c[0] == got_b[0]
+        assert engine.scheduler.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
+
+
+def test_text_of_prompts_that_end_inside_a_character(tiny_model_dir, hf):
+    """Random token ids can end a prompt inside a UTF-8 character (byte-level tokens). The streamed text
+    is that of the generated tokens alone: none of the prompt's text leaks into it."""
+    prompts = [[1167, 75241, 88541, 17423, 122562, 155], [17423, 88541], [155]]
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, _greedy(max_tokens=16), use_tqdm=False)
+        tok = llm.engine.tokenizer
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == _hf_generate(hf, p, 16)
+            assert o.text == tok.decode(o.token_ids)
