@@ -1,7 +1,9 @@
 """Decode step time of the ModelRunner alone (no scheduler), at a given batch and context length,
-for several KV block sizes, CUDA graphs on and off. Used to choose the block size.
+for several KV block sizes, CUDA graphs on and off. Used to choose the block size. With --profile, also
+where the step's GPU time goes (torch.profiler, kernels grouped by name) and the graph replay alone.
 
-python -m bench.runner_step --preset qwen3-0.6b --batch 256 --context 800 --block-sizes 16,64,128,256
+python -m bench runner-step --preset qwen3-0.6b --batch 256 --context 800 --block-sizes 16,64,128,256
+python -m bench runner-step --block-sizes 256 --profile
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -22,64 +25,101 @@ from worker_svc.model_runner import ModelRunner, RunnerConfig
 SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=1)
 
 
-def measure(model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int) -> dict:
-    blocks_per_seq = -(-(context + steps + 8) // block_size)
-    runner = ModelRunner(model_dir, RunnerConfig(
-        device="cuda", block_size=block_size, num_blocks=batch * blocks_per_seq, max_num_seqs=batch,
-        max_num_batched_tokens=8192, max_model_len=context + steps + 64, cuda_graphs=graphs))
-    rng = random.Random(0)
-    step = 0
-    per_plan = max(1, 8192 // context)
-    for first in range(0, batch, per_plan):
-        step += 1
-        plan = pb.StepPlan(step=step, epoch=runner.epoch)
-        for i in range(first, min(batch, first + per_plan)):
-            plan.new_seqs.add(seq_id=i, token_ids=[rng.randrange(10000) for _ in range(context)],
-                              prompt_len=context, sampling=SAMPLING,
-                              block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                              num_computed_tokens=0, num_scheduled_tokens=context)
-        runner.execute(plan).result()
-    ids = list(range(batch))
+class DecodeBatch:
+    """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
-    def decode(step_no: int):
-        return runner.execute(pb.StepPlan(step=step_no, epoch=runner.epoch, seq_ids=ids,
-                                          num_scheduled_tokens=[1] * batch, num_new_blocks=[0] * batch))
+    def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int):
+        per_seq = -(-(context + steps + 16) // block_size)
+        self.runner = ModelRunner(model_dir, RunnerConfig(
+            device="cuda", block_size=block_size, num_blocks=batch * per_seq, max_num_seqs=batch,
+            max_num_batched_tokens=8192, max_model_len=per_seq * block_size, cuda_graphs=graphs))
+        self.ids, self.step = list(range(batch)), 0
+        rng = random.Random(0)
+        per_plan = max(1, 8192 // context)
+        for first in range(0, batch, per_plan):
+            plan = self._plan()
+            for i in range(first, min(batch, first + per_plan)):
+                plan.new_seqs.add(seq_id=i, token_ids=[rng.randrange(10000) for _ in range(context)],
+                                  prompt_len=context, sampling=SAMPLING,
+                                  block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+                                  num_computed_tokens=0, num_scheduled_tokens=context)
+            self.runner.execute(plan).result()
 
-    for _ in range(3):
-        step += 1
-        decode(step).result()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    pending = None
-    for _ in range(steps):  # depth-2 pipeline: launch N+1 before waiting for N
-        step += 1
-        nxt = decode(step)
-        if pending is not None:
+    def _plan(self) -> pb.StepPlan:
+        self.step += 1
+        return pb.StepPlan(step=self.step, epoch=self.runner.epoch)
+
+    def decode(self):
+        plan = self._plan()
+        n = len(self.ids)
+        plan.seq_ids.extend(self.ids)
+        plan.num_scheduled_tokens.extend([1] * n)
+        plan.num_new_blocks.extend([0] * n)
+        return self.runner.execute(plan)
+
+    def step_ms(self, steps: int) -> float:
+        """Steady-state step time with a depth-2 pipeline: step N+1 is launched before N is waited for."""
+        for _ in range(3):
+            self.decode().result()
+        torch.cuda.synchronize()
+        start, pending = time.perf_counter(), None
+        for _ in range(steps):
+            launched = self.decode()
+            if pending is not None:
+                pending.result()
+            pending = launched
+        pending.result()
+        return (time.perf_counter() - start) / steps * 1e3
+
+    def profile(self, steps: int) -> None:
+        host = 0.0
+        for _ in range(steps):
+            t = time.perf_counter()
+            pending = self.decode()
+            host += time.perf_counter() - t
             pending.result()
-        pending = nxt
-    pending.result()
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    torch.cuda.empty_cache()
-    return {"block_size": block_size, "cuda_graphs": graphs, "batch": batch, "context": context,
-            "step_ms": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3)}
+        print(f"host time of execute(): {host / steps * 1e3:.3f} ms per step")
+        graphs = self.runner.graphs
+        if graphs is not None:
+            graph = graphs.graphs[max(graphs.graphs)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"graph replay alone: {start.elapsed_time(end) / steps:.3f} ms")
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(5):
+                self.decode().result()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=800)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--block-sizes", default="16,64,128,256")
+    ap.add_argument("--profile", action="store_true", help="profile the last configuration's decode step")
     ap.add_argument("--out", default="bench/results/runner_step.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16")
-        rows = []
         for bs in [int(b) for b in args.block_sizes.split(",")]:
             for graphs in (True, False):
-                rows.append(measure(model_dir, args.batch, args.context, bs, graphs, args.steps))
+                batch = DecodeBatch(model_dir, args.batch, args.context, bs, graphs, args.steps)
+                ms = batch.step_ms(args.steps)
+                rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": args.batch, "context": args.context,
+                             "step_ms": round(ms, 3), "tokens_per_s": round(args.batch / ms * 1e3)})
                 print(json.dumps(rows[-1]), flush=True)
+                if args.profile and graphs:
+                    batch.profile(args.steps)
+                del batch
+                torch.cuda.empty_cache()
     record(args.out, "runner_step", vars(args), rows)
 
 

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, help="tokens per KV block; default 256 on a GPU, 16 on a CPU")
     p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

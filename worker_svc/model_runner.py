@@ -37,7 +37,7 @@ class SeqState:
 class RunnerConfig:
     device: str = "cpu"
     dtype: str | None = None            # default: the checkpoint's dtype
-    block_size: int = 16
+    block_size: int | None = None       # default: 256 on a GPU (flash-attn-4 reads KV fastest), 16 on a CPU
     num_blocks: int | None = None       # default: from a memory profile (GPU) or kv_cache_memory (CPU)
     kv_cache_memory: int = 256 << 20    # bytes for the KV cache on a CPU when num_blocks is not given
     gpu_memory_utilization: float = 0.9 # share of the GPU's memory this worker may use in all
@@ -88,7 +88,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype] if cfg.dtype else mc.dtype
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.block_size = cfg.block_size
+        self.block_size = cfg.block_size or (256 if self.device.type == "cuda" else 16)
         self.epoch = random.getrandbits(63)
         self.worker_id = uuid.uuid4().hex[:12]
 
