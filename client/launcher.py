@@ -49,7 +49,8 @@ class Process:
 
 @dataclass
 class LocalCluster:
-    """A scheduler over `num_workers` single-process workers, all on 127.0.0.1."""
+    """A scheduler over `num_workers` single-process workers, all on 127.0.0.1. With `register`, the
+    workers register themselves with the scheduler (`--scheduler`) instead of being listed (`--worker`)."""
     model_dir: Path
     num_workers: int = 1
     device: str = "cpu"
@@ -57,6 +58,7 @@ class LocalCluster:
     worker_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    register: bool = False
     port: int = 0
     worker_ports: list[int] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
@@ -80,20 +82,29 @@ class LocalCluster:
         port = port or free_port()
         if port not in self.worker_ports:
             self.worker_ports.append(port)
+        membership = ["--scheduler", self.address] if self.register else []
         return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", self.worker_command, "--model", str(self.model_dir),
                                               "--host", "127.0.0.1", "--port", str(port), "--device",
-                                              self.device, *self.worker_args, *(extra or [])])
+                                              self.device, *membership, *self.worker_args, *(extra or [])])
+
+    def start_scheduler(self, extra: list[str] | None = None) -> Process:
+        """The scheduler process (again, on the same port, after one died: registered workers come back)."""
+        workers = [] if self.register else [a for p in self.worker_ports for a in ("--worker", f"127.0.0.1:{p}")]
+        return self._spawn("scheduler", ["-m", "scheduler_svc.cli", "--model", str(self.model_dir), "--host",
+                                         "127.0.0.1", "--port", str(self.port), *workers, *self.scheduler_args,
+                                         *(extra or [])])
 
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         ports = self.worker_ports or [free_port() for _ in range(self.num_workers)]
+        if self.register:
+            self.start_scheduler()
         for port in ports:
             self.start_worker(port)
-        workers = [a for p in self.worker_ports for a in ("--worker", f"127.0.0.1:{p}")]
-        self._spawn("scheduler", ["-m", "scheduler_svc.cli", "--model", str(self.model_dir), "--host",
-                                  "127.0.0.1", "--port", str(self.port), *workers, *self.scheduler_args])
+        if not self.register:
+            self.start_scheduler()
         try:
             self.wait_ready(timeout)
         except BaseException:

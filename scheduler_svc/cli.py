@@ -1,4 +1,11 @@
-"""`splitserve-scheduler`: the public gRPC service over one or more worker groups."""
+"""`splitserve-scheduler`: the public gRPC service over one or more worker groups.
+
+Workers join statically (--worker, connected at start-up) or at run time: a worker started with
+`--scheduler HOST:PORT` registers itself through the Membership service on the same port. A worker is
+declared dead when its Execute stream ends, when it does not answer a keepalive ping within
+--worker-keepalive-timeout (pings every --worker-keepalive-time), or when a step's result is overdue by
+max(--step-timeout, --step-timeout-factor x its recent step time); its requests then move to the other
+workers by recompute, and its address is retried with backoff up to --reconnect-backoff-max."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from scheduler_svc import logs
 from scheduler_svc.engine import EngineConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -18,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve-scheduler", description=__doc__)
     p.add_argument("--model", required=True, type=Path, help="checkpoint folder (tokenizer and config are read)")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                   help="a worker group's leader; repeat for several")
+                   help="a worker group's leader; repeat for several (or none: workers register themselves)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -28,7 +36,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-pipeline", action="store_true", help="wait for each step's result before planning")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
+    g = p.add_argument_group("worker failure detection and membership (seconds)")
+    g.add_argument("--worker-keepalive-time", type=float, default=10.0,
+                   help="heartbeat: keepalive ping interval on each worker channel (default 10)")
+    g.add_argument("--worker-keepalive-timeout", type=float, default=10.0,
+                   help="a worker that does not acknowledge a ping within this is dead (default 10)")
+    g.add_argument("--step-timeout", type=float, default=30.0,
+                   help="a step whose result is overdue by max(this, --step-timeout-factor x the recent step "
+                        "time) means the worker is dead, even with its socket open (default 30)")
+    g.add_argument("--step-timeout-factor", type=float, default=50.0, help="see --step-timeout (default 50)")
+    g.add_argument("--worker-connect-timeout", type=float, default=600.0,
+                   help="how long start-up waits for each --worker to come up (default 600)")
+    g.add_argument("--reconnect-timeout", type=float, default=10.0,
+                   help="one attempt to reach a failed or registering worker (default 10)")
+    g.add_argument("--reconnect-backoff-max", type=float, default=10.0,
+                   help="retries of a failed worker's address back off from 0.5 s up to this (default 10)")
+    logs.add_arguments(p)
     return p
+
+
+def membership_config(args: argparse.Namespace):
+    from scheduler_svc.grpc_executor import WatchConfig
+    from scheduler_svc.membership import MembershipConfig
+
+    watch = WatchConfig(keepalive_time=args.worker_keepalive_time, keepalive_timeout=args.worker_keepalive_timeout,
+                        step_timeout=args.step_timeout, step_timeout_factor=args.step_timeout_factor)
+    return MembershipConfig(watch=watch, connect_timeout=args.worker_connect_timeout,
+                            reconnect_timeout=args.reconnect_timeout,
+                            reconnect_backoff_min=min(0.5, args.reconnect_backoff_max),
+                            reconnect_backoff_max=args.reconnect_backoff_max)
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -37,7 +74,8 @@ async def _main(args: argparse.Namespace) -> None:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           enable_prefix_caching=not args.no_prefix_caching, pipeline=not args.no_pipeline)
-    server, service, port = await serve(args.model, args.worker, args.host, args.port, config)
+    server, service, port = await serve(args.model, args.worker, args.host, args.port, config,
+                                        metrics_port=args.metrics_port, membership=membership_config(args))
     logging.getLogger("splitserve.scheduler").info("serving on %s:%d with %d worker group(s)", args.host, port,
                                                    len(service.groups))
     stop = asyncio.Event()
@@ -53,9 +91,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.worker:
-        raise SystemExit("splitserve-scheduler: give at least one --worker HOST:PORT")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_format, args.log_level)
     # The engine thread must get the GIL back as soon as a step's result arrives, not after the default
     # 5 ms switch interval of the event loop thread: that wait would stall the worker every step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -12,7 +12,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor import PROTOCOL_VERSION, Executor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.sequence import Sequence, TokenLogprob
+from scheduler_svc.sequence import Sequence, SequenceStatus, TokenLogprob
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
 
 
@@ -50,6 +50,19 @@ class RequestOutput:
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class Orphan:
+    """A request taken out of an engine (its worker died or drains) to go on in another one by recompute:
+    its tokens so far (prompt and every token already streamed), resolved seed, limits and detokenizer
+    state travel with it, so the client sees exactly the tokens and text it would have seen."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
 
 
 class LLMEngine:
@@ -99,6 +112,9 @@ class LLMEngine:
         self._by_seq: dict[int, _Request] = {}
         self._next_seq_id = 1
         self._aborted: list[RequestOutput] = []  # returned by the next step()
+        # Metrics hook (scheduler_svc.metrics.StepObserver): plan(plan) after each submit, result(result)
+        # after each receive, on this engine's thread. None: no metrics.
+        self.step_observer = None
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -138,6 +154,40 @@ class LLMEngine:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def detach(self, waiting_only: bool = False) -> list[Orphan]:
+        """Takes every unfinished request out (or only those not running on the worker), with no output:
+        they continue elsewhere (adopt()). Their blocks come back; tokens of steps still in flight are
+        dropped (never streamed), so each orphan holds exactly what its client has seen."""
+        orphans = []
+        for req in list(self._requests.values()):
+            seq = req.seq
+            if waiting_only and seq.status is SequenceStatus.RUNNING:
+                continue
+            self.scheduler.abort(seq.seq_id)
+            self._forget(seq)
+            orphans.append(Orphan(seq, req.detokenizer))
+        return orphans
+
+    def adopt(self, orphan: Orphan) -> str:
+        """Continues a request detached from another engine: it is queued with its prompt plus the tokens
+        generated so far (recompute), the same seed and limits, and ahead of the queue's QueueFull bound.
+        Raises ValueError when it does not fit this worker (model length, blocks)."""
+        old = orphan.seq
+        if old.request_id in self._requests:
+            raise ValueError(f"request id {old.request_id!r} is already in use")
+        seq = Sequence(self._next_seq_id, list(old.token_ids), old.params, old.seed, request_id=old.request_id,
+                       prompt_len=old.prompt_len, priority=old.priority)
+        seq.num_cached_tokens = old.num_cached_tokens
+        seq.logprobs = old.logprobs
+        self.scheduler.add(seq, force=True)
+        self._next_seq_id += 1
+        self._requests[seq.request_id] = self._by_seq[seq.seq_id] = _Request(seq, orphan.detokenizer)
+        return seq.request_id
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight > 0 or bool(self._aborted)
 
@@ -146,11 +196,15 @@ class LLMEngine:
         if plan is not None:
             self.executor.submit(plan)
             self._in_flight += 1
+            if self.step_observer is not None:
+                self.step_observer.plan(plan)
         outputs = self._aborted
         self._aborted = []
         if self._in_flight and (plan is None or self._in_flight >= self._depth):
             result = self.executor.receive()
             self._in_flight -= 1
+            if self.step_observer is not None:
+                self.step_observer.result(result)
             for seq in self.scheduler.update(result):
                 outputs.append(self._output(seq))
         return outputs

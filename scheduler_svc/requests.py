@@ -8,16 +8,27 @@ from dataclasses import dataclass
 import xxhash
 
 from protos import splitserve_pb2 as api
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sampling import InvalidParam, SamplingParams
 from scheduler_svc.tokenizer import ModelTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # when unset, capped by the room the prompt leaves
 MAX_N = 16
+MAX_REQUEST_ID_LEN = 256  # printable characters
+MAX_PRIORITY = 100  # priority in [-MAX_PRIORITY, MAX_PRIORITY]
+MAX_CHAT_MESSAGES = 256
+# Text is tokenized on the event loop: its size is bounded before that, by bytes per token of the model
+# length (real text averages about 4), with a floor for short models.
+PROMPT_BYTES_PER_TOKEN = 16
+MIN_PROMPT_BYTES = 64 << 10
+# SamplingParams field -> its path in the public GenerateRequest, for error messages.
+PROTO_FIELD = {"max_tokens": "stopping.max_tokens", "min_tokens": "stopping.min_tokens", "stop": "stopping.stop",
+               "stop_token_ids": "stopping.stop_token_ids", "logprobs": "logprobs",
+               "skip_special_tokens": "skip_special_tokens"}
 
 
 class InvalidRequest(ValueError):
-    """Bad input; the message names the field and what it allows."""
+    """Bad input; the message names the field (its path in the proto) and what it allows."""
 
 
 @dataclass(slots=True)
@@ -36,50 +47,92 @@ class ParsedRequest:
         return dataclasses.replace(self.params, seed=xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed))
 
 
+def max_prompt_bytes(max_model_len: int) -> int:
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * max_model_len)
+
+
+def check_text_size(text: str, field: str, max_bytes: int) -> None:
+    """Before tokenizing: at most max_bytes of UTF-8 (a character takes 1 to 4)."""
+    if len(text) > max_bytes or (len(text) * 4 > max_bytes and len(text.encode("utf-8", "replace")) > max_bytes):
+        raise InvalidRequest(f"{field} must be at most {max_bytes} bytes of UTF-8")
+
+
 def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: ModelTokenizer,
-               vocab_size: int) -> list[int]:
+               vocab_size: int, max_model_len: int | None = None) -> list[int]:
+    """The prompt's token ids. With max_model_len, sizes are checked before any tokenizing: prompts
+    that cannot fit fail cheaply, whatever their size."""
     kind = prompt.WhichOneof("prompt")
+    max_bytes = max_prompt_bytes(max_model_len) if max_model_len else None
     if kind is None:
-        raise InvalidRequest("prompt: set exactly one of text, token_ids or chat")
+        raise InvalidRequest("prompt must be set: exactly one of text, token_ids or chat")
     if kind == "text":
         if not prompt.text:
             raise InvalidRequest("prompt.text must not be empty")
+        if max_bytes:
+            check_text_size(prompt.text, "prompt.text", max_bytes)
         ids = tokenizer.encode(prompt.text)
     elif kind == "token_ids":
-        ids = list(prompt.token_ids.ids)
-        if not ids:
+        raw = prompt.token_ids.ids
+        if not raw:
             raise InvalidRequest("prompt.token_ids must not be empty")
+        if max_model_len and len(raw) >= max_model_len:
+            raise InvalidRequest(f"prompt.token_ids must be fewer than max_model_len ({max_model_len}) tokens, "
+                                 f"got {len(raw)}")
+        ids = list(raw)
         if not 0 <= min(ids) <= max(ids) < vocab_size:
-            raise InvalidRequest(f"prompt.token_ids must lie in [0, {vocab_size})")
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise InvalidRequest(f"prompt.token_ids must lie in [0, {vocab_size}), got {bad}")
     else:
         chat = prompt.chat
         if not chat.messages:
             raise InvalidRequest("prompt.chat.messages must not be empty")
+        if len(chat.messages) > MAX_CHAT_MESSAGES:
+            raise InvalidRequest(f"prompt.chat.messages must hold at most {MAX_CHAT_MESSAGES} messages, "
+                                 f"got {len(chat.messages)}")
         for i, m in enumerate(chat.messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"prompt.chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, "
-                                     f"got {m.role!r}")
+                                     f"got {m.role[:32]!r}")
+        if max_bytes:
+            check_text_size("".join(m.content for m in chat.messages), "prompt.chat.messages[].content (in all)",
+                            max_bytes)
         kwargs = {}
         if chat.HasField("enable_thinking"):
             kwargs["enable_thinking"] = chat.enable_thinking
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in chat.messages],
-            add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
-            **kwargs)
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in chat.messages],
+                add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt")
+                else True, **kwargs)
+        except Exception as e:  # the template's own checks (raise_exception) or a rendering error
+            raise InvalidRequest(f"prompt.chat.messages: the chat template refused them: {e}") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidRequest(f"prompt.{kind} must encode to at least one token")
     return ids
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
                    vocab_size: int) -> ParsedRequest:
-    ids = prompt_ids(req, tokenizer, vocab_size)
+    """Checks every field, cheap ones first, before anything is tokenized or allocated."""
+    rid = req.request_id
+    if len(rid) > MAX_REQUEST_ID_LEN or not rid.isprintable():
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_LEN} printable characters "
+                             f"(empty: the server assigns one), got {len(rid)} characters")
+    if not -MAX_PRIORITY <= req.priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (larger is more urgent), "
+                             f"got {req.priority}")
     s, st = req.sampling, req.stopping
 
     def opt(msg, name, default):
         return getattr(msg, name) if msg.HasField(name) else default
 
+    n = opt(req, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
+    max_tokens = opt(st, "max_tokens", None)
     params = SamplingParams(
-        max_tokens=opt(st, "max_tokens", DEFAULT_MAX_TOKENS), temperature=opt(s, "temperature", 1.0),
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, temperature=opt(s, "temperature", 1.0),
         top_p=opt(s, "top_p", 1.0), top_k=opt(s, "top_k", 0), min_p=opt(s, "min_p", 0.0),
         repetition_penalty=opt(s, "repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
@@ -87,16 +140,23 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True))
     try:
         params.validate()
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from None
+    except InvalidParam as e:
+        raise InvalidRequest(f"{PROTO_FIELD.get(e.field, 'sampling.' + e.field)} {e.detail}") from None
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
-        raise InvalidRequest(f"stopping.stop_token_ids must lie in [0, {vocab_size})")
+        raise InvalidRequest(f"stopping.stop_token_ids must lie in [0, {vocab_size}), "
+                             f"got {max(params.stop_token_ids)}")
+    ids = prompt_ids(req, tokenizer, vocab_size, max_model_len)
+    kind = req.WhichOneof("prompt")
     if len(ids) >= max_model_len:
-        raise InvalidRequest(f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}")
-    if len(ids) + params.max_tokens > max_model_len:
-        raise InvalidRequest(f"stopping.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds max_model_len {max_model_len}")
-    n = opt(req, "n", 1)
-    if not 1 <= n <= MAX_N:
-        raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
+        raise InvalidRequest(f"prompt.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "
+                             f"got {len(ids)}")
+    room = max_model_len - len(ids)
+    if max_tokens is None:
+        params.max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequest(f"stopping.min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                                 f"({params.max_tokens}: the default, capped by the model length)")
+    elif params.max_tokens > room:
+        raise InvalidRequest(f"stopping.max_tokens must be at most {room}: prompt ({len(ids)} tokens) + "
+                             f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
     return ParsedRequest(ids, params, n, req.priority)

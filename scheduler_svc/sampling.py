@@ -9,7 +9,20 @@ from dataclasses import dataclass, field
 from protos import worker_pb2
 
 SEED_LIMIT = 1 << 64
+# Caps on sizes a request may ask for (each names its field when exceeded).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256  # characters
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # top alternatives per token
 _seed_source = random.SystemRandom()
+
+
+class InvalidParam(ValueError):
+    """A bad sampling or stopping parameter: `field` is its name here, `detail` what it allows."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field} {detail}")
+        self.field, self.detail = field, detail
 
 
 @dataclass(slots=True)
@@ -31,35 +44,46 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
+        def bad(name: str, allowed: str, value: object) -> InvalidParam:
+            return InvalidParam(name, f"must be {allowed}, got {value!r}")
+
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise bad("max_tokens", "at least 1", self.max_tokens)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails every comparison
+            raise bad("top_p", "in (0, 1]", self.top_p)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise bad("top_k", "-1 or 0 (off) or positive", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "a finite number > 0 (1 = off)", self.repetition_penalty)
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must hold non-empty strings")
+            raise bad("seed", "in [0, 2**64)", self.seed)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_LEN:
+                got = f"one of {len(s)} characters" if isinstance(s, str) else repr(s)
+                raise InvalidParam("stop", f"must hold non-empty strings of at most {MAX_STOP_STRING_LEN} "
+                                           f"characters, got {got}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParam("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                                 f"got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+            raise InvalidParam("stop_token_ids", "must be non-negative token ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"None (off) or in [0, {MAX_LOGPROBS}]", self.logprobs)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidParam("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
     def resolved_seed(self) -> int:
         """The user's seed, or a fresh random 64-bit one."""

@@ -109,10 +109,14 @@ class Scheduler:
 
     # --- admission and removal -------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises QueueFullError or ValueError (naming the field)."""
+    def add(self, seq: Sequence, force: bool = False) -> None:
+        """Queue a new sequence. Raises QueueFullError or ValueError (naming the field).
+
+        A sequence may come with generated tokens already (token_ids longer than prompt_len: a request
+        moved from another worker group); its limits count from its prompt. force: admit it beyond
+        max_waiting (it was admitted once already)."""
         cfg = self.config
-        if len(self.waiting) >= cfg.max_waiting:
+        if len(self.waiting) >= cfg.max_waiting and not force:
             raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests)")
         n = len(seq.token_ids)
         if n == 0:
@@ -120,25 +124,29 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already in use")
         params = seq.params
-        max_new = params.max_tokens if params.max_tokens is not None else cfg.max_model_len - n
-        if max_new < 1 or n + max_new > cfg.max_model_len:
+        p = seq.prompt_len
+        max_new = params.max_tokens if params.max_tokens is not None else cfg.max_model_len - p
+        if max_new < 1 or p + max_new > cfg.max_model_len or n >= p + max_new:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({max_new}) exceeds max_model_len ({cfg.max_model_len})"
+                f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({cfg.max_model_len})"
             )
         # The last token is never fed back, so max_len - 1 positions of KV.
-        blocks = math.ceil((n + max_new - 1) / cfg.block_size)
+        blocks = math.ceil((p + max_new - 1) / cfg.block_size)
         if blocks > cfg.num_blocks:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker has {cfg.num_blocks}"
+                f"prompt ({p} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker has {cfg.num_blocks}"
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seq.stop_ids = frozenset(stop_ids)
-        seq.max_len = n + max_new
+        seq.max_len = p + max_new
         seq.min_len = seq.prompt_len + params.min_tokens
         seq.sampling = params.to_proto(seq.seed)
-        seq.logprobs = [] if params.logprobs is not None else None
+        if params.logprobs is None:
+            seq.logprobs = None
+        elif seq.logprobs is None:
+            seq.logprobs = []
         seq.arrival = self._arrivals - cfg.priority_aging * seq.priority
         self._arrivals += 1
         seq.status = WAITING

@@ -16,18 +16,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import splitserve_pb2 as api
-from protos import splitserve_pb2_grpc
-from scheduler_svc.engine import EngineConfig, RequestOutput
-from scheduler_svc.requests import InvalidRequest, parse_generate, prompt_ids
+from protos import membership_pb2_grpc, splitserve_pb2_grpc
+from scheduler_svc.engine import EngineConfig, Orphan, RequestOutput
+from scheduler_svc.membership import FAILED as _FAILED
+from scheduler_svc.membership import Membership, MembershipConfig, MembershipService
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
 from scheduler_svc.router import pick_group
 from scheduler_svc.scheduler import QueueFullError
 from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.worker_group import WorkerGroup
+from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
 
 log = logging.getLogger("splitserve.scheduler")
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT}
-_FAILED = object()
+_REASON = {v: k for k, v in FINISH.items()}
+DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 
 
 @dataclass(slots=True)
@@ -35,10 +39,11 @@ class _Stream:
     """Outputs of one client call (all its n completions), fed by the event loop."""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     index_of: dict[str, int] = field(default_factory=dict)
+    group_of: dict[str, WorkerGroup] = field(default_factory=dict)  # where each completion runs now
 
 
 class GenerationService(splitserve_pb2_grpc.GenerationServicer):
-    def __init__(self, model_dir: Path, config: EngineConfig):
+    def __init__(self, model_dir: Path, config: EngineConfig, membership: MembershipConfig | None = None):
         self.model_dir, self.config = model_dir, config
         self.tokenizer = load_tokenizer(model_dir)
         self.groups: list[WorkerGroup] = []
@@ -47,19 +52,19 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         self._ids = itertools.count(1)
         self.accepting = True
         self.health = health.aio.HealthServicer()
+        # Always there (served only with --metrics-port): requests_requeued is the hook for moved requests.
+        self.metrics = SchedulerMetrics(lambda: self.groups)
+        self._finished = {r: self.metrics.requests_finished.labels(r) for r in FINISH}
+        self.members = Membership(self, membership)  # joining, failing, re-queue, leaving
 
     # ---- worker groups ------------------------------------------------------------------------
     async def add_worker(self, address: str) -> WorkerGroup:
-        group = await asyncio.to_thread(WorkerGroup, address, self.model_dir, self.tokenizer, self.config,
-                                        self._outputs_from_thread, self._failure_from_thread)
-        self.groups.append(group)
-        log.info("worker group %s: %s, %d blocks of %d, max_model_len %d", address, group.info.device,
-                 group.info.num_blocks, group.info.block_size, group.info.max_model_len)
-        await self._update_health()
-        return group
+        """A static worker (--worker): waits for it to come up; reconnected whenever it fails."""
+        return await self.members.add_static(address)
 
     def live_groups(self) -> list[WorkerGroup]:
-        return [g for g in self.groups if g.alive]
+        """Groups that take requests: alive and not draining."""
+        return [g for g in self.groups if g.alive and not g.draining]
 
     async def _update_health(self) -> None:
         serving = self.accepting and bool(self.live_groups())
@@ -76,49 +81,61 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
             if stream is not None:
                 stream.queue.put_nowait(out)
 
-    def _failure_from_thread(self, group: WorkerGroup, request_ids: list[str], error: Exception) -> None:
-        def fail() -> None:
-            for rid in request_ids:
-                stream = self._streams.get(rid)
-                if stream is not None:
-                    stream.queue.put_nowait(_FAILED)
-            asyncio.ensure_future(self._update_health())
-        self.loop.call_soon_threadsafe(fail)
+    def _failure_from_thread(self, group: WorkerGroup, orphans: list[Orphan], error: Exception) -> None:
+        # Its requests move to the surviving groups (or end with UNAVAILABLE when none is left).
+        self.loop.call_soon_threadsafe(self.members.group_failed, group, orphans, error)
 
     @property
     def max_model_len(self) -> int:
-        return min(g.engine.scheduler.config.max_model_len for g in self.groups)
+        return min(g.engine.scheduler.config.max_model_len for g in (self.live_groups() or self.groups))
 
     @property
     def vocab_size(self) -> int:
-        return self.groups[0].info.vocab_size or self.tokenizer.vocab_size
+        return (self.live_groups() or self.groups)[0].info.vocab_size or self.tokenizer.vocab_size
 
     # ---- RPCs ---------------------------------------------------------------------------------
+    async def _reject(self, context, code: grpc.StatusCode, message: str) -> None:
+        """Refuse a request before (or at) admission: counted by status, then the call ends."""
+        self.metrics.requests_rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
     async def Generate(self, request: api.GenerateRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
+        remaining = context.time_remaining()  # None: no deadline
+        deadline = None if remaining is None else started + remaining
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         groups = self.live_groups()
         if not groups:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         try:
             parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if parsed.params.seed is None:  # resolved here: a request moved to another worker samples the same
+            parsed.params.seed = parsed.params.resolved_seed()
         rid = request.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if rid in self._streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        group = pick_group(groups, parsed.prompt_ids)
         subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
+        if any(s in self._streams for s in subs):
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        group = pick_group(groups, parsed.prompt_ids)
         stream = _Stream(index_of={s: i for i, s in enumerate(subs)})
         for s in subs:
             self._streams[s] = stream
         pending = set(subs)
+        submitted: set[str] = set()
         usage = api.Usage()
+        # Metrics, per completion: tokens streamed, when its last message went out; the request's TTFT.
+        metrics, itl = self.metrics, self.metrics.itl
+        streamed = [0] * parsed.n
+        last_sent = [0.0] * parsed.n
+        reasons: list[str | None] = [None] * parsed.n
+        first_token = True
         try:
             # With n > 1 the first completion computes the prompt; the others start once it has, and
             # hit its cached blocks.
             await self._submit(group, parsed, subs[0], 0, context)
+            submitted.add(subs[0])
             started_rest = parsed.n == 1
             while pending:
                 item = await stream.queue.get()
@@ -127,35 +144,78 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                     batch.append(stream.queue.get_nowait())
                 if _FAILED in batch:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"worker {group.address} failed; retry the request")
+                                        "its worker failed and no other worker is serving; retry the request")
                 if not started_rest:
                     started_rest = True
                     for i, s in enumerate(subs[1:], 1):
-                        await self._submit(group, parsed, s, i, context)
+                        await self._submit(stream.group_of.get(subs[0], group), parsed, s, i, context)
+                        submitted.add(s)
                 for response in _responses(rid, batch, stream.index_of):
+                    i = response.index
                     if response.finish_reason:
-                        pending.discard(subs[response.index])
-                        usage.prompt_tokens = response.usage.prompt_tokens
-                        usage.completion_tokens += response.usage.completion_tokens
-                        usage.cached_prompt_tokens += response.usage.cached_prompt_tokens
+                        pending.discard(subs[i])
+                        u = response.usage
+                        usage.prompt_tokens = u.prompt_tokens
+                        usage.completion_tokens += u.completion_tokens
+                        usage.cached_prompt_tokens += u.cached_prompt_tokens
+                        reasons[i] = reason = _REASON[response.finish_reason]
+                        self._finished[reason].inc()
+                        metrics.prompt_tokens.inc(u.prompt_tokens)
+                        metrics.cached_prompt_tokens.inc(u.cached_prompt_tokens)
+                    if response.token_ids:
+                        now = time.perf_counter()
+                        if first_token:
+                            first_token = False
+                            metrics.ttft.observe(now - started)
+                        elif last_sent[i]:
+                            itl.observe(now - last_sent[i])
+                        last_sent[i] = now
+                        streamed[i] += len(response.token_ids)
                     await context.write(response)
         finally:
             for s in subs:
                 self._streams.pop(s, None)
-                if s in pending:
-                    group.abort(s)  # cancelled, failed or deadline passed: free its blocks now
-            reason = "cancelled" if pending else "done"
+                if s in pending:  # cancelled, failed or deadline passed: free its blocks now
+                    stream.group_of.get(s, group).abort(s)
+            # Every completion handed to the engine counts once: by its finish reason, or as an abort.
+            aborted = len(pending & submitted)
+            if aborted:
+                self._finished["abort"].inc(aborted)
+            elapsed = time.perf_counter() - started
+            if submitted:
+                metrics.generation_tokens.inc(sum(streamed))
+                metrics.e2e.observe(elapsed)
+            status = "cancelled" if pending else "done"
+            # The client's own timer usually cancels the call a moment before the server's fires.
+            if pending and deadline is not None and time.perf_counter() >= deadline - DEADLINE_SLACK_S:
+                status = "cancelled (deadline passed)"
             log.info("request %s: group %s, n=%d, prompt %d tokens, completion %d tokens, cached %d, %s, %.3f s",
-                     rid, group.address, parsed.n, len(parsed.prompt_ids), usage.completion_tokens,
-                     usage.cached_prompt_tokens, reason, time.perf_counter() - started)
+                     rid, group.address, parsed.n, len(parsed.prompt_ids), sum(streamed),
+                     usage.cached_prompt_tokens, status, elapsed,
+                     extra={"request_id": rid, "worker": group.address, "n": parsed.n, "priority": parsed.priority,
+                            "prompt_tokens": len(parsed.prompt_ids), "completion_tokens": sum(streamed),
+                            "cached_tokens": usage.cached_prompt_tokens, "status": status,
+                            "finish_reason": reasons[0] if parsed.n == 1 else reasons,
+                            "latency_s": round(elapsed, 6)})
 
     async def _submit(self, group: WorkerGroup, parsed, sub_id: str, index: int, context) -> None:
         try:
-            await asyncio.wrap_future(group.add(parsed.prompt_ids, parsed.completion_params(index), sub_id))
+            while True:
+                if not group.alive or group.draining:  # gone since it was picked: pick again
+                    if not (groups := self.live_groups()):
+                        await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+                    group = pick_group(groups, parsed.prompt_ids)
+                self._streams[sub_id].group_of[sub_id] = group  # before the add: a cancel aborts it there
+                try:
+                    await asyncio.wrap_future(group.add(parsed.prompt_ids, parsed.completion_params(index),
+                                                        sub_id, parsed.priority))
+                    return
+                except GroupUnavailable:
+                    continue
         except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()
@@ -169,10 +229,12 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
         try:
+            limit = self.max_model_len if self.groups else 1 << 16
             if request.WhichOneof("prompt") == "text":
+                check_text_size(request.text, "text", max_prompt_bytes(limit))
                 ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
             else:
-                ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size)
+                ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size, limit)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.tokenizer.id_to_token(i) or ""
@@ -182,6 +244,7 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         """Stops admitting, lets running requests finish within the grace period."""
         self.accepting = False
         await self._update_health()
+        await self.members.stop()
         deadline = time.monotonic() + grace
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -212,17 +275,23 @@ def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -
 
 
 async def serve(model_dir: Path, workers: list[str], host: str, port: int, config: EngineConfig,
+                metrics_port: int = 0, membership: MembershipConfig | None = None,
                 ) -> tuple[grpc.aio.Server, GenerationService, int]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    service = GenerationService(model_dir, config)
+    service = GenerationService(model_dir, config, membership)
     splitserve_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    membership_pb2_grpc.add_MembershipServicer_to_server(MembershipService(service.members), server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    if metrics_port:
+        service.metrics.serve(metrics_port, host)
+        log.info("metrics on %s:%d/metrics", host, metrics_port, extra={"metrics_port": metrics_port})
     await service._update_health()
     await server.start()
+    service.members.start()
     for address in workers:
         await service.add_worker(address)
     return server, service, bound

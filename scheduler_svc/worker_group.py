@@ -1,5 +1,10 @@
 """A worker group as the scheduler sees it: its LLMEngine (Scheduler and BlockManager) over a gRPC
-executor, driven by a thread of its own so that the engine loop never waits on client streams."""
+executor, driven by a thread of its own so that the engine loop never waits on client streams.
+
+A group lives as long as one Execute stream to its worker: when the stream breaks (the worker died,
+restarted, stopped answering pings, or a step made no progress: see grpc_executor), the group is dead
+for good and hands its unfinished requests (engine.Orphan) to on_failure, to continue elsewhere. A
+worker that comes back gets a new group with a fresh block pool."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -10,22 +15,37 @@ from collections.abc import Callable
 from pathlib import Path
 
 from protos import splitserve_pb2 as api
-from scheduler_svc.engine import EngineConfig, LLMEngine, RequestOutput
-from scheduler_svc.grpc_executor import GrpcExecutor, WorkerUnavailable
+from scheduler_svc.engine import EngineConfig, LLMEngine, Orphan, RequestOutput
+from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig, WorkerUnavailable
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.tokenizer import ModelTokenizer
 
 log = logging.getLogger("splitserve.scheduler")
 
 
+class GroupUnavailable(RuntimeError):
+    """The group is dead: route the request elsewhere."""
+
+
 class WorkerGroup:
     def __init__(self, address: str, model_dir: str | Path, tokenizer: ModelTokenizer, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None],
-                 on_failure: Callable[["WorkerGroup", list[str], Exception], None]):
+                 on_failure: Callable[["WorkerGroup", list[Orphan], Exception], None],
+                 watch: WatchConfig | None = None, connect_timeout: float = 600.0, wait_for_ready: bool = True):
+        """Connects (Describe, then opens the Execute stream); raises WorkerUnavailable when the worker
+        does not answer within connect_timeout."""
         self.address = address
-        self.engine = LLMEngine(model_dir, GrpcExecutor(address), config, tokenizer)
+        executor = GrpcExecutor(address, connect_timeout, watch, wait_for_ready)
+        try:
+            self.engine = LLMEngine(model_dir, executor, config, tokenizer)
+            executor.open(self._stream_ended)
+        except BaseException:
+            executor.close()
+            raise
         self.info = self.engine.worker_info
         self.alive = True
+        self.draining = False  # the worker deregistered: nothing new is routed here
+        self._dead = False  # set under _queued_lock: commands after it are refused (GroupUnavailable)
         self.num_requests = 0  # sequences routed here (each of n completions counts)
         # Prompt tokens of requests routed here whose add has not reached the engine thread yet:
         # routing must see them, or a burst of requests all lands on the group that looked idle.
@@ -39,18 +59,56 @@ class WorkerGroup:
         self._thread.start()
 
     # Called from other threads: every engine mutation happens on the engine thread.
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> concurrent.futures.Future:
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+            priority: int = 0) -> concurrent.futures.Future:
+        """The future fails with GroupUnavailable when the group is dead (a request queued before it
+        died is added, then handed to on_failure with the others)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.num_requests += 1
         with self._queued_lock:
+            if self._dead:
+                future.set_exception(GroupUnavailable(f"worker {self.address} is gone"))
+                return future
+            self.num_requests += 1
             self._queued_tokens += len(prompt_ids)
-        self._commands.put((self._add_request, (prompt_ids, params, request_id), future))
+            self._commands.put((self._add_request, (prompt_ids, params, request_id, priority), future))
         self._wake.set()
         return future
 
-    def _add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> str:
+    def adopt(self, orphan: Orphan) -> concurrent.futures.Future:
+        """Continues a request moved from another group (engine.adopt); fails like add()."""
+        return self._command(self.engine.adopt, orphan)
+
+    def evict(self, waiting_only: bool = False) -> concurrent.futures.Future:
+        """Takes unfinished requests out (engine.detach), to move them elsewhere: a future of Orphans."""
+        return self._command(self.engine.detach, waiting_only)
+
+    def fail(self, reason: str) -> None:
+        """Declares the worker dead (e.g. it registered again with a new epoch): the failure path runs."""
+        self.engine.executor.fail(reason)
+        self._wake.set()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests in the engine, plus commands not yet run: an unlocked, approximate read."""
+        return self.engine.num_unfinished + self._commands.qsize()
+
+    def _command(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._queued_lock:
+            if self._dead:
+                future.set_exception(GroupUnavailable(f"worker {self.address} is gone"))
+                return future
+            self._commands.put((fn, args, future))
+        self._wake.set()
+        return future
+
+    def _stream_ended(self) -> None:
+        """On a gRPC thread, when the Execute stream ends: wake the engine thread to notice."""
+        self._wake.set()
+
+    def _add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> str:
         try:
-            return self.engine.add_request(prompt_ids, params, request_id)
+            return self.engine.add_request(prompt_ids, params, request_id, priority)
         finally:
             with self._queued_lock:
                 self._queued_tokens -= len(prompt_ids)
@@ -90,6 +148,11 @@ class WorkerGroup:
                 fn, args, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if future is not None and not future.set_running_or_notify_cancel():
+                if fn == self._add_request:  # the caller gave up (call cancelled) while queued: not added
+                    with self._queued_lock:
+                        self._queued_tokens -= len(args[0])
+                continue
             try:
                 result = fn(*args)
             except Exception as e:  # bad input or a full queue: the caller turns it into a status
@@ -100,18 +163,29 @@ class WorkerGroup:
                     future.set_result(result)
 
     def _run(self) -> None:
+        executor = self.engine.executor
         try:
             while not self._stopping:
                 self._drain()
                 if not self.engine.has_unfinished():
+                    executor.check()  # an idle worker that went away
                     self._wake.wait(1.0)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 if outputs:
                     self._on_outputs(outputs)
-        except WorkerUnavailable as e:
+        except Exception as e:
+            if self._stopping:
+                return
+            if isinstance(e, WorkerUnavailable):
+                log.error("worker group %s failed: %s", self.address, e, extra={"worker": self.address})
+            else:
+                log.exception("worker group %s: engine failed", self.address, extra={"worker": self.address})
             self.alive = False
-            log.error("worker group %s failed: %s", self.address, e)
-            self._drain()
-            self._on_failure(self, self.engine.unfinished_request_ids(), e)
+            with self._queued_lock:
+                self._dead = True
+            self._drain()  # what was queued before: added (then handed over) or aborted
+            orphans = self.engine.detach()
+            self._on_failure(self, orphans, e)
+            executor.close()

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,28 @@ def health_check(command: list[str]) -> argparse.Namespace:
     return parse("splitserve", command[1:])
 
 
+# The gateway's health check: an HTTP GET of its /health (200 only while the scheduler behind it is
+# SERVING), with the Python of the image, since the slim base has no curl.
+HTTP_PROBE = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)"
+
+
+def http_health_check(command: list[str]) -> urllib.parse.SplitResult:
+    """The URL an HTTP health check command line (up to `||`) fetches."""
+    if "||" in command:
+        command = command[: command.index("||")]
+    assert command[:3] == ["python", "-c", HTTP_PROBE] and len(command) == 4, command
+    url = urllib.parse.urlsplit(command[3])
+    assert url.scheme == "http" and url.hostname == "127.0.0.1" and url.path == "/health", command[3]
+    return url
+
+
+# Arguments each program needs before its defaults can be read.
+MINIMAL_ARGS = {"splitserve-scheduler": ["--model", "m"], "splitserve-worker": ["serve", "--model", "m"],
+                "splitserve-gateway": []}
+
+
 def test_program_parsers_exist():
-    for program in ("splitserve-scheduler", "splitserve-worker", "splitserve"):
+    for program in ("splitserve-scheduler", "splitserve-worker", "splitserve-gateway", "splitserve"):
         assert isinstance(_parser(program), argparse.ArgumentParser)
 
 
@@ -224,7 +245,8 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path):
 
 
 def test_dockerfiles_present():
-    assert {p.name for p in DOCKERFILES} == {"scheduler.Dockerfile", "worker.Dockerfile", "worker-cpu.Dockerfile"}
+    assert {p.name for p in DOCKERFILES} == {"scheduler.Dockerfile", "worker.Dockerfile", "worker-cpu.Dockerfile",
+                                             "gateway.Dockerfile"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -242,20 +264,25 @@ def test_dockerfile_conventions(dockerfile):
     # Non-root, numeric (so Kubernetes' runAsNonRoot can verify it).
     uid = image["user"].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, f"USER {image['user']} must be a numeric non-root uid"
-    # The entry point is a console script of the project and the health check uses grpc.health.v1.
+    # The entry point is a console script of the project; the health check uses grpc.health.v1 (the
+    # gateway's: HTTP /health).
     (program,) = image["entrypoint"]
     assert program in _scripts()
     assert image["health_cmd"][:2] == ["/bin/sh", "-c"], "health check: exit 1 on failure (Docker reserves 2)"
-    shell = image["health_cmd"][2].replace('"$SPLITSERVE_ADDRESS"', image["env"]["SPLITSERVE_ADDRESS"])
-    health = health_check(shlex.split(shell))
+    shell = image["health_cmd"][2]
     assert shell.rstrip().endswith("|| exit 1")
     assert {"interval", "timeout", "start-period", "retries"} <= set(image["health_options"])
-    _, health_port = split_address(health.address)
-    expected_service = GENERATION if program == "splitserve-scheduler" else WORKER
-    assert health.service == expected_service
-    assert health_port == image["expose"][0], "health check must probe the gRPC port the image exposes"
-    default_port = _parser(program).parse_args(
-        ["--model", "m"] if program == "splitserve-scheduler" else ["serve", "--model", "m"]).port
+    if program == "splitserve-gateway":
+        shell = shell.replace('"$SPLITSERVE_HEALTH_URL"', image["env"]["SPLITSERVE_HEALTH_URL"])
+        health_port = http_health_check(shlex.split(shell)).port
+        assert "SPLITSERVE_ADDRESS" not in image["env"], "the gateway reads it as the scheduler's address"
+    else:
+        health = health_check(shlex.split(shell.replace('"$SPLITSERVE_ADDRESS"', image["env"]["SPLITSERVE_ADDRESS"])))
+        _, health_port = split_address(health.address)
+        expected_service = GENERATION if program == "splitserve-scheduler" else WORKER
+        assert health.service == expected_service
+    assert health_port == image["expose"][0], "health check must probe the port the image exposes"
+    default_port = _parser(program).parse_args(MINIMAL_ARGS[program]).port
     assert image["expose"][0] == default_port, f"{program}'s default --port is {default_port}"
     # The default CMD is accepted by the program (the scheduler's is --help: it needs --worker).
     if program == "splitserve-worker":
@@ -283,6 +310,10 @@ def test_scheduler_image_has_no_torch():
     assert "requirements.py pyproject.toml worker >" in runs["worker-cpu.Dockerfile"]
     assert "requirements.py pyproject.toml gpu >" in runs["worker.Dockerfile"]
     assert '! python -c "import torch"' in runs["scheduler.Dockerfile"]
+    # The gateway image: base + the gateway extra (an ASGI stack), no torch either.
+    assert {"fastapi", "uvicorn"} <= names(["gateway"]) and "torch" not in names(["gateway"])
+    assert "requirements.py pyproject.toml gateway >" in runs["gateway.Dockerfile"]
+    assert '! python -c "import torch"' in runs["gateway.Dockerfile"]
 
 
 def _pins(path: Path, exact: bool) -> dict[str, str]:
@@ -507,12 +538,38 @@ def test_compose_topology_matches_the_programs(env_name, monkeypatch):
                 assert mounts(sched_name)[cache]["read_only"] is True and not mounts(host)[cache].get("read_only")
 
 
+@pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
+def test_compose_gateways(env_name):
+    """One OpenAI gateway per profile, a client of that profile's scheduler at the port it serves on."""
+    services = compose(env_name)["services"]
+    programs = {name: _compose_program(s) for name, s in services.items()}
+    gateways = [n for n, p in programs.items() if p == "splitserve-gateway"]
+    assert sorted(services[n]["profiles"][0] for n in gateways) == ["cpu", "gpu"], "one gateway per profile"
+    for name in gateways:
+        gateway, profile = services[name], services[name]["profiles"][0]
+        args = parse("splitserve-gateway", gateway["command"])
+        host, port = split_address(args.scheduler)
+        assert host in services and programs[host] == "splitserve-scheduler", f"{name}: --scheduler {args.scheduler}"
+        assert services[host]["profiles"] == [profile]
+        assert parse("splitserve-scheduler", services[host]["command"]).port == port
+        assert gateway["depends_on"][host]["condition"] == "service_healthy"
+        assert args.host == "0.0.0.0", f"{name}: must listen beyond the container's loopback"
+        published = {int(p.split(":")[-1]) for p in gateway["ports"]}
+        assert args.port in published, f"{name}: --port {args.port} is not published"
+        test = gateway["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL" and test[1].rstrip().endswith("|| exit 1"), test
+        assert http_health_check(shlex.split(test[1])).port == args.port
+        assert _seconds(gateway["stop_grace_period"]) > args.shutdown_timeout
+        assert "SPLITSERVE_API_KEY" in gateway["environment"]  # keys from the environment, none by default
+
+
 def test_compose_images_match_dockerfiles():
     services = compose()["services"]
     for name, service in services.items():
         dockerfile = Path(service["build"]["dockerfile"]).name
         repo, _, tag = service["image"].partition(":")
         expected = {"scheduler.Dockerfile": ("splitserve/scheduler", ""),
+                    "gateway.Dockerfile": ("splitserve/gateway", ""),
                     "worker.Dockerfile": ("splitserve/worker", "-cuda"),
                     "worker-cpu.Dockerfile": ("splitserve/worker", "-cpu")}[dockerfile]
         assert repo == expected[0] and tag.endswith(expected[1]) and tag.startswith("0.1.0"), (name, service["image"])
@@ -645,7 +702,7 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
     assert worker["startupProbe"]["grpc"]["port"] == wargs.port
     assert wpod["spec"]["terminationGracePeriodSeconds"] > wargs.shutdown_grace
     assert int(wpod["metadata"]["annotations"]["prometheus.io/port"]) == _container_port(worker, "metrics")
-    pdb = _find(docs, "PodDisruptionBudget")
+    pdb = _find(docs, "PodDisruptionBudget", "splitserve-worker")
     assert _selects(pdb["spec"]["selector"]["matchLabels"], wpod["metadata"]["labels"])
 
     # Devices and models.
@@ -684,7 +741,7 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
             names = {p["name"] for p in selected[0]["spec"]["ports"]}
             assert all(e["port"] in names for e in monitor["spec"]["endpoints"])
     if overlay == "autoscaling":
-        hpa = _find(docs, "HorizontalPodAutoscaler")
+        hpa = _find(docs, "HorizontalPodAutoscaler", "splitserve-worker")
         target = hpa["spec"]["scaleTargetRef"]
         assert (target["kind"], target["name"]) == ("StatefulSet", sts["metadata"]["name"])
         for metric in hpa["spec"]["metrics"]:
@@ -692,6 +749,47 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
                 ref = metric["object"]["describedObject"]
                 _find(docs, ref["kind"], ref["name"])
         assert hpa["spec"]["minReplicas"] >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_gateway(overlay):
+    """The gateway Deployment: a client of the scheduler Service, HTTP probes on its port, its own
+    Service and PodDisruptionBudget, scaled apart from everything else."""
+    docs = render(overlay)
+    deployment = _find(docs, "Deployment", "splitserve-gateway")
+    pod = deployment["spec"]["template"]
+    assert _selects(deployment["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (gateway,) = pod["spec"]["containers"]
+    assert gateway["command"] == ["splitserve-gateway"] and gateway["image"].startswith("splitserve/gateway:")
+    args = parse("splitserve-gateway", gateway["args"])
+    assert args.host == "0.0.0.0" and _container_port(gateway, "http") == args.port
+    host, port = split_address(args.scheduler)
+    scheduler_service = _find(docs, "Service", host)
+    (grpc_port,) = [p for p in scheduler_service["spec"]["ports"] if p["name"] == "grpc"]
+    assert grpc_port["port"] == port
+    scheduler_pod = _find(docs, "Deployment", "splitserve-scheduler")["spec"]["template"]
+    assert _selects(scheduler_service["spec"]["selector"], scheduler_pod["metadata"]["labels"])
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    assert pod["spec"]["terminationGracePeriodSeconds"] > args.shutdown_timeout + _prestop_sleep(gateway)
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    (key,) = [e for e in gateway["env"] if e["name"] == "SPLITSERVE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["optional"] is True
+    service = _find(docs, "Service", "splitserve-gateway")
+    assert _selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert not _selects(service["spec"]["selector"], scheduler_pod["metadata"]["labels"])
+    (http,) = service["spec"]["ports"]
+    assert http["targetPort"] == "http"
+    pdb = _find(docs, "PodDisruptionBudget", "splitserve-gateway")
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    if overlay == "autoscaling":
+        hpa = _find(docs, "HorizontalPodAutoscaler", "splitserve-gateway")
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", "splitserve-gateway")
+        assert hpa["spec"]["minReplicas"] >= 1
+        assert gateway["resources"]["requests"]["cpu"], "CPU utilization needs a CPU request"
 
 
 def test_compose_and_k8s_agree():
@@ -707,3 +805,8 @@ def test_compose_and_k8s_agree():
     assert (sched.port, sched.drain_timeout) == (k_sched.port, k_sched.drain_timeout)
     assert worker.port == k_worker.port and worker.device == k_worker.device
     assert Path(sched.model).name == Path(k_sched.model).name  # the same default checkpoint name
+    gateway = parse("splitserve-gateway", services["gateway"]["command"])
+    (k_gateway,) = _find(docs, "Deployment", "splitserve-gateway")["spec"]["template"]["spec"]["containers"]
+    k_gateway = parse("splitserve-gateway", k_gateway["args"])
+    assert (gateway.port, gateway.shutdown_timeout) == (k_gateway.port, k_gateway.shutdown_timeout)
+    assert split_address(gateway.scheduler)[1] == split_address(k_gateway.scheduler)[1] == sched.port

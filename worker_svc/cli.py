@@ -47,13 +47,12 @@ def resolve_model(model: str) -> Path:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
-    import signal
-    import threading
 
+    from scheduler_svc import logs
     from worker_svc.model_runner import ModelRunner, RunnerConfig
     from worker_svc.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_format, args.log_level)
     config = RunnerConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -67,17 +66,14 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         runner = ModelRunner(resolve_model(args.model), config)
     try:
+        _serve_metrics(runner, args)
         server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
             "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, epoch %d",
             info.model, args.host, port, info.device, info.dtype, info.num_blocks, info.block_size,
             info.max_model_len, runner.attention.name, info.tensor_parallel_size, info.epoch)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
-        server.stop(grace=args.shutdown_grace).wait()
+        _run_until_signal(server, port, args)
     finally:
         if hasattr(runner, "close"):
             runner.close()  # stops the other tensor-parallel ranks
@@ -86,25 +82,77 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     import logging
-    import signal
-    import threading
 
+    from scheduler_svc import logs
     from worker_svc.server import serve
     from worker_svc.simulated import SimulatedRunner, StepCost
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_format, args.log_level)
     runner = SimulatedRunner(args.model, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
                              args.max_num_batched_tokens, StepCost(args.base_ms, args.per_token_us,
                                                                    args.per_context_token_ns))
-    server, port = serve(runner, args.host, args.port)
+    _serve_metrics(runner, args)
+    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
     logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, port,
                                                 args.num_blocks, args.block_size)
+    _run_until_signal(server, port, args)
+    return 0
+
+
+def _run_until_signal(server, port: int, args: argparse.Namespace) -> None:
+    """Serves until SIGTERM/SIGINT, registered with --scheduler if given; then drains: the scheduler is told
+    first (Deregister: nothing new comes, running requests get --shutdown-grace, the rest moves to other
+    workers), and the server stops after. Without --scheduler the server stops within --shutdown-grace and
+    the scheduler moves what was left when the stream ends."""
+    import signal
+    import threading
+
+    from worker_svc.membership import Registrar, advertise_address
+
+    service = server.worker_service
+    registrar = None
+    if args.scheduler:
+        address = args.advertise_address or advertise_address(args.host, port)
+        registrar = Registrar(service, args.scheduler, address, args.register_backoff_max).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=1.0).wait()
-    return 0
+    grace = args.shutdown_grace
+    if registrar is not None and registrar.deregister(grace):
+        grace = 1.0  # the scheduler has closed the stream already
+    service.drain()
+    if registrar is not None:
+        registrar.close()
+    server.stop(grace=grace).wait()
+
+
+def _serve_metrics(runner, args: argparse.Namespace) -> None:
+    if args.metrics_port:
+        from worker_svc.metrics import serve_metrics
+
+        serve_metrics(runner, args.metrics_port, args.host)
+
+
+def _add_membership_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="register with this scheduler (retrying with backoff, again after it restarts) and "
+                        "deregister on SIGTERM; without it, the scheduler's --worker list names this worker")
+    p.add_argument("--advertise-address", metavar="HOST:PORT",
+                   help="where the scheduler reaches this worker (default: --host:--port, or the host name "
+                        "when listening on all interfaces)")
+    p.add_argument("--register-backoff-max", type=float, default=10.0,
+                   help="registration retries back off from 0.5 s up to this many seconds (default 10)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="on SIGTERM, seconds running requests may still run here before they move to other "
+                        "workers (default 5)")
+
+
+def _add_observability_arguments(p: argparse.ArgumentParser) -> None:
+    from scheduler_svc import logs
+
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
+    logs.add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
                         "this process is rank 0 and spawns the others")
-    p.add_argument("--shutdown-grace", type=float, default=5.0)
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")
+    _add_membership_arguments(p)
+    _add_observability_arguments(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("simulate", help="run a simulated worker: same protocol, no model, GPU-like step times")
@@ -163,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-ms", type=float, default=1.5)
     p.add_argument("--per-token-us", type=float, default=2.0)
     p.add_argument("--per-context-token-ns", type=float, default=40.0)
+    p.add_argument("--debug-step-delay", type=float, default=0.0,
+                   help="testing only: sleep this many seconds before every step")
+    _add_membership_arguments(p)
+    _add_observability_arguments(p)
     p.set_defaults(func=_simulate)
     return parser
 

@@ -25,6 +25,9 @@ from worker_svc.errors import PlanError
 
 log = logging.getLogger("splitserve.worker")
 SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+# How long a new Execute stream (or Describe) waits for the previous stream to close: a scheduler that
+# gave up on its stream reconnects while the worker is still tearing the old one down.
+STREAM_HANDOVER_S = 5.0
 _END = object()
 
 
@@ -35,16 +38,43 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.step_delay = step_delay  # test-only slow-down, so tests can act while a request runs
         self._stream_lock = threading.Lock()
+        self._driven = threading.Condition()
+        self.driven = False  # an Execute stream is open: a scheduler drives this worker
+        self.draining = False  # shutting down: no new scheduler is taken (Describe and Execute refused)
+        self.health: health.HealthServicer | None = None
+
+    def drain(self) -> None:
+        self.draining = True
+        if self.health is not None:
+            self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def wait_driven(self, driven: bool, timeout: float) -> bool:
+        """Waits until an Execute stream is open (driven=True) or none is; returns whether it is so."""
+        with self._driven:
+            return self._driven.wait_for(lambda: self.driven == driven, timeout)
+
+    def _set_driven(self, driven: bool) -> None:
+        with self._driven:
+            self.driven = driven
+            self._driven.notify_all()
 
     def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
         if request.protocol_version != WORKER_PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"worker speaks protocol {WORKER_PROTOCOL_VERSION}, scheduler {request.protocol_version}")
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        # A scheduler that reconnects after giving up on its stream: let the old stream close first, so
+        # that the epoch answered is the one its next stream will see.
+        self.wait_driven(False, STREAM_HANDOVER_S)
         return self.runner.describe(request)
 
     def Execute(self, request_iterator, context):
-        if not self._stream_lock.acquire(blocking=False):
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        if not self._stream_lock.acquire(timeout=STREAM_HANDOVER_S):
             context.abort(grpc.StatusCode.ABORTED, "another scheduler is driving this worker")
+        self._set_driven(True)
         plans: queue.Queue = queue.Queue()
         pending: queue.Queue = queue.Queue()
         log.info("execute stream opened by %s (epoch %d)", context.peer(), self.runner.epoch)
@@ -91,8 +121,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             launcher.join()
             self.runner.reset()
             self._stream_lock.release()
+            self._set_driven(False)
             log.info("execute stream closed; new epoch %d", self.runner.epoch)
 
+
+# The scheduler pings each worker (gRPC keepalive) as its heartbeat, also while no step runs: accept
+# pings as often as every second without data, never answer them with GOAWAY "too_many_pings".
+SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", 500),
+                            ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)]
 
 # The launcher thread must get the GIL as soon as a plan arrives, not after the default 5 ms switch
 # interval of the thread that is building the previous result.
@@ -100,12 +136,14 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
+    """Starts the worker's gRPC server; its WorkerService is `server.worker_service` (drain, membership)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner, step_delay), server)
-    health_servicer = health.HealthServicer()
+                                  ("grpc.max_send_message_length", 64 << 20), *SERVER_KEEPALIVE_OPTIONS])
+    service = WorkerService(runner, step_delay)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = service.health = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -114,4 +152,5 @@ def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.S
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.worker_service = service
     return server, bound

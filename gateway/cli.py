@@ -1,0 +1,81 @@
+"""`splitserve-gateway`: an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+/health) in front of a splitserve scheduler, served by uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.reasoning import REASONING_PARSERS
+
+DEFAULT_PORT = 8000
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas (e.g. from a Secret)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitserve-gateway", description=__doc__)
+    p.add_argument("--scheduler", default=os.environ.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"),
+                   metavar="HOST:PORT", help="the scheduler's public gRPC address (default: $SPLITSERVE_ADDRESS "
+                                             "or 127.0.0.1:50051)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept `Authorization: Bearer KEY` on /v1 routes; repeat for several. Keys also "
+                        f"come from ${API_KEY_ENV} (comma-separated) and --api-key-file. Without any, the "
+                        "API is open")
+    p.add_argument("--api-key-file", action="append", default=[], type=Path, metavar="PATH",
+                   help="a file of API keys, one a line (e.g. a mounted secret); repeat for several")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="model name(s) clients use (default: the scheduler's, its checkpoint folder's name)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="checkpoint folder or tokenizer.json, to name logprob tokens by their text "
+                        "(default: `token_id:N`)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="return a Qwen3 answer's <think> part apart, as reasoning_content")
+    p.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="deadline of one generation; past it the answer is 504 (default: none)")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser calls (CORS) from this origin; `*` for any; repeat for several")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests get to finish (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    return p
+
+
+def read_api_keys(keys: Sequence[str], files: Sequence[Path], env: str | None = None) -> frozenset[str]:
+    out = {k.strip() for k in [*keys, *(env or "").split(",")] if k.strip()}
+    for path in files:
+        out |= {line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    return frozenset(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from gateway.app import GatewayConfig, create_app
+
+    try:
+        keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
+    except OSError as e:
+        raise SystemExit(f"splitserve-gateway: --api-key-file: {e}") from None
+    if (args.api_key or args.api_key_file) and not keys:
+        raise SystemExit("splitserve-gateway: --api-key / --api-key-file given, but no key in them")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = GatewayConfig(scheduler=args.scheduler, api_keys=keys, served_model_names=tuple(args.served_model_name),
+                           tokenizer=args.tokenizer, reasoning_parser=args.reasoning_parser,
+                           request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origin))
+    # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1.
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
+        log_level=args.log_level, access_log=not args.no_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Request bodies of the OpenAI API as pydantic models: the fields OpenAI and vLLM clients send.
+
+Types and simple ranges are checked here (a failure is a 400 naming the field); what needs the model
+(token ids in the vocabulary, lengths against max_model_len, the KV capacity) is checked by the
+scheduler, whose INVALID_ARGUMENT comes back as a 400 naming the field too. Unknown fields are
+ignored, as vLLM does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20)
+SEED_LIMIT = 1 << 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(1, ge=1)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM's names).
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = None
+    priority: int | None = 0
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None

@@ -1,0 +1,73 @@
+"""Token strings for logprobs. The scheduler sends token ids; OpenAI's logprobs name tokens by their text
+(and, in chat, their UTF-8 bytes). With `--tokenizer` (the checkpoint folder, or its tokenizer.json) the
+gateway renders them itself; without it a token is written `token_id:<id>`, vLLM's
+`--return-tokens-as-token-ids` form, and its bytes are null."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenRenderer:
+    def __init__(self, tokenizer: str | Path | None = None):
+        self._tokenizer = None
+        self._added: dict[int, str] = {}
+        self._byte_level = False
+        if tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            path = Path(tokenizer)
+            if path.is_dir():
+                path = path / "tokenizer.json"
+            self._tokenizer = Tokenizer.from_file(str(path))
+            self._added = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()}
+            decoder = self._tokenizer.decoder
+            self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    def render(self, token_id: int) -> tuple[str, list[int] | None]:
+        """(the token's text, its UTF-8 bytes or None). A token holding part of a multi-byte character
+        has a text with U+FFFD in it; its bytes are exact."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        if self._tokenizer is None:
+            out: tuple[str, list[int] | None] = (f"token_id:{token_id}", None)
+        elif (raw := self._raw_bytes(token_id)) is not None:
+            out = (raw.decode("utf-8", errors="replace"), list(raw))
+        else:
+            out = (f"token_id:{token_id}", None)
+        if len(self._cache) < 1 << 18:
+            self._cache[token_id] = out
+        return out
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        assert self._tokenizer is not None
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return None
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()

@@ -1,0 +1,312 @@
+"""Worker membership of the scheduler: which worker groups it drives, how they join, fail, come back and
+leave, and where the requests of a group that goes end up.
+
+- Join: a static `--worker` address is connected at start-up; a worker started with `--scheduler` calls
+  Register (protos/membership.proto) and is connected then. Either way a group is one Execute stream to
+  the worker at one epoch, with a fresh block pool.
+- Fail: a group's stream breaks (worker gone, keepalive heartbeat unanswered, or a step overdue: the
+  watchdog here checks every group's step progress, see grpc_executor). Its unfinished requests are moved
+  to the surviving groups by recompute (prompt plus the tokens streamed so far, same seed and limits, same
+  detokenizer state): the client sees exactly the tokens it would have seen. With no live group left they
+  end with UNAVAILABLE, and readiness is NOT_SERVING until a worker is back.
+- Come back: the address of a failed group is retried in the background with exponential backoff (a
+  static one until it answers; a registered one for REGISTERED_RETRY_S, after which the worker is expected
+  to register again by itself). A worker that answers, at a new epoch, gets a new group.
+- Leave: Deregister (a worker that drains on SIGTERM) marks the group draining: nothing new is routed to
+  it, its queued requests move at once, its running ones get the grace period the worker asks for, then
+  what remains moves by recompute and the stream is closed, before Deregister returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import membership_pb2 as mpb
+from protos import membership_pb2_grpc
+from scheduler_svc.engine import Orphan
+from scheduler_svc.grpc_executor import WatchConfig, WorkerUnavailable
+from scheduler_svc.router import pick_group
+from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
+
+log = logging.getLogger("splitserve.scheduler")
+SERVICE = mpb.DESCRIPTOR.services_by_name["Membership"].full_name
+FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
+REGISTERED_RETRY_S = 600.0  # how long the address of a failed registered worker is retried
+
+
+@dataclass(slots=True)
+class MembershipConfig:
+    watch: WatchConfig = field(default_factory=WatchConfig)
+    connect_timeout: float = 600.0  # a static --worker at start-up: how long to wait for it to come up
+    reconnect_timeout: float = 10.0  # one attempt to reach a worker again, or a registering one (Describe)
+    reconnect_backoff_min: float = 0.5  # first wait before retrying the address of a failed group
+    reconnect_backoff_max: float = 10.0  # the wait doubles up to this
+
+
+class Membership:
+    """Owned by the GenerationService (`service`): reads and writes its groups, streams and health."""
+
+    def __init__(self, service, config: MembershipConfig | None = None):
+        self.service = service
+        self.config = config or MembershipConfig()
+        self.scheduler_id = uuid.uuid4().hex[:12]
+        self.static: set[str] = set()  # --worker addresses
+        self.registered: dict[str, float] = {}  # registered address -> loop time it was last seen
+        self._connect_locks: dict[str, asyncio.Lock] = {}
+        self._reconnecting: dict[str, asyncio.Task] = {}
+        self._drains: dict[WorkerGroup, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
+
+    # ---- groups -------------------------------------------------------------------------------
+    def group_at(self, address: str) -> WorkerGroup | None:
+        return next((g for g in self.service.groups if g.address == address and g.alive), None)
+
+    async def add_static(self, address: str) -> WorkerGroup:
+        self.static.add(address)
+        return await self.connect(address, self.config.connect_timeout)
+
+    async def connect(self, address: str, timeout: float, wait_for_ready: bool = True) -> WorkerGroup:
+        """A live group for address: the one there is, or a new one (Describe, then Execute opened).
+        Raises WorkerUnavailable."""
+        s = self.service
+        lock = self._connect_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            group = self.group_at(address)
+            if group is not None:
+                return group
+            group = await asyncio.to_thread(WorkerGroup, address, s.model_dir, s.tokenizer, s.config,
+                                            s._outputs_from_thread, s._failure_from_thread, self.config.watch,
+                                            timeout, wait_for_ready)
+            group.engine.step_observer = s.metrics.step_observer(address)
+            if not s.accepting:
+                await asyncio.to_thread(group.stop)
+                raise WorkerUnavailable("the scheduler is shutting down")
+            if not group.alive:  # failed at once: group_failed has run or will, and retries
+                raise WorkerUnavailable(f"worker {address} failed as it joined")
+            s.groups.append(group)
+        info = group.info
+        log.info("worker group %s: %s, %d blocks of %d, max_model_len %d, epoch %d", address, info.device,
+                 info.num_blocks, info.block_size, info.max_model_len, info.epoch,
+                 extra={"worker": address, "epoch": info.epoch})
+        await s._update_health()
+        return group
+
+    def start(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def stop(self) -> None:
+        """The scheduler drains: no more reconnection attempts nor watchdog."""
+        tasks = [t for t in (self._watchdog, *self._reconnecting.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchdog = None
+
+    async def _watch(self) -> None:
+        """The step-progress watchdog over every live group (the heartbeat and the stream watch themselves)."""
+        interval = min(1.0, max(0.05, self.config.watch.step_timeout / 10))
+        while True:
+            await asyncio.sleep(interval)
+            for group in list(self.service.groups):
+                if group.alive and (reason := group.engine.executor.check_progress()):
+                    log.error("watchdog: %s", reason, extra={"worker": group.address})
+
+    # ---- failure and re-queue ----------------------------------------------------------------
+    def group_failed(self, group: WorkerGroup, orphans: list[Orphan], error: Exception) -> None:
+        """On the event loop, after a group's engine thread gave up on its worker."""
+        s = self.service
+        if group in s.groups:
+            s.groups.remove(group)
+        live = s.live_groups()
+        log.warning("worker group %s is gone (%s): %d request(s) to move, %d live group(s) left", group.address,
+                    error, len(orphans), len(live), extra={"worker": group.address})
+        self.requeue(orphans)
+        self._spawn(s._update_health())
+        self.schedule_reconnect(group.address)
+
+    def requeue(self, orphans: list[Orphan]) -> None:
+        for orphan in orphans:
+            if orphan.request_id in self.service._streams:
+                self._spawn(self._move(orphan))
+
+    async def _move(self, orphan: Orphan) -> None:
+        """Continues one request on the live group that costs least (its prompt plus generated tokens are
+        recomputed there); with none left, its stream ends with UNAVAILABLE."""
+        s = self.service
+        rid = orphan.request_id
+        tried: set[WorkerGroup] = set()
+        while True:
+            stream = s._streams.get(rid)
+            if stream is None:  # the call ended meanwhile (cancelled)
+                return
+            candidates = [g for g in s.live_groups() if g not in tried]
+            if not candidates:
+                log.warning("request %s: no live worker left to continue it", rid, extra={"request_id": rid})
+                stream.queue.put_nowait(FAILED)
+                return
+            group = pick_group(candidates, orphan.seq.token_ids)
+            stream.group_of[rid] = group  # before the adopt is queued: a cancel now aborts it there
+            try:
+                await asyncio.wrap_future(group.adopt(orphan))
+            except (GroupUnavailable, ValueError) as e:
+                log.warning("request %s: cannot continue on %s: %s", rid, group.address, e,
+                            extra={"request_id": rid, "worker": group.address})
+                tried.add(group)
+                continue
+            s.metrics.requests_requeued.inc()
+            seq = orphan.seq
+            log.info("request %s moved to worker %s: %d prompt + %d generated tokens to recompute", rid,
+                     group.address, seq.prompt_len, seq.num_output_tokens,
+                     extra={"request_id": rid, "worker": group.address})
+            return
+
+    # ---- coming back --------------------------------------------------------------------------
+    def schedule_reconnect(self, address: str) -> None:
+        if not self.service.accepting or address in self._reconnecting:
+            return
+        if address not in self.static and address not in self.registered:
+            return
+        task = asyncio.ensure_future(self._reconnect(address))
+        self._reconnecting[address] = task
+
+    async def _reconnect(self, address: str) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        delay = cfg.reconnect_backoff_min
+        started = loop.time()
+        try:
+            while self.service.accepting:
+                if address not in self.static:
+                    if address not in self.registered:
+                        return  # deregistered meanwhile
+                    if loop.time() - started > REGISTERED_RETRY_S:
+                        log.info("worker %s: not back after %.0f s; forgotten until it registers again", address,
+                                 REGISTERED_RETRY_S, extra={"worker": address})
+                        self.registered.pop(address, None)
+                        return
+                if self.group_at(address) is not None:
+                    return
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(2 * delay, cfg.reconnect_backoff_max)
+                try:
+                    group = await self.connect(address, cfg.reconnect_timeout, wait_for_ready=False)
+                except WorkerUnavailable as e:
+                    log.debug("worker %s: not back yet: %s", address, e)
+                    continue
+                except Exception:
+                    log.exception("worker %s: reconnecting failed", address)
+                    continue
+                log.info("worker %s is back at epoch %d", address, group.info.epoch, extra={"worker": address})
+                return
+        finally:
+            if self._reconnecting.get(address) is asyncio.current_task():
+                del self._reconnecting[address]
+
+    # ---- leaving ------------------------------------------------------------------------------
+    async def drain_group(self, group: WorkerGroup, grace: float) -> int:
+        """Routes nothing new to the group, lets its running requests finish within grace seconds, moves
+        the rest by recompute, closes its stream. Returns how many requests moved. Idempotent."""
+        task = self._drains.get(group)
+        if task is None:
+            task = self._drains[group] = asyncio.ensure_future(self._drain(group, grace))
+            task.add_done_callback(lambda _t: self._drains.pop(group, None))
+        return await asyncio.shield(task)  # goes on if the caller (a Deregister call) is cancelled
+
+    async def _drain(self, group: WorkerGroup, grace: float) -> int:
+        s = self.service
+        loop = asyncio.get_running_loop()
+        group.draining = True
+        await s._update_health()
+        log.info("worker %s drains: %d request(s), grace %.1f s", group.address, group.num_unfinished, grace,
+                 extra={"worker": group.address})
+        moved = 0
+        if s.live_groups():  # queued requests have nothing to finish there: they move at once
+            moved += await self._evict(group, waiting_only=True)
+        deadline = loop.time() + max(0.0, grace)
+        while group.alive and group.num_unfinished and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if group.alive:
+            moved += await self._evict(group)
+            if group in s.groups:
+                s.groups.remove(group)
+            await asyncio.to_thread(group.stop)
+        # (a group that failed meanwhile moved its requests through group_failed)
+        await s._update_health()
+        log.info("worker %s left: %d request(s) moved to other workers", group.address, moved,
+                 extra={"worker": group.address})
+        return moved
+
+    async def _evict(self, group: WorkerGroup, waiting_only: bool = False) -> int:
+        try:
+            orphans = await asyncio.wrap_future(group.evict(waiting_only))
+        except GroupUnavailable:
+            return 0
+        self.requeue(orphans)
+        return len(orphans)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _valid_address(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+class MembershipService(membership_pb2_grpc.MembershipServicer):
+    """Register / Deregister, served by the scheduler next to its public API."""
+
+    def __init__(self, membership: Membership):
+        self.m = membership
+
+    async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
+        m, s = self.m, self.m.service
+        address = request.address
+        if not s.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        if not _valid_address(address):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {address!r}")
+        loop = asyncio.get_running_loop()
+        m.registered[address] = loop.time()
+        group = m.group_at(address)
+        if group is not None and request.epoch and group.info.epoch != request.epoch:
+            # Registering again at another epoch: the worker restarted, or lost the stream this group holds.
+            group.fail(f"worker {address} registered again at a new epoch: its stream is gone")
+            deadline = loop.time() + 10.0
+            while group in s.groups and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            group = None
+        if group is not None:
+            if group.draining:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {address} is draining")
+            return mpb.RegisterResponse(scheduler_id=m.scheduler_id, already_member=True)
+        try:
+            group = await m.connect(address, m.config.reconnect_timeout, wait_for_ready=False)
+        except WorkerUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the worker at {address}: {e}")
+        log.info("worker %s registered (worker id %s)", address, request.worker_id or "?",
+                 extra={"worker": address})
+        return mpb.RegisterResponse(scheduler_id=m.scheduler_id, already_member=False)
+
+    async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:
+        m = self.m
+        address = request.address
+        m.registered.pop(address, None)
+        group = m.group_at(address)
+        if group is None:
+            return mpb.DeregisterResponse(was_member=False)
+        log.info("worker %s deregisters (worker id %s)", address, request.worker_id or "?",
+                 extra={"worker": address})
+        moved = await m.drain_group(group, max(0.0, request.grace_s))
+        if address in m.static:
+            m.schedule_reconnect(address)  # a static worker that is restarted comes back
+        return mpb.DeregisterResponse(moved=moved, was_member=True)

@@ -1,0 +1,516 @@
+"""The OpenAI-compatible gateway (gateway/), end to end through real processes on loopback, driven by the
+official `openai` package and plain HTTP (httpx), next to the gRPC client as the reference.
+
+- `cluster` + `gateway`: a scheduler over one CPU worker serving qwen3-tiny (random weights), and a
+  gateway with an API key, the checkpoint's tokenizer (logprob token strings) and the Qwen3 reasoning
+  parser. Greedy answers through the gateway must equal the gRPC client's, token for token.
+- `slow` + `slow_gateway` (+ `deadline_gateway`): a scheduler that admits one running and one waiting
+  request (`--max-num-seqs 1 --max-waiting 1`) over a simulated worker (no model, 50 ms a step), for load
+  refusal (429), disconnects (the request's KV blocks come back), the deadline (504) and, last, a dead
+  worker (503).
+Every wait is bounded; assertions are on states (status codes, error bodies, block counters), not timings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from client import Client
+from client.client import build_request
+from client.launcher import LocalCluster, free_port
+from gateway.errors import APIError, from_grpc, openai_param, validation_param
+from gateway.reasoning import ReasoningStream, split_reasoning
+from protos.splitserve_pb2_grpc import GenerationStub
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "sk-test-gateway"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "1024"]
+STEP_MS = 50  # the simulated worker's step time
+START_S = 120.0
+WAIT_S = 20.0
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+
+class Gateway:
+    def __init__(self, scheduler: str, log_path: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "--scheduler", scheduler, "--host", "127.0.0.1",
+                 "--port", str(self.port), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env={**{k: v for k, v in os.environ.items() if k != "SPLITSERVE_API_KEY"}, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 60.0) -> "Gateway":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.popen.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def openai(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, worker_args=WORKER_ARGS, log_dir=tmp_path_factory.mktemp("gw-cluster"))
+    c.start(timeout=START_S)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tiny_model_dir, tmp_path_factory):
+    g = Gateway(cluster.address, tmp_path_factory.mktemp("gw") / "gateway.log", "--api-key", API_KEY,
+                "--tokenizer", str(tiny_model_dir), "--reasoning-parser", "qwen3")
+    try:
+        yield g.wait_healthy()
+    finally:
+        g.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway) -> openai.OpenAI:
+    with gateway.openai(API_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster):
+    with Client(cluster.address, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_model_dir, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, worker_command="simulate",
+                     worker_args=["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                                  "--base-ms", str(STEP_MS)],
+                     scheduler_args=["--max-num-seqs", "1", "--max-waiting", "1"],
+                     log_dir=tmp_path_factory.mktemp("gw-slow"))
+    c.start(timeout=START_S)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_gateway(slow, tmp_path_factory):
+    g = Gateway(slow.address, tmp_path_factory.mktemp("gw-slow") / "gateway.log")
+    try:
+        yield g.wait_healthy()
+    finally:
+        g.stop()
+
+
+def _free(address: str) -> dict:
+    with Client(address, timeout=10) as c:
+        (worker,) = c.model_info()["workers"]
+    return worker
+
+
+def _wait_for(predicate, timeout: float = WAIT_S, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout} s")
+        time.sleep(0.05)
+
+
+def _post(gateway: Gateway, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{gateway.url}{path}", content=content, headers={**headers, "Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+# ---- health, models, API keys ----------------------------------------------------------------------
+
+
+def test_health_and_models(gateway, oai, grpc_client):
+    r = httpx.get(f"{gateway.url}/health", timeout=10)  # open without a key, for probes
+    assert r.status_code == 200 and r.json()["scheduler"] == "SERVING"
+    info = grpc_client.model_info()
+    (model,) = oai.models.list().data
+    assert model.id == info["model"] and model.object == "model"
+    assert model.model_extra["max_model_len"] == info["max_model_len"]
+
+
+def test_api_key_required(gateway):
+    for key in (None, "wrong-key"):
+        r = _post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key=key)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
+    assert httpx.get(f"{gateway.url}/v1/models", timeout=10).status_code == 401
+    with gateway.openai("wrong-key") as bad, pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1)
+
+
+# ---- completions and chat through the openai package -------------------------------------------------
+
+
+def test_completions_greedy_equal_grpc(oai, grpc_client):
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=12, temperature=0)
+    out = oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0)
+    (choice,) = out.choices
+    assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+    # A prompt of token ids, and a list of prompts (choices: prompt-major, n per prompt).
+    ids = grpc_client.tokenize(PROMPT)
+    assert oai.completions.create(model="", prompt=ids, max_tokens=12, temperature=0).choices[0].text == ref.text
+    (ref2,) = grpc_client.complete("Once upon a time", max_tokens=6, temperature=0)
+    many = oai.completions.create(model="", prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices[2:]] == [ref2.text] * 2
+    echo = oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPT + ref.text
+    assert ref.text.startswith(many.choices[0].text) and many.choices[0].text == many.choices[1].text
+
+
+def test_chat_greedy_equal_grpc(oai, grpc_client):
+    (ref,) = grpc_client.complete(messages=MESSAGES, max_tokens=12, temperature=0)
+    out = oai.chat.completions.create(model="", messages=MESSAGES, max_tokens=12, temperature=0)
+    (choice,) = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.message.model_extra.get("reasoning_content") is None  # no think block in this answer
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens and out.usage.completion_tokens == len(ref.token_ids)
+
+    stream = oai.chat.completions.create(model="", messages=MESSAGES, max_completion_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+    # Qwen3's switch reaches the chat template: thinking off puts an empty think block in the prompt.
+    (ref_off,) = grpc_client.complete(messages=MESSAGES, max_tokens=8, temperature=0, enable_thinking=False)
+    off = oai.chat.completions.create(model="", messages=MESSAGES, max_tokens=8, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == ref_off.text
+    assert off.usage.prompt_tokens == ref_off.usage.prompt_tokens == ref.usage.prompt_tokens + 4
+
+
+def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
+    """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
+    out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
+    max_model_len = grpc_client.model_info()["max_model_len"]
+    if out.choices[0].finish_reason == "length":
+        assert out.usage.total_tokens == max_model_len
+    else:
+        assert out.usage.completion_tokens > 16
+
+
+def test_n_and_logprobs(oai, grpc_client):
+    chat = oai.chat.completions.create(model="", messages=MESSAGES, n=3, max_tokens=6, temperature=0.9, seed=7,
+                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert chat.usage.completion_tokens == 18
+    assert len({c.message.content for c in chat.choices}) > 1  # each completion gets its own seed
+    for c in chat.choices:
+        assert len(c.logprobs.content) == 6
+        for lp in c.logprobs.content:
+            assert lp.logprob <= 0 and len(lp.top_logprobs) == 2 and lp.bytes
+            assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+
+    # n > 1 streamed: a role chunk, then the deltas of each choice, which match the whole answers.
+    whole = oai.chat.completions.create(model="", messages=MESSAGES, n=2, max_tokens=6, temperature=0.9, seed=5)
+    texts = ["", ""]
+    for chunk in oai.chat.completions.create(model="", messages=MESSAGES, n=2, max_tokens=6, temperature=0.9,
+                                             seed=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]
+
+    # Greedy: the tokens' bytes spell the answer; the logprobs are the gRPC client's.
+    (ref,) = grpc_client.complete(messages=MESSAGES, max_tokens=8, temperature=0, logprobs=2)
+    greedy = oai.chat.completions.create(model="", messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=2).choices[0]
+    assert bytes(b for lp in greedy.logprobs.content for b in lp.bytes).decode() == greedy.message.content
+    assert [lp.logprob for lp in greedy.logprobs.content] == pytest.approx([lp for lp, _ in ref.logprobs], abs=1e-4)
+    assert all(lp.top_logprobs[0].token == lp.token for lp in greedy.logprobs.content)
+
+    # Completions: the legacy logprobs object, in one answer and streamed.
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    one = oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3).choices[0]
+    assert one.text == ref.text and "".join(one.logprobs.tokens) == one.text
+    assert one.logprobs.token_logprobs == pytest.approx([lp for lp, _ in ref.logprobs], abs=1e-4)
+    assert all(len(top) >= 3 and one.logprobs.tokens[i] in top for i, top in enumerate(one.logprobs.top_logprobs))
+    assert one.logprobs.text_offset[0] == 0 and one.logprobs.text_offset[1] == len(one.logprobs.tokens[0])
+    streamed = list(oai.completions.create(model="", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                           stream=True))
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == one.logprobs.tokens
+
+
+def test_stop_seed_and_extensions(oai, grpc_client):
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=12, temperature=0)
+    stop = ref.text[3:6]
+    out = oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]).choices[0]
+    assert out.finish_reason == "stop" and stop not in out.text and ref.text.startswith(out.text)
+    assert out.model_extra["stop_reason"] == stop
+    kwargs = dict(model="", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11, presence_penalty=0.5,
+                  frequency_penalty=0.5, user="tester",
+                  extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1})
+    a, b = (oai.completions.create(**kwargs).choices[0].text for _ in range(2))
+    (c,) = grpc_client.complete(PROMPT, max_tokens=10, temperature=1.0, seed=11, presence_penalty=0.5,
+                                frequency_penalty=0.5, top_k=20, min_p=0.01, repetition_penalty=1.1)
+    assert a == b == c.text
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100_000}, "max_tokens"),  # the scheduler's check
+    ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),  # the scheduler's check
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10_000_000], "max_tokens": 1}, "prompt"),  # outside the vocabulary
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 100_000}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "frequency_penalty": "high"}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "yes"}},
+     "chat_template_kwargs.enable_thinking"),
+])
+def test_invalid_parameter_is_400_naming_it(gateway, path, body, param):
+    r = _post(gateway, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_other_client_errors(gateway, oai):
+    r = _post(gateway, "/v1/completions", "{not json")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body is not valid JSON")
+    r = _post(gateway, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="", messages=MESSAGES, temperature=-0.5)
+    assert e.value.status_code == 400 and e.value.param == "temperature"
+
+
+def test_error_mapping():
+    class Failed(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    expected = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+                grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500}
+    for code, status in expected.items():
+        error = from_grpc(Failed(code, "temperature must be >= 0"))
+        assert isinstance(error, APIError) and error.status == status
+        assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+        assert (error.param == "temperature") == (status == 400)
+        assert ("Retry-After" in error.headers()) == (status in (429, 503))
+    assert openai_param("prompt.chat.messages[1].role must be one of", prompt_param="messages") == "messages"
+    assert openai_param("prompt (9 tokens) + max_tokens (5000) exceeds max_model_len (512)",
+                        max_tokens_param="max_completion_tokens") == "max_completion_tokens"
+    assert openai_param("sampling.top_k must be -1, 0 (off) or positive") == "top_k"
+    assert openai_param("logprobs must be None or >= 0", logprobs_param="top_logprobs") == "top_logprobs"
+    assert openai_param("something else went wrong") is None
+    assert validation_param(("body", "messages", 0, "content", "str")) == "messages[0].content"
+    assert validation_param(("body", "prompt", "list[list[int]]", 1, 0)) == "prompt[1][0]"
+
+
+# ---- Qwen3 reasoning parser -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("<think>\nLet me see.\n</think>\n\nBlue.", "Let me see.\n", "Blue."),
+    ("  <think>a</think>b", "a", "b"),
+    ("Blue.", None, "Blue."),
+    ("<think>\n\n</think>\n\nBlue.", "", "Blue."),
+    ("<think>cut off before the end", "cut off before the end", ""),
+    ("Blue <think>not at the start</think>", None, "Blue <think>not at the start</think>"),
+    ("<thin", None, "<thin"),
+    ("", None, ""),
+])
+def test_reasoning_split(text, reasoning, content):
+    assert split_reasoning(text) == (reasoning, content)
+    for size in (1, 2, 3, 5):  # streamed in pieces, tags split anywhere: the same result
+        stream, r, c = ReasoningStream(), "", ""
+        for i in range(0, len(text), size):
+            dr, dc = stream.feed(text[i:i + size])
+            r, c = r + dr, c + dc
+        dr, dc = stream.finish()
+        assert ((r + dr) if stream.saw_reasoning else None, c + dc) == (reasoning, content)
+
+
+def test_reasoning_in_chat_answers():
+    """The chat renderers with the parser on, fed deltas as the scheduler sends them (one Qwen3 answer
+    that thinks), stream and whole: reasoning_content apart, the same split both ways."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from client.client import Delta, Usage
+    from gateway.app import _chat_events, _Job, chat_message
+    from gateway.tokens import TokenRenderer
+
+    pieces = ["<think>", "\nThe user", " wants a colour.\n", "</think>", "\n\nBlue", "."]
+    deltas = [Delta(0, [i], t) for i, t in enumerate(pieces)]
+    deltas[-1].finish_reason, deltas[-1].usage = "stop", Usage(9, len(pieces), 0)
+    backend = SimpleNamespace(config=SimpleNamespace(reasoning_parser="qwen3"), tokens=TokenRenderer())
+    body = SimpleNamespace(include_reasoning=True)
+
+    async def source():
+        for d in deltas:
+            yield 0, d
+
+    async def events():
+        job = _Job([{"token_ids": [1]}], {}, 1)
+        return [e async for e in _chat_events(source(), None, job, backend, "id", "m", 0, body, True)]
+
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(events()) if e != "data: [DONE]\n\n"]
+    streamed = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in streamed) == "The user wants a colour.\n"
+    assert "".join(d.get("content", "") for d in streamed) == "Blue."
+    assert chunks[-1]["usage"]["completion_tokens"] == len(pieces)
+    whole = chat_message("".join(pieces), "qwen3", include_reasoning=True)
+    assert whole == {"role": "assistant", "content": "Blue.", "reasoning_content": "The user wants a colour.\n"}
+    assert chat_message("Blue.", None, include_reasoning=True) == {"role": "assistant", "content": "Blue."}
+
+
+# ---- load, disconnects, deadlines, dead workers (slow cluster) --------------------------------------
+
+
+def test_load_refusal_is_429(slow, slow_gateway):
+    """One request runs, one waits (--max-num-seqs 1 --max-waiting 1): the next is refused, 429."""
+    with grpc.insecure_channel(slow.address) as channel:
+        stub = GenerationStub(channel)
+        running = stub.Generate(build_request(PROMPT, max_tokens=400, ignore_eos=True), timeout=60)
+        try:
+            next(running)
+            waiting = stub.Generate(build_request(PROMPT, max_tokens=400, ignore_eos=True), timeout=60)
+            try:
+                _wait_for(lambda: _free(slow.address)["num_waiting"] == 1, what="a waiting request")
+                r = _post(slow_gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["Retry-After"]
+                with slow_gateway.openai() as client, pytest.raises(openai.RateLimitError):
+                    client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4, stream=True)
+            finally:
+                waiting.cancel()
+        finally:
+            running.cancel()
+    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, what="blocks freed")
+
+
+def test_disconnect_frees_blocks(slow, slow_gateway):
+    """A client that leaves mid-answer (streaming, or not) cancels the gRPC call: the blocks come back
+    long before the answer would have ended (300 tokens at 50 ms a step: 15 s)."""
+    assert _free(slow.address)["free_blocks"] == NUM_BLOCKS
+    with slow_gateway.openai() as client:
+        stream = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=300, stream=True,
+                                                extra_body={"ignore_eos": True})
+        pieces = 0
+        for chunk in stream:
+            pieces += bool(chunk.choices and chunk.choices[0].delta.content)
+            if pieces == 3:
+                break
+        assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
+        left = time.monotonic()
+        stream.close()
+    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+    assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
+
+    # Not streaming: the client gives up while the answer is being computed.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow_gateway.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True},
+                   timeout=httpx.Timeout(60, read=1.0))
+    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+
+
+def test_deadline_is_504(slow, tmp_path_factory):
+    g = Gateway(slow.address, tmp_path_factory.mktemp("gw-deadline") / "gateway.log", "--request-timeout", "1")
+    try:
+        g.wait_healthy()
+        r = httpx.post(f"{g.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True},
+                       timeout=30)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "timeout"
+    finally:
+        g.stop()
+    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+
+
+def test_no_worker_is_503(slow, slow_gateway):
+    """Last of the module: the slow cluster's only worker dies."""
+    (worker,) = [p for p in slow.processes if p.name.startswith("worker")]
+    worker.popen.kill()
+    worker.popen.wait(10)
+    _wait_for(lambda: httpx.get(f"{slow_gateway.url}/health", timeout=5).status_code == 503, what="health 503")
+    r = _post(slow_gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "service_unavailable" and r.headers["Retry-After"]
+    with slow_gateway.openai() as client, pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4)
+    assert e.value.status_code == 503
