@@ -60,6 +60,7 @@ class Membership:
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._reconnecting: dict[str, asyncio.Task] = {}
         self._drains: dict[WorkerGroup, asyncio.Task] = {}
+        self._last_epoch: dict[str, int] = {}  # address -> epoch of its last group (gone)
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
 
@@ -82,7 +83,7 @@ class Membership:
                 return group
             group = await asyncio.to_thread(WorkerGroup, address, s.model_dir, s.tokenizer, s.config,
                                             s._outputs_from_thread, s._failure_from_thread, self.config.watch,
-                                            timeout, wait_for_ready)
+                                            timeout, wait_for_ready, self._last_epoch.get(address))
             group.engine.step_observer = s.metrics.step_observer(address)
             if not s.accepting:
                 await asyncio.to_thread(group.stop)
@@ -102,12 +103,11 @@ class Membership:
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def stop(self) -> None:
-        """The scheduler drains: no more reconnection attempts nor watchdog."""
-        tasks = [t for t in (self._watchdog, *self._reconnecting.values()) if t is not None]
+        """The scheduler drains: no more reconnection attempts (the watchdog goes on while streams run)."""
+        tasks = list(self._reconnecting.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._watchdog = None
 
     async def _watch(self) -> None:
         """The step-progress watchdog over every live group (the heartbeat and the stream watch themselves)."""
@@ -124,6 +124,7 @@ class Membership:
         s = self.service
         if group in s.groups:
             s.groups.remove(group)
+        self._last_epoch[group.address] = group.info.epoch
         live = s.live_groups()
         log.warning("worker group %s is gone (%s): %d request(s) to move, %d live group(s) left", group.address,
                     error, len(orphans), len(live), extra={"worker": group.address})
@@ -236,6 +237,7 @@ class Membership:
             moved += await self._evict(group)
             if group in s.groups:
                 s.groups.remove(group)
+            self._last_epoch[group.address] = group.info.epoch
             await asyncio.to_thread(group.stop)
         # (a group that failed meanwhile moved its requests through group_failed)
         await s._update_health()
@@ -290,9 +292,12 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {address} is draining")
             return mpb.RegisterResponse(scheduler_id=m.scheduler_id, already_member=True)
         try:
-            group = await m.connect(address, m.config.reconnect_timeout, wait_for_ready=False)
+            await m.connect(address, m.config.reconnect_timeout, wait_for_ready=False)
         except WorkerUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the worker at {address}: {e}")
+        except Exception as e:  # e.g. another protocol version
+            log.exception("worker %s: registration refused", address, extra={"worker": address})
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {address} refused: {e}")
         log.info("worker %s registered (worker id %s)", address, request.worker_id or "?",
                  extra={"worker": address})
         return mpb.RegisterResponse(scheduler_id=m.scheduler_id, already_member=False)

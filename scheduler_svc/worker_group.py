@@ -31,13 +31,17 @@ class WorkerGroup:
     def __init__(self, address: str, model_dir: str | Path, tokenizer: ModelTokenizer, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None],
                  on_failure: Callable[["WorkerGroup", list[Orphan], Exception], None],
-                 watch: WatchConfig | None = None, connect_timeout: float = 600.0, wait_for_ready: bool = True):
+                 watch: WatchConfig | None = None, connect_timeout: float = 600.0, wait_for_ready: bool = True,
+                 stale_epoch: int | None = None):
         """Connects (Describe, then opens the Execute stream); raises WorkerUnavailable when the worker
-        does not answer within connect_timeout."""
+        does not answer within connect_timeout, or still answers with stale_epoch (the epoch of the stream
+        given up on: the worker has not reset yet)."""
         self.address = address
         executor = GrpcExecutor(address, connect_timeout, watch, wait_for_ready)
         try:
             self.engine = LLMEngine(model_dir, executor, config, tokenizer)
+            if self.engine.worker_info.epoch == stale_epoch:
+                raise WorkerUnavailable(f"worker {address} is still at the epoch of its previous stream")
             executor.open(self._stream_ended)
         except BaseException:
             executor.close()

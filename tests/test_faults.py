@@ -142,6 +142,8 @@ def cluster_factory(tiny_model_dir, tmp_path):
         c = sim_cluster(tiny_model_dir, tmp_path / f"logs-{len(clusters)}", n, list(scheduler_args), register,
                         list(worker_args))
         clusters.append(c)
+        with Client(c.address, timeout=10) as client:
+            wait_for(f"{n} workers connected", lambda: len(live_workers(client)) == n)
         return c
 
     yield make
@@ -247,6 +249,7 @@ def test_kill9_one_of_two_workers_every_stream_equals_a_run_without_the_fault(re
     requests = [dict(token_ids=[rng.randrange(1, 150000) for _ in range(rng.randint(4, 40))], max_tokens=40,
                      temperature=0.0, ignore_eos=True) for _ in range(32)]
     with Client(real2.address, timeout=WAIT_S * 3) as client:
+        wait_for("both workers connected", lambda: len(live_workers(client)) == 2)
         reference = run_streams(client, requests)
         assert all(s.error is None and len(s.token_ids) == 40 for s in reference)
         assert len(live_workers(client)) == 2
@@ -352,7 +355,7 @@ def test_only_worker_killed_unavailable_and_not_serving_until_a_worker_is_back(c
 
 def test_sigterm_to_the_scheduler_finishes_running_streams_and_refuses_new_ones(cluster_factory):
     c = cluster_factory(2, "--drain-timeout", "60")
-    requests = sim_requests(16, seed=5)
+    requests = sim_requests(16, seed=5, max_tokens=150)
     with Client(c.address, timeout=WAIT_S * 2) as client:
         reference = run_streams(client, requests)
         streams = start_streams(client, requests)
@@ -361,10 +364,10 @@ def test_sigterm_to_the_scheduler_finishes_running_streams_and_refuses_new_ones(
         signalled = time.monotonic()
         kill(scheduler, signal.SIGTERM)
         wait_for("readiness NOT_SERVING", lambda: health_status(c.address, PUBLIC_SERVICE) != "SERVING")
-        if scheduler.popen.poll() is None and not all(s.done.is_set() for s in streams):
-            with pytest.raises(grpc.RpcError) as err:
-                client.complete(token_ids=[1, 2, 3], max_tokens=4)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not all(s.done.is_set() for s in streams), "streams ended before the drain: make them longer"
+        with pytest.raises(grpc.RpcError) as err:
+            client.complete(token_ids=[1, 2, 3], max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         join(streams)
         assert_same(streams, reference)
         assert scheduler.popen.wait(60 + 15) == 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path

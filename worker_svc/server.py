@@ -25,8 +25,8 @@ from worker_svc.errors import PlanError
 
 log = logging.getLogger("splitserve.worker")
 SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
-# How long a new Execute stream (or Describe) waits for the previous stream to close: a scheduler that
-# gave up on its stream reconnects while the worker is still tearing the old one down.
+# How long a new Execute stream waits for the previous one to close: a scheduler that gave up on its
+# stream may reconnect while the worker is still tearing the old one down.
 STREAM_HANDOVER_S = 5.0
 _END = object()
 
@@ -64,9 +64,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                           f"worker speaks protocol {WORKER_PROTOCOL_VERSION}, scheduler {request.protocol_version}")
         if self.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        # A scheduler that reconnects after giving up on its stream: let the old stream close first, so
-        # that the epoch answered is the one its next stream will see.
-        self.wait_driven(False, STREAM_HANDOVER_S)
         return self.runner.describe(request)
 
     def Execute(self, request_iterator, context):
