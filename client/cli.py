@@ -17,8 +17,9 @@ from pathlib import Path
 
 import grpc
 
-from client.launcher import LocalCluster
+from client.channel import add_security_arguments, security_from_args
 from client.client import GENERATION_SERVICE, Client, CompletionCollector, Delta
+from client.launcher import LocalCluster
 
 DEFAULT_ADDRESS = os.environ.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051")
 DEFAULT_PRESET = "qwen3-small"
@@ -49,6 +50,14 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+def _client(args: argparse.Namespace) -> Client:
+    """A client of --address with the connection flags (TLS, API key)."""
+    try:
+        return Client(args.address, timeout=args.timeout, **security_from_args(args).kwargs())
+    except ValueError as e:  # an unreadable certificate or key file, a half client certificate
+        raise _UsageError(str(e)) from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.token_ids is None):
         raise _UsageError("give exactly one of PROMPT or --token-ids")
@@ -63,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = {"prompt": args.prompt}
     else:
         prompt = {"token_ids": args.token_ids}
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args) as client:
         try:
             stream = client.generate(
                 **prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -113,20 +122,20 @@ def _print_text(stream: Iterator[Delta], n: int) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args) as client:
         print(json.dumps(client.model_info(), indent=2))
     return 0
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args) as client:
         ids = client.tokenize(args.text)
     print(",".join(map(str, ids)))  # the format `generate --token-ids` reads
     return 0
 
 
 def _health(args: argparse.Namespace) -> int:
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args) as client:
         status = client.health(args.service)
     print(status)
     return 0 if status == "SERVING" else 1
@@ -171,6 +180,8 @@ def _up(args: argparse.Namespace) -> int:
                                worker_ports=[args.worker_port] if args.worker_port else [],
                                log_dir=Path(tempfile.mkdtemp(prefix="splitserve-up-")))
         print(f"starting a worker and a scheduler on {model}; logs in {cluster.log_dir}", flush=True)
+        print("local demo: plaintext gRPC (--plaintext) on 127.0.0.1 only; for TLS and authentication see "
+              "deploy/README.md", flush=True)
         started = time.monotonic()
         try:
             cluster.start(timeout=READY_TIMEOUT_S)
@@ -179,7 +190,7 @@ def _up(args: argparse.Namespace) -> int:
             return 1
         print(f"ready after {time.monotonic() - started:.1f} s", flush=True)
         if not args.no_sample:
-            with Client(cluster.address) as client:
+            with Client(cluster.address, **cluster.security.kwargs()) as client:
                 _sample(client)
         print(f"serving at {cluster.address} (worker at 127.0.0.1:{cluster.worker_ports[0]}); Ctrl-C stops",
               flush=True)
@@ -210,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--address", default=DEFAULT_ADDRESS,
                         help=f"scheduler HOST:PORT (default $SPLITSERVE_ADDRESS or {DEFAULT_ADDRESS})")
     common.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    add_security_arguments(common)
 
     p = sub.add_parser("generate", parents=[common], help="stream a generation")
     p.add_argument("prompt", nargs="?", metavar="PROMPT")

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.channel import ChannelSecurity, PathOrPem, create_channel
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 
@@ -249,14 +250,22 @@ def _not_ready_status(error: grpc.RpcError) -> str:
 
 
 class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; `metadata` goes with each."""
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; `metadata` goes with each.
+
+    Security (client.channel): plaintext unless a TLS argument is given. `tls_ca` verifies the scheduler's
+    certificate (`tls=True`: the system's CAs), `tls_cert` / `tls_key` are the client certificate a
+    scheduler in mutual TLS requires (paths, or PEM bytes), `tls_server_name` the name its certificate
+    carries when not the address's host; `api_key` is sent as `authorization: Bearer KEY`."""
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
+                 metadata: Metadata | None = None, api_key: str | None = None, tls: bool = False,
+                 tls_ca: PathOrPem | None = None, tls_cert: PathOrPem | None = None, tls_key: PathOrPem | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.metadata = tuple(metadata) if metadata else None
-        self._channel = grpc.insecure_channel(address)
+        self.security = ChannelSecurity(tls, tls_ca, tls_cert, tls_key, tls_server_name, api_key)
+        self.metadata = (*(metadata or ()), *self.security.metadata()) or None
+        self._channel = create_channel(address, self.security)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -332,11 +341,14 @@ class AsyncClient:
     """asyncio client with the surface of `Client`; create it inside the running event loop."""
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
+                 metadata: Metadata | None = None, api_key: str | None = None, tls: bool = False,
+                 tls_ca: PathOrPem | None = None, tls_cert: PathOrPem | None = None, tls_key: PathOrPem | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.metadata = tuple(metadata) if metadata else None
-        self._channel = grpc.aio.insecure_channel(address)
+        self.security = ChannelSecurity(tls, tls_ca, tls_cert, tls_key, tls_server_name, api_key)
+        self.metadata = (*(metadata or ()), *self.security.metadata()) or None
+        self._channel = create_channel(address, self.security, aio=True)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

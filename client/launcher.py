@@ -1,5 +1,8 @@
 """Starts a scheduler and worker processes on this machine (for `splitserve up`, tests and
-benchmarks) and stops them again. Only processes: nothing of the services is imported."""
+benchmarks) and stops them again. Only processes: nothing of the services is imported.
+
+Every process listens on 127.0.0.1 only, and runs with --plaintext (a local demo) unless the cluster is
+given TLS material (`tls=ClusterTLS(...)`: then every link is mutual TLS with those files)."""
 from __future__ import annotations
 
 import os
@@ -15,6 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.channel import ChannelSecurity, create_channel
+
 PUBLIC_SERVICE = "splitserve.v1.Generation"
 
 
@@ -24,8 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
-    with grpc.insecure_channel(address) as channel:
+def health_status(address: str, service: str = "", timeout: float = 2.0,
+                  security: ChannelSecurity | None = None) -> str:
+    with create_channel(address, security) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -47,6 +53,21 @@ class Process:
             return ""
 
 
+@dataclass(frozen=True)
+class ClusterTLS:
+    """PEM files for every process of a LocalCluster (and its clients): the CA verifies all of them, and
+    the one certificate must name 127.0.0.1 (an IP subject alternative name)."""
+    ca: Path
+    cert: Path
+    key: Path
+
+    def args(self) -> list[str]:
+        return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
+
+    def client(self, api_key: str | None = None) -> ChannelSecurity:
+        return ChannelSecurity(tls_ca=self.ca, tls_cert=self.cert, tls_key=self.key, api_key=api_key)
+
+
 @dataclass
 class LocalCluster:
     """A scheduler over `num_workers` single-process workers, all on 127.0.0.1. With `register`, the
@@ -59,6 +80,7 @@ class LocalCluster:
     scheduler_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     register: bool = False
+    tls: ClusterTLS | None = None  # None: every process runs --plaintext (loopback only)
     port: int = 0
     worker_ports: list[int] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
@@ -66,6 +88,14 @@ class LocalCluster:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def security(self) -> ChannelSecurity:
+        """How a client reaches this cluster's scheduler (plaintext, or the cluster's certificate)."""
+        return self.tls.client() if self.tls is not None else ChannelSecurity()
+
+    def _security_args(self) -> list[str]:
+        return self.tls.args() if self.tls is not None else ["--plaintext"]
 
     def _spawn(self, name: str, args: list[str]) -> Process:
         assert self.log_dir is not None
@@ -85,14 +115,15 @@ class LocalCluster:
         membership = ["--scheduler", self.address] if self.register else []
         return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", self.worker_command, "--model", str(self.model_dir),
                                               "--host", "127.0.0.1", "--port", str(port), "--device",
-                                              self.device, *membership, *self.worker_args, *(extra or [])])
+                                              self.device, *self._security_args(), *membership, *self.worker_args,
+                                              *(extra or [])])
 
     def start_scheduler(self, extra: list[str] | None = None) -> Process:
         """The scheduler process (again, on the same port, after one died: registered workers come back)."""
         workers = [] if self.register else [a for p in self.worker_ports for a in ("--worker", f"127.0.0.1:{p}")]
         return self._spawn("scheduler", ["-m", "scheduler_svc.cli", "--model", str(self.model_dir), "--host",
-                                         "127.0.0.1", "--port", str(self.port), *workers, *self.scheduler_args,
-                                         *(extra or [])])
+                                         "127.0.0.1", "--port", str(self.port), *workers, *self._security_args(),
+                                         *self.scheduler_args, *(extra or [])])
 
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="splitserve-"))
@@ -118,7 +149,7 @@ class LocalCluster:
             for proc in self.processes:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
-            if health_status(self.address, PUBLIC_SERVICE) == "SERVING":
+            if health_status(self.address, PUBLIC_SERVICE, security=self.security) == "SERVING":
                 return
             time.sleep(0.2)
         raise TimeoutError(f"scheduler not serving after {timeout:.0f} s; logs in {self.log_dir}")

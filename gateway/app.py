@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from client.channel import ChannelSecurity
 from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,7 +50,8 @@ LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
 @dataclass(frozen=True)
 class GatewayConfig:
     scheduler: str = "127.0.0.1:50051"
-    api_keys: frozenset[str] = frozenset()
+    scheduler_security: ChannelSecurity = ChannelSecurity()  # TLS and API key towards the scheduler
+    api_keys: frozenset[str] = frozenset()  # of this HTTP API
     served_model_names: tuple[str, ...] = ()  # empty: the scheduler's model name
     tokenizer: str | None = None  # checkpoint folder or tokenizer.json, for logprob token strings
     reasoning_parser: str | None = None  # "qwen3": thinking apart, as reasoning_content
@@ -68,7 +70,7 @@ class Backend:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.client = AsyncClient(config.scheduler)
+        self.client = AsyncClient(config.scheduler, **config.scheduler_security.kwargs())
         self.tokens = TokenRenderer(config.tokenizer)
         self.created = int(time.time())
         self._info: dict[str, Any] | None = None
@@ -505,8 +507,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.backend = Backend(config)  # the gRPC channel belongs to this event loop
-        log.info("gateway for scheduler %s (API keys: %s, reasoning parser: %s, logprob tokens: %s)",
-                 config.scheduler, "on" if config.api_keys else "off", config.reasoning_parser or "none",
+        log.info("gateway for scheduler %s over %s (API keys: %s, reasoning parser: %s, logprob tokens: %s)",
+                 config.scheduler, "TLS" if config.scheduler_security.uses_tls else "plaintext",
+                 "on" if config.api_keys else "off", config.reasoning_parser or "none",
                  "from " + str(config.tokenizer) if config.tokenizer else "token_id:N")
         try:
             yield

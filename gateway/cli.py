@@ -8,10 +8,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from client.channel import add_security_arguments, security_from_args
 from gateway.reasoning import REASONING_PARSERS
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas (e.g. from a Secret)
+SCHEDULER_API_KEY_ENV = "SPLITSERVE_SCHEDULER_API_KEY"  # the key the gateway presents to the scheduler
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default=os.environ.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051"),
                    metavar="HOST:PORT", help="the scheduler's public gRPC address (default: $SPLITSERVE_ADDRESS "
                                              "or 127.0.0.1:50051)")
+    add_security_arguments(p, "scheduler-", api_key_env=SCHEDULER_API_KEY_ENV, tls_env=False,
+                           title="connection to the scheduler (gRPC)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -64,8 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"splitserve-gateway: --api-key-file: {e}") from None
     if (args.api_key or args.api_key_file) and not keys:
         raise SystemExit("splitserve-gateway: --api-key / --api-key-file given, but no key in them")
+    try:
+        scheduler_security = security_from_args(args, "scheduler-")
+    except ValueError as e:
+        raise SystemExit(f"splitserve-gateway: {e}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = GatewayConfig(scheduler=args.scheduler, api_keys=keys, served_model_names=tuple(args.served_model_name),
+    config = GatewayConfig(scheduler=args.scheduler, scheduler_security=scheduler_security, api_keys=keys,
+                           served_model_names=tuple(args.served_model_name),
                            tokenizer=args.tokenizer, reasoning_parser=args.reasoning_parser,
                            request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origin))
     # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1.

@@ -5,7 +5,10 @@ Workers join statically (--worker, connected at start-up) or at run time: a work
 declared dead when its Execute stream ends, when it does not answer a keepalive ping within
 --worker-keepalive-timeout (pings every --worker-keepalive-time), or when a step's result is overdue by
 max(--step-timeout, --step-timeout-factor x its recent step time); its requests then move to the other
-workers by recompute, and its address is retried with backoff up to --reconnect-backoff-max."""
+workers by recompute, and its address is retried with backoff up to --reconnect-backoff-max.
+
+Every gRPC link is TLS (--tls-cert/--tls-key, --tls-ca for mutual TLS) unless --plaintext is given; who
+may register workers and call the public API: scheduler_svc/security.py and deploy/README.md."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scheduler_svc import logs
+from scheduler_svc import logs, security
 from scheduler_svc.engine import EngineConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -52,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one attempt to reach a failed or registering worker (default 10)")
     g.add_argument("--reconnect-backoff-max", type=float, default=10.0,
                    help="retries of a failed worker's address back off from 0.5 s up to this (default 10)")
+    security.add_tls_arguments(p, client_auth_option=True)
+    g = p.add_argument_group("worker registration")
+    security.add_registration_arguments(g)
+    security.add_api_key_arguments(p)
     logs.add_arguments(p)
     return p
 
@@ -75,7 +82,9 @@ async def _main(args: argparse.Namespace) -> None:
                           max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                           enable_prefix_caching=not args.no_prefix_caching, pipeline=not args.no_pipeline)
     server, service, port = await serve(args.model, args.worker, args.host, args.port, config,
-                                        metrics_port=args.metrics_port, membership=membership_config(args))
+                                        metrics_port=args.metrics_port, membership=membership_config(args),
+                                        tls=args.tls, registration_secret=args.registration_secret,
+                                        api_keys=args.api_keys)
     logging.getLogger("splitserve.scheduler").info("serving on %s:%d with %d worker group(s)", args.host, port,
                                                    len(service.groups))
     stop = asyncio.Event()
@@ -89,9 +98,22 @@ async def _main(args: argparse.Namespace) -> None:
         group.stop()
 
 
+def load_security(args: argparse.Namespace) -> None:
+    """Reads the TLS material, registration secret and API keys into args (tls, registration_secret,
+    api_keys). Raises security.SecurityConfigError."""
+    args.tls = security.tls_from_args(args)
+    args.registration_secret = security.registration_secret_from_args(args)
+    args.api_keys = security.api_keys_from_args(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logs.setup(args.log_format, args.log_level)
+    try:
+        load_security(args)
+    except security.SecurityConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     # The engine thread must get the GIL back as soon as a step's result arrives, not after the default
     # 5 ms switch interval of the event loop thread: that wait would stall the worker every step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -56,14 +56,17 @@ class WorkerUnavailable(RuntimeError):
 
 class GrpcExecutor:
     def __init__(self, address: str, connect_timeout: float = 600.0, watch: WatchConfig | None = None,
-                 wait_for_ready: bool = True):
+                 wait_for_ready: bool = True, credentials: grpc.ChannelCredentials | None = None):
         """wait_for_ready: Describe waits up to connect_timeout for the worker to come up; False fails at
-        once when nothing listens (the scheduler's reconnection attempts)."""
+        once when nothing listens (the scheduler's reconnection attempts). credentials: TLS (the worker's
+        certificate is verified, the scheduler's presented); None: plaintext."""
         self.address = address
         self.connect_timeout = connect_timeout
         self.wait_for_ready = wait_for_ready
         self.watch = watch or WatchConfig()
-        self.channel = grpc.insecure_channel(address, options=self.watch.channel_options())
+        options = self.watch.channel_options()
+        self.channel = (grpc.insecure_channel(address, options=options) if credentials is None
+                        else grpc.secure_channel(address, credentials, options=options))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results = None

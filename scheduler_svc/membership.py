@@ -31,6 +31,7 @@ from protos import membership_pb2_grpc
 from scheduler_svc.engine import Orphan
 from scheduler_svc.grpc_executor import WatchConfig, WorkerUnavailable
 from scheduler_svc.router import pick_group
+from scheduler_svc.security import RegistrationPolicy
 from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
 
 log = logging.getLogger("splitserve.scheduler")
@@ -46,6 +47,7 @@ class MembershipConfig:
     reconnect_timeout: float = 10.0  # one attempt to reach a worker again, or a registering one (Describe)
     reconnect_backoff_min: float = 0.5  # first wait before retrying the address of a failed group
     reconnect_backoff_max: float = 10.0  # the wait doubles up to this
+    worker_credentials: grpc.ChannelCredentials | None = None  # TLS to the workers; None: plaintext
 
 
 class Membership:
@@ -83,7 +85,8 @@ class Membership:
                 return group
             group = await asyncio.to_thread(WorkerGroup, address, s.model_dir, s.tokenizer, s.config,
                                             s._outputs_from_thread, s._failure_from_thread, self.config.watch,
-                                            timeout, wait_for_ready, self._last_epoch.get(address))
+                                            timeout, wait_for_ready, self._last_epoch.get(address),
+                                            self.config.worker_credentials)
             group.engine.step_observer = s.metrics.step_observer(address)
             if not s.accepting:
                 await asyncio.to_thread(group.stop)
@@ -265,13 +268,23 @@ def _valid_address(address: str) -> bool:
 
 
 class MembershipService(membership_pb2_grpc.MembershipServicer):
-    """Register / Deregister, served by the scheduler next to its public API."""
+    """Register / Deregister, served by the scheduler next to its public API. Who may call them: the
+    policy (scheduler_svc.security): mutual TLS, a shared secret, or nobody."""
 
-    def __init__(self, membership: Membership):
+    def __init__(self, membership: Membership, policy: RegistrationPolicy):
         self.m = membership
+        self.policy = policy
+
+    async def _authorize(self, context, request) -> None:
+        reason = self.policy.refusal(context.invocation_metadata())
+        if reason is not None:
+            log.warning("membership call refused from %s for worker %r: %s", context.peer(), request.address,
+                        reason, extra={"worker": request.address})
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
         m, s = self.m, self.m.service
+        await self._authorize(context, request)
         address = request.address
         if not s.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
@@ -304,6 +317,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
 
     async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:
         m = self.m
+        await self._authorize(context, request)
         address = request.address
         m.registered.pop(address, None)
         group = m.group_at(address)

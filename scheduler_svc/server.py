@@ -4,6 +4,7 @@ hands outputs back to the event loop in one batch per step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
 from scheduler_svc.router import pick_group
 from scheduler_svc.scheduler import QueueFullError
+from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, TLSConfig, add_port, transport
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
 
@@ -275,17 +277,37 @@ def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -
 
 
 async def serve(model_dir: Path, workers: list[str], host: str, port: int, config: EngineConfig,
-                metrics_port: int = 0, membership: MembershipConfig | None = None,
-                ) -> tuple[grpc.aio.Server, GenerationService, int]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+                metrics_port: int = 0, membership: MembershipConfig | None = None, *,
+                tls: TLSConfig | None, registration_secret: bytes | None = None,
+                api_keys: frozenset[str] = frozenset()) -> tuple[grpc.aio.Server, GenerationService, int]:
+    """tls: this port's and the worker links' TLS material; None (--plaintext) serves and calls in the clear.
+    registration_secret and api_keys: see scheduler_svc.security."""
+    membership = membership or MembershipConfig()
+    if tls is not None and membership.worker_credentials is None:  # scheduler -> worker: the same material
+        membership = dataclasses.replace(membership, worker_credentials=tls.channel_credentials())
     service = GenerationService(model_dir, config, membership)
+    interceptors = []
+    keys = ApiKeys(api_keys)
+    if keys:  # the Generation service only; a refused Generate counts as a rejected request
+        refused = service.metrics.requests_rejected.labels(grpc.StatusCode.UNAUTHENTICATED.name)
+        interceptors.append(ApiKeyInterceptor(keys, [SERVICE],
+                                              lambda method: refused.inc() if method.endswith("/Generate") else None))
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", 64 << 20)])
+    policy = RegistrationPolicy(transport(tls), registration_secret)
     splitserve_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    membership_pb2_grpc.add_MembershipServicer_to_server(MembershipService(service.members), server)
+    membership_pb2_grpc.add_MembershipServicer_to_server(MembershipService(service.members, policy), server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    if tls is None:
+        log.warning("PLAINTEXT gRPC on %s:%d (--plaintext): no encryption, no authentication of workers or "
+                    "clients by certificate; a local demo only", host, bound)
+    else:
+        log.info("%s on %s:%d%s", tls.mode, host, bound,
+                 ": callers need a certificate signed by the CA" if tls.mutual else "")
+    log.info("%s; client API keys: %s", policy.describe(), f"{len(api_keys)} accepted" if keys else "off")
     if metrics_port:
         service.metrics.serve(metrics_port, host)
         log.info("metrics on %s:%d/metrics", host, metrics_port, extra={"metrics_port": metrics_port})

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
 from protos import splitserve_pb2 as api
 from scheduler_svc.engine import EngineConfig, LLMEngine, Orphan, RequestOutput
 from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig, WorkerUnavailable
@@ -32,12 +34,12 @@ class WorkerGroup:
                  on_outputs: Callable[[list[RequestOutput]], None],
                  on_failure: Callable[["WorkerGroup", list[Orphan], Exception], None],
                  watch: WatchConfig | None = None, connect_timeout: float = 600.0, wait_for_ready: bool = True,
-                 stale_epoch: int | None = None):
+                 stale_epoch: int | None = None, credentials: grpc.ChannelCredentials | None = None):
         """Connects (Describe, then opens the Execute stream); raises WorkerUnavailable when the worker
         does not answer within connect_timeout, or still answers with stale_epoch (the epoch of the stream
-        given up on: the worker has not reset yet)."""
+        given up on: the worker has not reset yet). credentials: TLS to the worker (None: plaintext)."""
         self.address = address
-        executor = GrpcExecutor(address, connect_timeout, watch, wait_for_ready)
+        executor = GrpcExecutor(address, connect_timeout, watch, wait_for_ready, credentials)
         try:
             self.engine = LLMEngine(model_dir, executor, config, tokenizer)
             if self.engine.worker_info.epoch == stale_epoch:

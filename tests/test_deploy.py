@@ -627,7 +627,7 @@ def test_kubernetes_validation_is_strict():
     """A misspelt field and a wrong type are rejected, so a green run means something."""
     deployment = _find(render("gpu"), "Deployment", "splitserve-scheduler")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    container["readinessProbe"]["grpc"]["servce"] = container["readinessProbe"]["grpc"].pop("service")
+    container["readinessProbe"]["exec"]["comand"] = container["readinessProbe"]["exec"].pop("command")
     assert _k8s_errors(deployment)
     deployment = _find(render("gpu"), "Deployment", "splitserve-scheduler")
     deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
@@ -647,6 +647,16 @@ def _selects(selector: dict, labels: dict) -> bool:
 def _container_port(container: dict, name: str) -> int:
     (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
     return port
+
+
+def _probe(container: dict, kind: str, port: int) -> argparse.Namespace:
+    """An exec probe running `splitserve health` against the container's own port, parsed."""
+    probe = container[kind]
+    assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"exec"}, f"{kind}: an exec probe expected"
+    health = health_check(probe["exec"]["command"])
+    assert split_address(health.address) == ("127.0.0.1", port), f"{kind}: {health.address}"
+    assert probe["timeoutSeconds"] > health.timeout, f"{kind}: the probe's timeout must cover --timeout"
+    return health
 
 
 def _prestop_sleep(container: dict) -> float:
@@ -671,8 +681,9 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
     assert sched["command"] == ["splitserve-scheduler"]
     args = parse("splitserve-scheduler", sched["args"])
     assert args.host == "0.0.0.0" and _container_port(sched, "grpc") == args.port
-    assert sched["readinessProbe"]["grpc"] == {"port": args.port, "service": GENERATION}
-    assert sched["livenessProbe"]["grpc"] == {"port": args.port, "service": ""}
+    # Probes: `splitserve health` in the container (kubelet's gRPC probes cannot do TLS), on its own port.
+    assert _probe(sched, "readinessProbe", args.port).service == GENERATION
+    assert _probe(sched, "livenessProbe", args.port).service == ""
     assert pod["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout + _prestop_sleep(sched)
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert sched["image"].startswith("splitserve/scheduler:")
@@ -697,9 +708,9 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
     expected = [f"{sts['metadata']['name']}-{i}.{headless['metadata']['name']}:{wargs.port}"
                 for i in range(sts["spec"]["replicas"])]
     assert args.worker == expected, "the scheduler's --worker list must name every worker pod"
-    assert worker["readinessProbe"]["grpc"] == {"port": wargs.port, "service": WORKER}
-    assert worker["livenessProbe"]["grpc"] == {"port": wargs.port, "service": ""}
-    assert worker["startupProbe"]["grpc"]["port"] == wargs.port
+    assert _probe(worker, "readinessProbe", wargs.port).service == WORKER
+    assert _probe(worker, "livenessProbe", wargs.port).service == ""
+    assert _probe(worker, "startupProbe", wargs.port).service == ""
     assert wpod["spec"]["terminationGracePeriodSeconds"] > wargs.shutdown_grace
     assert int(wpod["metadata"]["annotations"]["prometheus.io/port"]) == _container_port(worker, "metrics")
     pdb = _find(docs, "PodDisruptionBudget", "splitserve-worker")
@@ -726,8 +737,8 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
         assert init["image"] == worker["image"] and init["command"] == ["splitserve-worker"]
         iargs = parse("splitserve-worker", init["args"])
         assert iargs.command == "ensure-model" and iargs.preset == wargs.model and iargs.seed == 0
-        cache = {e["name"]: e["value"] for e in init["env"]}["SPLITSERVE_CACHE"]
-        assert {e["name"]: e["value"] for e in worker["env"]}["SPLITSERVE_CACHE"] == cache
+        cache = {e["name"]: e.get("value") for e in init["env"]}["SPLITSERVE_CACHE"]
+        assert {e["name"]: e.get("value") for e in worker["env"]}["SPLITSERVE_CACHE"] == cache
         assert args.model.as_posix() == preset_dir(wargs.model, cache, monkeypatch)
         assert {m["mountPath"] for m in sched["volumeMounts"]} >= {cache}
         assert not any(d["kind"] == "PersistentVolumeClaim" for d in docs)
@@ -810,3 +821,86 @@ def test_compose_and_k8s_agree():
     k_gateway = parse("splitserve-gateway", k_gateway["args"])
     assert (gateway.port, gateway.shutdown_timeout) == (k_gateway.port, k_gateway.shutdown_timeout)
     assert split_address(gateway.scheduler)[1] == split_address(k_gateway.scheduler)[1] == sched.port
+
+
+# ---- security: TLS material, keys and secrets -----------------------------------------------------
+
+
+def _tls_files(program: str, args: argparse.Namespace) -> tuple[str | None, ...]:
+    """(certificate, key, CA) a program's command line names: its own, or the gateway's towards the scheduler."""
+    prefix = "scheduler_tls_" if program == "splitserve-gateway" else "tls_"
+    files = (getattr(args, f"{prefix}{n}") for n in ("cert", "key", "ca"))
+    return tuple(None if f is None else Path(f).as_posix() for f in files)
+
+
+def _secret_refs(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+@pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
+def test_compose_security(env_name):
+    """Profile gpu: every gRPC link in mutual TLS with compose secrets, health checks presenting the same
+    certificate; profile cpu: --plaintext, given explicitly, and published on the host's loopback only."""
+    doc = compose(env_name)
+    secrets = doc["secrets"]
+    for name, service in doc["services"].items():
+        program, profile = _compose_program(service), service["profiles"][0]
+        args = parse(program, service["command"])
+        files = _tls_files(program, args)
+        serves_grpc = program != "splitserve-gateway"
+        if profile == "cpu":
+            assert files == (None, None, None), f"{name}: TLS flags in the plaintext demo"
+            assert not serves_grpc or args.plaintext, f"{name}: the cpu demo must say --plaintext explicitly"
+            for port in service.get("ports", []):
+                assert port.startswith("127.0.0.1:"), f"{name}: plaintext published beyond loopback: {port}"
+            continue
+        assert not serves_grpc or not args.plaintext, f"{name}: --plaintext outside the cpu demo"
+        assert None not in files, f"{name}: certificate, key and CA (mutual TLS) expected, got {files}"
+        mounted = {f"/run/secrets/{s}": s for s in service["secrets"]}
+        for f, written in zip(files, ("tls.crt", "tls.key", "ca.crt")):
+            assert f in mounted, f"{name}: {f} is not one of the service's compose secrets"
+            assert Path(secrets[mounted[f]]["file"]).name == written, f"{name}: {f} is not the {written} file"
+        if serves_grpc:
+            assert _tls_files("splitserve", _compose_health(service)) == files, \
+                f"{name}: the health check must present the service's own certificate"
+            assert "SPLITSERVE_REGISTRATION_SECRET" in service["environment"]
+    written = ["secrets/ca.crt", "secrets/tls.crt", "secrets/tls.key"]  # scripts/make_certs.py --out deploy/secrets
+    assert sorted(Path(s["file"]).as_posix() for s in secrets.values()) == written
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_security(overlay):
+    """Every splitserve container: mutual TLS with the required Secret splitserve-tls mounted read-only,
+    exec probes presenting the same certificate; optional keys and registration secret from optional
+    Secrets, the same Secret on both ends of a link."""
+    docs = render(overlay)
+    containers = {}
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (container,) = pod["containers"]
+        program = container["command"][0]
+        containers[program] = container
+        args = parse(program, container["args"])
+        files = _tls_files(program, args)
+        assert program == "splitserve-gateway" or not args.plaintext
+        assert None not in files, f"{program}: certificate, key and CA (mutual TLS) expected, got {files}"
+        for f in files:
+            (mount,) = [m for m in container["volumeMounts"] if f.startswith(m["mountPath"] + "/")]
+            assert mount["readOnly"] is True
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == "splitserve-tls" and not secret.get("optional", False), program
+            assert Path(f).name in {"tls.crt", "tls.key", "ca.crt"}  # a kubernetes.io/tls Secret with ca.crt
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if "exec" in container.get(kind, {}):
+                health = health_check(container[kind]["exec"]["command"])
+                assert _tls_files("splitserve", health) == files, f"{program} {kind}: not the pod's certificate"
+        assert all(ref["optional"] is True for ref in _secret_refs(container).values()), program
+    assert set(containers) == {"splitserve-scheduler", "splitserve-worker", "splitserve-gateway"}
+    sched, worker, gateway = (_secret_refs(containers[p]) for p in
+                              ("splitserve-scheduler", "splitserve-worker", "splitserve-gateway"))
+    assert sched["SPLITSERVE_API_KEYS"] == gateway["SPLITSERVE_SCHEDULER_API_KEY"], "the key the gateway sends"
+    assert sched["SPLITSERVE_REGISTRATION_SECRET"] == worker["SPLITSERVE_REGISTRATION_SECRET"]

@@ -67,7 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         runner = ModelRunner(resolve_model(args.model), config)
     try:
         _serve_metrics(runner, args)
-        server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
+        server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay, tls=args.tls)
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
             "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, epoch %d",
@@ -92,7 +92,7 @@ def _simulate(args: argparse.Namespace) -> int:
                              args.max_num_batched_tokens, StepCost(args.base_ms, args.per_token_us,
                                                                    args.per_context_token_ns))
     _serve_metrics(runner, args)
-    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay)
+    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay, tls=args.tls)
     logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, port,
                                                 args.num_blocks, args.block_size)
     _run_until_signal(server, port, args)
@@ -113,7 +113,8 @@ def _run_until_signal(server, port: int, args: argparse.Namespace) -> None:
     registrar = None
     if args.scheduler:
         address = args.advertise_address or advertise_address(args.host, port)
-        registrar = Registrar(service, args.scheduler, address, args.register_backoff_max).start()
+        registrar = Registrar(service, args.scheduler, address, args.register_backoff_max, tls=args.tls,
+                              secret=args.registration_secret).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -146,6 +147,22 @@ def _add_membership_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="on SIGTERM, seconds running requests may still run here before they move to other "
                         "workers (default 5)")
+
+
+def _add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """TLS on this worker's port and on its registration link (scheduler_svc/security.py)."""
+    from scheduler_svc import security
+
+    security.add_tls_arguments(p)
+    security.add_registration_arguments(p)
+
+
+def _load_security(args: argparse.Namespace) -> None:
+    """args.tls and args.registration_secret, from the flags; raises SecurityConfigError."""
+    from scheduler_svc import security
+
+    args.tls = security.tls_from_args(args)
+    args.registration_secret = security.registration_secret_from_args(args)
 
 
 def _add_observability_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")
     _add_membership_arguments(p)
+    _add_security_arguments(p)
     _add_observability_arguments(p)
     p.set_defaults(func=_serve)
 
@@ -215,13 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")
     _add_membership_arguments(p)
+    _add_security_arguments(p)
     _add_observability_arguments(p)
     p.set_defaults(func=_simulate)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("serve", "simulate"):  # refuse to start without TLS material or --plaintext
+        from scheduler_svc.security import SecurityConfigError
+
+        try:
+            _load_security(args)
+        except SecurityConfigError as e:
+            parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
     return args.func(args)
 
 

@@ -20,6 +20,8 @@ import grpc
 
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
+from scheduler_svc import security
+from scheduler_svc.security import TLSConfig
 
 log = logging.getLogger("splitserve.worker")
 BACKOFF_MIN_S = 0.5
@@ -35,12 +37,16 @@ def advertise_address(host: str, port: int) -> str:
 
 
 class Registrar:
-    def __init__(self, service, scheduler: str, address: str, backoff_max: float = 10.0):
-        """service: the worker's WorkerService (worker_svc.server)."""
+    def __init__(self, service, scheduler: str, address: str, backoff_max: float = 10.0, *,
+                 tls: TLSConfig | None, secret: bytes | None = None):
+        """service: the worker's WorkerService (worker_svc.server). tls: the worker's own material (it verifies
+        the scheduler with the CA and presents its certificate); None: plaintext. secret: the registration
+        secret, sent with every Register and Deregister."""
         self.service = service
         self.scheduler, self.address = scheduler, address
         self.backoff_max = max(BACKOFF_MIN_S, backoff_max)
-        self.channel = grpc.insecure_channel(scheduler)
+        self.channel = security.channel(scheduler, tls)
+        self.metadata = security.registration_metadata(secret)
         self.stub = membership_pb2_grpc.MembershipStub(self.channel)
         self.scheduler_id: str | None = None
         self._stop = threading.Event()
@@ -59,12 +65,16 @@ class Registrar:
             info = self.service.runner.describe()
             try:
                 reply = self.stub.Register(mpb.RegisterRequest(address=self.address, worker_id=info.worker_id,
-                                                               epoch=info.epoch), timeout=REGISTER_TIMEOUT_S)
+                                                               epoch=info.epoch), timeout=REGISTER_TIMEOUT_S,
+                                           metadata=self.metadata)
             except grpc.RpcError as e:
                 failures += 1
                 if failures == 1 or failures % 20 == 0:
-                    log.info("registering with the scheduler at %s failed (%s: %s); retrying with backoff",
-                             self.scheduler, e.code().name, e.details())
+                    refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
+                    log.log(logging.ERROR if refused else logging.INFO,
+                            "registering with the scheduler at %s failed (%s: %s)%s; retrying with backoff",
+                            self.scheduler, e.code().name, e.details(),
+                            " (check --registration-secret-file)" if refused else "")
                 self._stop.wait(delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, self.backoff_max)
                 continue
@@ -83,7 +93,8 @@ class Registrar:
         info = self.service.runner.describe()
         try:
             reply = self.stub.Deregister(mpb.DeregisterRequest(address=self.address, worker_id=info.worker_id,
-                                                               grace_s=grace), timeout=grace + 30.0)
+                                                               grace_s=grace), timeout=grace + 30.0,
+                                             metadata=self.metadata)
         except grpc.RpcError as e:
             log.warning("deregistering from the scheduler at %s failed (%s: %s)", self.scheduler, e.code().name,
                         e.details())

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+from scheduler_svc.security import TLSConfig, add_port
 from worker_svc.errors import PlanError
 
 log = logging.getLogger("splitserve.worker")
@@ -132,8 +133,10 @@ SERVER_KEEPALIVE_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", 500
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.Server, int]:
-    """Starts the worker's gRPC server; its WorkerService is `server.worker_service` (drain, membership)."""
+def serve(runner, host: str, port: int, step_delay: float = 0.0, *, tls: TLSConfig | None) -> tuple[grpc.Server, int]:
+    """Starts the worker's gRPC server; its WorkerService is `server.worker_service` (drain, membership).
+    tls: the worker's certificate and key, and with a CA only schedulers holding a certificate signed by
+    it can drive the worker (mutual TLS); None (--plaintext): anybody who reaches the port."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", 64 << 20),
@@ -143,9 +146,17 @@ def serve(runner, host: str, port: int, step_delay: float = 0.0) -> tuple[grpc.S
     health_servicer = service.health = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    if tls is None:
+        log.warning("PLAINTEXT gRPC on %s:%d (--plaintext): whoever reaches the port can drive this worker; "
+                    "a local demo only", host, bound)
+    elif not tls.mutual:
+        log.warning("TLS on %s:%d without --tls-ca: any TLS client can drive this worker; give --tls-ca to "
+                    "accept only schedulers with a certificate signed by it", host, bound)
+    else:
+        log.info("mutual TLS on %s:%d: only callers with a certificate signed by the CA", host, bound)
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
