@@ -40,7 +40,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     SPLITSERVE_ADDRESS=127.0.0.1:50051
 USER 10001:10001
 WORKDIR /home/splitserve
-# 50051: gRPC (splitserve.v1.Generation, grpc.health.v1, reflection). 9090: Prometheus metrics (planned).
+# 50051: gRPC (splitserve.v1.Generation, grpc.health.v1, reflection). 9090: Prometheus metrics (with --metrics-port 9090).
 EXPOSE 50051 9090
 # Readiness: SERVING once at least one worker is connected; NOT_SERVING while draining.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \

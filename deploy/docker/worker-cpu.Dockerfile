@@ -47,7 +47,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/splitserve
 VOLUME ["/cache"]
-# 50061: gRPC (splitserve.worker.v1.Worker, grpc.health.v1). 9091: Prometheus metrics (planned).
+# 50061: gRPC (splitserve.worker.v1.Worker, grpc.health.v1). 9091: Prometheus metrics (with --metrics-port 9091).
 EXPOSE 50061 9091
 # The port opens only once the model is loaded; a first `--model PRESET` run writes the checkpoint first.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \

@@ -58,7 +58,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 WORKDIR /home/splitserve
-# 50061: gRPC (splitserve.worker.v1.Worker, grpc.health.v1). 9091: Prometheus metrics (planned).
+# 50061: gRPC (splitserve.worker.v1.Worker, grpc.health.v1). 9091: Prometheus metrics (with --metrics-port 9091).
 EXPOSE 50061 9091
 # The port opens only after loading, warm-up (flash-attn-4 JIT, torch.compile) and CUDA graph capture.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
