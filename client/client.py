@@ -249,13 +249,10 @@ def _not_ready_status(error: grpc.RpcError) -> str:
     return f"{error.code().name}: {error.details()}"
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; `metadata` goes with each.
-
-    Security (client.channel): plaintext unless a TLS argument is given. `tls_ca` verifies the scheduler's
-    certificate (`tls=True`: the system's CAs), `tls_cert` / `tls_key` are the client certificate a
-    scheduler in mutual TLS requires (paths, or PEM bytes), `tls_server_name` the name its certificate
-    carries when not the address's host; `api_key` is sent as `authorization: Bearer KEY`."""
+class _Connection:
+    """What both clients hold: the channel (plaintext unless TLS is asked for), stubs, default deadline
+    and metadata."""
+    aio = False
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
                  metadata: Metadata | None = None, api_key: str | None = None, tls: bool = False,
@@ -265,9 +262,19 @@ class Client:
         self.timeout = timeout
         self.security = ChannelSecurity(tls, tls_ca, tls_cert, tls_key, tls_server_name, api_key)
         self.metadata = (*(metadata or ()), *self.security.metadata()) or None
-        self._channel = create_channel(address, self.security)
+        self._channel = create_channel(address, self.security, aio=self.aio)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+
+class Client(_Connection):
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; `metadata` goes with each.
+
+    Security (client.channel): plaintext unless a TLS argument is given. `tls_ca` verifies the scheduler's
+    certificate (`tls=True`: the system's CAs), `tls_cert` / `tls_key` are the client certificate a
+    scheduler in mutual TLS requires (paths, or PEM bytes), `tls_server_name` the name its certificate
+    carries when not the address's host; `api_key` is sent as `authorization: Bearer KEY`."""
+
 
     def __enter__(self) -> Client:
         return self
@@ -337,20 +344,10 @@ class Client:
             time.sleep(0.1)
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client with the surface of `Client`; create it inside the running event loop."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float | None = None,
-                 metadata: Metadata | None = None, api_key: str | None = None, tls: bool = False,
-                 tls_ca: PathOrPem | None = None, tls_cert: PathOrPem | None = None, tls_key: PathOrPem | None = None,
-                 tls_server_name: str | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.security = ChannelSecurity(tls, tls_ca, tls_cert, tls_key, tls_server_name, api_key)
-        self.metadata = (*(metadata or ()), *self.security.metadata()) or None
-        self._channel = create_channel(address, self.security, aio=True)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    aio = True
 
     async def __aenter__(self) -> AsyncClient:
         return self
