@@ -9,20 +9,22 @@ speed (the detection bounds below are the configured timeouts plus a wide margin
 """
 from __future__ import annotations
 
+
+from dataclasses import dataclass, field
+import functools
 import os
+from pathlib import Path
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
 
 from client import Client
 from client.launcher import PUBLIC_SERVICE, LocalCluster, Process, free_port, health_status
+from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,15 +35,8 @@ SCHED_ARGS = ["--log-format", "text", "--reconnect-backoff-max", "1"]
 SIM_TOKENS = 80  # at 30 ms a step, a few seconds per stream
 
 
-def wait_for(what: str, condition: Callable[[], object], timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached after {timeout} s")
-        time.sleep(0.05)
+# the bound of this module's functional waits
+wait_for = functools.partial(sim_cluster.wait_for, timeout=WAIT_S)
 
 
 @dataclass

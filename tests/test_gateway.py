@@ -12,13 +12,15 @@ Every wait is bounded; assertions are on states (status codes, error bodies, blo
 """
 from __future__ import annotations
 
+
+import functools
 import json
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -31,6 +33,7 @@ from client.launcher import LocalCluster, free_port
 from gateway.errors import APIError, from_grpc, openai_param, validation_param
 from gateway.reasoning import ReasoningStream, split_reasoning
 from protos.splitserve_pb2_grpc import GenerationStub
+from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,15 +151,8 @@ def _free(address: str) -> dict:
     return worker
 
 
-def _wait_for(predicate, timeout: float = WAIT_S, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout} s")
-        time.sleep(0.05)
+# the bound of this module's functional waits
+wait_for = functools.partial(sim_cluster.wait_for, timeout=WAIT_S)
 
 
 def _post(gateway: Gateway, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
@@ -451,7 +447,7 @@ def test_load_refusal_is_429(slow, slow_gateway):
             next(running)
             waiting = stub.Generate(build_request(PROMPT, max_tokens=400, ignore_eos=True), timeout=60)
             try:
-                _wait_for(lambda: _free(slow.address)["num_waiting"] == 1, what="a waiting request")
+                wait_for("a waiting request", lambda: _free(slow.address)["num_waiting"] == 1)
                 r = _post(slow_gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)
                 assert r.status_code == 429, r.text
                 assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["Retry-After"]
@@ -461,7 +457,7 @@ def test_load_refusal_is_429(slow, slow_gateway):
                 waiting.cancel()
         finally:
             running.cancel()
-    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, what="blocks freed")
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS)
 
 
 def test_disconnect_frees_blocks(slow, slow_gateway):
@@ -479,14 +475,14 @@ def test_disconnect_frees_blocks(slow, slow_gateway):
         assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
         left = time.monotonic()
         stream.close()
-    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
     assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
 
     # Not streaming: the client gives up while the answer is being computed.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{slow_gateway.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True},
                    timeout=httpx.Timeout(60, read=1.0))
-    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
 
 
 def test_deadline_is_504(slow, tmp_path_factory):
@@ -499,7 +495,7 @@ def test_deadline_is_504(slow, tmp_path_factory):
         assert r.json()["error"]["code"] == "timeout"
     finally:
         g.stop()
-    _wait_for(lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5, what="blocks freed")
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
 
 
 def test_no_worker_is_503(slow, slow_gateway):
@@ -507,7 +503,7 @@ def test_no_worker_is_503(slow, slow_gateway):
     (worker,) = [p for p in slow.processes if p.name.startswith("worker")]
     worker.popen.kill()
     worker.popen.wait(10)
-    _wait_for(lambda: httpx.get(f"{slow_gateway.url}/health", timeout=5).status_code == 503, what="health 503")
+    wait_for("health 503", lambda: httpx.get(f"{slow_gateway.url}/health", timeout=5).status_code == 503)
     r = _post(slow_gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, key=None)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "service_unavailable" and r.headers["Retry-After"]

@@ -16,14 +16,16 @@ One module-scoped cluster; every wait is bounded.
 """
 from __future__ import annotations
 
+
+from collections.abc import Callable
+import functools
 import importlib.util
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import httpx
@@ -37,6 +39,7 @@ from client.launcher import ClusterTLS, LocalCluster, Process, free_port
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
 from scheduler_svc import security
+from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,13 +60,8 @@ def _make_certs():
     return module
 
 
-def wait_for(what: str, condition: Callable[[], object], timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached after {timeout} s")
-        time.sleep(0.1)
-    return value
+# the bound of this module's functional waits
+wait_for = functools.partial(sim_cluster.wait_for, timeout=WAIT_S)
 
 
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:

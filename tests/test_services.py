@@ -12,11 +12,11 @@ counters from GetModelInfo), never on timings; every wait is bounded.
 """
 from __future__ import annotations
 
+
 import asyncio
-import random
-import time
-from collections.abc import Callable
+import functools
 from pathlib import Path
+import random
 
 import grpc
 import pytest
@@ -28,6 +28,7 @@ from client import AsyncClient, Client
 from client.launcher import LocalCluster
 from scheduler_svc.tokenizer import load_tokenizer
 from worker_svc.make_model import make_model
+from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,15 +106,8 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def wait_for(what: str, condition: Callable[[], object], timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached after {timeout} s")
-        time.sleep(0.02)
+# the bound of this module's functional waits
+wait_for = functools.partial(sim_cluster.wait_for, timeout=WAIT_S, interval=0.02)
 
 
 def workers(c: Client) -> list[dict]:
@@ -256,7 +250,7 @@ def test_cancelled_stream_frees_its_blocks_and_serving_goes_on(slow):
         assert first.finish_reason is None and set(first.token_ids) == {EOS}
         _in_flight(c)
         stream.close()  # cancels the call
-        wait_for("blocks of the cancelled request free", lambda: all_idle(c), FREED_S)
+        wait_for("blocks of the cancelled request free", lambda: all_idle(c), timeout=FREED_S)
         assert "cancelled" in _request_log(slow, "cancel-sync")
         (done,) = c.complete(token_ids=[1, 2, 3], max_tokens=3, ignore_eos=True, temperature=0.0)
         assert done.finish_reason == "length" and done.token_ids == [EOS] * 3
@@ -283,7 +277,7 @@ def test_cancelled_async_task_frees_its_blocks(slow):
 
     run(main())
     with Client(slow.address) as c:
-        wait_for("blocks of the cancelled task free", lambda: all_idle(c), FREED_S)
+        wait_for("blocks of the cancelled task free", lambda: all_idle(c), timeout=FREED_S)
     assert "cancelled" in _request_log(slow, "cancel-async")
 
 
@@ -292,7 +286,7 @@ def test_passed_deadline_is_deadline_exceeded_and_frees_blocks(slow):
         with pytest.raises(grpc.RpcError) as e:
             c.complete(token_ids=[4, 5, 6], max_tokens=LONG, ignore_eos=True, timeout=1.0, request_id="deadline")
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for("blocks of the expired request free", lambda: all_idle(c), FREED_S)
+        wait_for("blocks of the expired request free", lambda: all_idle(c), timeout=FREED_S)
     assert "cancelled" in _request_log(slow, "deadline")
 
 
