@@ -374,6 +374,18 @@ class _EventStream(StreamingResponse):
                 await self.source.aclose()
 
 
+def _chunker(rid: str, object_type: str, created: int, model: str, include_usage: bool):
+    """One SSE chunk of a streamed answer: its choices, and usage (null until the last chunk) when the
+    client asked for stream_options.include_usage."""
+    def chunk(choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
+        obj: dict[str, Any] = {"id": rid, "object": object_type, "created": created, "model": model,
+                               "choices": choices}
+        if include_usage:
+            obj["usage"] = usage_body
+        return _event(obj)
+    return chunk
+
+
 def _event(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -649,12 +661,7 @@ async def _completion_events(it, first, job: _Job, backend: Backend, rid: str, m
     offsets = [0] * job.num_choices
     started = [False] * job.num_choices
 
-    def chunk(choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
-        obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": choices}
-        if include_usage:
-            obj["usage"] = usage_body
-        return _event(obj)
+    chunk = _chunker(rid, "text_completion", created, model, include_usage)
 
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
@@ -685,12 +692,7 @@ async def _chat_events(it, first, job: _Job, backend: Backend, rid: str, model: 
     parsers = [ReasoningStream() for _ in range(job.num_choices)] if backend.config.reasoning_parser else None
     include_reasoning = body.include_reasoning is not False
 
-    def chunk(choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
-        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": choices}
-        if include_usage:
-            obj["usage"] = usage_body
-        return _event(obj)
+    chunk = _chunker(rid, "chat.completion.chunk", created, model, include_usage)
 
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
