@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,all} [flags of that benchmark]
+"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,all} [flags of that benchmark]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -22,6 +22,7 @@ MODULES = {
     "prefix": "bench.prefix",
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
+    "decode-attention": "bench.decode_attention",
 }
 ALL = ("offline", "latency", "online", "prefix")
 

@@ -64,16 +64,23 @@ class TorchAttention:
 
 
 class FlashAttention:
-    """flash-attn-4 (CuTe DSL, Hopper/Blackwell): one paged varlen call for the whole mixed batch."""
+    """flash-attn-4 (CuTe DSL, Hopper/Blackwell): one paged varlen call for a batch with prefills;
+    decode-only batches go to the split-KV Triton kernel of decode_attention.py, which reads the KV
+    cache faster (bench/results/decode_attention.md)."""
 
     name = "flash_attn"
 
     def __init__(self):
         from flash_attn.cute import flash_attn_varlen_func
 
+        from worker_svc.decode_attention import paged_decode_attention
+
         self._fn = flash_attn_varlen_func
+        self._decode = paged_decode_attention
 
     def forward(self, q, k_cache, v_cache, meta, scale):
+        if meta.max_seqlen_q == 1:
+            return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale)
         out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
                        page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q,
                        softmax_scale=scale, causal=True)

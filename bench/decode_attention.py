@@ -1,0 +1,115 @@
+"""Paged decode attention alone: flash-attn-4 against the Triton split-KV kernel, per layer call.
+
+Each case is a batch of sequences with one query token and a context drawn from a range, on a KV cache
+with pages in random order; each kernel is captured in a CUDA graph 20 times and replayed, so the time
+is GPU time. Bandwidth counts the K and V rows read. Checks every kernel against flash-attn-4's output.
+
+python -m bench decode-attention
+python -m bench decode-attention --configs 64:4:3:256,128:8:2:512 --block-size 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import torch
+
+from bench.record import record
+
+CASES = {  # name: (batch, min context, max context)
+    "256x800": (256, 800, 800),
+    "256x100-2048": (256, 100, 2048),
+    "64x1500": (64, 1500, 1500),
+    "8x1000": (8, 1000, 1000),
+    "1x1000": (1, 1000, 1000),
+}
+
+
+def make_case(batch: int, lo: int, hi: int, page: int, heads: int, kv_heads: int, head_dim: int,
+              gen: torch.Generator):
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    pages_per_seq = (lens + page - 1) // page
+    num_blocks = int(pages_per_seq.sum()) + 1
+    width = int(pages_per_seq.max())
+    perm = torch.randperm(num_blocks, generator=gen).int()
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_per_seq.tolist()):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    k = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    return q, k, v, lens.int().cuda(), table.cuda(), int(lens.sum())
+
+
+def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * replays)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--configs", default="64:4:3:256",
+                    help="Triton configurations block_n:num_warps:num_stages:split, comma-separated")
+    ap.add_argument("--out", default="bench/results/decode_attention.json")
+    args = ap.parse_args(argv)
+    from worker_svc.decode_attention import paged_decode_attention
+
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    heads, kv_heads, head_dim = 16, 8, 128  # Qwen3-0.6B
+    scale = head_dim ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for case in args.cases.split(","):
+        batch, lo, hi = CASES[case]
+        q, k, v, lens, table, tokens = make_case(batch, lo, hi, args.block_size, heads, kv_heads, head_dim, gen)
+        gbytes = tokens * kv_heads * head_dim * 2 * 2 / 1e9
+        kernels = {}
+        if flash_attn_varlen_func is not None:
+            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+
+            def fa4(q=q, k=k, v=v, cu=cu, lens=lens, table=table):
+                out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, seqused_k=lens, page_table=table,
+                                             max_seqlen_q=1, softmax_scale=scale, causal=True)
+                return out[0] if isinstance(out, tuple) else out
+            kernels["flash_attn"] = fa4
+        for config in args.configs.split(","):
+            block_n, warps, stages, split = (int(x) for x in config.split(":"))
+            kernels[f"triton {config}"] = (
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
+                paged_decode_attention(q, k, v, lens, table, scale, base_split=sp, block_n=b, num_warps=w,
+                                       num_stages=s))
+        reference = next(iter(kernels.values()))()
+        for name, fn in kernels.items():
+            err = (fn().float() - reference.float()).abs().max().item()
+            us = graph_time_us(fn)
+            rows.append({"case": case, "kernel": name, "block_size": args.block_size, "us": round(us, 1),
+                         "tb_per_s": round(gbytes / us * 1e-3, 3), "max_abs_diff": round(err, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    record(args.out, "decode_attention", vars(args), rows)
+
+
+if __name__ == "__main__":
+    main()
