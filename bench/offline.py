@@ -11,23 +11,58 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from bench import common
 from bench.workload import Request, offline
 
 
-def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> float:
+class StepTrace:
+    """Engine step observer: when each step's result came back and what the step held, to split the run
+    into steps with prefill tokens (eager) and decode-only steps (CUDA graphs on a GPU)."""
+
+    def __init__(self):
+        self.plans: deque = deque()
+        self.steps: list[tuple[float, int, int]] = []  # (result time, sequences, tokens)
+
+    def plan(self, plan) -> None:
+        tokens = sum(plan.num_scheduled_tokens) + sum(s.num_scheduled_tokens for s in plan.new_seqs)
+        self.plans.append((len(plan.seq_ids) + len(plan.new_seqs), tokens))
+
+    def result(self, result) -> None:
+        self.steps.append((time.perf_counter(), *self.plans.popleft()))
+
+    def summary(self, start: float) -> dict:
+        mixed = decode = 0.0
+        decode_steps = decode_seqs = 0
+        last = start
+        for t, seqs, tokens in self.steps:
+            if tokens == seqs:
+                decode += t - last
+                decode_steps += 1
+                decode_seqs += seqs
+            else:
+                mixed += t - last
+            last = t
+        return {"steps": len(self.steps), "mixed_steps": len(self.steps) - decode_steps,
+                "mixed_s": round(mixed, 2), "decode_steps": decode_steps, "decode_s": round(decode, 2),
+                "decode_ms_per_step": round(decode / max(decode_steps, 1) * 1e3, 2),
+                "mean_decode_batch": round(decode_seqs / max(decode_steps, 1), 1)}
+
+
+def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> tuple[float, dict]:
     from scheduler_svc.sampling import SamplingParams
 
     with common.in_process_llm(args, model) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens) for r in reqs]
+        trace = llm.engine.step_observer = StepTrace()
         start = time.perf_counter()
         outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
-    return elapsed
+    return elapsed, trace.summary(start)
 
 
 async def _through_services(address: str, reqs: list[Request]) -> float:
@@ -63,9 +98,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     with common.model_dir(args) as model:
         if args.mode in ("in-process", "both"):
-            t = run_in_process(args, model, reqs)
+            t, steps = run_in_process(args, model, reqs)
             rows.append({"path": common.path_label(args, "in-process"), "seconds": round(t, 2),
-                         "output_tokens": total, "tokens_per_s": round(total / t)})
+                         "output_tokens": total, "tokens_per_s": round(total / t), **steps})
             print(rows[-1], flush=True)
         if args.mode in ("services", "both"):
             with common.cluster(args, model) as address:

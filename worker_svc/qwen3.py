@@ -27,14 +27,21 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = qk_norm_rope(q, k, positions, self.rotary.cos_sin, self.q_norm.weight, self.k_norm.weight,
-                            self.q_norm.eps)
-        store_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache,
-                 meta.slot_mapping)
+        qkv = self.qkv_proj(x)
+        if qkv.is_cuda:  # one kernel for norms, rope and the KV store; triton is a GPU-only dependency
+            from worker_svc.layers_triton import qk_norm_rope_store
+
+            q = qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, self.q_norm.weight, self.k_norm.weight,
+                                   self.q_norm.eps, self.k_cache, self.v_cache, meta.slot_mapping,
+                                   self.num_heads, self.num_kv_heads)
+        else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = qk_norm_rope(q.view(-1, self.num_heads, self.head_dim),
+                                k.view(-1, self.num_kv_heads, self.head_dim), positions, self.rotary.cos_sin,
+                                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            store_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache,
+                     meta.slot_mapping)
         o = backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 

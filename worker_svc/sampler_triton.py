@@ -17,15 +17,17 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax(logits_ptr, stride, temp_ptr, key_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gumbel_argmax(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, idx_ptr, vocab, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program (row, part) races the tokens of one CHUNK of the vocabulary; the host picks the best part."""
+    row, part = tl.program_id(0), tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    inv_t = tl.where(t > 0, 1.0 / t, 1.0)
+    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
     noise_scale = tl.where(t > 0, 1.0, 0.0)
     key = tl.load(key_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    best_idx = tl.full([BLOCK], vocab, tl.int32)
+    for start in range(part * CHUNK, tl.minimum(part * CHUNK + CHUNK, vocab), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
         x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -38,11 +40,20 @@ def _gumbel_argmax(logits_ptr, stride, temp_ptr, key_ptr, out_ptr, vocab, BLOCK:
     top = tl.max(best, 0)
     # lowest index among equal maxima, as torch.argmax
     idx = tl.min(tl.where(best == top, best_idx, vocab), 0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    out = row * tl.num_programs(1) + part
+    tl.store(best_ptr + out, top)
+    tl.store(idx_ptr + out, idx.to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _gumbel_argmax[(logits.shape[0],)](logits, logits.stride(0), temperature, keys, out, logits.shape[1],
-                                       BLOCK=4096, num_warps=8)
-    return out
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, parts: int = 16,
+                  block: int = 2048) -> torch.Tensor:
+    """The vocabulary is cut into `parts` so that even a small batch fills the GPU."""
+    rows, vocab = logits.shape
+    chunk = -(-vocab // (parts * block)) * block
+    parts = -(-vocab // chunk)
+    best = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax[(rows, parts)](logits, logits.stride(0), temperature, keys, best, idx, vocab, CHUNK=chunk,
+                                  BLOCK=block, num_warps=4)
+    # argmax takes the first of equal maxima: the lowest part, whose index is the lowest
+    return idx.gather(1, best.argmax(1, keepdim=True)).squeeze(1)

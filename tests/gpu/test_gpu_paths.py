@@ -77,6 +77,32 @@ def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_fused_qk_norm_rope_store_matches_eager_pieces():
+    from worker_svc.attention import store_kv
+    from worker_svc.layers import RotaryEmbedding, qk_norm_rope
+    from worker_svc.layers_triton import qk_norm_rope_store
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens, page, blocks = 16, 8, 128, 300, 16, 64
+    rotary = RotaryEmbedding(dim, 4096, 1e6)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q_w, k_w = (torch.rand(2, dim, generator=gen) + 0.5).to(torch.bfloat16)
+    slots = torch.randperm(blocks * page, generator=gen)[:tokens]
+    k_ref = torch.zeros(blocks, page, kv_heads, dim, dtype=torch.bfloat16)
+    v_ref = torch.zeros_like(k_ref)
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref, k_new = qk_norm_rope(q_in.reshape(tokens, heads, dim), k_in.reshape(tokens, kv_heads, dim), positions,
+                                rotary.cos_sin, q_w, k_w, 1e-6)
+    store_kv(k_new, v_in.reshape(tokens, kv_heads, dim), k_ref, v_ref, slots)
+    k_cache, v_cache = torch.zeros_like(k_ref).cuda(), torch.zeros_like(v_ref).cuda()
+    q = qk_norm_rope_store(qkv.cuda(), positions.cuda(), rotary.cos_sin.cuda(), q_w.cuda(), k_w.cuda(), 1e-6,
+                           k_cache, v_cache, slots.cuda(), heads, kv_heads)
+    torch.testing.assert_close(q.cpu(), q_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache.cpu(), k_ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(v_cache.cpu(), v_ref)
+
+
 def test_triton_sampler_matches_torch_sampler():
     from worker_svc.sampler import SamplingBatch, sample
 

@@ -1,0 +1,102 @@
+"""The GPU's Triton kernels, run by Triton's interpreter on the CPU against the eager/reference paths:
+split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler.
+(The interpreter emulates no bfloat16, so float32/float16 here; tests/gpu checks bfloat16 on the GPU.)"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels below are defined (first import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv  # noqa: E402
+from worker_svc.decode_attention import paged_decode_attention  # noqa: E402
+from worker_svc.layers import RotaryEmbedding, qk_norm_rope  # noqa: E402
+from worker_svc.layers_triton import qk_norm_rope_store  # noqa: E402
+from worker_svc.sampler import row_keys, uniform_noise  # noqa: E402
+from worker_svc.sampler_triton import gumbel_argmax  # noqa: E402
+
+
+def _paged(lens, page, kv_heads, dim, dtype, extra_width=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-c // page) for c in lens]
+    num_blocks = sum(pages) + 2
+    k = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).int()
+    table = torch.zeros(len(lens), max(pages) + extra_width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    return k, v, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (16, 32, 64), (32, 16, 32), (64, 64, 64)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (2, 2)])
+def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, kv_heads):
+    lens = [1, 2, split - 1, split, split + 1, 3 * split + 5, page + 1]
+    dim = 32
+    k, v, table = _paged(lens, page, kv_heads, dim, dtype)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
+                             [1] * len(lens), lens)
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), meta, dim ** -0.5)
+    out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=split, block_n=block_n)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_attention_on_a_wide_page_table_takes_longer_splits():
+    """A CUDA graph's page table covers max_model_len: splits grow so that at most MAX_SPLITS exist."""
+    lens, page, dim = [5, 700, 1500], 16, 32
+    k, v, table = _paged(lens, page, 2, dim, torch.float32, extra_width=200)
+    q = torch.randn(3, 4, dim, generator=torch.Generator().manual_seed(2))
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    narrow = paged_decode_attention(q, k, v, seqused, table[:, :-200], dim ** -0.5, base_split=32, block_n=16)
+    wide = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=32, block_n=16)
+    torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (8, 8)])
+def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads):
+    gen = torch.Generator().manual_seed(3)
+    dim, tokens, page, blocks = 32, 9, 4, 8
+    rotary = RotaryEmbedding(dim, 128, 1e6)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 128, (tokens,), generator=gen)
+    q_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    k_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    slots = torch.randperm(blocks * page, generator=gen)[:tokens]
+    k_cache = torch.zeros(blocks, page, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = qk_norm_rope_store(qkv, positions, rotary.cos_sin, q_w, k_w, 1e-6, k_cache, v_cache, slots, heads, kv_heads)
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref, k_new = qk_norm_rope(q_in.reshape(tokens, heads, dim), k_in.reshape(tokens, kv_heads, dim), positions,
+                                rotary.cos_sin, q_w, k_w, 1e-6)
+    store_kv(k_new, v_in.reshape(tokens, kv_heads, dim), k_ref, v_ref, slots)
+    tol = 1e-6 if dtype == torch.float32 else 0.0  # float16 rounds where the eager pieces round
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache, k_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(v_cache, v_ref, atol=0.0, rtol=0.0)
+
+
+def test_gumbel_argmax_matches_torch_sampler_and_breaks_ties_low():
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 6, 5000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.0, 0.6, 1.0, 1.5, 0.0, 0.3])
+    seeds, positions = torch.randint(0, 2**31, (rows,), generator=gen), torch.randint(0, 100, (rows,), generator=gen)
+    tokens = gumbel_argmax(logits, temperature, row_keys(seeds, positions), parts=4, block=256)
+    x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    race = x - torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
+    assert torch.equal(tokens, torch.where(temperature > 0, race.argmax(-1), logits.argmax(-1)))
+    tied = torch.zeros(2, 1000)
+    tied[:, [300, 700]] = 5.0  # equal maxima in different parts: the lower index, as torch.argmax
+    assert gumbel_argmax(tied, torch.zeros(2), row_keys(seeds[:2], positions[:2]), parts=4, block=64).tolist() == [300, 300]

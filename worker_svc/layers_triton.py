@@ -1,0 +1,81 @@
+"""One Triton kernel for the GPU between the QKV projection and attention: per-head RMSNorm of q and k,
+rotary embedding, and the store of k and v into the paged KV cache. Compiled separately these were
+eight kernels per layer (~20 us at batch 256); this is one. Rounds to the activation dtype where the
+eager pieces in layers.py do, so both paths give the same values."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """x1, x2: [heads, HALF] halves of each head (float32); returns the rotated halves in DTYPE."""
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    n1 = ((x1 * r).to(DTYPE).to(tl.float32) * w1[None, :]).to(DTYPE).to(tl.float32)
+    n2 = ((x2 * r).to(DTYPE).to(tl.float32) * w2[None, :]).to(DTYPE).to(tl.float32)
+    return (n1 * cos[None, :] - n2 * sin[None, :]).to(DTYPE), (n2 * cos[None, :] + n1 * sin[None, :]).to(DTYPE)
+
+
+@triton.jit
+def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, eps,
+                        stride_qkv, stride_cs, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h,
+                        stride_vc_s, stride_vc_h,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dtype = QOut.dtype.element_ty
+    pos = tl.load(Pos + t)
+    c = tl.arange(0, HALF)
+    cos = tl.load(CosSin + pos * stride_cs + c)
+    sin = tl.load(CosSin + pos * stride_cs + HALF + c)
+    row = QKV + t * stride_qkv
+    slot = tl.load(Slots + t)
+
+    h = tl.arange(0, BLOCK_Q)
+    live = (h < HEADS)[:, None]
+    src = row + h[:, None] * (2 * HALF) + c[None, :]
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    y1, y2 = _norm_rope(x1, x2, tl.load(QW + c).to(tl.float32), tl.load(QW + HALF + c).to(tl.float32),
+                        cos, sin, eps, HALF, dtype)
+    dst = QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :]
+    tl.store(dst, y1, mask=live)
+    tl.store(dst + HALF, y2, mask=live)
+
+    h = tl.arange(0, BLOCK_KV)
+    live = (h < KV_HEADS)[:, None]
+    src = row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :]
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    y1, y2 = _norm_rope(x1, x2, tl.load(KW + c).to(tl.float32), tl.load(KW + HALF + c).to(tl.float32),
+                        cos, sin, eps, HALF, dtype)
+    dst = KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :]
+    tl.store(dst, y1, mask=live)
+    tl.store(dst + HALF, y2, mask=live)
+
+    src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
+    dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
+    tl.store(dst, tl.load(src, mask=live), mask=live)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=live), mask=live)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [tokens, (heads + 2 kv_heads) * head_dim] straight from the projection. Writes k and v at
+    slot_mapping in the caches ([num_blocks, block_size, kv_heads, head_dim]); returns q [tokens, heads, head_dim]."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    for cache in (k_cache, v_cache):  # slots index (block, offset) pairs flattened
+        assert cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
+    assert qkv.stride(1) == 1 and head_dim % 2 == 0
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        _qk_norm_rope_store[(tokens,)](
+            qkv, positions, cos_sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps,
+            qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(1), v_cache.stride(2), HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+            BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+            num_warps=4)
+    return q
