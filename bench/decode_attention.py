@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             err = (fn().float() - reference.float()).abs().max().item()
             us = graph_time_us(fn)
             rows.append({"case": case, "kernel": name, "block_size": args.block_size, "us": round(us, 1),
-                         "tb_per_s": round(gbytes / us * 1e-3, 3), "max_abs_diff": round(err, 4)})
+                         "tb_per_s": round(gbytes / us * 1e3, 2), "max_abs_diff": round(err, 4)})
             print(json.dumps(rows[-1]), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
