@@ -33,6 +33,17 @@ class StepTrace:
     def result(self, result) -> None:
         self.steps.append((time.perf_counter(), *self.plans.popleft()))
 
+    def by_batch(self, start: float, width: int = 32) -> dict[str, float]:
+        """Mean decode-only step time (ms) per bucket of batch sizes."""
+        buckets: dict[int, list[float]] = {}
+        last = start
+        for t, seqs, tokens in self.steps:
+            if tokens == seqs:
+                buckets.setdefault(seqs // width, []).append(t - last)
+            last = t
+        return {f"{b * width}-{b * width + width - 1}": round(sum(v) / len(v) * 1e3, 2)
+                for b, v in sorted(buckets.items())}
+
     def summary(self, start: float) -> dict:
         mixed = decode = 0.0
         decode_steps = decode_seqs = 0
@@ -62,6 +73,7 @@ def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> tupl
         outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
+    print("decode step ms by batch size:", trace.by_batch(start), flush=True)
     return elapsed, trace.summary(start)
 
 

@@ -23,12 +23,34 @@ MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer sp
 
 
 @triton.jit
-def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, scale_log2e,
+def _merge_rows(o_ptrs, lse_ptrs, stride_os, splits, live):
+    """Log-sum-exp merge of `splits` partial outputs ([rows, head_dim] each) of the live rows.
+    Loads bypass L1 (.cg): other SMs wrote these partials during this launch."""
+    m = tl.load(lse_ptrs, mask=live, other=0.0, cache_modifier=".cg")
+    acc = tl.load(o_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    l = tl.full(m.shape, 1.0, tl.float32)
+    for i in range(1, splits):
+        lse = tl.load(lse_ptrs + i, mask=live, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        o = tl.load(o_ptrs + i * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        acc = acc * a[:, None] + o * b[:, None]
+        l = l * a + b
+        m = m_new
+    return acc / l[:, None]
+
+
+@triton.jit
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                  FUSED_MERGE: tl.constexpr):
+    if HEAD_MAJOR:
+        kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(SeqUsed + seq)
     start = split * SPLIT
     if start >= ctx:
@@ -47,12 +69,10 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, scale_log2e,
         valid = t < end
         if BLOCK_N <= PAGE:  # the tile lies in one page
             page = tl.load(pages + t0 // PAGE).to(tl.int64)
-            k_rows = page * stride_kb + (t % PAGE) * stride_kt
-            v_rows = page * stride_vb + (t % PAGE) * stride_vt
         else:
             page = tl.load(pages + t // PAGE, mask=valid, other=0).to(tl.int64)
-            k_rows = page * stride_kb + (t % PAGE) * stride_kt
-            v_rows = page * stride_vb + (t % PAGE) * stride_vt
+        k_rows = page * stride_kb + (t % PAGE) * stride_kt
+        v_rows = page * stride_vb + (t % PAGE) * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -63,30 +83,52 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, scale_log2e,
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    o = PartO + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-    tl.store(o, acc / l[:, None], mask=live[:, None])
-    tl.store(PartLse + seq * stride_lb + heads * stride_lh + split, m + tl.log2(l), mask=live)
+    out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
+    splits = tl.cdiv(ctx, SPLIT)
+    if splits == 1:  # the whole context in one split: no partials
+        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+        return
+    o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
+    tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live[:, None])
+    tl.store(lse_ptrs + split, m + tl.log2(l), mask=live)
+    if FUSED_MERGE:  # the split that finishes last merges (acq_rel: it sees the others' partials)
+        counter = Counters + seq * KV_HEADS + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            merged = _merge_rows(o_ptrs, lse_ptrs, stride_os, splits, live)
+            tl.store(out, merged.to(Out.dtype.element_ty), mask=live[:, None])
+            tl.atomic_xchg(counter, 0)  # ready for the next call (and the next graph replay)
 
 
 @triton.jit
 def _merge_kernel(PartO, PartLse, SeqUsed, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                  stride_out_t, stride_out_h, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-    seq, head = tl.program_id(0), tl.program_id(1)
+                  stride_out_t, stride_out_h, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    seq, kvh = tl.program_id(0), tl.program_id(1)
     splits = tl.cdiv(tl.load(SeqUsed + seq), SPLIT)
-    d = tl.arange(0, HEAD_DIM)
-    o_ptr = PartO + seq * stride_ob + head * stride_oh + d
-    lse_ptr = PartLse + seq * stride_lb + head * stride_lh
-    m = tl.load(lse_ptr)
-    acc = tl.load(o_ptr)
-    l = 1.0
-    for i in range(1, splits):
-        lse = tl.load(lse_ptr + i)
-        m_new = tl.maximum(m, lse)
-        a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * a + tl.load(o_ptr + i * stride_os) * b
-        l = l * a + b
-        m = m_new
-    tl.store(Out + seq * stride_out_t + head * stride_out_h + d, (acc / l).to(Out.dtype.element_ty))
+    if splits == 1:
+        return
+    h, d = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM)
+    live = h < GROUP
+    heads = kvh * GROUP + h
+    merged = _merge_rows(PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                         PartLse + seq * stride_lb + heads * stride_lh, stride_os, splits, live)
+    tl.store(Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :],
+             merged.to(Out.dtype.element_ty), mask=live[:, None])
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(size: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters that the kernels leave zeroed; allocated outside CUDA-graph capture
+    (the warm-up before each capture runs eagerly at the same size)."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention counters must be allocated before CUDA-graph capture")
+        counters = _counters[device] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+    return counters
 
 
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
@@ -99,7 +141,7 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
                            base_split: int = 256, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 3) -> torch.Tensor:
+                           num_stages: int = 3, head_major: bool = True, fused_merge: bool = True) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
@@ -113,15 +155,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, scale * 1.4426950408889634,
+    counters = _merge_counters(batch * kv_heads, q.device) if fused_merge else part_lse
+    block_h = max(16, triton.next_power_of_2(group))
+    grid = (kv_heads, num_splits, batch) if head_major else (batch, kv_heads, num_splits)
+    _split_kernel[grid](
+        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
-    _merge_kernel[(batch, heads)](
-        part_o, part_lse, seqused_k, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-        SPLIT=split, num_warps=1)
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, HEAD_MAJOR=head_major, FUSED_MERGE=fused_merge,
+        num_warps=num_warps, num_stages=num_stages)
+    if not fused_merge:
+        _merge_kernel[(batch, kv_heads)](
+            part_o, part_lse, seqused_k, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), GROUP=group, BLOCK_H=block_h,
+            HEAD_DIM=head_dim, SPLIT=split, num_warps=4)
     return out
