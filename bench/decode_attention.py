@@ -66,8 +66,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--configs", default="64:4:3:256",
-                    help="Triton configurations block_n:num_warps:num_stages:split[:head_major[:fused_merge]] (1/0), comma-separated")
+    ap.add_argument("--configs", default="64:4:3:256,128:4:3:512",
+                    help="Triton configurations block_n:num_warps:num_stages:split, comma-separated")
     ap.add_argument("--out", default="bench/results/decode_attention.json")
     args = ap.parse_args(argv)
     from worker_svc.decode_attention import paged_decode_attention
@@ -94,12 +94,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 return out[0] if isinstance(out, tuple) else out
             kernels["flash_attn"] = fa4
         for config in args.configs.split(","):
-            block_n, warps, stages, split, head_major, fused = ([int(x) for x in config.split(":")] + [1, 1])[:6]
+            block_n, warps, stages, split = (int(x) for x in config.split(":"))
             kernels[f"triton {config}"] = (
-                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split,
-                hm=bool(head_major), fm=bool(fused):
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
                 paged_decode_attention(q, k, v, lens, table, scale, base_split=sp, block_n=b, num_warps=w,
-                                       num_stages=s, head_major=hm, fused_merge=fm))
+                                       num_stages=s))
         reference = next(iter(kernels.values()))()
         for name, fn in kernels.items():
             err = (fn().float() - reference.float()).abs().max().item()

@@ -16,9 +16,9 @@ for b in $benches; do
   echo "=== $b ==="
   case $b in
     checks)  timeout 300 python3 -m pytest -q -p no:warnings tests/gpu 2>&1 | tail -3 ;;
-    kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
+    kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
     profile) timeout 300 python3 -m bench runner-step --block-sizes 256 --profile --out $OUT/runner_step.json 2>&1 | grep -v -i warn | tail -40 ;;
-    offline) timeout 500 python3 -m bench.offline --model $MODEL --out $OUT/offline.json 2>&1 | grep -v -i warn | grep -v Generating | tail -6 ;;
+    offline) timeout 500 python3 -m bench.offline --model $MODEL --out $OUT/offline.json 2>&1 | grep -E "by batch|^[|]" ;;
     *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;
   esac
 done

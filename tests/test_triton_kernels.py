@@ -51,6 +51,20 @@ def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, 
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("batch", [3, 17])
+def test_decode_attention_default_tiles_match_reference(batch):
+    """The defaults (tile_config): 64-token tiles below 16 sequences, 128 and 512-token splits above."""
+    lens = [(i * 97) % 1300 + 1 for i in range(batch)]
+    page, dim = 16, 32
+    k, v, table = _paged(lens, page, 2, dim, torch.float32)
+    q = torch.randn(batch, 4, dim, generator=torch.Generator().manual_seed(5))
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32), seqused, table, None, 1, [1] * batch, lens)
+    ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5)
+    torch.testing.assert_close(paged_decode_attention(q, k, v, seqused, table, dim ** -0.5), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_decode_attention_on_a_wide_page_table_takes_longer_splits():
     """A CUDA graph's page table covers max_model_len: splits grow so that at most MAX_SPLITS exist."""
     lens, page, dim = [5, 700, 1500], 16, 32

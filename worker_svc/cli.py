@@ -227,9 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--base-ms", type=float, default=1.5)
-    p.add_argument("--per-token-us", type=float, default=2.0)
-    p.add_argument("--per-context-token-ns", type=float, default=40.0)
+    from worker_svc.simulated import StepCost  # protobuf only, no torch
+
+    cost = StepCost()
+    p.add_argument("--base-ms", type=float, default=cost.base_ms)
+    p.add_argument("--per-token-us", type=float, default=cost.per_token_us)
+    p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns)
     p.add_argument("--debug-step-delay", type=float, default=0.0,
                    help="testing only: sleep this many seconds before every step")
     _add_membership_arguments(p)

@@ -23,11 +23,11 @@ from worker_svc.errors import PlanError
 @dataclass(slots=True)
 class StepCost:
     """Step time = base + per query token + per token of context read by attention. The defaults fit
-    Qwen3-0.6B in bf16 on one H200 with flash-attn-4 (bench/results/runner_step*.md: a decode step of
-    256 sequences at 800 tokens of context takes about 10.7 ms)."""
-    base_ms: float = 1.5
+    Qwen3-0.6B in bf16 on one H200 (bench/results/runner_step.md: a decode step of 256 sequences at
+    800 tokens of context takes about 7.7 ms, 6.6 of them attention; a 16k-token prefill step ~47 ms)."""
+    base_ms: float = 0.7
     per_token_us: float = 2.0
-    per_context_token_ns: float = 40.0
+    per_context_token_ns: float = 30.0
 
     def seconds(self, num_tokens: int, context_tokens: int) -> float:
         return (self.base_ms * 1e3 + self.per_token_us * num_tokens + self.per_context_token_ns * 1e-3
