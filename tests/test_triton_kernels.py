@@ -1,21 +1,23 @@
 """The GPU's Triton kernels, run by Triton's interpreter on the CPU against the eager/reference paths:
 split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler.
-(The interpreter emulates no bfloat16, so float32/float16 here; tests/gpu checks bfloat16 on the GPU.)"""
+(The interpreter emulates no bfloat16, so float32/float16 here; tests/gpu checks bfloat16 on the GPU.)
+The interpreter is switched on by tests/conftest.py before anything imports triton."""
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels below are defined (first import)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
+from worker_svc.decode_attention import paged_decode_attention, tile_config
+from worker_svc.layers import RotaryEmbedding, qk_norm_rope
+from worker_svc.layers_triton import qk_norm_rope_store
+from worker_svc.sampler import row_keys, uniform_noise
+from worker_svc.sampler_triton import gumbel_argmax
 
-from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv  # noqa: E402
-from worker_svc.decode_attention import paged_decode_attention  # noqa: E402
-from worker_svc.layers import RotaryEmbedding, qk_norm_rope  # noqa: E402
-from worker_svc.layers_triton import qk_norm_rope_store  # noqa: E402
-from worker_svc.sampler import row_keys, uniform_noise  # noqa: E402
-from worker_svc.sampler_triton import gumbel_argmax  # noqa: E402
+# tests/conftest.py turns the interpreter on where there is no GPU; on a GPU machine tests/gpu checks these
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 
 
 def _paged(lens, page, kv_heads, dim, dtype, extra_width=0, seed=0):
@@ -51,18 +53,18 @@ def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, 
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("batch", [3, 17])
-def test_decode_attention_default_tiles_match_reference(batch):
-    """The defaults (tile_config): 64-token tiles below 16 sequences, 128 and 512-token splits above."""
+@pytest.mark.parametrize("max_batch", [1, 256])
+def test_decode_attention_tile_configs_match_reference(max_batch):
+    """Both configurations of tile_config; page 16 under 128-token tiles gathers a page per row."""
+    batch, page, dim = 17, 16, 32
     lens = [(i * 97) % 1300 + 1 for i in range(batch)]
-    page, dim = 16, 32
     k, v, table = _paged(lens, page, 2, dim, torch.float32)
     q = torch.randn(batch, 4, dim, generator=torch.Generator().manual_seed(5))
     seqused = torch.tensor(lens, dtype=torch.int32)
     meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32), seqused, table, None, 1, [1] * batch, lens)
     ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5)
-    torch.testing.assert_close(paged_decode_attention(q, k, v, seqused, table, dim ** -0.5), ref,
-                               atol=1e-5, rtol=1e-5)
+    out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, **tile_config(max_batch))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_attention_on_a_wide_page_table_takes_longer_splits():

@@ -108,28 +108,27 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
     return -(-split // block_n) * block_n
 
 
-def tile_config(batch: int) -> dict:
-    """Measured on the H200 (bench/results/decode_attention.md): 128-token tiles and 512-token splits
-    read fastest once the batch fills the GPU; small batches need the shorter splits' parallelism."""
-    if batch >= 16:
-        return dict(base_split=512, block_n=128, num_warps=4, num_stages=3)
-    return dict(base_split=256, block_n=64, num_warps=4, num_stages=3)
+def tile_config(max_batch: int) -> dict:
+    """Tiles and splits for a runner whose decode batches reach `max_batch` sequences. Measured on the
+    H200 (bench/results/decode_attention.md): 128-token tiles and 512-token splits read 1-2 % faster once
+    the batch fills the GPU; a batch of one does better with shorter splits. Chosen once per runner, not
+    per call: a step then computes the same values eagerly and in a CUDA graph of a padded size."""
+    if max_batch >= 16:
+        return dict(base_split=512, block_n=128)
+    return dict(base_split=256, block_n=64)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
-                           base_split: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                           base_split: int = 256, block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
-    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype.
-    Tiles and splits default to tile_config(batch)."""
+    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    tuned = tile_config(batch)
-    base_split = base_split or tuned["base_split"]
-    block_n = min(block_n or tuned["block_n"], base_split)
+    block_n = min(block_n, base_split)
     if page % block_n and block_n % page:
         raise ValueError(f"block size {page} and tile {block_n} must divide one another")
     split = split_size(page_table.shape[1], page, block_n, base_split)

@@ -58,7 +58,7 @@ def test_flash_attn_matches_torch_backend(block_size, case):
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
-    from worker_svc.decode_attention import paged_decode_attention
+    from worker_svc.decode_attention import paged_decode_attention, tile_config
 
     gen = torch.Generator().manual_seed(1)
     dim = 128
@@ -72,9 +72,10 @@ def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
     # a page table far wider than the contexts (as in CUDA graphs) takes longer splits, same result
     wide = torch.zeros(len(c_lens), 40960 // block_size, dtype=torch.int32, device="cuda")
     wide[:, :meta.page_table.shape[1]] = meta.page_table
-    for table in (meta.page_table, wide):
-        out = paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, table, dim ** -0.5)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for tiles in (tile_config(1), tile_config(256)):
+        for table in (meta.page_table, wide):
+            out = paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, table, dim ** -0.5, **tiles)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_fused_qk_norm_rope_store_matches_eager_pieces():
