@@ -11,12 +11,14 @@ from pathlib import Path
 
 
 def environment() -> dict:
-    commit = os.environ.get("SPLITSERVE_COMMIT", "")  # set where the tree travels without .git
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or commit or "unknown"
-    except OSError:
-        commit = commit or "unknown"
+    # SPLITSERVE_COMMIT wins: where the tree travels to another machine, its .git may be an old copy
+    commit = os.environ.get("SPLITSERVE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=False).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     gpu = "none"
     try:
         import torch
