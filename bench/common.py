@@ -165,6 +165,21 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
     return LLM(model, device=args.device, block_size=args.block_size, **options)
 
 
+def replay_ms(graph, replays: int) -> float:
+    """Mean GPU time (ms) of one replay of a captured CUDA graph, after one untimed replay."""
+    import torch
+
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default); nan for no values."""
     if not values:

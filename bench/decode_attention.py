@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.common import replay_ms
 from bench.record import record
 
 CASES = {  # name: (batch, min context, max context)
@@ -45,21 +46,14 @@ def make_case(batch: int, lo: int, hi: int, page: int, heads: int, kv_heads: int
 
 
 def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
+    """GPU time of one call of fn: `reps` calls captured in a CUDA graph, replayed `replays` times."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * replays)
+    return replay_ms(graph, replays) * 1e3 / reps
 
 
 def main(argv: Sequence[str] | None = None) -> None:

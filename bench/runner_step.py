@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import replay_ms
 from bench.record import record
 from protos import worker_pb2 as pb
 from worker_svc.make_model import make_model
@@ -81,14 +82,7 @@ class DecodeBatch:
         print(f"host time of execute(): {host / steps * 1e3:.3f} ms per step")
         graphs = self.runner.graphs
         if graphs is not None:
-            graph = graphs.graphs[max(graphs.graphs)]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            print(f"graph replay alone: {start.elapsed_time(end) / steps:.3f} ms")
+            print(f"graph replay alone: {replay_ms(graphs.graphs[max(graphs.graphs)], steps):.3f} ms")
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(5):
