@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="0: the worker's")
     p.add_argument("--max-waiting", type=int, default=4096, help="queued requests per group before refusing")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-pipeline", action="store_true", help="wait for each step's result before planning")
+    p.add_argument("--pipeline-depth", type=int, default=EngineConfig().pipeline_depth,
+                   help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
@@ -80,7 +81,8 @@ async def _main(args: argparse.Namespace) -> None:
 
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                          enable_prefix_caching=not args.no_prefix_caching, pipeline=not args.no_pipeline)
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          pipeline_depth=args.pipeline_depth)
     server, service, port = await serve(args.model, args.worker, args.host, args.port, config,
                                         metrics_port=args.metrics_port, membership=membership_config(args),
                                         tls=args.tls, registration_secret=args.registration_secret,

@@ -92,8 +92,9 @@ def add_all(engine: LLMEngine, max_tokens=12) -> list[str]:
 
 def test_outputs_do_not_depend_on_pipelining_chunking_or_preemption(model_dir, words, qwen):
     results = []
-    for pipeline, num_blocks, budget in [(True, 256, 256), (False, 256, 256), (True, 12, 8), (False, 12, 5)]:
-        engine, _ = make_engine(model_dir, word_fn(words), num_blocks=num_blocks, pipeline=pipeline,
+    for depth, num_blocks, budget in [(3, 256, 256), (2, 256, 256), (1, 256, 256), (3, 12, 8), (2, 12, 8),
+                                      (1, 12, 5)]:
+        engine, _ = make_engine(model_dir, word_fn(words), num_blocks=num_blocks, pipeline_depth=depth,
                                 max_num_batched_tokens=budget, long_prefill_token_threshold=4)
         ids = add_all(engine)
         got = run(engine)

@@ -1,6 +1,6 @@
 """Greedy generation through LLMEngine / LLM over the in-process executor (the worker's ModelRunner in
 this process, same plan/result contract as the gRPC worker) equals transformers' generate token for
-token: pipeline on and off, chunked prefills, block pressure that forces preemption and resume by
+token: pipeline depths 3, 2 and 1, chunked prefills, block pressure that forces preemption and resume by
 recompute, and prefix-cache hits. fp32 on CPU, qwen3-tiny."""
 from __future__ import annotations
 
@@ -74,11 +74,11 @@ def _run(engine: LLMEngine, max_steps: int = 5000) -> dict:
     raise AssertionError(f"no end after {max_steps} steps")
 
 
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
-def test_llm_generate_equals_transformers(tiny_model_dir, reference, pipeline):
+@pytest.mark.parametrize("depth", [3, 2, 1], ids=["depth3", "depth2", "serial"])
+def test_llm_generate_equals_transformers(tiny_model_dir, reference, depth):
     """The offline API, roomy pool: every prompt admitted at once, one mixed batch of prefills."""
     with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
-             pipeline=pipeline) as llm:
+             pipeline_depth=depth) as llm:
         outs = llm.generate(_prompts(), _greedy(), use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
         assert all(o.finish_reason == "length" for o in outs)
@@ -91,12 +91,12 @@ def test_llm_generate_equals_transformers(tiny_model_dir, reference, pipeline):
         assert sched.block_manager.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
-def test_greedy_under_block_pressure_with_preemption(tiny_model_dir, reference, pipeline):
+@pytest.mark.parametrize("depth", [3, 1], ids=["depth3", "serial"])
+def test_greedy_under_block_pressure_with_preemption(tiny_model_dir, reference, depth):
     """16 blocks of 4 tokens cannot hold the six sequences at once: decodes preempt the newest running
     sequence, which later resumes by recompute and re-hits its own cached full blocks. Small token
     budget and chunk cap: prompts are prefilled in chunks, mixed with decodes."""
-    engine = _engine(tiny_model_dir, num_blocks=16, block_size=4, pipeline=pipeline, max_num_batched_tokens=16,
+    engine = _engine(tiny_model_dir, num_blocks=16, block_size=4, pipeline_depth=depth, max_num_batched_tokens=16,
                      long_prefill_token_threshold=6)
     try:
         ids = [engine.add_request(p, _greedy()) for p in _prompts()]

@@ -392,7 +392,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cap=st.integers(0, 6),
         max_num_seqs=st.integers(1, 5),
         caching=st.sampled_from([True, True, True, False]),
-        depth=st.sampled_from([1, 2, 2]),
+        depth=st.sampled_from([1, 2, 3]),
     )
     def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth):
         self.sched, self.worker = make(
