@@ -56,7 +56,8 @@ def run_all(argv: Sequence[str]) -> None:
     with common.model_dir(args) as model:
         shared = ["--model", str(model), "--device", args.device, "--block-size", str(args.block_size),
                   "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                  str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+                  str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
+                  "--pipeline-depth", str(args.pipeline_depth)]
         if args.simulate:
             shared.append("--simulate")
         outs = []

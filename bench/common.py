@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from protos import worker_pb2
+from scheduler_svc.engine import EngineConfig
 
 
 def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
@@ -28,6 +29,8 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--pipeline-depth", type=int, default=EngineConfig().pipeline_depth,
+                    help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
         ap.add_argument("--out", default=out, help="results JSON (a .md table is written next to it)")
 
@@ -71,13 +74,13 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
     return ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.max_model_len), *extra]
+            "--max-model-len", str(args.max_model_len), "--pipeline-depth", str(args.pipeline_depth), *extra]
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig fields (those the worker must agree on go to an in-process worker too)."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len)
+                max_model_len=args.max_model_len, pipeline_depth=args.pipeline_depth)
 
 
 def path_label(args: argparse.Namespace, path: str) -> str:
