@@ -23,10 +23,11 @@ from worker_svc.errors import PlanError
 @dataclass(slots=True)
 class StepCost:
     """Step time = base + per query token + per token of context read by attention. The defaults fit
-    Qwen3-0.6B in bf16 on one H200 (bench/results/runner_step.md: a decode step of 256 sequences at
-    800 tokens of context takes about 7.7 ms, 6.6 of them attention; a 16k-token prefill step ~47 ms)."""
-    base_ms: float = 0.7
-    per_token_us: float = 2.0
+    Qwen3-0.6B in bf16 on one H200: a decode step of 256 sequences at 800 tokens of context takes about
+    7.7 ms, 6.6 of them attention (bench/results/runner_step.md); the offline workload's 9 prefill steps
+    take 0.43 s and its 1,023 decode steps 4.93 s (bench/results/offline.md)."""
+    base_ms: float = 0.95
+    per_token_us: float = 2.7
     per_context_token_ns: float = 30.0
 
     def seconds(self, num_tokens: int, context_tokens: int) -> float:
