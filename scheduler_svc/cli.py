@@ -111,6 +111,8 @@ def load_security(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.pipeline_depth < 1:
+        parser.error("--pipeline-depth must be at least 1")
     logs.setup(args.log_format, args.log_level)
     try:
         load_security(args)

@@ -238,3 +238,13 @@ def test_llm_generate(model_dir, words, qwen):
     assert worker.closed
     with pytest.raises(TypeError, match="unknown options"):
         LLM(model_dir, executor=worker, dtype="float32")
+
+
+def test_pipeline_depth_below_one_is_refused(model_dir, words):
+    from scheduler_svc import cli
+
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        make_engine(model_dir, word_fn(words), pipeline_depth=0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", str(model_dir), "--plaintext", "--pipeline-depth", "0"])
+    assert exit_info.value.code == 2
