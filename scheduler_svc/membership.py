@@ -22,6 +22,7 @@ import asyncio
 import logging
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,7 +48,8 @@ class MembershipConfig:
     reconnect_timeout: float = 10.0  # one attempt to reach a worker again, or a registering one (Describe)
     reconnect_backoff_min: float = 0.5  # first wait before retrying the address of a failed group
     reconnect_backoff_max: float = 10.0  # the wait doubles up to this
-    worker_credentials: grpc.ChannelCredentials | None = None  # TLS to the workers; None: plaintext
+    # TLS to the workers, made for each connection (a rotated certificate is presented); None: plaintext
+    worker_credentials: Callable[[], grpc.ChannelCredentials] | None = None
 
 
 class Membership:
@@ -83,10 +85,11 @@ class Membership:
             group = self.group_at(address)
             if group is not None:
                 return group
+            credentials = self.config.worker_credentials
             group = await asyncio.to_thread(WorkerGroup, address, s.model_dir, s.tokenizer, s.config,
                                             s._outputs_from_thread, s._failure_from_thread, self.config.watch,
                                             timeout, wait_for_ready, self._last_epoch.get(address),
-                                            self.config.worker_credentials)
+                                            credentials() if credentials is not None else None)
             group.engine.step_observer = s.metrics.step_observer(address)
             if not s.accepting:
                 await asyncio.to_thread(group.stop)

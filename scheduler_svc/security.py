@@ -11,6 +11,8 @@ Flags, the same on `splitserve-scheduler` and `splitserve-worker serve|simulate`
                                     mutual TLS. (Scheduler: `--tls-client-auth none` keeps the CA for the
                                     workers only, for public clients without certificates.)
   --plaintext                       no TLS at all; the explicit opt-out for a local demo on loopback.
+                                    The TLS files may be replaced while the process runs (rotation):
+                                    see TLSConfig.
                                     Without TLS material and without it a service refuses to start.
   --registration-secret-file PATH   a shared secret ($SPLITSERVE_REGISTRATION_SECRET): the worker sends it
                                     with Register/Deregister (metadata `splitserve-registration-secret-bin`),
@@ -42,6 +44,7 @@ import hmac
 import logging
 import os
 import ssl
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,34 +71,108 @@ class SecurityConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class TLSConfig:
-    """The PEM material of one service process."""
+class TLSMaterial:
     cert_chain: bytes
     private_key: bytes
-    ca: bytes | None = None  # verifies the peers; on our port, requires client certificates (mutual)
-    require_client_auth: bool = True
+    ca: bytes | None
 
     def __repr__(self) -> str:  # never the key in a log line
+        return "TLSMaterial(...)"
+
+
+def _load_material(cert: Path, key: Path, ca: Path | None) -> TLSMaterial:
+    """Reads and checks the PEM files (the key matches the certificate, the CA bundle loads).
+    Raises SecurityConfigError."""
+    material = TLSMaterial(_read(cert, "--tls-cert"), _read(key, "--tls-key"),
+                           _read(ca, "--tls-ca") if ca is not None else None)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key, password=b"")
+    except (ssl.SSLError, ValueError) as e:
+        raise SecurityConfigError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate chain and its "
+                                  f"unencrypted private key ({e})") from None
+    if ca is not None:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, ValueError) as e:
+            raise SecurityConfigError(f"--tls-ca {ca}: not a PEM CA bundle ({e})") from None
+    return material
+
+
+class TLSConfig:
+    """The TLS files of one service process, and what they hold.
+
+    Certificates rotate without a restart (cert-manager renews a mounted Secret in place): before each
+    connection this process accepts or opens, the files are looked at again (a stat each) and re-read when
+    they changed. Files that do not load (a rotation half written) are logged and the previous material
+    kept; connections already open keep the certificate they were made with."""
+
+    def __init__(self, cert: Path, key: Path, ca: Path | None = None, require_client_auth: bool = True):
+        self.paths = (Path(cert), Path(key), Path(ca) if ca is not None else None)
+        self.require_client_auth = require_client_auth  # with a CA, on our port (mutual TLS)
+        self._lock = threading.Lock()
+        self._material = _load_material(*self.paths)
+        self._stamp = self._stat()
+        self.version = 0  # +1 each time new material is loaded
+
+    def __repr__(self) -> str:
         return f"TLSConfig(mode={self.mode!r})"
 
     @property
     def mutual(self) -> bool:
-        return self.ca is not None and self.require_client_auth
+        return self.paths[2] is not None and self.require_client_auth
 
     @property
     def mode(self) -> str:
         return MUTUAL_TLS if self.mutual else TLS
 
+    def _stat(self) -> tuple:
+        stats = [os.stat(p) for p in self.paths if p is not None]  # follows the Secret's symlinks
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+
+    def material(self) -> TLSMaterial:
+        """The current material, re-read first when a file changed since the last look."""
+        try:
+            stamp = self._stat()
+        except OSError:  # a file is being swapped: keep what we have
+            return self._material
+        with self._lock:
+            if stamp != self._stamp:
+                self._stamp = stamp
+                try:
+                    self._material = _load_material(*self.paths)
+                except SecurityConfigError as e:
+                    log.error("TLS files changed but do not load (%s); keeping the previous certificate", e)
+                else:
+                    self.version += 1
+                    log.info("TLS certificate re-read from %s (rotation %d)", self.paths[0], self.version)
+            return self._material
+
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)],
-                                           root_certificates=self.ca if self.mutual else None,
-                                           require_client_auth=self.mutual)
+        """Credentials that gRPC asks before each handshake whether the certificate changed."""
+        def configuration(m: TLSMaterial):
+            return grpc.ssl_server_certificate_configuration([(m.private_key, m.cert_chain)],
+                                                             root_certificates=m.ca if self.mutual else None)
+
+        served = self.version
+
+        def fetch():
+            nonlocal served
+            material = self.material()
+            if self.version == served:
+                return None  # gRPC keeps the configuration it has
+            served = self.version
+            return configuration(material)
+
+        return grpc.dynamic_ssl_server_credentials(configuration(self.material()), fetch,
+                                                   require_client_authentication=self.mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """To call the other service: verify it with the CA (the system's roots without one), and present
-        this process's certificate."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.private_key,
-                                            certificate_chain=self.cert_chain)
+        this process's certificate. Make them for each new channel: they hold the material of now."""
+        m = self.material()
+        return grpc.ssl_channel_credentials(root_certificates=m.ca, private_key=m.private_key,
+                                            certificate_chain=m.cert_chain)
 
 
 def transport(tls: TLSConfig | None) -> str:
@@ -148,21 +225,8 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
             "no TLS material: give --tls-cert and --tls-key (and --tls-ca to verify peers and require their "
             "certificates: mutual TLS), or --plaintext to run without encryption or authentication "
             "(a local demo on loopback only)")
-    cert, key = _read(args.tls_cert, "--tls-cert"), _read(args.tls_key, "--tls-key")
-    ca = _read(args.tls_ca, "--tls-ca") if args.tls_ca is not None else None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_cert_chain(args.tls_cert, args.tls_key, password=b"")
-    except (ssl.SSLError, ValueError) as e:
-        raise SecurityConfigError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: not a PEM certificate "
-                                  f"chain and its unencrypted private key ({e})") from None
-    if ca is not None:
-        try:
-            context.load_verify_locations(cafile=args.tls_ca)
-        except (ssl.SSLError, ValueError) as e:
-            raise SecurityConfigError(f"--tls-ca {args.tls_ca}: not a PEM CA bundle ({e})") from None
     client_auth = getattr(args, "tls_client_auth", "require") == "require"
-    return TLSConfig(cert, key, ca, require_client_auth=client_auth)
+    return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_auth=client_auth)
 
 
 def add_port(server, address: str, tls: TLSConfig | None) -> int:

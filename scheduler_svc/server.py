@@ -284,7 +284,7 @@ async def serve(model_dir: Path, workers: list[str], host: str, port: int, confi
     registration_secret and api_keys: see scheduler_svc.security."""
     membership = membership or MembershipConfig()
     if tls is not None and membership.worker_credentials is None:  # scheduler -> worker: the same material
-        membership = dataclasses.replace(membership, worker_credentials=tls.channel_credentials())
+        membership = dataclasses.replace(membership, worker_credentials=tls.channel_credentials)
     service = GenerationService(model_dir, config, membership)
     interceptors = []
     keys = ApiKeys(api_keys)

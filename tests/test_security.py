@@ -308,6 +308,78 @@ def test_cli_over_mutual_tls_with_a_key(cluster: LocalCluster, capsys):
     assert "UNAVAILABLE" in capsys.readouterr().err  # no client certificate: refused by mutual TLS
 
 
+# ---- certificate rotation ---------------------------------------------------------------------------
+
+
+def test_certificates_rotate_without_a_restart(model_dir, pki, tmp_path):
+    """cert-manager renews a mounted Secret in place: the scheduler serves new connections with the new
+    certificate, without a restart; files that do not load keep the current one."""
+    good, rogue = pki["good"], pki["rogue"]
+    live = tmp_path / "tls"
+    live.mkdir()
+
+    def install(pem: dict[str, Path]) -> None:  # as the kubelet does: new files, then an atomic swap
+        for name in ("tls.crt", "tls.key"):
+            staged = live / f".{name}.new"
+            staged.write_bytes(pem[name].read_bytes())
+            os.replace(staged, live / name)
+
+    def serving(ca: dict[str, Path]) -> bool:
+        """A new connection that trusts only `ca` gets a health answer."""
+        channel = create_channel(f"127.0.0.1:{port}", ChannelSecurity(tls_ca=ca["ca.crt"]))
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    install(good)
+    port = free_port()
+    log = tmp_path / "scheduler.log"
+    with open(log, "wb") as out:
+        scheduler = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_svc.cli", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
+             str(port), "--tls-cert", str(live / "tls.crt"), "--tls-key", str(live / "tls.key"), "--log-format",
+             "text"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True)
+    try:
+        wait_for("the scheduler serving its first certificate", lambda: serving(good))
+        assert not serving(rogue)
+        install(rogue)  # another CA's certificate: only clients trusting that CA verify it now
+        wait_for("the rotated certificate served", lambda: serving(rogue))
+        assert not serving(good)
+        (live / "tls.key").write_bytes(b"half written\n")
+        assert serving(rogue) and not serving(good)
+        assert "do not load" in log.read_text() and scheduler.poll() is None
+    finally:
+        scheduler.send_signal(signal.SIGTERM)
+        try:
+            scheduler.wait(15)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
+
+
+def test_tls_config_reloads_changed_files_only(pki, tmp_path):
+    good, rogue = pki["good"], pki["rogue"]
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(good["tls.crt"].read_bytes())
+    key.write_bytes(good["tls.key"].read_bytes())
+    tls = security.TLSConfig(cert, key, good["ca.crt"])
+    first = tls.material()
+    assert tls.material() is first and tls.version == 0  # unchanged files: not read again
+    for path, pem in ((cert, rogue["tls.crt"]), (key, rogue["tls.key"])):
+        staged = path.with_suffix(".new")
+        staged.write_bytes(pem.read_bytes())
+        os.replace(staged, path)
+    rotated = tls.material()
+    assert rotated.cert_chain == rogue["tls.crt"].read_bytes() and tls.version == 1
+    key.write_bytes(good["tls.key"].read_bytes())  # a key that does not match the certificate
+    assert tls.material() is rotated and tls.version == 1
+    assert "private key" not in repr(tls) and "BEGIN" not in repr(rotated)
+
+
 # ---- the gateway as a client of a TLS scheduler -----------------------------------------------------
 
 

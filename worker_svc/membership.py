@@ -45,12 +45,25 @@ class Registrar:
         self.service = service
         self.scheduler, self.address = scheduler, address
         self.backoff_max = max(BACKOFF_MIN_S, backoff_max)
-        self.channel = security.channel(scheduler, tls)
+        self.tls = tls
         self.metadata = security.registration_metadata(secret)
-        self.stub = membership_pb2_grpc.MembershipStub(self.channel)
+        self._open_channel()
         self.scheduler_id: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="registrar")
+
+    def _open_channel(self) -> None:
+        self.channel = security.channel(self.scheduler, self.tls)
+        self.stub = membership_pb2_grpc.MembershipStub(self.channel)
+        self._tls_version = self.tls.version if self.tls is not None else 0
+
+    def _fresh_channel(self) -> None:
+        """A new channel when the certificate rotated: an open one would keep presenting the old."""
+        if self.tls is not None:
+            self.tls.material()  # looks at the files
+            if self.tls.version != self._tls_version:
+                self.channel.close()
+                self._open_channel()
 
     def start(self) -> "Registrar":
         self._thread.start()
@@ -63,6 +76,7 @@ class Registrar:
             if not self.service.wait_driven(False, 1.0):
                 continue  # a scheduler drives this worker
             info = self.service.runner.describe()
+            self._fresh_channel()
             try:
                 reply = self.stub.Register(mpb.RegisterRequest(address=self.address, worker_id=info.worker_id,
                                                                epoch=info.epoch), timeout=REGISTER_TIMEOUT_S,
