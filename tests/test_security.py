@@ -64,6 +64,15 @@ def _make_certs():
 wait_for = functools.partial(sim_cluster.wait_for, timeout=WAIT_S)
 
 
+def stop(popen: subprocess.Popen) -> None:
+    popen.send_signal(signal.SIGTERM)
+    try:
+        popen.wait(15)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+
+
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()
@@ -354,11 +363,7 @@ def test_certificates_rotate_without_a_restart(model_dir, pki, tmp_path):
         assert serving(rogue) and not serving(good)
         assert "do not load" in log.read_text() and scheduler.poll() is None
     finally:
-        scheduler.send_signal(signal.SIGTERM)
-        try:
-            scheduler.wait(15)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
+        stop(scheduler)
 
 
 def test_tls_config_reloads_changed_files_only(pki, tmp_path):
@@ -411,12 +416,7 @@ def test_gateway_reaches_the_scheduler_over_mutual_tls_with_its_key(cluster: Loc
         assert reply.status_code == 200, reply.text  # model info and generation with the key
         assert reply.json()["usage"]["completion_tokens"] >= 1
     finally:
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            gateway.wait(15)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
+        stop(gateway)
 
 
 # ---- refusing to start ---------------------------------------------------------------------------
