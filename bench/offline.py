@@ -33,33 +33,30 @@ class StepTrace:
     def result(self, result) -> None:
         self.steps.append((time.perf_counter(), *self.plans.popleft()))
 
+    def durations(self, start: float) -> list[tuple[float, int, bool]]:
+        """(seconds since the previous result, sequences, decode-only) per step, from `start`."""
+        ends = [start] + [t for t, _, _ in self.steps]
+        return [(t - last, seqs, tokens == seqs) for last, (t, seqs, tokens) in zip(ends, self.steps)]
+
     def by_batch(self, start: float, width: int = 32) -> dict[str, float]:
         """Mean decode-only step time (ms) per bucket of batch sizes."""
         buckets: dict[int, list[float]] = {}
-        last = start
-        for t, seqs, tokens in self.steps:
-            if tokens == seqs:
-                buckets.setdefault(seqs // width, []).append(t - last)
-            last = t
+        for seconds, seqs, decode in self.durations(start):
+            if decode:
+                buckets.setdefault(seqs // width, []).append(seconds)
         return {f"{b * width}-{b * width + width - 1}": round(sum(v) / len(v) * 1e3, 2)
                 for b, v in sorted(buckets.items())}
 
     def summary(self, start: float) -> dict:
-        mixed = decode = 0.0
-        decode_steps = decode_seqs = 0
-        last = start
-        for t, seqs, tokens in self.steps:
-            if tokens == seqs:
-                decode += t - last
-                decode_steps += 1
-                decode_seqs += seqs
-            else:
-                mixed += t - last
-            last = t
-        return {"steps": len(self.steps), "mixed_steps": len(self.steps) - decode_steps,
-                "mixed_s": round(mixed, 2), "decode_steps": decode_steps, "decode_s": round(decode, 2),
-                "decode_ms_per_step": round(decode / max(decode_steps, 1) * 1e3, 2),
-                "mean_decode_batch": round(decode_seqs / max(decode_steps, 1), 1)}
+        steps = self.durations(start)
+        decodes = [(seconds, seqs) for seconds, seqs, decode in steps if decode]
+        decode = sum(seconds for seconds, _ in decodes)
+        n = max(len(decodes), 1)
+        return {"steps": len(steps), "mixed_steps": len(steps) - len(decodes),
+                "mixed_s": round(sum(seconds for seconds, _, d in steps if not d), 2),
+                "decode_steps": len(decodes), "decode_s": round(decode, 2),
+                "decode_ms_per_step": round(decode / n * 1e3, 2),
+                "mean_decode_batch": round(sum(seqs for _, seqs in decodes) / n, 1)}
 
 
 def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> tuple[float, dict]:

@@ -230,10 +230,15 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
 
 
 def add_port(server, address: str, tls: TLSConfig | None) -> int:
-    """Binds `address` on a sync or aio server, with TLS or (tls None: --plaintext) without."""
+    """Binds `address` on a sync or aio server, with TLS or (tls None: --plaintext) without; returns the
+    port bound. Raises OSError when it cannot listen there."""
     if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials())
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    return bound
 
 
 def channel(address: str, tls: TLSConfig | None, options: list | None = None) -> grpc.Channel:

@@ -299,8 +299,6 @@ async def serve(model_dir: Path, workers: list[str], host: str, port: int, confi
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = add_port(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
     if tls is None:
         log.warning("PLAINTEXT gRPC on %s:%d (--plaintext): no encryption, no authentication of workers or "
                     "clients by certificate; a local demo only", host, bound)

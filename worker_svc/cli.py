@@ -172,6 +172,15 @@ def _add_observability_arguments(p: argparse.ArgumentParser) -> None:
     logs.add_arguments(p)
 
 
+def _add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `simulate` share beyond the model: the test knob, membership, security, observability."""
+    p.add_argument("--debug-step-delay", type=float, default=0.0,
+                   help="testing only: sleep this many seconds before every step")
+    _add_membership_arguments(p)
+    _add_security_arguments(p)
+    _add_observability_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,11 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
                         "this process is rank 0 and spawns the others")
-    p.add_argument("--debug-step-delay", type=float, default=0.0,
-                   help="testing only: sleep this many seconds before every step")
-    _add_membership_arguments(p)
-    _add_security_arguments(p)
-    _add_observability_arguments(p)
+    _add_service_arguments(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("simulate", help="run a simulated worker: same protocol, no model, GPU-like step times")
@@ -235,11 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-ms", type=float, default=cost.base_ms)
     p.add_argument("--per-token-us", type=float, default=cost.per_token_us)
     p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns)
-    p.add_argument("--debug-step-delay", type=float, default=0.0,
-                   help="testing only: sleep this many seconds before every step")
-    _add_membership_arguments(p)
-    _add_security_arguments(p)
-    _add_observability_arguments(p)
+    _add_service_arguments(p)
     p.set_defaults(func=_simulate)
     return parser
 
