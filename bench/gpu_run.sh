@@ -17,7 +17,12 @@ for b in $benches; do
   case $b in
     checks)  timeout 300 python3 -m pytest -q -p no:warnings tests/gpu 2>&1 | tail -3 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
-    profile) timeout 300 python3 -m bench runner-step --block-sizes 256 --profile --out $OUT/runner_step.json 2>&1 | grep -v -i warn | tail -40 ;;
+    profile) timeout 400 python3 -m bench runner-step --block-sizes 256 --batches "${PROFILE_BATCHES:-1,32,256}" --graphs-only \
+               --profile --out $OUT/runner_step.json > $OUT/profile.txt 2>&1; grep -E '^[{]|host time|replay alone' $OUT/profile.txt ;;
+    pyspy)   # where the worker's time goes on short requests (batch-1 TTFT): py-spy carried to /tmp/py-spy
+             timeout 300 /tmp/py-spy record --subprocesses --threads --rate 500 --format raw -o $OUT/ttft.folded -- \
+               python3 -m bench latency --model $MODEL --device cuda --mode services --output-len 2 --repeats 40 \
+               --out $OUT/latency_ttft.json 2>&1 | grep -v -i warn | tail -4 ;;
     offline) timeout 500 python3 -m bench.offline --model $MODEL --out $OUT/offline.json 2>&1 | grep -E "by batch|^[|]" ;;
     *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;
   esac

@@ -2,8 +2,8 @@
 for several KV block sizes, CUDA graphs on and off. Used to choose the block size. With --profile, also
 where the step's GPU time goes (torch.profiler, kernels grouped by name) and the graph replay alone.
 
-python -m bench runner-step --preset qwen3-0.6b --batch 256 --context 800 --block-sizes 16,64,128,256
-python -m bench runner-step --block-sizes 256 --profile
+python -m bench runner-step --preset qwen3-0.6b --batches 256 --context 800 --block-sizes 16,64,128,256
+python -m bench runner-step --block-sizes 256 --batches 1,32,256 --graphs-only --profile
 """
 from __future__ import annotations
 
@@ -93,27 +93,29 @@ class DecodeBatch:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", default="256", help="decode batch sizes, comma-separated")
     ap.add_argument("--context", type=int, default=800)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--block-sizes", default="16,64,128,256")
-    ap.add_argument("--profile", action="store_true", help="profile the last configuration's decode step")
+    ap.add_argument("--profile", action="store_true", help="profile each configuration's decode step with graphs")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the eager steps")
     ap.add_argument("--out", default="bench/results/runner_step.json")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16")
         for bs in [int(b) for b in args.block_sizes.split(",")]:
-            for graphs in (True, False):
-                batch = DecodeBatch(model_dir, args.batch, args.context, bs, graphs, args.steps)
-                ms = batch.step_ms(args.steps)
-                rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": args.batch, "context": args.context,
-                             "step_ms": round(ms, 3), "tokens_per_s": round(args.batch / ms * 1e3)})
-                print(json.dumps(rows[-1]), flush=True)
-                if args.profile and graphs:
-                    batch.profile(args.steps)
-                del batch
-                torch.cuda.empty_cache()
+            for size in [int(b) for b in args.batches.split(",")]:
+                for graphs in (True,) if args.graphs_only else (True, False):
+                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps)
+                    ms = batch.step_ms(args.steps)
+                    rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
+                                 "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.profile and graphs:
+                        batch.profile(args.steps)
+                    del batch
+                    torch.cuda.empty_cache()
     record(args.out, "runner_step", vars(args), rows)
 
 

@@ -10,12 +10,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """x1, x2: [heads, HALF] halves of each head (float32); returns the rotated halves in DTYPE."""
+def _norm_rope_store(src, dst, W, cos, sin, eps, live, HALF: tl.constexpr):
+    """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W, rotate, store."""
+    dtype = dst.dtype.element_ty
+    c = tl.arange(0, HALF)
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
     r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    n1 = ((x1 * r).to(DTYPE).to(tl.float32) * w1[None, :]).to(DTYPE).to(tl.float32)
-    n2 = ((x2 * r).to(DTYPE).to(tl.float32) * w2[None, :]).to(DTYPE).to(tl.float32)
-    return (n1 * cos[None, :] - n2 * sin[None, :]).to(DTYPE), (n2 * cos[None, :] + n1 * sin[None, :]).to(DTYPE)
+    n1 = ((x1 * r).to(dtype).to(tl.float32) * tl.load(W + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    n2 = ((x2 * r).to(dtype).to(tl.float32) * tl.load(W + HALF + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    tl.store(dst, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=live)
+    tl.store(dst + HALF, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=live)
 
 
 @triton.jit
@@ -25,36 +30,22 @@ def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, e
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    dtype = QOut.dtype.element_ty
     pos = tl.load(Pos + t)
     c = tl.arange(0, HALF)
     cos = tl.load(CosSin + pos * stride_cs + c)
     sin = tl.load(CosSin + pos * stride_cs + HALF + c)
-    row = QKV + t * stride_qkv
+    row = QKV + t * stride_qkv  # q heads, then k heads, then v heads
     slot = tl.load(Slots + t)
 
     h = tl.arange(0, BLOCK_Q)
-    live = (h < HEADS)[:, None]
-    src = row + h[:, None] * (2 * HALF) + c[None, :]
-    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-    y1, y2 = _norm_rope(x1, x2, tl.load(QW + c).to(tl.float32), tl.load(QW + HALF + c).to(tl.float32),
-                        cos, sin, eps, HALF, dtype)
-    dst = QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :]
-    tl.store(dst, y1, mask=live)
-    tl.store(dst + HALF, y2, mask=live)
-
+    _norm_rope_store(row + h[:, None] * (2 * HALF) + c[None, :],
+                     QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :],
+                     QW, cos, sin, eps, (h < HEADS)[:, None], HALF)
     h = tl.arange(0, BLOCK_KV)
     live = (h < KV_HEADS)[:, None]
-    src = row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :]
-    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-    y1, y2 = _norm_rope(x1, x2, tl.load(KW + c).to(tl.float32), tl.load(KW + HALF + c).to(tl.float32),
-                        cos, sin, eps, HALF, dtype)
-    dst = KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :]
-    tl.store(dst, y1, mask=live)
-    tl.store(dst + HALF, y2, mask=live)
-
+    _norm_rope_store(row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :],
+                     KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :],
+                     KW, cos, sin, eps, live, HALF)
     src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
     dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
     tl.store(dst, tl.load(src, mask=live), mask=live)
