@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,all} [flags of that benchmark]
+"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,skinny-gemm,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -23,6 +23,7 @@ MODULES = {
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
+    "skinny-gemm": "bench.skinny_gemm",
 }
 ALL = ("offline", "latency", "online", "prefix")
 

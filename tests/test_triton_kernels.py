@@ -1,5 +1,5 @@
 """The GPU's Triton kernels, run by Triton's interpreter on the CPU against the eager/reference paths:
-split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler.
+split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler, the skinny GEMM.
 (The interpreter emulates no bfloat16, so float32/float16 here; tests/gpu checks bfloat16 on the GPU.)
 The interpreter is switched on by tests/conftest.py before anything imports triton."""
 from __future__ import annotations
@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
+from worker_svc.cuda_graphs import capture_sizes
 from worker_svc.decode_attention import paged_decode_attention, tile_config
 from worker_svc.layers import RotaryEmbedding, qk_norm_rope
 from worker_svc.layers_triton import qk_norm_rope_store
-from worker_svc.sampler import row_keys, uniform_noise
+from worker_svc.sampler import uniform_noise
 from worker_svc.sampler_triton import gumbel_argmax
+from worker_svc import skinny_gemm
+from worker_svc.skinny_gemm import skinny_linear
 
 # tests/conftest.py turns the interpreter on where there is no GPU; on a GPU machine tests/gpu checks these
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -55,7 +58,8 @@ def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, 
 
 @pytest.mark.parametrize("max_batch", [1, 256])
 def test_decode_attention_tile_configs_match_reference(max_batch):
-    """Both configurations of tile_config; page 16 under 128-token tiles gathers a page per row."""
+    """Both configurations of tile_config; page 16 under 128-token tiles gathers a page per row.
+    (max_batch picks the tiles; the batch itself is 17)"""
     batch, page, dim = 17, 16, 32
     lens = [(i * 97) % 1300 + 1 for i in range(batch)]
     k, v, table = _paged(lens, page, 2, dim, torch.float32)
@@ -65,6 +69,23 @@ def test_decode_attention_tile_configs_match_reference(max_batch):
     ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5)
     out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, **tile_config(max_batch))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_num_seqs", [5, 8, 100, 256, 512])
+def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_tiles(max_num_seqs):
+    sizes = capture_sizes(max_num_seqs)
+    for n in range(1, max_num_seqs + 1):
+        assert tile_config(n) == tile_config(min(s for s in sizes if s >= n)), n
+
+
+@pytest.mark.parametrize("max_num_seqs", [5, 8, 100, 256, 512])
+def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_projection_kernel(max_num_seqs):
+    sizes = capture_sizes(max_num_seqs)
+    x, w = torch.empty(max_num_seqs, 1024), torch.empty(4096, 1024)
+    for n in range(1, max_num_seqs + 1):
+        padded = min(s for s in sizes if s >= n)
+        assert skinny_gemm.supported(x[:n], w) == skinny_gemm.supported(x[:padded], w), n
+        assert skinny_gemm.tiles(n, 4096, 1024) == skinny_gemm.tiles(padded, 4096, 1024), n
 
 
 def test_decode_attention_on_a_wide_page_table_takes_longer_splits():
@@ -108,11 +129,35 @@ def test_gumbel_argmax_matches_torch_sampler_and_breaks_ties_low():
     rows, vocab = 6, 5000
     logits = torch.randn(rows, vocab, generator=gen) * 3
     temperature = torch.tensor([0.0, 0.6, 1.0, 1.5, 0.0, 0.3])
-    seeds, positions = torch.randint(0, 2**31, (rows,), generator=gen), torch.randint(0, 100, (rows,), generator=gen)
-    tokens = gumbel_argmax(logits, temperature, row_keys(seeds, positions), parts=4, block=256)
+    # the kernel derives each row's key from the whole 64-bit seed, as sampler.row_keys does
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen)
+    positions = torch.randint(0, 100, (rows,), generator=gen)
+    tokens = gumbel_argmax(logits, temperature, seeds, positions, parts=4, block=256)
     x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     race = x - torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
     assert torch.equal(tokens, torch.where(temperature > 0, race.argmax(-1), logits.argmax(-1)))
     tied = torch.zeros(2, 1000)
     tied[:, [300, 700]] = 5.0  # equal maxima in different parts: the lower index, as torch.argmax
-    assert gumbel_argmax(tied, torch.zeros(2), row_keys(seeds[:2], positions[:2]), parts=4, block=64).tolist() == [300, 300]
+    assert gumbel_argmax(tied, torch.zeros(2), seeds[:2], positions[:2], parts=4, block=64).tolist() == [300, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("n,k,block_n,block_k", [(100, 256, 16, 128), (96, 384, 32, 128), (64, 512, 64, 256)])
+def test_skinny_gemm_matches_linear(dtype, rows, n, k, block_n, block_k):
+    """Ragged N (masked columns), several K tiles, row counts padded to 16, 64."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    y = skinny_linear(x, w, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=2, num_warps=4)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(y.float(), torch.nn.functional.linear(x.float(), w.float()), atol=tol, rtol=tol)
+
+
+def test_skinny_gemm_takes_a_row_slice_of_a_wider_buffer():
+    """Decode graphs hand the projections row slices of static buffers: stride(0) is the buffer's."""
+    gen = torch.Generator().manual_seed(3)
+    buffer, w = torch.randn(8, 256, generator=gen), torch.randn(48, 128, generator=gen)
+    x = buffer[:3, 64:192]
+    torch.testing.assert_close(skinny_linear(x, w, BLOCK_N=16, BLOCK_K=128), x @ w.T, atol=1e-4, rtol=1e-4)

@@ -6,7 +6,6 @@ token t of a sequence lives in block page_table[seq, t // block_size] at offset 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,13 +70,13 @@ class FlashAttention:
 
     name = "flash_attn"
 
-    def __init__(self, max_num_seqs: int = 256):
+    def __init__(self):
         from flash_attn.cute import flash_attn_varlen_func
 
-        from worker_svc.decode_attention import paged_decode_attention, tile_config
+        from worker_svc.decode_attention import paged_decode_attention
 
         self._fn = flash_attn_varlen_func
-        self._decode = functools.partial(paged_decode_attention, **tile_config(max_num_seqs))
+        self._decode = paged_decode_attention
 
     def forward(self, q, k_cache, v_cache, meta, scale):
         if meta.max_seqlen_q == 1:
@@ -98,12 +97,12 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
-def make_backend(name: str, device: torch.device, max_num_seqs: int = 256) -> AttentionBackend:
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """"auto" picks flash_attn on Hopper/Blackwell when it imports, else torch."""
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device) else "torch"
     if name == "flash_attn":
-        return FlashAttention(max_num_seqs)
+        return FlashAttention()
     if name == "torch":
         return TorchAttention()
     raise ValueError(f"unknown attention backend {name!r} (auto, flash_attn, torch)")

@@ -108,24 +108,30 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
     return -(-split // block_n) * block_n
 
 
-def tile_config(max_batch: int) -> dict:
-    """Tiles and splits for a runner whose decode batches reach `max_batch` sequences. Measured on the
-    H200 (bench/results/decode_attention.md): 128-token tiles and 512-token splits read 1-2 % faster once
-    the batch fills the GPU; a batch of one does better with shorter splits. Chosen once per runner, not
-    per call: a step then computes the same values eagerly and in a CUDA graph of a padded size."""
-    if max_batch >= 16:
-        return dict(base_split=512, block_n=128)
-    return dict(base_split=256, block_n=64)
+def tile_config(batch: int) -> dict:
+    """Tiles and splits for a decode batch, measured on the H200 (bench/results/decode_attention.md): up to
+    8 sequences, short splits of 64-token tiles spread the few sequences over the GPU (1 x 1000 tokens:
+    8.0 us against 10.8); past that, 128-token tiles in 512-token splits read 1-2 % faster (longer splits
+    measured no better: the merge they save is ~2 % of the kernel, the tail they add as much). The bound
+    is a CUDA-graph batch size (cuda_graphs.capture_sizes), so a batch and the padded batch of its graph
+    take the same tiles and compute the same values."""
+    if batch <= 8:
+        return dict(base_split=128, block_n=64)
+    return dict(base_split=512, block_n=128)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
-                           base_split: int = 256, block_n: int = 64, num_warps: int = 4,
+                           base_split: int | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
-    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype."""
+    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype.
+    Tiles default to tile_config(batch)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
+    if base_split is None or block_n is None:
+        tiles = tile_config(batch)
+        base_split, block_n = base_split or tiles["base_split"], block_n or tiles["block_n"]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_n = min(block_n, base_split)

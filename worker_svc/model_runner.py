@@ -98,7 +98,7 @@ class ModelRunner:
         torch.set_default_dtype(torch.float32)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.attention = make_backend(cfg.attention, self.device, cfg.max_num_seqs)
+        self.attention = make_backend(cfg.attention, self.device)
         self._allocate_kv_cache()
         if self.device.type == "cuda":
             self._warm_up()

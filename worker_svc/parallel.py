@@ -38,6 +38,17 @@ def _divide(n: int, d: int) -> int:
     return n // d
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; decode-sized batches on the GPU stream the weight through worker_svc/skinny_gemm.py,
+    where cuBLAS's tiles leave most of the bandwidth unused (bench/results/skinny_gemm.md)."""
+    if x.is_cuda and bias is None:
+        from worker_svc import skinny_gemm  # triton: a GPU-only dependency
+
+        if skinny_gemm.supported(x, weight):
+            return skinny_gemm.skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; each rank produces a slice of y."""
 
@@ -56,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -121,7 +132,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         if self.bias is not None:

@@ -65,7 +65,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if logits.is_cuda and not filtered:
         from worker_svc.sampler_triton import gumbel_argmax
 
-        tokens = gumbel_argmax(logits, batch.temperature, row_keys(batch.seeds, batch.positions))
+        tokens = gumbel_argmax(logits, batch.temperature, batch.seeds, batch.positions)
     elif batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:

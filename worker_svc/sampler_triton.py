@@ -34,15 +34,19 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _gumbel_argmax(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, idx_ptr, vocab, CHUNK: tl.constexpr,
-                   BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+def _gumbel_argmax(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, vocab,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     """Program (row, part) races the tokens of one CHUNK of the vocabulary; the host picks the best part."""
     row, part = tl.program_id(0), tl.program_id(1)
+    # sampler.row_keys, here rather than as ~36 tiny int64 kernels per step
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    key = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((pos & 0xFFFFFFFF).to(tl.uint32)))
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     t = tl.load(temp_ptr + row)
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
     # -ln(-ln u) = -ln2 * log2(-log2 u) - ln(ln2); the constant shifts every entry alike, so it is dropped
     noise_scale = tl.where(t > 0, 0.6931471805599453, 0.0)
-    key = tl.load(key_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], vocab, tl.int32)
     for start in range(part * CHUNK, tl.minimum(part * CHUNK + CHUNK, vocab), BLOCK):
@@ -63,15 +67,15 @@ def _gumbel_argmax(logits_ptr, stride, temp_ptr, key_ptr, best_ptr, idx_ptr, voc
     tl.store(idx_ptr + out, idx.to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, parts: int = 16,
-                  block: int = 2048) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  parts: int = 16, block: int = 2048) -> torch.Tensor:
     """The vocabulary is cut into `parts` so that even a small batch fills the GPU."""
     rows, vocab = logits.shape
     chunk = -(-vocab // (parts * block)) * block
     parts = -(-vocab // chunk)
     best = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax[(rows, parts)](logits, logits.stride(0), temperature, keys, best, idx, vocab, CHUNK=chunk,
+    _gumbel_argmax[(rows, parts)](logits, logits.stride(0), temperature, seeds, positions, best, idx, vocab, CHUNK=chunk,
                                   BLOCK=block, FAST_LOG=not _INTERPRETED, num_warps=4)
     # argmax takes the first of equal maxima: the lowest part, whose index is the lowest
     return idx.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
