@@ -39,8 +39,8 @@ def _divide(n: int, d: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; decode-sized batches on the GPU stream the weight through worker_svc/skinny_gemm.py,
-    where cuBLAS's tiles leave most of the bandwidth unused (bench/results/skinny_gemm.md)."""
+    """F.linear; a one-token batch on the GPU goes to worker_svc/skinny_gemm.py for the shapes where
+    cuBLAS measured twice as slow (bench/results/skinny_gemm.md)."""
     if x.is_cuda and bias is None:
         from worker_svc import skinny_gemm  # triton: a GPU-only dependency
 

@@ -1,11 +1,11 @@
-"""y = x W^T for a handful of tokens (decode batches), in Triton.
+"""y = x W^T for a single token, in Triton: one decoding sequence's projections.
 
-At a few rows the projection is a stream of the weight matrix: 0.88 GB per step for Qwen3-0.6B's layers,
-0.21 ms at the H200's bandwidth. cuBLAS picks 64-column tiles there (one CTA per SM or fewer, each
-reading one long strip) and moved 1.0-1.6 TB/s (bench/results/skinny_gemm.md). Here every program
-owns BLOCK_N output columns for all rows, so the grid has N / BLOCK_N programs (64-384 for these
-shapes), several per SM, each with num_stages loads in flight; the rows are padded to a tensor-core
-tile of 16, whose wasted multiply-adds cost nothing while the loads bound the time.
+Measured on the H200 with cold weights (bench/results/skinny_gemm.md): at 1-64 rows cuBLAS and this
+kernel both take ~5-7 us per projection of Qwen3-0.6B, whatever its size (a per-kernel floor, not the
+bandwidth). The exception is a single row with K <= 2048: there cuBLAS takes a split-K kernel that
+needs 12.6 us for o_proj (2048 -> 1024), and this kernel 5.9. So a batch of one uses it for those
+shapes, cuBLAS does the rest. Every program owns BLOCK_N output columns and streams them through
+num_stages loads in flight; the row is padded to a tensor-core tile of 16.
 """
 from __future__ import annotations
 
@@ -33,28 +33,25 @@ def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows & (n[None, :] < N))
 
 
-MAX_ROWS = 64  # a CUDA-graph batch size (cuda_graphs.capture_sizes): a batch and its padded graph agree
-
-
 def tiles(rows: int, n: int, k: int) -> dict:
-    """Measured best on the H200 for Qwen3-0.6B's shapes (bench/results/skinny_gemm.md). Row tiles are
-    powers of two from 16, whose bounds (16, 32, 64) are CUDA-graph batch sizes too."""
-    block_k = 256 if k % 256 == 0 else 128
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=16 if n <= 2048 else 32,
-                BLOCK_K=block_k, num_stages=4, num_warps=4)
+    """Measured best for one row on the H200 (bench/results/skinny_gemm.md)."""
+    if n <= 2048:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_stages=5, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_stages=5, num_warps=4)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
-            and weight.shape[1] % 128 == 0 and x.dtype == weight.dtype)
+    """One row (a decode step of one sequence: a CUDA-graph batch size of its own) and K <= 2048."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= 2048 and weight.shape[1] % 256 == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
-    """x: [rows, K]; weight: [N, K] (nn.Linear's layout). Returns [rows, N] in x's dtype. `overrides`
-    replace entries of tiles() (the benchmark's sweep)."""
+    """x: [rows, K]; weight: [N, K] (nn.Linear's layout). Returns [rows, N] in x's dtype. Any row count
+    works; `overrides` replace entries of tiles() (the benchmark's sweep)."""
     rows, k = x.shape
     n = weight.shape[0]
-    meta = tiles(rows, n, k) | overrides
+    meta = tiles(rows, n, k) | {"BLOCK_M": max(16, triton.next_power_of_2(rows))} | overrides
     if k % meta["BLOCK_K"]:
         raise ValueError(f"K={k} is not a multiple of the {meta['BLOCK_K']}-wide tile")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)

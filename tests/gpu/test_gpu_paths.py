@@ -1,6 +1,7 @@
 """GPU paths against their references, on a CUDA machine (the H200): flash-attn-4 against the torch
 backend over prefill, chunked prefill over a cached prefix, decode and mixed batches at several block
-sizes; CUDA-graph decode against eager; the fused Triton sampler against the torch sampler.
+sizes; CUDA-graph decode against eager; the fused Triton sampler against the torch sampler; the skinny GEMM
+against cuBLAS.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
@@ -102,6 +103,21 @@ def test_fused_qk_norm_rope_store_matches_eager_pieces():
     torch.testing.assert_close(q.cpu(), q_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_cache.cpu(), k_ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(v_cache.cpu(), v_ref)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (96, 512)])
+def test_skinny_gemm_matches_cublas_in_bfloat16(n, k):
+    from worker_svc.parallel import linear
+    from worker_svc.skinny_gemm import skinny_linear, supported
+
+    gen = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        torch.testing.assert_close(skinny_linear(x, w).float(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(linear(x, w).float(), ref, atol=2e-2, rtol=2e-2)
+    assert supported(x[:1], w)
 
 
 def test_triton_sampler_matches_torch_sampler():
