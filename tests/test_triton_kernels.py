@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from worker_svc.cuda_graphs import capture_sizes
 from worker_svc.decode_attention import paged_decode_attention, tile_config
 from worker_svc.layers import RotaryEmbedding, qk_norm_rope
 from worker_svc.layers_triton import qk_norm_rope_store
+from worker_svc.prefill_attention import paged_prefill_attention, query_blocks
 from worker_svc.sampler import uniform_noise
 from worker_svc.sampler_triton import gumbel_argmax
 from worker_svc import skinny_gemm
@@ -161,3 +163,31 @@ def test_skinny_gemm_takes_a_row_slice_of_a_wider_buffer():
     buffer, w = torch.randn(8, 256, generator=gen), torch.randn(48, 128, generator=gen)
     x = buffer[:3, 64:192]
     torch.testing.assert_close(skinny_linear(x, w, BLOCK_N=16, BLOCK_K=128), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (16, 16, 32), (32, 32, 16)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (2, 2)])
+def test_prefill_attention_matches_reference(dtype, page, block_m, block_n, heads, kv_heads):
+    """A mixed step: a whole prompt, chunks over cached prefixes (one ending mid-block), decodes, a
+    one-token chunk; query blocks that end inside a sequence and blocks of one token."""
+    query_lens = [37, 1, 20, 1, block_m, 5, 1]
+    context_lens = [37, 90, 20 + 3 * page, 2, block_m + 7, 5, 1]
+    dim = 32
+    k, v, table = _paged(context_lens, page, kv_heads, dim, dtype)
+    q = torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), meta, dim ** -0.5)
+    blocks = query_blocks(query_lens, block_m, q.device)
+    out = paged_prefill_attention(q, k, v, cu, seqused, table, blocks, dim ** -0.5, block_m=block_m,
+                                  block_n=block_n)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_query_blocks_cover_every_token_once():
+    seqs, starts = query_blocks([5, 1, 0, 16, 17], 16, torch.device("cpu"))
+    assert seqs.tolist() == [0, 1, 3, 4, 4] and starts.tolist() == [0, 0, 0, 0, 16]
