@@ -1,4 +1,5 @@
-"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,skinny-gemm,all} [flags]
+"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,
+                 prefill-attention,skinny-gemm,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -24,6 +25,7 @@ MODULES = {
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
     "skinny-gemm": "bench.skinny_gemm",
+    "prefill-attention": "bench.prefill_attention",
 }
 ALL = ("offline", "latency", "online", "prefix")
 

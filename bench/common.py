@@ -29,6 +29,7 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
     ap.add_argument("--pipeline-depth", type=int, default=EngineConfig().pipeline_depth,
                     help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
@@ -67,9 +68,10 @@ def model_dir(args: argparse.Namespace) -> Iterator[Path]:
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
-    """Flags of `splitserve-worker serve` and `simulate` alike."""
-    return ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+    """Flags of `splitserve-worker serve` (or `simulate`, with --simulate)."""
+    flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+    return flags if args.simulate else [*flags, "--attention", args.attention]
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
@@ -165,7 +167,7 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
     options = engine_options(args) | engine
     if args.simulate:
         return LLM(model, executor=SimulatedExecutor(model, args), **options)
-    return LLM(model, device=args.device, block_size=args.block_size, **options)
+    return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention, **options)
 
 
 def replay_ms(graph, replays: int) -> float:

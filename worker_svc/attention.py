@@ -63,24 +63,46 @@ class TorchAttention:
         return out
 
 
-class FlashAttention:
-    """flash-attn-4 (CuTe DSL, Hopper/Blackwell): one paged varlen call for a batch with prefills;
-    decode-only batches go to the split-KV Triton kernel of decode_attention.py, which reads the KV
-    cache faster (bench/results/decode_attention.md)."""
+class TritonAttention:
+    """Triton on the GPU: the split-KV kernel of decode_attention.py for decode-only batches (captured in
+    CUDA graphs), the paged prefill kernel of prefill_attention.py for steps with prefills."""
+
+    name = "triton"
+
+    def __init__(self):
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        from worker_svc.decode_attention import paged_decode_attention
+
+        if meta.max_seqlen_q == 1:
+            return paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale)
+        return self._prefill(q, k_cache, v_cache, meta, scale)
+
+    def _prefill(self, q, k_cache, v_cache, meta, scale):
+        from worker_svc.prefill_attention import BLOCK_M, paged_prefill_attention, query_blocks
+
+        if self._blocks_of is not meta:  # once per step, not per layer
+            self._blocks, self._blocks_of = query_blocks(meta.query_lens, BLOCK_M, q.device), meta
+        return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k, meta.page_table,
+                                       self._blocks, scale)
+
+
+class FlashAttention(TritonAttention):
+    """flash-attn-4 (CuTe DSL, Hopper/Blackwell) for steps with prefills, one paged varlen call; decodes
+    as TritonAttention (faster: bench/results/decode_attention.md). flash-attn-4 computes long prefills
+    faster than the Triton kernel but spends ~1 ms of Python per call (bench/NOTES.md)."""
 
     name = "flash_attn"
 
     def __init__(self):
+        super().__init__()
         from flash_attn.cute import flash_attn_varlen_func
 
-        from worker_svc.decode_attention import paged_decode_attention
-
         self._fn = flash_attn_varlen_func
-        self._decode = paged_decode_attention
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
-        if meta.max_seqlen_q == 1:
-            return self._decode(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale)
+    def _prefill(self, q, k_cache, v_cache, meta, scale):
         out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
                        page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q,
                        softmax_scale=scale, causal=True)
@@ -88,7 +110,7 @@ class FlashAttention:
 
 
 def flash_attn_available(device: torch.device) -> bool:
-    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] < 9:
+    if not _cuda_capability_at_least(device, 9):
         return False
     try:
         import flash_attn.cute  # noqa: F401
@@ -97,12 +119,19 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
+def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
+
+
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" picks flash_attn on Hopper/Blackwell when it imports, else torch."""
+    """"auto" picks triton on a CUDA GPU (Ampere or later), else torch: through the services it measured
+    faster than flash_attn on the offline benchmark (bench/NOTES.md), whose prefills are short."""
     if name == "auto":
-        name = "flash_attn" if flash_attn_available(device) else "torch"
+        name = "triton" if _cuda_capability_at_least(device, 8) else "torch"
+    if name == "triton":
+        return TritonAttention()
     if name == "flash_attn":
         return FlashAttention()
     if name == "torch":
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r} (auto, flash_attn, torch)")
+    raise ValueError(f"unknown attention backend {name!r} (auto, triton, flash_attn, torch)")

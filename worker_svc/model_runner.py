@@ -41,7 +41,7 @@ class RunnerConfig:
     num_blocks: int | None = None       # default: from a memory profile (GPU) or kv_cache_memory (CPU)
     kv_cache_memory: int = 256 << 20    # bytes for the KV cache on a CPU when num_blocks is not given
     gpu_memory_utilization: float = 0.9 # share of the GPU's memory this worker may use in all
-    cuda_graphs: bool = True            # capture decode steps (GPU with the flash_attn backend)
+    cuda_graphs: bool = True            # capture decode steps (GPU, a Triton or flash_attn backend)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None    # default: the config's max_position_embeddings
@@ -103,7 +103,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name == "flash_attn":
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name != "torch":
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.max_num_seqs,
                                        -(-self.max_model_len // self.block_size), self.num_blocks,
                                        self.block_size, self.device)

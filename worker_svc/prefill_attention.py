@@ -68,21 +68,29 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     tl.store(Out + o_rows[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=live[:, None])
 
 
+BLOCK_M = 64  # query tokens per program: 128 rows of a GQA group of 2, two warpgroups
+
+
 def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, first query token) of every BLOCK_M-token block of every sequence's new tokens."""
+    """(sequence, first query token) of every BLOCK_M-token block of every sequence's new tokens: one
+    pinned, asynchronous copy (a mixed step must not wait for the GPU)."""
     lens = np.asarray(query_lens, dtype=np.int64)
     counts = -(-lens // block_m)
-    seqs = np.repeat(np.arange(len(lens), dtype=np.int32), counts)
     first = np.cumsum(counts) - counts
-    starts = ((np.arange(int(counts.sum())) - np.repeat(first, counts)) * block_m).astype(np.int32)
-    return (torch.from_numpy(seqs).to(device, non_blocking=True),
-            torch.from_numpy(starts).to(device, non_blocking=True))
+    blocks = np.empty((2, int(counts.sum())), np.int32)
+    blocks[0] = np.repeat(np.arange(len(lens)), counts)
+    blocks[1] = (np.arange(blocks.shape[1]) - np.repeat(first, counts)) * block_m
+    host = torch.from_numpy(blocks)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    return dev[0], dev[1]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, page_table: torch.Tensor,
-                            blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, block_m: int = 64,
-                            block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                            blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, block_m: int = BLOCK_M,
+                            block_n: int = 64, num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache);
     `blocks` = query_blocks(query lens, block_m). Returns q's shape and dtype."""
     q = q.contiguous()

@@ -1,5 +1,5 @@
-"""GPU paths against their references, on a CUDA machine (the H200): flash-attn-4 against the torch
-backend over prefill, chunked prefill over a cached prefix, decode and mixed batches at several block
+"""GPU paths against their references, on a CUDA machine (the H200): the Triton and flash-attn-4 backends
+against the torch backend over prefill, chunked prefill over a cached prefix, decode and mixed batches at several block
 sizes; CUDA-graph decode against eager; the fused Triton sampler against the torch sampler; the skinny GEMM
 against cuBLAS.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
@@ -11,7 +11,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from worker_svc.attention import AttentionMetadata, FlashAttention, TorchAttention, flash_attn_available  # noqa: E402
+from worker_svc.attention import (AttentionMetadata, FlashAttention, TorchAttention,  # noqa: E402
+                                  TritonAttention, flash_attn_available)
 
 
 def _meta(query_lens, context_lens, block_size, num_blocks, gen):
@@ -40,10 +41,13 @@ CASES = {
 }
 
 
-@pytest.mark.skipif(not flash_attn_available(torch.device("cuda")), reason="flash-attn-4 not installed")
+@pytest.mark.parametrize("backend", [
+    TritonAttention,
+    pytest.param(FlashAttention, marks=pytest.mark.skipif(not flash_attn_available(torch.device("cuda")),
+                                                          reason="flash-attn-4 not installed"))])
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("case", list(CASES))
-def test_flash_attn_matches_torch_backend(block_size, case):
+def test_fast_backends_match_torch_backend(backend, block_size, case):
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, num_blocks = 16, 8, 128, 4096 // block_size * 8
     q_lens, c_lens = CASES[case]
@@ -51,7 +55,7 @@ def test_flash_attn_matches_torch_backend(block_size, case):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = FlashAttention().forward(q, k_cache, v_cache, meta, dim ** -0.5)
+    fast = backend().forward(q, k_cache, v_cache, meta, dim ** -0.5)
     ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -137,7 +141,6 @@ def test_triton_sampler_matches_torch_sampler():
     assert torch.equal(fused.cpu(), reference)
 
 
-@pytest.mark.skipif(not flash_attn_available(torch.device("cuda")), reason="flash-attn-4 not installed")
 def test_cuda_graph_decode_matches_eager(tmp_path):
     from tests.paged_driver import PagedDriver
     from worker_svc.make_model import make_model

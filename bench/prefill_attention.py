@@ -1,0 +1,91 @@
+"""Attention of steps with prefills alone: flash-attn-4 against the Triton paged prefill kernel, per layer call.
+
+Two times per kernel: GPU time (20 calls captured in a CUDA graph, replayed) and eager time (20 calls
+launched one after another from Python, then a sync: what a mixed step, which runs eagerly, pays when the
+host is slower than the GPU). Checks every kernel against the first one.
+
+python -m bench prefill-attention
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from bench.decode_attention import graph_time_us
+from bench.record import record
+from worker_svc.attention import AttentionMetadata, FlashAttention, TritonAttention, flash_attn_available
+
+CASES = {  # name: (query tokens per sequence, context lengths)
+    "29x560 prompts": ([560] * 29, [560] * 29),
+    "1x128 prompt": ([128], [128]),
+    "1x8192 prompt": ([8192], [8192]),
+    "8x1024 over 1024 cached": ([1024] * 8, [2048] * 8),
+    "mixed 16 chunks + 200 decodes": ([512] * 16 + [1] * 200, [512] * 16 + [900] * 200),
+}
+
+
+def make_case(q_lens: list[int], c_lens: list[int], page: int, gen: torch.Generator):
+    heads, kv_heads, dim = 16, 8, 128
+    pages = [-(-c // page) for c in c_lens]
+    num_blocks = sum(pages) + 1
+    perm = torch.randperm(num_blocks, generator=gen).int()
+    table = torch.zeros(len(c_lens), max(pages), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    k = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(cu, torch.tensor(c_lens, dtype=torch.int32, device="cuda"), table.cuda(), None,
+                             max(q_lens), list(q_lens), list(c_lens))
+    return q, k, v, meta
+
+
+def eager_us(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--out", default="bench/results/prefill_attention.json")
+    args = ap.parse_args(argv)
+    backends = {"triton": TritonAttention()}
+    if flash_attn_available(torch.device("cuda")):
+        backends["flash_attn"] = FlashAttention()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for case, (q_lens, c_lens) in CASES.items():
+        q, k, v, meta = make_case(q_lens, c_lens, args.block_size, gen)
+        scale = q.shape[-1] ** -0.5
+        # causal multiply-adds of QK^T and PV: query i of a chunk of n over context c sees c - n + i + 1 keys
+        flop = sum(4 * q.shape[1] * q.shape[2] * (n * (c - n) + n * (n + 1) / 2) for n, c in zip(q_lens, c_lens))
+        outs = {}
+        for name, backend in backends.items():
+            fn = (lambda b=backend: b.forward(q, k, v, meta, scale))
+            outs[name] = fn()
+            gpu, eager = graph_time_us(fn), eager_us(fn)
+            err = (outs[name].float() - next(iter(outs.values())).float()).abs().max().item()
+            rows.append({"case": case, "kernel": name, "gpu_us": round(gpu, 1), "eager_us": round(eager, 1),
+                         "tflops": round(flop / gpu / 1e6, 1), "max_abs_diff": round(err, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    record(args.out, "prefill_attention", vars(args), rows)
+
+
+if __name__ == "__main__":
+    main()
