@@ -124,10 +124,14 @@ def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" picks triton on a CUDA GPU (Ampere or later), else torch: through the services it measured
-    faster than flash_attn on the offline benchmark (bench/NOTES.md), whose prefills are short."""
+    """"auto" picks flash_attn where flash-attn-4 imports (Hopper/Blackwell: its prefills take 0.4-0.7x the
+    Triton kernel's GPU time, bench/results/prefill_attention.md), else triton on a CUDA GPU (Ampere or
+    later), else torch."""
     if name == "auto":
-        name = "triton" if _cuda_capability_at_least(device, 8) else "torch"
+        if flash_attn_available(device):
+            name = "flash_attn"
+        else:
+            name = "triton" if _cuda_capability_at_least(device, 8) else "torch"
     if name == "triton":
         return TritonAttention()
     if name == "flash_attn":
