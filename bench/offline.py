@@ -1,7 +1,8 @@
 """Offline throughput on nano-vLLM's workload (256 sequences, prompts and outputs of 100-1024 tokens,
 temperature 0.6, ignore EOS): in-process (engine and ModelRunner in one process, no gRPC) and through
 the services (client -> scheduler -> worker over gRPC on loopback). Output tokens / wall time,
-prefill included. With --simulate both paths run over the simulated worker (no model, GPU-like step
+prefill included; through the services once streaming token by token and once with one message per
+completion (stream_interval 0, how a batch client asks). With --simulate both paths run over the simulated worker (no model, GPU-like step
 times), which measures the scheduler's and the split's cost on a CPU.
 
 python -m bench offline --preset qwen3-0.6b --device cuda --mode both
@@ -74,7 +75,7 @@ def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> tupl
     return elapsed, trace.summary(start)
 
 
-async def _through_services(address: str, reqs: list[Request]) -> float:
+async def _through_services(address: str, reqs: list[Request], stream_interval: int) -> float:
     from client import AsyncClient
 
     async with AsyncClient(address) as client:
@@ -83,7 +84,7 @@ async def _through_services(address: str, reqs: list[Request]) -> float:
         async def one(r: Request) -> int:
             n = 0
             async for delta in client.generate(token_ids=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.6,
-                                               ignore_eos=True):
+                                               ignore_eos=True, stream_interval=stream_interval):
                 n += len(delta.token_ids)
             return n
 
@@ -101,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--stream-intervals", default="1,0",
+                    help="services passes, by tokens per message (the request's stream_interval; 0: one message "
+                         "per completion, as a batch client asks)")
     args = ap.parse_args(argv)
     reqs = offline(args.num_seqs, args.max_input, args.max_output)
     total = sum(r.max_tokens for r in reqs)
@@ -113,10 +117,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(rows[-1], flush=True)
         if args.mode in ("services", "both"):
             with common.cluster(args, model) as address:
-                t = asyncio.run(_through_services(address, reqs))
-            rows.append({"path": common.path_label(args, "grpc services"), "seconds": round(t, 2),
-                         "output_tokens": total, "tokens_per_s": round(total / t)})
-            print(rows[-1], flush=True)
+                for k, interval in enumerate(int(i) for i in args.stream_intervals.split(",")):
+                    # a first token outside the workload's ids: a later pass hits no block an earlier cached
+                    fresh = reqs if k == 0 else [Request([10_001 + k, *r.prompt_ids[1:]], r.max_tokens) for r in reqs]
+                    t = asyncio.run(_through_services(address, fresh, interval))
+                    label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
+                    rows.append({"path": common.path_label(args, label), "seconds": round(t, 2),
+                                 "output_tokens": total, "tokens_per_s": round(total / t)})
+                    print(rows[-1], flush=True)
     common.save("bench.offline", argv, args.out, "offline", args, rows)
 
 

@@ -91,6 +91,7 @@ class GenerateParams(TypedDict, total=False):
     n: int | None
     priority: int
     skip_special_tokens: bool | None
+    stream_interval: int | None
     request_id: str
 
 
@@ -117,6 +118,7 @@ def build_request(
     n: int | None = None,
     priority: int = 0,
     skip_special_tokens: bool | None = None,
+    stream_interval: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest."""
@@ -156,6 +158,8 @@ def build_request(
         request.n = n
     if skip_special_tokens is not None:
         request.skip_special_tokens = skip_special_tokens
+    if stream_interval is not None:
+        request.stream_interval = stream_interval
     return request
 
 
@@ -306,8 +310,9 @@ class Client(_Connection):
 
     def complete(self, prompt: str | None = None, *, timeout: float | None = None,
                  **params: Unpack[GenerateParams]) -> list[Completion]:
-        """The whole result: one Completion per `n`, in index order."""
+        """The whole result: one Completion per `n`, in index order (one message each: stream_interval 0)."""
         collector = CompletionCollector()
+        params.setdefault("stream_interval", 0)
         for delta in self.generate(prompt, timeout=timeout, **params):
             collector.add(delta)
         return collector.completions()
@@ -378,6 +383,7 @@ class AsyncClient(_Connection):
     async def complete(self, prompt: str | None = None, *, timeout: float | None = None,
                        **params: Unpack[GenerateParams]) -> list[Completion]:
         collector = CompletionCollector()
+        params.setdefault("stream_interval", 0)
         async for delta in self.generate(prompt, timeout=timeout, **params):
             collector.add(delta)
         return collector.completions()

@@ -263,7 +263,8 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
 # ---- running the streams ---------------------------------------------------------------------------
 
 
-def _open(backend: Backend, job: _Job, request_id: str) -> list[AsyncGenerator[Delta, None]]:
+def _open(backend: Backend, job: _Job, request_id: str, stream: bool) -> list[AsyncGenerator[Delta, None]]:
+    """One Generate call per prompt; without `stream`, each completion comes back in one message."""
     streams = []
     for i, prompt in enumerate(job.prompts):
         rid = request_id if len(job.prompts) == 1 else f"{request_id}-{i}"
@@ -271,7 +272,7 @@ def _open(backend: Backend, job: _Job, request_id: str) -> list[AsyncGenerator[D
             streams.append(backend.client.generate(
                 prompt.get("prompt"), token_ids=prompt.get("token_ids"), messages=prompt.get("messages"),
                 enable_thinking=prompt.get("enable_thinking"), request_id=rid,
-                timeout=backend.config.request_timeout, **job.params))
+                timeout=backend.config.request_timeout, stream_interval=None if stream else 0, **job.params))
         except (ValueError, TypeError) as e:  # a value the proto cannot hold
             raise invalid(None, str(e)) from None
     return streams
@@ -610,7 +611,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 async def _run(request: Request, backend: Backend, job: _Job, rid: str, model: str,
                body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> Response:
-    it = _merge(_open(backend, job, rid))
+    it = _merge(_open(backend, job, rid, bool(body.stream)))
     headers = {"X-Request-Id": rid}
     try:
         first = await _first(request, it, job.param_names)

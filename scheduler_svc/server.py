@@ -133,6 +133,8 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         last_sent = [0.0] * parsed.n
         reasons: list[str | None] = [None] * parsed.n
         first_token = True
+        interval = request.stream_interval if request.HasField("stream_interval") else 1
+        held: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
         try:
             # With n > 1 the first completion computes the prompt; the others start once it has, and
             # hit its cached blocks.
@@ -173,7 +175,10 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                             itl.observe(now - last_sent[i])
                         last_sent[i] = now
                         streamed[i] += len(response.token_ids)
-                    await context.write(response)
+                    if interval != 1:
+                        response = _hold(held, response, interval)
+                    if response is not None:
+                        await context.write(response)
         finally:
             for s in subs:
                 self._streams.pop(s, None)
@@ -250,6 +255,25 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         deadline = time.monotonic() + grace
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+
+def _hold(held: dict[int, api.GenerateResponse], response: api.GenerateResponse,
+          interval: int) -> api.GenerateResponse | None:
+    """Joins `response` to what its completion holds back; returns the message to send once it holds
+    `interval` tokens (0: never) or the completion ended, else None."""
+    joined = held.pop(response.index, None)
+    if joined is not None:
+        joined.token_ids.extend(response.token_ids)
+        joined.text += response.text
+        joined.logprobs.extend(response.logprobs)
+        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
+        if response.HasField("usage"):
+            joined.usage.CopyFrom(response.usage)
+        response = joined
+    if response.finish_reason or (interval and len(response.token_ids) >= interval):
+        return response
+    held[response.index] = response
+    return None
 
 
 def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -> list[api.GenerateResponse]:

@@ -25,6 +25,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from client import AsyncClient, Client
+from client.client import CompletionCollector
 from client.launcher import LocalCluster
 from scheduler_svc.tokenizer import load_tokenizer
 from worker_svc.make_model import make_model
@@ -422,6 +423,32 @@ def test_n_completions(client):
     assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # reproducible
     # The later completions hit the blocks the first computed.
     assert all(c.usage.cached_prompt_tokens == 2 * BLOCK_SIZE for c in completions[1:])
+
+
+def test_stream_interval_joins_tokens_into_fewer_messages(client):
+    """1: a message per token; 4: messages of 4 tokens and the rest at the end; 0: one message per
+    completion. The tokens, text, logprobs and finish are the same whatever the interval."""
+    kw = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True, "seed": 9, "logprobs": 1, "n": 2}
+
+    def run_with(interval):
+        deltas = list(client.generate("Count with me", stream_interval=interval, **kw))
+        sizes = {i: [len(d.token_ids) for d in deltas if d.index == i] for i in (0, 1)}
+        collector = CompletionCollector()
+        for d in deltas:
+            collector.add(d)
+        return sizes, collector.completions()
+
+    sizes, streamed = run_with(None)
+    assert sizes == {0: [1] * 10, 1: [1] * 10}
+    sizes, by_four = run_with(4)
+    assert sizes == {0: [4, 4, 2], 1: [4, 4, 2]}
+    sizes, whole = run_with(0)
+    assert sizes == {0: [10], 1: [10]}
+    for completions in (by_four, whole, client.complete("Count with me", **kw)):
+        for a, b in zip(completions, streamed):
+            assert (a.token_ids, a.text, a.finish_reason, a.usage) == (b.token_ids, b.text, b.finish_reason, b.usage)
+            # the same tokens; logprobs up to float noise (a rerun hits the prompt's cached blocks)
+            assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
 
 
 def test_token_id_and_chat_prompts(client, tok):
