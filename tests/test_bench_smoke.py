@@ -93,8 +93,9 @@ def test_all_offline_simulated(model: Path, tmp_path: Path, capsys: pytest.Captu
     main(["all", "--model", str(model), *SIM, "--results-dir", str(tmp_path), "--only", "offline",
           "--offline-args", "--num-seqs 3 --max-input 100 --max-output 100"])
     doc = _load(tmp_path / "offline.json", "offline", "bench.offline")
-    in_process, services = doc["results"]
+    in_process, services, batch = doc["results"]
     assert in_process["path"] == "in-process (simulated worker)"
     assert services["path"] == "grpc services (simulated worker)"
-    assert in_process["output_tokens"] == services["output_tokens"] > 0
+    assert batch["path"] == "grpc services, stream_interval 0 (simulated worker)"
+    assert in_process["output_tokens"] == services["output_tokens"] == batch["output_tokens"] > 0
     assert "| grpc services (simulated worker) |" in capsys.readouterr().out
