@@ -24,6 +24,17 @@ MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer sp
 
 
 @triton.jit
+def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(cache block, offset in it) of tokens t = t0 + arange(BLOCK_N) of the sequence whose page table
+    row is `pages`; tokens past `valid` read block 0."""
+    if BLOCK_N <= PAGE:  # the tile lies in one page
+        page = tl.load(pages + t0 // PAGE).to(tl.int64)
+    else:
+        page = tl.load(pages + t // PAGE, mask=valid, other=0).to(tl.int64)
+    return page, t % PAGE
+
+
+@triton.jit
 def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, scale_log2e,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
@@ -48,12 +59,9 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, scale_log2e,
     for t0 in tl.range(start, end, BLOCK_N):
         t = t0 + n
         valid = t < end
-        if BLOCK_N <= PAGE:  # the tile lies in one page
-            page = tl.load(pages + t0 // PAGE).to(tl.int64)
-        else:
-            page = tl.load(pages + t // PAGE, mask=valid, other=0).to(tl.int64)
-        k_rows = page * stride_kb + (t % PAGE) * stride_kt
-        v_rows = page * stride_vb + (t % PAGE) * stride_vt
+        page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
+        k_rows = page * stride_kb + offset * stride_kt
+        v_rows = page * stride_vb + offset * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))

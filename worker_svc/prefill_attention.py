@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_svc.decode_attention import page_of
+
 
 @triton.jit
 def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, scale_log2e,
@@ -46,12 +48,9 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     for t0 in tl.range(0, last, BLOCK_N):
         t = t0 + n
         valid = t < last
-        if BLOCK_N <= PAGE:  # the tile lies in one page
-            page = tl.load(pages + t0 // PAGE).to(tl.int64)
-        else:
-            page = tl.load(pages + t // PAGE, mask=valid, other=0).to(tl.int64)
-        k_rows = page * stride_kb + (t % PAGE) * stride_kt
-        v_rows = page * stride_vb + (t % PAGE) * stride_vt
+        page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
+        k_rows = page * stride_kb + offset * stride_kt
+        v_rows = page * stride_vb + offset * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2e
         s = tl.where((t[None, :] <= pos[:, None]) & valid[None, :], s, float("-inf"))
