@@ -22,7 +22,7 @@ for b in $benches; do
     pyspy)   # where the worker's time goes on short requests (batch-1 TTFT): py-spy carried to /tmp/py-spy
              timeout 300 /tmp/py-spy record --subprocesses --threads --rate 500 --format raw -o $OUT/ttft.folded -- \
                python3 -m bench latency --model $MODEL --device cuda --mode services --output-len 2 --repeats 40 \
-               --out $OUT/latency_ttft.json 2>&1 | grep -v -i warn | tail -4 ;;
+               --out $OUT/latency_ttft.json 2>&1 | grep -v -i warn | tail -4; gzip -f $OUT/ttft.folded ;;
     prefill) timeout 300 python3 -m bench prefill-attention --out $OUT/prefill_attention.json 2>&1 | grep '^{' ;;
     offline) timeout 500 python3 -m bench.offline --model $MODEL ${OFFLINE_ARGS:-} --out $OUT/offline.json 2>&1 | grep -E "by batch|^[|]" ;;
     *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;

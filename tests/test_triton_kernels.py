@@ -83,11 +83,13 @@ def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_tiles(max_num_seq
 @pytest.mark.parametrize("max_num_seqs", [5, 8, 100, 256, 512])
 def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_projection_kernel(max_num_seqs):
     sizes = capture_sizes(max_num_seqs)
-    x, w = torch.empty(max_num_seqs, 1024), torch.empty(4096, 1024)
+    x, w = torch.empty(max_num_seqs, 1024, dtype=torch.bfloat16), torch.empty(4096, 1024, dtype=torch.bfloat16)
     for n in range(1, max_num_seqs + 1):
         padded = min(s for s in sizes if s >= n)
         assert skinny_gemm.supported(x[:n], w) == skinny_gemm.supported(x[:padded], w), n
-    assert skinny_gemm.supported(x[:1], w) and not skinny_gemm.supported(x[:1], torch.empty(1024, 3072))
+    assert skinny_gemm.supported(x[:1], w)
+    assert not skinny_gemm.supported(x[:1], torch.empty(1024, 3072, dtype=torch.bfloat16))  # K > 2048
+    assert not skinny_gemm.supported(x[:1].float(), w.float())  # float32 stays with cuBLAS
 
 
 def test_decode_attention_on_a_wide_page_table_takes_longer_splits():

@@ -41,9 +41,11 @@ def tiles(rows: int, n: int, k: int) -> dict:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row (a decode step of one sequence: a CUDA-graph batch size of its own) and K <= 2048."""
+    """One row (a decode step of one sequence: a CUDA-graph batch size of its own), K <= 2048, 16-bit
+    weights (float32 would go through TF32 here, coarser than cuBLAS's float32)."""
     return (x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= 2048 and weight.shape[1] % 256 == 0
-            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
