@@ -33,6 +33,18 @@ class SeqState:
     token_ids: list[int]   # the ids the scheduler sent; later tokens exist only on the device
 
 
+def pack_aligned(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Arrays of one dtype flattened into one buffer, each starting on a 16-byte boundary; returns the
+    buffer and where each starts (in elements)."""
+    dtype = arrays[0].dtype
+    step = max(1, 16 // dtype.itemsize)
+    starts = np.cumsum([0] + [-(-a.size // step) * step for a in arrays]).tolist()
+    flat = np.zeros(starts[-1], dtype)
+    for a, start in zip(arrays, starts):
+        flat[start:start + a.size] = a.reshape(-1)
+    return flat, starts[:-1]
+
+
 @dataclass(slots=True)
 class RunnerConfig:
     device: str = "cpu"
@@ -389,7 +401,9 @@ class ModelRunner:
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Moves host arrays to the device with one copy per dtype (one pinned staging buffer each);
-        returns flat views in the same order."""
+        returns flat views in the same order, each starting on a 16-byte boundary: Triton specialises a
+        kernel on its pointers' alignment, and views at any offset would compile new variants while
+        serving (the warm-up's tensors are all aligned)."""
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in arrays]
         by_dtype: dict[np.dtype, list[int]] = {}
@@ -397,10 +411,8 @@ class ModelRunner:
             by_dtype.setdefault(a.dtype, []).append(i)
         out: list[torch.Tensor] = [None] * len(arrays)  # type: ignore[list-item]
         for indices in by_dtype.values():
-            flat = np.concatenate([arrays[i].reshape(-1) for i in indices])
+            flat, starts = pack_aligned([arrays[i] for i in indices])
             dev = torch.from_numpy(flat).pin_memory().to(self.device, non_blocking=True)
-            offset = 0
-            for i in indices:
-                out[i] = dev[offset:offset + arrays[i].size]
-                offset += arrays[i].size
+            for i, start in zip(indices, starts):
+                out[i] = dev[start:start + arrays[i].size]
         return out

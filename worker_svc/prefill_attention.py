@@ -76,14 +76,15 @@ def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> t
     lens = np.asarray(query_lens, dtype=np.int64)
     counts = -(-lens // block_m)
     first = np.cumsum(counts) - counts
-    blocks = np.empty((2, int(counts.sum())), np.int32)
-    blocks[0] = np.repeat(np.arange(len(lens)), counts)
-    blocks[1] = (np.arange(blocks.shape[1]) - np.repeat(first, counts)) * block_m
+    total = int(counts.sum())
+    blocks = np.zeros((2, -(-total // 4) * 4), np.int32)  # rows start 16-byte aligned (Triton specialises on it)
+    blocks[0, :total] = np.repeat(np.arange(len(lens)), counts)
+    blocks[1, :total] = (np.arange(total) - np.repeat(first, counts)) * block_m
     host = torch.from_numpy(blocks)
     if device.type == "cuda":
         host = host.pin_memory()
     dev = host.to(device, non_blocking=True)
-    return dev[0], dev[1]
+    return dev[0, :total], dev[1, :total]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
