@@ -156,7 +156,7 @@ class Membership:
             candidates = [g for g in s.live_groups() if g not in tried]
             if not candidates:
                 log.warning("request %s: no live worker left to continue it", rid, extra={"request_id": rid})
-                stream.queue.put_nowait(FAILED)
+                stream.put(FAILED)
                 return
             group = pick_group(candidates, orphan.seq.token_ids)
             stream.group_of[rid] = group  # before the adopt is queued: a cancel now aborts it there

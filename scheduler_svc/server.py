@@ -38,10 +38,35 @@ DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged 
 
 @dataclass(slots=True)
 class _Stream:
-    """Outputs of one client call (all its n completions), fed by the event loop."""
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """Outputs of one client call (all its n completions), fed by the event loop. With a stream_interval
+    other than 1 the call's coroutine wakes only when a message may go out (a completion's first token,
+    `interval` tokens held, its end, or its worker's failure): one wake-up per token per call was most of
+    the event loop's work."""
     index_of: dict[str, int] = field(default_factory=dict)
     group_of: dict[str, WorkerGroup] = field(default_factory=dict)  # where each completion runs now
+    interval: int = 1
+    outputs: list = field(default_factory=list)  # RequestOutputs (or FAILED) not taken yet
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    held: dict[str, int] = field(default_factory=dict)  # tokens per completion since it last woke the call
+
+    def put(self, out: RequestOutput | object) -> None:
+        self.outputs.append(out)
+        if out is _FAILED or out.finished or self.interval == 1:
+            self.ready.set()
+            return
+        first = out.request_id not in self.held
+        held = self.held.get(out.request_id, 0) + len(out.token_ids)
+        due = self.interval and held >= self.interval  # the call sends them all: the count starts over
+        self.held[out.request_id] = 0 if due else held
+        if first or due:
+            self.ready.set()
+
+    async def take(self) -> list:
+        """Every output put since the last take, once one of them calls for it."""
+        await self.ready.wait()
+        self.ready.clear()
+        batch, self.outputs = self.outputs, []
+        return batch
 
 
 class GenerationService(splitserve_pb2_grpc.GenerationServicer):
@@ -81,7 +106,7 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out)
+                stream.put(out)
 
     def _failure_from_thread(self, group: WorkerGroup, orphans: list[Orphan], error: Exception) -> None:
         # Its requests move to the surviving groups (or end with UNAVAILABLE when none is left).
@@ -121,7 +146,8 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
         group = pick_group(groups, parsed.prompt_ids)
-        stream = _Stream(index_of={s: i for i, s in enumerate(subs)})
+        interval = request.stream_interval if request.HasField("stream_interval") else 1
+        stream = _Stream(index_of={s: i for i, s in enumerate(subs)}, interval=interval)
         for s in subs:
             self._streams[s] = stream
         pending = set(subs)
@@ -133,7 +159,6 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         last_sent = [0.0] * parsed.n
         reasons: list[str | None] = [None] * parsed.n
         first_token = True
-        interval = request.stream_interval if request.HasField("stream_interval") else 1
         held: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
         try:
             # With n > 1 the first completion computes the prompt; the others start once it has, and
@@ -142,10 +167,7 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
             submitted.add(subs[0])
             started_rest = parsed.n == 1
             while pending:
-                item = await stream.queue.get()
-                batch = [item]
-                while not stream.queue.empty():  # coalesce what arrived while the client was slow
-                    batch.append(stream.queue.get_nowait())
+                batch = await stream.take()  # all that arrived since: coalesced when the client is slow
                 if _FAILED in batch:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "its worker failed and no other worker is serving; retry the request")
