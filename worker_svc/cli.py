@@ -215,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--attention", default="auto", choices=["auto", "triton", "flash_attn", "torch"],
-                   help="triton: splitserve's Triton kernels (split-KV decode, paged prefill); flash_attn: "
-                        "flash-attn-4 for prefills instead (Hopper/Blackwell; faster GPU time on long prompts, "
-                        "~1 ms of Python per call); torch: the reference; auto: triton on a GPU, else torch")
+                   help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "
+                        "kernel for decodes; triton: Triton kernels for both (any CUDA GPU from Ampere); torch: "
+                        "the reference; auto: flash_attn where it imports, else triton on a GPU, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "

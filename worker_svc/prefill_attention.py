@@ -1,9 +1,8 @@
 """Paged causal attention for steps with prefills (chunks over cached prefixes, decodes mixed in), in Triton.
 
-flash-attn-4 computes these faster on the GPU but spends ~1 ms of Python per call building its CuTe
-arguments; with 28 layers an eager mixed step of 16k tokens waited ~45 ms on the host for ~25 ms of GPU
-work, and a 128-token prompt took ~25 ms to its first token (bench/NOTES.md). One launch here costs
-tens of microseconds.
+The prefill path of the `triton` backend, for CUDA GPUs that flash-attn-4 does not run on (it needs
+Hopper or Blackwell). On the H200 flash-attn-4 takes 0.4-0.7x this kernel's GPU time, at ~160 us of Python
+per call against ~60 here (bench/results/prefill_attention.md), so there it stays the default.
 
 One program per (block of BLOCK_M query tokens of one sequence, KV head): its rows are the BLOCK_M
 tokens times the GQA group's query heads, so K and V are read once per group. Query token i of a
