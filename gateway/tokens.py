@@ -4,22 +4,9 @@ gateway renders them itself; without it a token is written `token_id:<id>`, vLLM
 `--return-tokens-as-token-ids` form, and its bytes are null."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+from client.byte_level import char_to_byte
 
 
 class TokenRenderer:
@@ -67,7 +54,7 @@ class TokenRenderer:
         if piece is None:
             return None
         if self._byte_level:
-            table = _byte_decoder()
+            table = char_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()

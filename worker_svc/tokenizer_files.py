@@ -14,6 +14,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from client.byte_level import byte_to_char
+
 PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -160,23 +162,6 @@ def load_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
 def _last_merge(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
     """The two parts tiktoken's BPE joins last when it encodes `token`.
 
@@ -203,7 +188,7 @@ def _last_merge(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
 def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-level vocab (string -> id) and merges in priority order."""
     ranks = load_ranks()
-    byte_char = _bytes_to_unicode()
+    byte_char = byte_to_char()
 
     def to_str(b: bytes) -> str:
         return "".join(byte_char[x] for x in b)
