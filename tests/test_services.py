@@ -87,6 +87,10 @@ def slow(eos_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(cluster):
     with Client(cluster.address, timeout=WAIT_S * 4) as c:
+        # the cluster serves once one worker is up; the tests here want both (the second may still be
+        # loading on a busy machine)
+        sim_cluster.wait_for("both workers connected",
+                             lambda: sum(w["alive"] for w in c.model_info()["workers"]) == 2, timeout=WAIT_S * 4)
         yield c
 
 
