@@ -70,23 +70,24 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self):
+        from worker_svc import decode_attention, prefill_attention  # triton: a GPU-only dependency
+
+        self._decode_kernel, self._prefill_kernel = decode_attention, prefill_attention
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
 
     def forward(self, q, k_cache, v_cache, meta, scale):
-        from worker_svc.decode_attention import paged_decode_attention
-
         if meta.max_seqlen_q == 1:
-            return paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale)
+            return self._decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table,
+                                                              scale)
         return self._prefill(q, k_cache, v_cache, meta, scale)
 
     def _prefill(self, q, k_cache, v_cache, meta, scale):
-        from worker_svc.prefill_attention import BLOCK_M, paged_prefill_attention, query_blocks
-
+        kernel = self._prefill_kernel
         if self._blocks_of is not meta:  # once per step, not per layer
-            self._blocks, self._blocks_of = query_blocks(meta.query_lens, BLOCK_M, q.device), meta
-        return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k, meta.page_table,
-                                       self._blocks, scale)
+            self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, kernel.BLOCK_M, q.device), meta
+        return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                              meta.page_table, self._blocks, scale)
 
 
 class FlashAttention(TritonAttention):
