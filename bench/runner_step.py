@@ -4,6 +4,7 @@ where the step's GPU time goes (torch.profiler, kernels grouped by name) and the
 
 python -m bench runner-step --preset qwen3-0.6b --batches 256 --context 800 --block-sizes 16,64,128,256
 python -m bench runner-step --block-sizes 256 --batches 1,32,256 --graphs-only --profile
+python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --profile   # a prefill step
 """
 from __future__ import annotations
 
@@ -90,6 +91,46 @@ class DecodeBatch:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
+def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, steps: int,
+                 profile: bool) -> dict:
+    """Time (and profile) an eager step of new `context`-token prompts totalling about `tokens` tokens,
+    as the offline workload's prefill steps are (16k tokens each)."""
+    seqs = max(1, tokens // context)
+    per_seq = -(-(context + 1) // block_size)
+    runner = ModelRunner(model_dir, RunnerConfig(
+        device="cuda", block_size=block_size, num_blocks=seqs * per_seq, max_num_seqs=seqs,
+        max_num_batched_tokens=seqs * context, max_model_len=per_seq * block_size, cuda_graphs=False))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10000) for _ in range(context)] for _ in range(seqs)]
+    counter = iter(range(1, 1 << 30))
+
+    def step():
+        plan = pb.StepPlan(step=next(counter), epoch=runner.epoch)
+        if plan.step > 1:  # the previous step's sequences end (applied before the new ones)
+            plan.finished_ids.extend(range(seqs))
+        for i, prompt in enumerate(prompts):
+            plan.new_seqs.add(seq_id=i, token_ids=prompt, prompt_len=context, sampling=SAMPLING,
+                              block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+                              num_computed_tokens=0, num_scheduled_tokens=context)
+        return runner.execute(plan).result()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    if profile:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    return {"block_size": block_size, "cuda_graphs": False, "prefill_tokens": seqs * context, "context": context,
+            "step_ms": round(ms, 3), "tokens_per_s": round(seqs * context / ms * 1e3)}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
@@ -99,12 +140,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-sizes", default="16,64,128,256")
     ap.add_argument("--profile", action="store_true", help="profile each configuration's decode step with graphs")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager steps")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time a prefill step of this many tokens (prompts of --context tokens) instead")
     ap.add_argument("--out", default="bench/results/runner_step.json")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16")
         for bs in [int(b) for b in args.block_sizes.split(",")]:
+            if args.prefill:
+                rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             for size in [int(b) for b in args.batches.split(",")]:
                 for graphs in (True,) if args.graphs_only else (True, False):
                     batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps)
