@@ -5,6 +5,7 @@ launched one after another from Python, then a sync: what a mixed step, which ru
 host is slower than the GPU). Checks every kernel against the first one.
 
 python -m bench prefill-attention
+python -m bench prefill-attention --layouts nhd,hnd
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from bench.decode_attention import graph_time_us
+from bench.decode_attention import as_layout, graph_time_us
 from bench.record import record
 from worker_svc.attention import AttentionMetadata, FlashAttention, TritonAttention, flash_attn_available
 
@@ -29,7 +30,7 @@ CASES = {  # name: (query tokens per sequence, context lengths)
 }
 
 
-def make_case(q_lens: list[int], c_lens: list[int], page: int, gen: torch.Generator):
+def make_case(q_lens: list[int], c_lens: list[int], page: int, gen: torch.Generator, layout: str = "nhd"):
     heads, kv_heads, dim = 16, 8, 128
     pages = [-(-c // page) for c in c_lens]
     num_blocks = sum(pages) + 1
@@ -39,8 +40,8 @@ def make_case(q_lens: list[int], c_lens: list[int], page: int, gen: torch.Genera
     for i, n in enumerate(pages):
         table[i, :n] = perm[used:used + n]
         used += n
-    k = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    k = as_layout(torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16), layout)
+    v = as_layout(torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16), layout)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device="cuda")
     meta = AttentionMetadata(cu, torch.tensor(c_lens, dtype=torch.int32, device="cuda"), table.cuda(), None,
@@ -61,25 +62,33 @@ def eager_us(fn, calls: int = 20) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--layouts", default="nhd", help="KV cache layouts: nhd, hnd (bench/decode_attention.py)")
     ap.add_argument("--out", default="bench/results/prefill_attention.json")
     args = ap.parse_args(argv)
     backends = {"triton": TritonAttention()}
     if flash_attn_available(torch.device("cuda")):
         backends["flash_attn"] = FlashAttention()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator()
     rows = []
-    for case, (q_lens, c_lens) in CASES.items():
-        q, k, v, meta = make_case(q_lens, c_lens, args.block_size, gen)
+    reference = {}  # per case, the first layout's first kernel
+    for (case, (q_lens, c_lens)), layout in ((c, lay) for c in CASES.items() for lay in args.layouts.split(",")):
+        gen.manual_seed(list(CASES).index(case))  # every layout of a case holds the same values
+        q, k, v, meta = make_case(q_lens, c_lens, args.block_size, gen, layout)
         scale = q.shape[-1] ** -0.5
         # causal multiply-adds of QK^T and PV: query i of a chunk of n over context c sees c - n + i + 1 keys
         flop = sum(4 * q.shape[1] * q.shape[2] * (n * (c - n) + n * (n + 1) / 2) for n, c in zip(q_lens, c_lens))
-        outs = {}
         for name, backend in backends.items():
-            fn = (lambda b=backend: b.forward(q, k, v, meta, scale))
-            outs[name] = fn()
+            fn = (lambda b=backend, q=q, k=k, v=v, meta=meta: b.forward(q, k, v, meta, scale))
+            try:
+                out = fn().float()
+            except Exception as e:  # flash-attn-4 may refuse a layout
+                rows.append({"case": case, "layout": layout, "kernel": name, "error": str(e)[:200]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            err = (out - reference.setdefault(case, out)).abs().max().item()
             gpu, eager = graph_time_us(fn), eager_us(fn)
-            err = (outs[name].float() - next(iter(outs.values())).float()).abs().max().item()
-            rows.append({"case": case, "kernel": name, "gpu_us": round(gpu, 1), "eager_us": round(eager, 1),
+            rows.append({"case": case, "layout": layout, "kernel": name, "gpu_us": round(gpu, 1),
+                         "eager_us": round(eager, 1),
                          "tflops": round(flop / gpu / 1e6, 1), "max_abs_diff": round(err, 4)})
             print(json.dumps(rows[-1]), flush=True)
         del q, k, v
