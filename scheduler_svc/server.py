@@ -300,26 +300,30 @@ def _hold(held: dict[int, api.GenerateResponse], response: api.GenerateResponse,
 
 def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -> list[api.GenerateResponse]:
     """One response per completion in the batch, with all its new tokens."""
-    merged: dict[int, api.GenerateResponse] = {}
+    outputs: dict[int, list[RequestOutput]] = {}
     for out in batch:
-        index = index_of[out.request_id]
-        r = merged.get(index)
-        if r is None:
-            r = merged[index] = api.GenerateResponse(request_id=rid, index=index)
-        r.token_ids.extend(out.token_ids)
-        r.text += out.text
-        if out.logprobs:
-            for lp in out.logprobs:
-                r.logprobs.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p)
-                                                        for t, p in (lp.top or [])])
-        if out.finished:
-            r.finish_reason = FINISH.get(out.finish_reason, api.FINISH_REASON_STOP)
-            r.stop_reason = out.stop_reason or ""
-            if out.usage is not None:
-                r.usage.prompt_tokens = out.usage.prompt_tokens
-                r.usage.completion_tokens = out.usage.completion_tokens
-                r.usage.cached_prompt_tokens = out.usage.cached_tokens
-    return list(merged.values())
+        outputs.setdefault(index_of[out.request_id], []).append(out)
+    return [_response(rid, index, outs) for index, outs in outputs.items()]
+
+
+def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateResponse:
+    # Joined once: with stream_interval 0 a completion's ~1,000 outputs come in one batch, and appending
+    # each one's text to the message's string field copies (and checks) the whole text every time.
+    r = api.GenerateResponse(request_id=rid, index=index, text="".join(out.text for out in outs),
+                             token_ids=[t for out in outs for t in out.token_ids])
+    for out in outs:
+        for lp in out.logprobs or ():
+            r.logprobs.add(logprob=lp.logprob,
+                           top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+    last = outs[-1]  # a completion's final output is its last
+    if last.finished:
+        r.finish_reason = FINISH.get(last.finish_reason, api.FINISH_REASON_STOP)
+        r.stop_reason = last.stop_reason or ""
+        if last.usage is not None:
+            r.usage.prompt_tokens = last.usage.prompt_tokens
+            r.usage.completion_tokens = last.usage.completion_tokens
+            r.usage.cached_prompt_tokens = last.usage.cached_tokens
+    return r
 
 
 async def serve(model_dir: Path, workers: list[str], host: str, port: int, config: EngineConfig,
