@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 # Without a GPU, the GPU's Triton kernels run in Triton's CPU interpreter (tests/test_triton_kernels.py).
-# Set before anything imports triton: torch.compile does, and triton reads it when kernels are defined.
+# Set before anything imports triton: it reads it when kernels are defined.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -13,7 +13,8 @@ import torch
 from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
 from worker_svc.cuda_graphs import capture_sizes
 from worker_svc.decode_attention import paged_decode_attention, tile_config
-from worker_svc.layers import RotaryEmbedding, qk_norm_rope
+from worker_svc.layers import RMSNorm, RotaryEmbedding, qk_norm_rope, silu_and_mul
+from worker_svc import layers_triton
 from worker_svc.layers_triton import qk_norm_rope_store
 from worker_svc.prefill_attention import paged_prefill_attention, query_blocks
 from worker_svc.sampler import uniform_noise
@@ -126,6 +127,36 @@ def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads):
     torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache, k_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(v_cache, v_ref, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter truncates to bfloat16
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: a row narrower than its power-of-two block
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_eager(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    wide = torch.randn(7, hidden + 8, generator=gen).to(dtype) * 3
+    x = wide[:, :hidden]  # a row stride wider than the row, as a slice of a larger buffer
+    residual = torch.randn(7, hidden, generator=gen).to(dtype) if with_residual else None
+    got = layers_triton.rms_norm(x, norm.weight, norm.eps, residual)
+    want = norm(x, residual)
+    tol = 1e-6 if dtype == torch.float32 else 0.0  # 16-bit: rounds where the eager pieces round
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], atol=0.0, rtol=0.0)
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter truncates to bfloat16
+@pytest.mark.parametrize("n", [48, 1500])  # 1500: more than one 1024-column block per row
+def test_silu_and_mul_kernel_matches_eager(dtype, n):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 2 * n, generator=gen).to(dtype) * 4
+    # float16 rounds where the eager pieces round, but exp may differ from torch's in its last float32 bit,
+    # which can move a rounding by one unit (2**-10)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -10
+    torch.testing.assert_close(layers_triton.silu_and_mul(x), silu_and_mul(x), atol=tol, rtol=tol)
 
 
 def test_gumbel_argmax_matches_torch_sampler_and_breaks_ties_low():

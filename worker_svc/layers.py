@@ -1,23 +1,11 @@
 """Elementwise pieces of the transformer: RMSNorm (with fused residual add), q/k norm with rotary
-embedding, SwiGLU. On a GPU each is compiled into one fused kernel (torch.compile); on a CPU they run
-eagerly, which keeps tests free of compile time."""
+embedding, SwiGLU. These are the reference (CPU) versions; on a GPU the norms and SwiGLU run as the Triton
+kernels of layers_triton.py, which round where these do."""
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def _fused(fn):
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-
-    @functools.wraps(fn)
-    def call(x: torch.Tensor, *args):
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
-
-    return call
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,23 +14,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
-@_fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms(x, weight, eps)
-
-
-@_fused
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    x = x + residual
-    return _rms(x, weight, eps), x
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-@_fused
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
     """Per-head RMSNorm of q and k, then rotary embedding (rotate-half layout, as Qwen3)."""
@@ -50,8 +26,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
 
 
-@_fused
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from worker_svc import layers_triton  # triton: a GPU-only dependency
+
+        return layers_triton.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -64,9 +43,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            from worker_svc import layers_triton  # triton: a GPU-only dependency
+
+            return layers_triton.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return _rms(x, self.weight, self.eps)
+        x = x + residual
+        return _rms(x, self.weight, self.eps), x
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,7 +1,14 @@
-"""One Triton kernel for the GPU between the QKV projection and attention: per-head RMSNorm of q and k,
-rotary embedding, and the store of k and v into the paged KV cache. Compiled separately these were
-eight kernels per layer (~20 us at batch 256); this is one. Rounds to the activation dtype where the
-eager pieces in layers.py do, so both paths give the same values."""
+"""The transformer's elementwise pieces as Triton kernels for the GPU, each rounding to the activation
+dtype where the eager pieces in layers.py do, so both paths give the same values:
+
+- RMSNorm, with the residual add fused;
+- SwiGLU (silu(gate) * up);
+- between the QKV projection and attention, one kernel for per-head RMSNorm of q and k, rotary
+  embedding, and the store of k and v into the paged KV cache (eight kernels when compiled separately,
+  ~20 us per layer at batch 256).
+
+Hand-written rather than torch.compile'd: the compiled ops cost ~100 us of host time per call in eager
+(mixed) steps, guards of dynamic shapes included, and their SwiGLU moved 1.5 TB/s on 16k-token prefills."""
 from __future__ import annotations
 
 import torch
@@ -70,3 +77,59 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
             BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             num_warps=4)
     return q
+
+
+@triton.jit
+def _rms_norm(X, Res, W, Out, ResOut, eps, stride_x, stride_r, stride_o, stride_ro, N: tl.constexpr,
+              BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = c < N
+    x = tl.load(X + row * stride_x + c, mask=live, other=0.0)
+    dtype = x.dtype
+    if HAS_RES:  # the sum is rounded to the activation dtype before the norm, as x + residual is
+        x = (x.to(tl.float32) + tl.load(Res + row * stride_r + c, mask=live, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(ResOut + row * stride_ro + c, x, mask=live)
+    x = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    n = (x * r).to(dtype).to(tl.float32) * tl.load(W + c, mask=live, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + c, n.to(dtype), mask=live)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, hidden]. norm(x), or with `residual` (norm(x + residual), x + residual)."""
+    rows, n = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    if rows:
+        _rms_norm[(rows,)](x, res, weight, out, res_out, eps, x.stride(0), res.stride(0), out.stride(0),
+                           res_out.stride(0), N=n, BLOCK=triton.next_power_of_2(n),
+                           HAS_RES=residual is not None, num_warps=4 if n <= 2048 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row, col = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = col * BLOCK + tl.arange(0, BLOCK)
+    live = c < N
+    gate = tl.load(X + row * stride_x + c, mask=live, other=0.0)
+    up = tl.load(X + row * stride_x + N + c, mask=live, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as F.silu's output is
+    tl.store(Out + row * stride_o + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=live)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * n], gate then up. Returns silu(gate) * up, [rows, n]."""
+    rows, n = x.shape[0], x.shape[1] // 2
+    assert x.stride(1) == 1
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows:
+        _silu_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
+                                                      num_warps=4)
+    return out

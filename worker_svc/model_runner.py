@@ -202,7 +202,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Runs mixed steps of several query lengths before serving, so that kernels compiled on first
-        use (flash-attn-4's variants, torch.compile's fused ops) are built now, not inside a request."""
+        use (flash-attn-4's variants, Triton's kernels) are built now, not inside a request."""
         bs, budget = self.block_size, self.config.max_num_batched_tokens
         longest = min(budget, self.max_model_len - 1)
         for q_len in sorted({min(4 ** i, longest) for i in range(12)}):

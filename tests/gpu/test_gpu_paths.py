@@ -109,6 +109,27 @@ def test_fused_qk_norm_rope_store_matches_eager_pieces():
     assert torch.equal(v_cache.cpu(), v_ref)
 
 
+@pytest.mark.parametrize("rows", [1, 256, 16384])  # a decode, a decode batch, a prefill step
+def test_norm_and_swiglu_kernels_match_eager_in_bfloat16(rows):
+    from worker_svc import layers_triton
+    from worker_svc.layers import RMSNorm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(1024, 1e-6).to(torch.bfloat16)
+    norm.weight.copy_(torch.rand(1024, generator=gen) + 0.5)
+    x, residual = (torch.randn(2, rows, 1024, generator=gen) * 3).to(torch.bfloat16)
+    gate_up = (torch.randn(rows, 6144, generator=gen) * 4).to(torch.bfloat16)
+    want_norm, want_sum = norm(x, residual)  # the CPU's eager pieces
+    got_norm, got_sum = layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps, residual.cuda())
+    assert torch.equal(got_sum.cpu(), want_sum)
+    # one bfloat16 unit where float32 sums in another order land on a rounding boundary
+    torch.testing.assert_close(got_norm.cpu(), want_norm, atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps).cpu(), norm(x),
+                               atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(layers_triton.silu_and_mul(gate_up.cuda()).cpu(), silu_and_mul(gate_up),
+                               atol=2 ** -7, rtol=2 ** -7)
+
+
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (96, 512)])
 def test_skinny_gemm_matches_cublas_in_bfloat16(n, k):
     from worker_svc.parallel import linear
