@@ -122,12 +122,14 @@ def test_norm_and_swiglu_kernels_match_eager_in_bfloat16(rows):
     want_norm, want_sum = norm(x, residual)  # the CPU's eager pieces
     got_norm, got_sum = layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps, residual.cuda())
     assert torch.equal(got_sum.cpu(), want_sum)
-    # one bfloat16 unit where float32 sums in another order land on a rounding boundary
-    torch.testing.assert_close(got_norm.cpu(), want_norm, atol=0, rtol=2 ** -7)
+    # Up to two bfloat16 units (2**-6 relative): float32 sums in another order (or another exp) can move the
+    # first rounding by one unit, and the product with the weight (or up) rounds again; measured: 26 of
+    # 16.8M elements beyond one unit at 16,384 rows, none beyond two
+    torch.testing.assert_close(got_norm.cpu(), want_norm, atol=0, rtol=2 ** -6)
     torch.testing.assert_close(layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps).cpu(), norm(x),
-                               atol=0, rtol=2 ** -7)
+                               atol=0, rtol=2 ** -6)
     torch.testing.assert_close(layers_triton.silu_and_mul(gate_up.cuda()).cpu(), silu_and_mul(gate_up),
-                               atol=2 ** -7, rtol=2 ** -7)
+                               atol=1e-3, rtol=2 ** -6)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (96, 512)])
