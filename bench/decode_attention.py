@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
     ap.add_argument("--out", default="bench/results/decode_attention.json")
     args = ap.parse_args(argv)
-    from worker_svc.decode_attention import paged_decode_attention
+    from worker_svc.decode_attention import merge_counters, paged_decode_attention
 
     try:
         from flash_attn.cute import flash_attn_varlen_func
@@ -115,12 +115,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                              max_seqlen_q=1, softmax_scale=scale, causal=True)
                 return out[0] if isinstance(out, tuple) else out
             kernels["flash_attn"] = fa4
+        counters = merge_counters(batch, kv_heads, "cuda")  # as the backend holds them: no memset per call
         for config in args.configs.split(","):
             block_n, warps, stages, split = (int(x) for x in config.split(":"))
             kernels[f"triton {config}"] = (
                 lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
-                paged_decode_attention(q, k, v, lens, table, scale, base_split=sp, block_n=b, num_warps=w,
-                                       num_stages=s))
+                paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
+                                       num_warps=w, num_stages=s))
         reference = reference_attention(q, k, v, lens, table, scale)
         for name, fn in kernels.items():
             try:

@@ -12,7 +12,7 @@ import torch
 
 from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
 from worker_svc.cuda_graphs import capture_sizes
-from worker_svc.decode_attention import paged_decode_attention, tile_config
+from worker_svc.decode_attention import merge_counters, paged_decode_attention, tile_config
 from worker_svc.layers import RMSNorm, RotaryEmbedding, qk_norm_rope, silu_and_mul
 from worker_svc import layers_triton
 from worker_svc.layers_triton import qk_norm_rope_store
@@ -102,6 +102,30 @@ def test_decode_attention_on_a_wide_page_table_takes_longer_splits():
     narrow = paged_decode_attention(q, k, v, seqused, table[:, :-200], dim ** -0.5, base_split=32, block_n=16)
     wide = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=32, block_n=16)
     torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-5)
+
+
+def test_split_counters_are_left_zero_for_the_next_call():
+    """The last split of each (sequence, KV head) merges and resets its counter, so one buffer serves every
+    layer and graph replay; a smaller batch uses a prefix of it."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    lens = [200, 17, 64, 129]  # several splits, one split, exactly a split, one past it
+    table = torch.arange(len(lens) * 16, dtype=torch.int32).view(len(lens), 16)
+    k = torch.randn(len(lens) * 16, page, kv_heads, dim, generator=gen)
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    counters = merge_counters(8, kv_heads, "cpu")
+    first = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, counters=counters, base_split=64, block_n=16)
+    assert not counters.any()
+    again = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, counters=counters, base_split=64, block_n=16)
+    torch.testing.assert_close(again, first, atol=0.0, rtol=0.0)
+    fresh = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=64, block_n=16)
+    torch.testing.assert_close(fresh, first, atol=0.0, rtol=0.0)
+    meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, torch.empty(0), 1,
+                             [1] * len(lens), lens)
+    torch.testing.assert_close(first, TorchAttention().forward(q, k, v, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -75,11 +75,18 @@ class TritonAttention:
         self._decode_kernel, self._prefill_kernel = decode_attention, prefill_attention
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
+        # The decode kernel's split counters, shared by every layer (each call leaves them zero). Sized by
+        # the first, largest call: CUDA graphs are captured largest first, after an eager warm-up. A larger
+        # batch later gets larger ones; the old stay allocated, as captured graphs may still use them.
+        self._counters: list[torch.Tensor] = []
 
     def forward(self, q, k_cache, v_cache, meta, scale):
         if meta.max_seqlen_q == 1:
-            return self._decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table,
-                                                              scale)
+            kernel = self._decode_kernel
+            if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
+                self._counters.append(kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
+            return kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
+                                                 counters=self._counters[-1])
         return self._prefill(q, k_cache, v_cache, meta, scale)
 
     def _prefill(self, q, k_cache, v_cache, meta, scale):

@@ -5,10 +5,11 @@ one CTA per (sequence, head), so a batch whose contexts vary from 100 to 2,000 t
 of long sequences; it moved 2.8-3.3 TB/s here. This kernel is flash-decoding over pages, and moves
 4.2-4.3 TB/s at batch 256 (a device-to-device copy: 4.27):
 
-- stage 1: one program per (KV head, split of SPLIT tokens, sequence) reads its split's K and V once
-  for all query heads of the group (their rows padded to a tensor-core tile) and writes a partial
-  output and log-sum-exp, or the output itself when the context fits one split;
-- stage 2: one program per (sequence, KV head) merges the splits.
+- one program per (KV head, split of SPLIT tokens, sequence) reads its split's K and V once for all
+  query heads of the group (their rows padded to a tensor-core tile) and writes a partial output and
+  log-sum-exp, or the output itself when the context fits one split;
+- the last program of a (sequence, KV head) to finish, counted on an atomic counter, merges the splits.
+  (A second kernel did this before: ~3-4 us of launch and ramp per layer, for a few microseconds of work.)
 
 Splits have a fixed token count, so work per program is even whatever the mix of context lengths, and
 the grid depends only on the batch size and the page table's width: it can be captured in a CUDA graph
@@ -35,11 +36,11 @@ def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, scale_log2e,
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -72,41 +73,36 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, scale_log2e,
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    if tl.cdiv(ctx, SPLIT) == 1:  # the whole context in one split: no partials, no merge
-        out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
+    out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
+    splits = tl.cdiv(ctx, SPLIT)
+    if splits == 1:  # the whole context in one split: no partials, no merge
         tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
-    else:
-        o = PartO + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-        tl.store(o, acc / l[:, None], mask=live[:, None])
-        tl.store(PartLse + seq * stride_lb + heads * stride_lh + split, m + tl.log2(l), mask=live)
-
-
-@triton.jit
-def _merge_kernel(PartO, PartLse, SeqUsed, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                  stride_out_t, stride_out_h, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-    """Log-sum-exp merge of a (sequence, KV head)'s splits, for every query head of the group."""
-    seq, kvh = tl.program_id(0), tl.program_id(1)
-    splits = tl.cdiv(tl.load(SeqUsed + seq), SPLIT)
-    if splits == 1:
         return
-    h, d = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM)
-    live = h < GROUP
-    heads = kvh * GROUP + h
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
     lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
-    m = tl.load(lse_ptrs, mask=live, other=0.0)
-    acc = tl.load(o_ptrs, mask=live[:, None], other=0.0)
-    l = tl.full([BLOCK_H], 1.0, tl.float32)
-    for i in range(1, splits):
-        lse = tl.load(lse_ptrs + i, mask=live, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * a[:, None] + tl.load(o_ptrs + i * stride_os, mask=live[:, None], other=0.0) * b[:, None]
-        l = l * a + b
-        m = m_new
-    tl.store(Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :],
-             (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+    tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live[:, None])
+    tl.store(lse_ptrs + split, m + tl.log2(l), mask=live)
+    # Every thread's stores come before the counter's release; the program that finds splits - 1 there
+    # is the last, and its acquire makes the others' partials visible to it. It resets the counter
+    # for the next layer (and graph replay).
+    tl.debug_barrier()
+    counter = Counters + seq * KV_HEADS + kvh
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        tl.debug_barrier()
+        tl.store(counter, 0)
+        # the partials are read past L1, which another program's stores did not go through
+        m = tl.load(lse_ptrs, mask=live, other=0.0, cache_modifier=".cg")
+        acc = tl.load(o_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        for i in range(1, splits):
+            lse = tl.load(lse_ptrs + i, mask=live, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+            part = tl.load(o_ptrs + i * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
+            acc = acc * a[:, None] + part * b[:, None]
+            l = l * a + b
+            m = m_new
+        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
 
 
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
@@ -128,12 +124,18 @@ def tile_config(batch: int) -> dict:
     return dict(base_split=512, block_n=128)
 
 
+def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The split counters of paged_decode_attention: zeros, which every call leaves zero again."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
-                           base_split: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 3) -> torch.Tensor:
+                           counters: torch.Tensor | None = None, base_split: int | None = None,
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype.
+    counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
@@ -150,16 +152,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if counters is None:
+        counters = merge_counters(batch, kv_heads, q.device)
+    assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     block_h = max(16, triton.next_power_of_2(group))
     _split_kernel[(kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, scale * 1.4426950408889634,
+        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
-    _merge_kernel[(batch, kv_heads)](
-        part_o, part_lse, seqused_k, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), GROUP=group, BLOCK_H=block_h,
-        HEAD_DIM=head_dim, SPLIT=split, num_warps=4)
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
     return out

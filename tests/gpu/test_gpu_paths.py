@@ -83,6 +83,39 @@ def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_decode_split_merge_by_the_last_program_is_race_free():
+    """The last split program of a (sequence, KV head) merges what the others stored: if it could read a
+    partial before its store were visible, some replay would differ. The merge order is fixed, so every
+    one of 100 replays (28 layers' worth of calls each, one counter buffer) must equal the first bit for bit."""
+    from worker_svc.decode_attention import merge_counters, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, kv_heads, dim, page = 256, 16, 8, 128, 256
+    lens = torch.randint(100, 2049, (batch,), generator=gen)
+    per_seq = 2048 // page
+    table = torch.randperm(batch * per_seq, generator=gen).int().view(batch, per_seq).cuda()
+    k = torch.randn(batch * per_seq, page, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(28, batch, heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    seqused, counters = lens.int().cuda(), merge_counters(batch, kv_heads, "cuda")
+    outs = torch.empty_like(q)
+
+    def layers():
+        for i in range(28):
+            outs[i] = paged_decode_attention(q[i], k, v, seqused, table, dim ** -0.5, counters=counters)
+
+    layers()
+    first = outs.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layers()
+    for _ in range(100):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs, first)
+    assert not counters.any()
+
+
 def test_fused_qk_norm_rope_store_matches_eager_pieces():
     from worker_svc.attention import store_kv
     from worker_svc.layers import RotaryEmbedding, qk_norm_rope
