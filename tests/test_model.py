@@ -149,13 +149,14 @@ def test_untied_generation_matches(checkpoints):
         assert got == ref
 
 
-@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.float32])
-def test_uploads_start_on_16_byte_boundaries(dtype):
+def test_uploads_start_on_16_byte_boundaries():
     """Triton specialises kernels on pointer alignment: every uploaded view must start aligned, whatever
-    the sizes before it, or serving would compile new kernel variants."""
+    the sizes and dtypes before it, or serving would compile new kernel variants."""
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 100, size).astype(dtype) for size in (0, 1, 3, 5, 8, 2, 0, 7)]
+    dtypes = [np.int64, np.int32, np.float32]
+    arrays = [rng.integers(0, 100, size).astype(dtypes[i % 3]) for i, size in enumerate((0, 1, 3, 5, 8, 2, 0, 7))]
+    arrays.append(rng.random((3, 3)).astype(np.float32))  # a 2-D array travels flattened
     flat, starts = pack_aligned(arrays)
-    assert all(start * flat.itemsize % 16 == 0 for start in starts)
+    assert flat.dtype == np.uint8 and all(start % 16 == 0 for start in starts)
     for a, start in zip(arrays, starts):
-        assert np.array_equal(flat[start:start + a.size], a)
+        assert np.array_equal(flat[start:start + a.nbytes].view(a.dtype), a.reshape(-1))

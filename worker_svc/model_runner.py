@@ -34,15 +34,34 @@ class SeqState:
 
 
 def pack_aligned(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Arrays of one dtype flattened into one buffer, each starting on a 16-byte boundary; returns the
-    buffer and where each starts (in elements)."""
-    dtype = arrays[0].dtype
-    step = max(1, 16 // dtype.itemsize)
-    starts = np.cumsum([0] + [-(-a.size // step) * step for a in arrays]).tolist()
-    flat = np.zeros(starts[-1], dtype)
+    """Arrays of any dtypes laid out in one byte buffer, each starting on a 16-byte boundary; returns the
+    buffer and where each starts (in bytes)."""
+    sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
+    starts = np.cumsum([0] + sizes).tolist()
+    flat = np.zeros(starts[-1], np.uint8)
     for a, start in zip(arrays, starts):
-        flat[start:start + a.size] = a.reshape(-1)
+        flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     return flat, starts[:-1]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
+
+@dataclass(slots=True)
+class SamplingArrays:
+    """The sampling parameters of a step's sampling rows, gathered on the host; uploaded with its inputs."""
+    temperature: np.ndarray  # float32
+    penalty: np.ndarray      # float32 [S, 3]: repetition, presence, frequency
+    top_k: np.ndarray        # int64, vocab size where off
+    top_p: np.ndarray        # float32
+    min_p: np.ndarray        # float32
+    use_k: bool
+    use_penalty: bool
+    max_logprobs: int
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.temperature, self.penalty, self.top_k, self.top_p, self.min_p
 
 
 @dataclass(slots=True)
@@ -352,11 +371,12 @@ class ModelRunner:
         page_table = self.block_table[rows, :int(self.num_table_blocks[rows].max())]
         slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         self.num_computed[rows] = c + n
+        params = self._sampling_arrays(sample_rows)
         (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
-         cu_t, seqused_t, page_t) = self._upload(
+         cu_t, seqused_t, page_t, *params_t) = self._upload(
             input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
             positions[sample_at] + 1, self.seed[sample_rows], cu.astype(np.int32),
-            (c + n).astype(np.int32), page_table)
+            (c + n).astype(np.int32), page_table, *params.arrays())
         if not prefill.all():
             ids_t[dec_at_t] = self.last_token[dec_rows_t]
         meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
@@ -369,50 +389,46 @@ class ModelRunner:
         if not len(sample_at):
             return PendingStep(plan.step, [], None, [], started)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
-        out = self._sample(logits, sample_rows, rows_t, sample_pos_t, seeds_t)
+        out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t)
         self.last_token[rows_t] = out.token_ids
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
         counts = self.logprobs[sample_rows].tolist() if out.logprobs is not None else []
         return PendingStep(plan.step, ids[sampling].tolist(), out, counts, started)
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-                positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
-        temperature = self.temperature[rows]
-        top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
-        vocab = logits.shape[-1]
-        use_k = (top_k > 0) & (top_k < vocab)
-        pen = self.penalty[rows]
-        use_pen = self.penalties is not None and ((pen[:, 0] != 1).any() or pen[:, 1:].any())
-        max_logprobs = int(self.logprobs[rows].max())
-        temperature_t, pen_t, top_k_t, top_p_t, min_p_t = self._upload(
-            temperature, pen, np.where(use_k, top_k, vocab), top_p, min_p)
-        if use_pen or max_logprobs >= 0 or not logits.is_cuda:
+    def _sample(self, logits: torch.Tensor, params: SamplingArrays, params_t: list[torch.Tensor],
+                rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
+        """params_t: the device copies of params.arrays()."""
+        temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
+        if params.use_penalty or params.max_logprobs >= 0 or not logits.is_cuda:
             logits = logits.float()
-        if use_pen:
-            pen_t = pen_t.view(-1, 3)
-            logits = self.penalties.apply(logits, rows_t, pen_t[:, 0], pen_t[:, 1], pen_t[:, 2])
-        batch = SamplingBatch(
+        if params.use_penalty:
+            penalty_t = penalty_t.view(-1, 3)
+            logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
+        return sample(logits, SamplingBatch(
             temperature=temperature_t, seeds=seeds, positions=positions,
-            top_k=top_k_t if use_k.any() else None, top_p=top_p_t if (top_p < 1).any() else None,
-            min_p=min_p_t if (min_p > 0).any() else None, all_greedy=bool((temperature == 0).all()),
-            max_logprobs=max_logprobs)
-        return sample(logits, batch)
+            top_k=top_k_t if params.use_k else None, top_p=top_p_t if (params.top_p < 1).any() else None,
+            min_p=min_p_t if (params.min_p > 0).any() else None, all_greedy=bool((params.temperature == 0).all()),
+            max_logprobs=params.max_logprobs))
+
+    def _sampling_arrays(self, rows: np.ndarray) -> SamplingArrays:
+        vocab = self.model_config.vocab_size
+        top_k = self.top_k[rows]
+        use_k = (top_k > 0) & (top_k < vocab)
+        penalty = self.penalty[rows]
+        use_penalty = self.penalties is not None and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any())
+        return SamplingArrays(temperature=self.temperature[rows], penalty=penalty,
+                              top_k=np.where(use_k, top_k, vocab), top_p=self.top_p[rows], min_p=self.min_p[rows],
+                              use_k=bool(use_k.any()), use_penalty=use_penalty,
+                              max_logprobs=int(self.logprobs[rows].max(initial=-1)))
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Moves host arrays to the device with one copy per dtype (one pinned staging buffer each);
-        returns flat views in the same order, each starting on a 16-byte boundary: Triton specialises a
-        kernel on its pointers' alignment, and views at any offset would compile new variants while
-        serving (the warm-up's tensors are all aligned)."""
-        if self.device.type == "cpu":
-            return [torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in arrays]
-        by_dtype: dict[np.dtype, list[int]] = {}
-        for i, a in enumerate(arrays):
-            by_dtype.setdefault(a.dtype, []).append(i)
-        out: list[torch.Tensor] = [None] * len(arrays)  # type: ignore[list-item]
-        for indices in by_dtype.values():
-            flat, starts = pack_aligned([arrays[i] for i in indices])
-            dev = torch.from_numpy(flat).pin_memory().to(self.device, non_blocking=True)
-            for i, start in zip(indices, starts):
-                out[i] = dev[start:start + arrays[i].size]
-        return out
+        """Moves a step's host arrays to the device in one copy (one pinned staging buffer); returns flat
+        views in the same order, each starting on a 16-byte boundary: Triton specialises a kernel on its
+        pointers' alignment, and views at any offset would compile new variants while serving (the
+        warm-up's tensors are all aligned)."""
+        flat, starts = pack_aligned(arrays)
+        buffer = torch.from_numpy(flat)
+        if self.device.type != "cpu":
+            buffer = buffer.pin_memory().to(self.device, non_blocking=True)
+        return [buffer[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, start in zip(arrays, starts)]
