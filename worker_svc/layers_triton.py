@@ -17,6 +17,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _weighted(x, r, w, dtype: tl.constexpr):
+    """RMSNorm's output from float32 x, its 1/rms r and weight w, rounded to `dtype` where the eager
+    pieces round: the normalised x, then its product with the weight."""
+    return ((x * r).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _norm_rope_store(src, dst, W, cos, sin, eps, live, HALF: tl.constexpr):
     """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W, rotate, store."""
     dtype = dst.dtype.element_ty
@@ -24,8 +31,8 @@ def _norm_rope_store(src, dst, W, cos, sin, eps, live, HALF: tl.constexpr):
     x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
     r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    n1 = ((x1 * r).to(dtype).to(tl.float32) * tl.load(W + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    n2 = ((x2 * r).to(dtype).to(tl.float32) * tl.load(W + HALF + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    n1 = _weighted(x1, r, tl.load(W + c)[None, :], dtype).to(tl.float32)
+    n2 = _weighted(x2, r, tl.load(W + HALF + c)[None, :], dtype).to(tl.float32)
     tl.store(dst, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=live)
     tl.store(dst + HALF, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=live)
 
@@ -92,8 +99,7 @@ def _rms_norm(X, Res, W, Out, ResOut, eps, stride_x, stride_r, stride_o, stride_
         tl.store(ResOut + row * stride_ro + c, x, mask=live)
     x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    n = (x * r).to(dtype).to(tl.float32) * tl.load(W + c, mask=live, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + c, n.to(dtype), mask=live)
+    tl.store(Out + row * stride_o + c, _weighted(x, r, tl.load(W + c, mask=live, other=0.0), dtype), mask=live)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
