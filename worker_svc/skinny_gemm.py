@@ -33,8 +33,8 @@ def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows & (n[None, :] < N))
 
 
-def tiles(rows: int, n: int, k: int) -> dict:
-    """Measured best for one row on the H200 (bench/results/skinny_gemm.md)."""
+def tiles(n: int) -> dict:
+    """Measured best for one row and N output columns on the H200 (bench/results/skinny_gemm.md)."""
     if n <= 2048:
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_stages=5, num_warps=4)
     return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_stages=5, num_warps=4)
@@ -53,7 +53,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.T
     works; `overrides` replace entries of tiles() (the benchmark's sweep)."""
     rows, k = x.shape
     n = weight.shape[0]
-    meta = tiles(rows, n, k) | {"BLOCK_M": max(16, triton.next_power_of_2(rows))} | overrides
+    meta = tiles(n) | {"BLOCK_M": max(16, triton.next_power_of_2(rows))} | overrides
     if k % meta["BLOCK_K"]:
         raise ValueError(f"K={k} is not a multiple of the {meta['BLOCK_K']}-wide tile")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
