@@ -69,6 +69,21 @@ def reference_attention(q, k, v, lens, table, scale) -> torch.Tensor:
     return TorchAttention().forward(q.float(), k.float(), v.float(), meta, scale)
 
 
+def add_row(rows: list[dict], row: dict) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def kernel_output(fn, rows: list[dict], row: dict) -> torch.Tensor | None:
+    """fn()'s output in float32; None, after adding `row` with the error to `rows`, where the kernel refuses
+    the case (flash-attn-4 may refuse a layout)."""
+    try:
+        return fn().float()
+    except Exception as e:
+        add_row(rows, {**row, "error": str(e)[:200]})
+        return None
+
+
 def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
     """GPU time of one call of fn: `reps` calls captured in a CUDA graph, replayed `replays` times."""
     fn()
@@ -124,16 +139,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        num_warps=w, num_stages=s))
         reference = reference_attention(q, k, v, lens, table, scale)
         for name, fn in kernels.items():
-            try:
-                err = (fn().float() - reference).abs().max().item()
-            except Exception as e:  # flash-attn-4 may refuse a layout
-                rows.append({"case": case, "layout": layout, "kernel": name, "error": str(e)[:200]})
-                print(json.dumps(rows[-1]), flush=True)
+            row = {"case": case, "layout": layout, "kernel": name}
+            if (out := kernel_output(fn, rows, row)) is None:
                 continue
+            err = (out - reference).abs().max().item()
             us = graph_time_us(fn)
-            rows.append({"case": case, "layout": layout, "kernel": name, "block_size": args.block_size,
-                         "us": round(us, 1), "tb_per_s": round(gbytes / us * 1e3, 2), "max_abs_diff": round(err, 4)})
-            print(json.dumps(rows[-1]), flush=True)
+            add_row(rows, {**row, "block_size": args.block_size, "us": round(us, 1),
+                           "tb_per_s": round(gbytes / us * 1e3, 2), "max_abs_diff": round(err, 4)})
         del q, k, v
         torch.cuda.empty_cache()
     record(args.out, "decode_attention", vars(args), rows)

@@ -10,14 +10,13 @@ python -m bench prefill-attention --layouts nhd,hnd
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from bench.decode_attention import as_layout, graph_time_us
+from bench.decode_attention import add_row, as_layout, graph_time_us, kernel_output
 from bench.record import record
 from worker_svc.attention import AttentionMetadata, FlashAttention, TritonAttention, flash_attn_available
 
@@ -79,18 +78,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         flop = sum(4 * q.shape[1] * q.shape[2] * (n * (c - n) + n * (n + 1) / 2) for n, c in zip(q_lens, c_lens))
         for name, backend in backends.items():
             fn = (lambda b=backend, q=q, k=k, v=v, meta=meta: b.forward(q, k, v, meta, scale))
-            try:
-                out = fn().float()
-            except Exception as e:  # flash-attn-4 may refuse a layout
-                rows.append({"case": case, "layout": layout, "kernel": name, "error": str(e)[:200]})
-                print(json.dumps(rows[-1]), flush=True)
+            row = {"case": case, "layout": layout, "kernel": name}
+            if (out := kernel_output(fn, rows, row)) is None:
                 continue
             err = (out - reference.setdefault(case, out)).abs().max().item()
             gpu, eager = graph_time_us(fn), eager_us(fn)
-            rows.append({"case": case, "layout": layout, "kernel": name, "gpu_us": round(gpu, 1),
-                         "eager_us": round(eager, 1),
-                         "tflops": round(flop / gpu / 1e6, 1), "max_abs_diff": round(err, 4)})
-            print(json.dumps(rows[-1]), flush=True)
+            add_row(rows, {**row, "gpu_us": round(gpu, 1), "eager_us": round(eager, 1),
+                           "tflops": round(flop / gpu / 1e6, 1), "max_abs_diff": round(err, 4)})
         del q, k, v
         torch.cuda.empty_cache()
     record(args.out, "prefill_attention", vars(args), rows)
