@@ -12,7 +12,8 @@ import transformers
 from tests.paged_driver import PagedDriver
 from worker_svc.attention import AttentionMetadata
 from worker_svc.make_model import make_model
-from worker_svc.model_runner import ModelRunner, RunnerConfig, pack_aligned
+from worker_svc.model_runner import ModelRunner, RunnerConfig
+from worker_svc.uploads import pack_aligned
 
 PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 
@@ -122,6 +123,25 @@ def test_greedy_with_prefix_reuse(checkpoints, reference):
                       pad_token_id=0)[0, len(extended):].tolist()
     assert second.generated == ref
     assert first.generated == reference[6]
+
+
+def test_a_decode_step_runs_a_prompts_last_token_from_the_plan(checkpoints, reference):
+    """A step of one token per row where a row runs the last token of its prompt (a one-token chunk)
+    beside a decode: the decode step feeds that row from the plan and the other from the device."""
+    runner = _runner(checkpoints["tied"])
+    fed_from_plan, run = [], runner.decode.run
+
+    def spy(inputs, all_greedy):
+        fed_from_plan.append(int((inputs.input_ids >= 0).sum()))
+        return run(inputs, all_greedy)
+
+    runner.decode.run = spy
+    driver = PagedDriver(runner, chunk=8)
+    prompts = _prompts()
+    seqs = [driver.add(prompts[i], 32) for i in (0, 5)]  # 5 and 9 tokens: the 9 run as 8, then 1
+    driver.run_all()
+    assert fed_from_plan[0] == 1 and set(fed_from_plan[1:]) == {0}
+    assert [s.generated for s in seqs] == [reference[0], reference[5]]
 
 
 def test_greedy_after_drop_and_recompute(checkpoints, reference):

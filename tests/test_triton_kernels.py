@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
-from worker_svc.cuda_graphs import capture_sizes
+from worker_svc.decode_step import capture_sizes
 from worker_svc.decode_attention import merge_counters, paged_decode_attention, tile_config
 from worker_svc.layers import RMSNorm, RotaryEmbedding, qk_norm_rope, silu_and_mul
 from worker_svc import layers_triton

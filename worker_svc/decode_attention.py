@@ -117,7 +117,7 @@ def tile_config(batch: int) -> dict:
     8 sequences, short splits of 64-token tiles spread the few sequences over the GPU (1 x 1000 tokens:
     8.0 us against 10.8); past that, 128-token tiles in 512-token splits read 1-2 % faster (longer splits
     measured no better: the merge they save is ~2 % of the kernel, the tail they add as much). The bound
-    is a CUDA-graph batch size (cuda_graphs.capture_sizes), so a batch and the padded batch of its graph
+    is a CUDA-graph batch size (decode_step.capture_sizes), so a batch and the padded batch of its graph
     take the same tiles and compute the same values."""
     if batch <= 8:
         return dict(base_split=128, block_n=64)

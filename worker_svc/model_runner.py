@@ -20,32 +20,18 @@ from protos import worker_pb2 as pb
 from worker_svc.attention import AttentionMetadata, make_backend
 from worker_svc.config import DTYPES, ModelConfig
 from worker_svc.errors import PlanError
-from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
+from worker_svc.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.loader import load_weights
 from worker_svc.parallel import min_over_ranks, tp_size
 from worker_svc.qwen3 import Qwen3ForCausalLM
 from worker_svc.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from worker_svc.uploads import upload
 
 
 @dataclass(slots=True)
 class SeqState:
     row: int
     token_ids: list[int]   # the ids the scheduler sent; later tokens exist only on the device
-
-
-def pack_aligned(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Arrays of any dtypes laid out in one byte buffer, each starting on a 16-byte boundary; returns the
-    buffer and where each starts (in bytes)."""
-    sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
-    starts = np.cumsum([0] + sizes).tolist()
-    flat = np.zeros(starts[-1], np.uint8)
-    for a, start in zip(arrays, starts):
-        flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return flat, starts[:-1]
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
 
 
 @dataclass(slots=True)
@@ -57,11 +43,19 @@ class SamplingArrays:
     top_p: np.ndarray        # float32
     min_p: np.ndarray        # float32
     use_k: bool
+    use_p: bool
+    use_min_p: bool
     use_penalty: bool
+    all_greedy: bool
     max_logprobs: int
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.temperature, self.penalty, self.top_k, self.top_p, self.min_p
+    def arrays(self) -> list[np.ndarray]:
+        return [self.temperature, self.penalty, self.top_k, self.top_p, self.min_p]
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Whether sampler.sample must run: the decode step's Gumbel kernel does temperature alone."""
+        return self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
 
 
 @dataclass(slots=True)
@@ -89,7 +83,8 @@ class PendingStep:
         self.event = None
         if out is not None:
             tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
-            self.host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+            # copy=True: on a CPU, token_ids may be the decode step's static buffer, which the next step reuses
+            self.host = [t.to("cpu", non_blocking=True, copy=True) if t is not None else None for t in tensors]
             if out.token_ids.is_cuda:
                 self.event = torch.cuda.Event()
                 self.event.record()
@@ -133,13 +128,6 @@ class ModelRunner:
         self._allocate_kv_cache()
         if self.device.type == "cuda":
             self._warm_up()
-        self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name != "torch":
-            self.graphs = DecodeGraphs(self.model, self.attention, cfg.max_num_seqs,
-                                       -(-self.max_model_len // self.block_size), self.num_blocks,
-                                       self.block_size, self.device)
-            self.graphs.capture(capture_sizes(cfg.max_num_seqs))
-
         rows = cfg.max_num_seqs
         self.free_rows = list(range(rows - 1, -1, -1))
         # the persistent batch on the host: one row per running sequence
@@ -148,9 +136,14 @@ class ModelRunner:
         self.block_table = np.zeros((rows, -(-self.max_model_len // self.block_size)), np.int32)
         self.num_table_blocks = np.zeros(rows, np.int64)
         self.seqs: dict[int, SeqState] = {}
-        self.last_token = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        # each row's last sampled token (the next one it runs), and a scratch row for padding
+        self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
         self.next_step = 1
+        self.decode = DecodeStep(self.model, self.attention, self.last_token, rows, self.block_table.shape[1],
+                                 scratch_block=self.num_blocks, block_size=self.block_size)
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.attention.name != "torch":
+            self.decode.capture(capture_sizes(rows))
         # per-row sampling parameters, gathered on the host each step
         self.temperature = np.zeros(rows, np.float32)
         self.top_k = np.zeros(rows, np.int64)
@@ -355,8 +348,12 @@ class ModelRunner:
         ids, rows, n, states = self._schedule(plan)
         if not len(rows):
             return PendingStep(plan.step, [], None, [], started)
-        bs = self.block_size
         c, known = self.num_computed[rows], self.num_known[rows]
+        self.num_computed[rows] = c + n
+        sampling = c + n >= known
+        if sampling.all() and n.max() == 1:
+            return self._execute_decode(plan.step, ids, rows, c, known, states, started)
+        bs = self.block_size
         cu = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
@@ -366,35 +363,58 @@ class ModelRunner:
         prefill = c < known
         for i in np.flatnonzero(prefill):  # decodes take their token from the device instead
             input_ids[cu[i]:cu[i + 1]] = states[i].token_ids[c[i]:c[i] + n[i]]
-        sampling = c + n >= known
         sample_at, sample_rows = cu[1:][sampling] - 1, rows[sampling]
         page_table = self.block_table[rows, :int(self.num_table_blocks[rows].max())]
         slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        self.num_computed[rows] = c + n
         params = self._sampling_arrays(sample_rows)
         (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
-         cu_t, seqused_t, page_t, *params_t) = self._upload(
-            input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
-            positions[sample_at] + 1, self.seed[sample_rows], cu.astype(np.int32),
-            (c + n).astype(np.int32), page_table, *params.arrays())
+         cu_t, seqused_t, page_t, *params_t) = upload(
+            [input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
+             positions[sample_at] + 1, self.seed[sample_rows], cu.astype(np.int32), (c + n).astype(np.int32),
+             page_table, *params.arrays()], self.device)
         if not prefill.all():
             ids_t[dec_at_t] = self.last_token[dec_rows_t]
         meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
                                  context_lens=(c + n).tolist())
-        if self.graphs is not None and total == len(rows) and self.graphs.can_run(total):
-            hidden = self.graphs.run(ids_t, pos_t, meta)
-        else:
-            hidden = self.model(ids_t, pos_t, meta, self.attention)
+        hidden = self.model(ids_t, pos_t, meta, self.attention)
         if not len(sample_at):
             return PendingStep(plan.step, [], None, [], started)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
         out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t)
         self.last_token[rows_t] = out.token_ids
+        return self._pending(plan.step, ids[sampling], sample_rows, rows_t, out, started)
+
+    def _execute_decode(self, step: int, ids: np.ndarray, rows: np.ndarray, c: np.ndarray, known: np.ndarray,
+                        states: list[SeqState], started: float) -> PendingStep:
+        """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);
+        the sampler runs again outside only for what its Gumbel kernel does not do (filters, penalties,
+        logprobs)."""
+        bs = self.block_size
+        input_ids = np.full(len(rows), -1, np.int64)
+        for i in np.flatnonzero(c < known):  # the last token of a prompt (or of a preempted sequence)
+            input_ids[i] = states[i].token_ids[c[i]]
+        table = self.block_table[rows]
+        params = self._sampling_arrays(rows)
+        v = self.decode.run(DecodeInputs(
+            rows=rows, input_ids=input_ids, positions=c,
+            slot_mapping=table[np.arange(len(rows)), c // bs].astype(np.int64) * bs + c % bs,
+            seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.seed[rows],
+            page_table=table), all_greedy=params.all_greedy)
+        if params.needs_sampler:
+            out = self._sample(v.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
+                               v.seeds)
+            self.last_token[v.rows] = out.token_ids
+        else:
+            out = SamplerOutput(v.tokens, None, None, None)
+        return self._pending(step, ids, rows, v.rows, out, started)
+
+    def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
+                 started: float) -> PendingStep:
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
-        counts = self.logprobs[sample_rows].tolist() if out.logprobs is not None else []
-        return PendingStep(plan.step, ids[sampling].tolist(), out, counts, started)
+        counts = self.logprobs[rows].tolist() if out.logprobs is not None else []
+        return PendingStep(step, ids.tolist(), out, counts, started)
 
     def _sample(self, logits: torch.Tensor, params: SamplingArrays, params_t: list[torch.Tensor],
                 rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
@@ -406,10 +426,9 @@ class ModelRunner:
             penalty_t = penalty_t.view(-1, 3)
             logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
         return sample(logits, SamplingBatch(
-            temperature=temperature_t, seeds=seeds, positions=positions,
-            top_k=top_k_t if params.use_k else None, top_p=top_p_t if (params.top_p < 1).any() else None,
-            min_p=min_p_t if (params.min_p > 0).any() else None, all_greedy=bool((params.temperature == 0).all()),
-            max_logprobs=params.max_logprobs))
+            temperature=temperature_t, seeds=seeds, positions=positions, top_k=top_k_t if params.use_k else None,
+            top_p=top_p_t if params.use_p else None, min_p=min_p_t if params.use_min_p else None,
+            all_greedy=params.all_greedy, max_logprobs=params.max_logprobs))
 
     def _sampling_arrays(self, rows: np.ndarray) -> SamplingArrays:
         vocab = self.model_config.vocab_size
@@ -417,18 +436,9 @@ class ModelRunner:
         use_k = (top_k > 0) & (top_k < vocab)
         penalty = self.penalty[rows]
         use_penalty = self.penalties is not None and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any())
-        return SamplingArrays(temperature=self.temperature[rows], penalty=penalty,
-                              top_k=np.where(use_k, top_k, vocab), top_p=self.top_p[rows], min_p=self.min_p[rows],
-                              use_k=bool(use_k.any()), use_penalty=use_penalty,
+        temperature, top_p, min_p = self.temperature[rows], self.top_p[rows], self.min_p[rows]
+        return SamplingArrays(temperature=temperature, penalty=penalty, top_k=np.where(use_k, top_k, vocab),
+                              top_p=top_p, min_p=min_p, use_k=bool(use_k.any()), use_p=bool((top_p < 1).any()),
+                              use_min_p=bool((min_p > 0).any()), use_penalty=use_penalty,
+                              all_greedy=bool((temperature == 0).all()),
                               max_logprobs=int(self.logprobs[rows].max(initial=-1)))
-
-    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Moves a step's host arrays to the device in one copy (one pinned staging buffer); returns flat
-        views in the same order, each starting on a 16-byte boundary: Triton specialises a kernel on its
-        pointers' alignment, and views at any offset would compile new variants while serving (the
-        warm-up's tensors are all aligned)."""
-        flat, starts = pack_aligned(arrays)
-        buffer = torch.from_numpy(flat)
-        if self.device.type != "cpu":
-            buffer = buffer.pin_memory().to(self.device, non_blocking=True)
-        return [buffer[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, start in zip(arrays, starts)]

@@ -170,10 +170,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; each rank computes its rows and the full logits are gathered."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., : self.vocab_size]
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """out: where to write the logits (decode steps' static buffer), else a new tensor."""
+        if self.tp_size == 1:
+            return torch.matmul(hidden, self.weight.t(), out=out)
+        local = F.linear(hidden, self.weight)
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local)
+        logits = torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return logits if out is None else out.copy_(logits)

@@ -11,6 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from protos import worker_pb2 as pb  # noqa: E402
 from worker_svc.attention import (AttentionMetadata, FlashAttention, TorchAttention,  # noqa: E402
                                   TritonAttention, flash_attn_available)
 
@@ -197,7 +198,22 @@ def test_triton_sampler_matches_torch_sampler():
     assert torch.equal(fused.cpu(), reference)
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path):
+SAMPLING = {
+    # every row greedy or by temperature: the graph's Gumbel kernel samples
+    "graph_sampler": [pb.SamplingParams(temperature=t, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=s)
+                      for t, s in ((0.0, 0), (0.8, 11), (1.0, 12))],
+    # one row asks for logprobs, one for top-k: the sampler runs again on the graph's logits
+    "sampler_after_graph": [pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=2),
+                            pb.SamplingParams(temperature=0.9, top_k=20, top_p=1.0, repetition_penalty=1.0,
+                                              logprobs=-1, seed=5),
+                            pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.3, logprobs=-1)],
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_cuda_graph_decode_matches_eager(tmp_path, sampling):
+    """Captured decode steps (padded batches, LM head and sampler inside) against the same steps run
+    uncaptured and unpadded."""
     from tests.paged_driver import PagedDriver
     from worker_svc.make_model import make_model
     from worker_svc.model_runner import ModelRunner, RunnerConfig
@@ -206,12 +222,13 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     cfg = dict(device="cuda", num_blocks=512, block_size=16, max_num_seqs=64, max_model_len=1024)
     graphed = ModelRunner(model_dir, RunnerConfig(**cfg))
     eager = ModelRunner(model_dir, RunnerConfig(**cfg, cuda_graphs=False))
-    assert graphed.graphs is not None and eager.graphs is None
+    assert graphed.decode.graphs and not eager.decode.graphs
     prompts = [[(7 * i + j) % 5000 for j in range(5 + 11 * i)] for i in range(13)]
+    params = SAMPLING[sampling]
     outs = []
     for runner in (graphed, eager):
         driver = PagedDriver(runner)
-        seqs = [driver.add(p, 24) for p in prompts]
+        seqs = [driver.add(p, 24, params[i % len(params)]) for i, p in enumerate(prompts)]
         driver.run_all()
         outs.append([s.generated for s in seqs])
     agree = sum(a == b for a, b in zip(*outs))

@@ -1,0 +1,165 @@
+"""Decode steps (one token per sequence, every sequence samples) from static inputs, whole: the token
+to run is gathered on the device from each row's last sampled one, and the LM head and the common
+sampler (temperature or greedy: the Gumbel kernel) run inside the step, which writes its tokens back
+to the rows. On a GPU each padded batch size is captured as a CUDA graph, so a step costs the host one
+packed upload, one graph launch and the copy of its tokens; on a CPU the same body runs uncaptured,
+so that CPU tests cover it.
+
+The static inputs are views into one device byte buffer, laid out per batch size exactly as
+uploads.pack_aligned packs the step's host arrays: the upload is the only copy. Padding rows run the
+scratch row of the runner's last_token and attend to one token of a scratch block that the scheduler
+never owns, where they also write their K/V. Page tables cover max_model_len (nano-vLLM's truncated
+block table cannot happen here).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.qwen3 import Qwen3ForCausalLM
+from worker_svc.sampler import SamplingBatch, sample
+from worker_svc.uploads import TORCH_DTYPES, aligned_starts, pack_aligned, staging
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """A decode step's host arrays, one entry per row (the page table: one row per row)."""
+    rows: np.ndarray          # int64: persistent-batch rows
+    input_ids: np.ndarray     # int64: the token to run, or -1 for the row's last sampled token
+    positions: np.ndarray     # int64
+    slot_mapping: np.ndarray  # int64: where the token's K/V go
+    seqused_k: np.ndarray     # int32: context length after the step
+    temperature: np.ndarray   # float32
+    seeds: np.ndarray         # int64
+    page_table: np.ndarray    # int32 [rows, max_blocks_per_seq]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.rows, self.input_ids, self.positions, self.slot_mapping, self.seqused_k, self.temperature,
+                self.seeds, self.page_table]
+
+
+@dataclass(slots=True)
+class DecodeViews:
+    """DecodeInputs on the device (views into the static buffer), and the step's outputs."""
+    rows: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seqused_k: torch.Tensor
+    temperature: torch.Tensor
+    seeds: torch.Tensor
+    page_table: torch.Tensor
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+    def head(self, n: int) -> DecodeViews:
+        """The first n rows (the step's real ones)."""
+        return DecodeViews(*(t[:n] if t is not None else None for t in (getattr(self, f.name) for f in fields(self))))
+
+
+class DecodeStep:
+    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, last_token: torch.Tensor,
+                 max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int, block_size: int):
+        self.model, self.backend, self.last_token = model, backend, last_token
+        self.device = last_token.device
+        self.width = max_blocks_per_seq
+        # what padding rows run: last_token's extra row, one token in the scratch block
+        self._padding = DecodeInputs(
+            rows=np.array([last_token.shape[0] - 1]), input_ids=np.zeros(1, np.int64),
+            positions=np.zeros(1, np.int64), slot_mapping=np.array([scratch_block * block_size]),
+            seqused_k=np.ones(1, np.int32), temperature=np.zeros(1, np.float32), seeds=np.zeros(1, np.int64),
+            page_table=np.full((1, max_blocks_per_seq), scratch_block, np.int32))
+        _, nbytes = aligned_starts([a.nbytes for a in self._pad(max_num_seqs).arrays()])
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        vocab = model.config.vocab_size
+        self.logits = torch.empty(max_num_seqs, vocab, dtype=next(model.parameters()).dtype, device=self.device)
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.cu_seqlens_q = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # built once (a view costs ~1 us of host): per size the packed inputs of all-padding rows and the
+        # static buffer's views, per batch its rows' views
+        self._templates: dict[int, tuple[np.ndarray, list[int]]] = {}
+        self._view_cache: dict[int, DecodeViews] = {}
+        self._heads: dict[int, DecodeViews] = {}
+
+    def _pad(self, size: int) -> DecodeInputs:
+        return DecodeInputs(*(np.repeat(a, size, axis=0) for a in self._padding.arrays()))
+
+    def _layout(self, size: int) -> tuple[list[int], int]:
+        return aligned_starts([a.nbytes // a.shape[0] * size for a in self._padding.arrays()])
+
+    def _views(self, size: int) -> DecodeViews:
+        if size in self._view_cache:
+            return self._view_cache[size]
+        starts, _ = self._layout(size)
+        views = [self.buffer[start:start + a.nbytes // a.shape[0] * size].view(TORCH_DTYPES[a.dtype])
+                 for a, start in zip(self._padding.arrays(), starts)]
+        views[-1] = views[-1].view(size, self.width)
+        self._view_cache[size] = DecodeViews(*views, logits=self.logits[:size], tokens=self.tokens[:size])
+        return self._view_cache[size]
+
+    def _size(self, n: int) -> int:
+        return min(s for s in self.graphs if s >= n) if self.graphs else n
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _forward(self, v: DecodeViews, context_lens: list[int], all_greedy: bool) -> None:
+        size = v.rows.shape[0]
+        ids = torch.where(v.input_ids >= 0, v.input_ids, self.last_token[v.rows])
+        meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seqused_k=v.seqused_k,
+                                 page_table=v.page_table, slot_mapping=v.slot_mapping, max_seqlen_q=1,
+                                 query_lens=[1] * size, context_lens=context_lens)
+        hidden = self.model(ids, v.positions, meta, self.backend)
+        logits = self.model.compute_logits(hidden, out=v.logits)
+        batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,
+                              top_p=None, min_p=None, all_greedy=all_greedy, max_logprobs=-1)
+        v.tokens.copy_(sample(logits if logits.is_cuda else logits.float(), batch).token_ids)
+        self.last_token[v.rows] = v.tokens
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> None:
+        pool = None
+        for size in sorted(sizes, reverse=True):  # largest first, so smaller graphs reuse its pool
+            views = self._views(size)
+            self._upload(self._pad(size), size)
+            self._forward(views, [1] * size, False)  # warm-up: JIT-compiled kernels are built outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(views, [1] * size, False)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def _upload(self, inputs: DecodeInputs, size: int) -> None:
+        """Packs the step's rows over the padding of its size and copies them into the static buffer."""
+        if size not in self._templates:
+            self._templates[size] = pack_aligned(self._pad(size).arrays())
+        template, starts = self._templates[size]
+        host = staging(template.nbytes, self.device)
+        flat = host.numpy()
+        flat[:] = template
+        for a, start in zip(inputs.arrays(), starts):
+            flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        self.buffer[:template.nbytes].copy_(host, non_blocking=True)
+
+    def run(self, inputs: DecodeInputs, all_greedy: bool) -> DecodeViews:
+        """Runs the step (on a GPU: launches it) and returns its views; tokens are also in last_token. The
+        views hold until the next step's upload, which the device runs after everything launched before."""
+        n = inputs.rows.shape[0]
+        size = self._size(n)
+        self._upload(inputs, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+        else:
+            self._forward(self._views(size), inputs.seqused_k.tolist(), all_greedy)
+        if n not in self._heads:
+            self._heads[n] = self._views(size).head(n)
+        return self._heads[n]
