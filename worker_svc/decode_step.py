@@ -13,7 +13,8 @@ block table cannot happen here).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -29,40 +30,40 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
-@dataclass(slots=True)
-class DecodeInputs:
-    """A decode step's host arrays, one entry per row (the page table: one row per row)."""
-    rows: np.ndarray          # int64: persistent-batch rows
-    input_ids: np.ndarray     # int64: the token to run, or -1 for the row's last sampled token
-    positions: np.ndarray     # int64
-    slot_mapping: np.ndarray  # int64: where the token's K/V go
-    seqused_k: np.ndarray     # int32: context length after the step
-    temperature: np.ndarray   # float32
-    seeds: np.ndarray         # int64
-    page_table: np.ndarray    # int32 [rows, max_blocks_per_seq]
+A = TypeVar("A", np.ndarray, torch.Tensor)
 
-    def arrays(self) -> list[np.ndarray]:
+
+@dataclass(slots=True)
+class DecodeInputs(Generic[A]):
+    """A decode step's arrays, one entry per row (the page table: one row per row): numpy on the host,
+    views into the static buffer on the device."""
+    rows: A          # int64: persistent-batch rows
+    input_ids: A     # int64: the token to run, or -1 for the row's last sampled token
+    positions: A     # int64
+    slot_mapping: A  # int64: where the token's K/V go
+    seqused_k: A     # int32: context length after the step
+    temperature: A   # float32
+    seeds: A         # int64
+    page_table: A    # int32 [rows, max_blocks_per_seq]
+
+    def arrays(self) -> list[A]:
         return [self.rows, self.input_ids, self.positions, self.slot_mapping, self.seqused_k, self.temperature,
                 self.seeds, self.page_table]
 
+    def head(self, n: int) -> DecodeInputs[A]:
+        return DecodeInputs(*(a[:n] for a in self.arrays()))
+
 
 @dataclass(slots=True)
-class DecodeViews:
-    """DecodeInputs on the device (views into the static buffer), and the step's outputs."""
-    rows: torch.Tensor
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    seqused_k: torch.Tensor
-    temperature: torch.Tensor
-    seeds: torch.Tensor
-    page_table: torch.Tensor
-    logits: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
+class DecodeBuffers:
+    """A batch size's static inputs and outputs on the device."""
+    inputs: DecodeInputs[torch.Tensor]
+    logits: torch.Tensor
+    tokens: torch.Tensor
 
-    def head(self, n: int) -> DecodeViews:
+    def head(self, n: int) -> DecodeBuffers:
         """The first n rows (the step's real ones)."""
-        return DecodeViews(*(t[:n] if t is not None else None for t in (getattr(self, f.name) for f in fields(self))))
+        return DecodeBuffers(self.inputs.head(n), self.logits[:n], self.tokens[:n])
 
 
 class DecodeStep:
@@ -87,58 +88,57 @@ class DecodeStep:
         # built once (a view costs ~1 us of host): per size the packed inputs of all-padding rows and the
         # static buffer's views, per batch its rows' views
         self._templates: dict[int, tuple[np.ndarray, list[int]]] = {}
-        self._view_cache: dict[int, DecodeViews] = {}
-        self._heads: dict[int, DecodeViews] = {}
+        self._buffers: dict[int, DecodeBuffers] = {}
+        self._heads: dict[int, DecodeBuffers] = {}
 
-    def _pad(self, size: int) -> DecodeInputs:
+    def _pad(self, size: int) -> DecodeInputs[np.ndarray]:
         return DecodeInputs(*(np.repeat(a, size, axis=0) for a in self._padding.arrays()))
 
     def _layout(self, size: int) -> tuple[list[int], int]:
         return aligned_starts([a.nbytes // a.shape[0] * size for a in self._padding.arrays()])
 
-    def _views(self, size: int) -> DecodeViews:
-        if size in self._view_cache:
-            return self._view_cache[size]
-        starts, _ = self._layout(size)
-        views = [self.buffer[start:start + a.nbytes // a.shape[0] * size].view(TORCH_DTYPES[a.dtype])
-                 for a, start in zip(self._padding.arrays(), starts)]
-        views[-1] = views[-1].view(size, self.width)
-        self._view_cache[size] = DecodeViews(*views, logits=self.logits[:size], tokens=self.tokens[:size])
-        return self._view_cache[size]
+    def _buffers_of(self, size: int) -> DecodeBuffers:
+        if size not in self._buffers:
+            starts, _ = self._layout(size)
+            views = [self.buffer[start:start + a.nbytes // a.shape[0] * size].view(TORCH_DTYPES[a.dtype])
+                     for a, start in zip(self._padding.arrays(), starts)]
+            views[-1] = views[-1].view(size, self.width)
+            self._buffers[size] = DecodeBuffers(DecodeInputs(*views), self.logits[:size], self.tokens[:size])
+        return self._buffers[size]
 
     def _size(self, n: int) -> int:
         return min(s for s in self.graphs if s >= n) if self.graphs else n
 
     # ---- the step -----------------------------------------------------------------------------
-    def _forward(self, v: DecodeViews, context_lens: list[int], all_greedy: bool) -> None:
-        size = v.rows.shape[0]
+    def _forward(self, b: DecodeBuffers, context_lens: list[int], all_greedy: bool) -> None:
+        v, size = b.inputs, b.tokens.shape[0]
         ids = torch.where(v.input_ids >= 0, v.input_ids, self.last_token[v.rows])
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seqused_k=v.seqused_k,
                                  page_table=v.page_table, slot_mapping=v.slot_mapping, max_seqlen_q=1,
                                  query_lens=[1] * size, context_lens=context_lens)
         hidden = self.model(ids, v.positions, meta, self.backend)
-        logits = self.model.compute_logits(hidden, out=v.logits)
+        logits = self.model.compute_logits(hidden, out=b.logits)
         batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,
                               top_p=None, min_p=None, all_greedy=all_greedy, max_logprobs=-1)
-        v.tokens.copy_(sample(logits if logits.is_cuda else logits.float(), batch).token_ids)
-        self.last_token[v.rows] = v.tokens
+        b.tokens.copy_(sample(logits if logits.is_cuda else logits.float(), batch).token_ids)
+        self.last_token[v.rows] = b.tokens
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         pool = None
         for size in sorted(sizes, reverse=True):  # largest first, so smaller graphs reuse its pool
-            views = self._views(size)
+            buffers = self._buffers_of(size)
             self._upload(self._pad(size), size)
-            self._forward(views, [1] * size, False)  # warm-up: JIT-compiled kernels are built outside the capture
+            self._forward(buffers, [1] * size, False)  # warm-up: JIT-compiled kernels are built outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(views, [1] * size, False)
+                self._forward(buffers, [1] * size, False)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def _upload(self, inputs: DecodeInputs, size: int) -> None:
+    def _upload(self, inputs: DecodeInputs[np.ndarray], size: int) -> None:
         """Packs the step's rows over the padding of its size and copies them into the static buffer."""
         if size not in self._templates:
             self._templates[size] = pack_aligned(self._pad(size).arrays())
@@ -150,16 +150,16 @@ class DecodeStep:
             flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         self.buffer[:template.nbytes].copy_(host, non_blocking=True)
 
-    def run(self, inputs: DecodeInputs, all_greedy: bool) -> DecodeViews:
-        """Runs the step (on a GPU: launches it) and returns its views; tokens are also in last_token. The
-        views hold until the next step's upload, which the device runs after everything launched before."""
+    def run(self, inputs: DecodeInputs[np.ndarray], all_greedy: bool) -> DecodeBuffers:
+        """Runs the step (on a GPU: launches it) and returns its rows' buffers; tokens are also in last_token.
+        They hold until the next step's upload, which the device runs after everything launched before."""
         n = inputs.rows.shape[0]
         size = self._size(n)
         self._upload(inputs, size)
         if size in self.graphs:
             self.graphs[size].replay()
         else:
-            self._forward(self._views(size), inputs.seqused_k.tolist(), all_greedy)
+            self._forward(self._buffers_of(size), inputs.seqused_k.tolist(), all_greedy)
         if n not in self._heads:
-            self._heads[n] = self._views(size).head(n)
+            self._heads[n] = self._buffers_of(size).head(n)
         return self._heads[n]

@@ -396,17 +396,18 @@ class ModelRunner:
             input_ids[i] = states[i].token_ids[c[i]]
         table = self.block_table[rows]
         params = self._sampling_arrays(rows)
-        v = self.decode.run(DecodeInputs(
+        b = self.decode.run(DecodeInputs(
             rows=rows, input_ids=input_ids, positions=c,
             slot_mapping=table[np.arange(len(rows)), c // bs].astype(np.int64) * bs + c % bs,
             seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.seed[rows],
             page_table=table), all_greedy=params.all_greedy)
+        v = b.inputs
         if params.needs_sampler:
-            out = self._sample(v.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
+            out = self._sample(b.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
                                v.seeds)
             self.last_token[v.rows] = out.token_ids
         else:
-            out = SamplerOutput(v.tokens, None, None, None)
+            out = SamplerOutput(b.tokens, None, None, None)
         return self._pending(step, ids, rows, v.rows, out, started)
 
     def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
