@@ -22,7 +22,7 @@ import torch
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.qwen3 import Qwen3ForCausalLM
 from worker_svc.sampler import SamplingBatch, sample
-from worker_svc.uploads import TORCH_DTYPES, aligned_starts, pack_aligned, staging
+from worker_svc.uploads import TORCH_DTYPES, pack_aligned, pack_into, staging
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -78,28 +78,30 @@ class DecodeStep:
             positions=np.zeros(1, np.int64), slot_mapping=np.array([scratch_block * block_size]),
             seqused_k=np.ones(1, np.int32), temperature=np.zeros(1, np.float32), seeds=np.zeros(1, np.int64),
             page_table=np.full((1, max_blocks_per_seq), scratch_block, np.int32))
-        _, nbytes = aligned_starts([a.nbytes for a in self._pad(max_num_seqs).arrays()])
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self._templates: dict[int, tuple[np.ndarray, list[int]]] = {}
+        self.buffer = torch.zeros(self._template(max_num_seqs)[0].nbytes, dtype=torch.uint8, device=self.device)
         vocab = model.config.vocab_size
         self.logits = torch.empty(max_num_seqs, vocab, dtype=next(model.parameters()).dtype, device=self.device)
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.cu_seqlens_q = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # built once (a view costs ~1 us of host): per size the packed inputs of all-padding rows and the
-        # static buffer's views, per batch its rows' views
-        self._templates: dict[int, tuple[np.ndarray, list[int]]] = {}
+        # built once (a view costs ~1 us of host): per size the static buffer's views, per batch its rows'
         self._buffers: dict[int, DecodeBuffers] = {}
         self._heads: dict[int, DecodeBuffers] = {}
 
     def _pad(self, size: int) -> DecodeInputs[np.ndarray]:
         return DecodeInputs(*(np.repeat(a, size, axis=0) for a in self._padding.arrays()))
 
-    def _layout(self, size: int) -> tuple[list[int], int]:
-        return aligned_starts([a.nbytes // a.shape[0] * size for a in self._padding.arrays()])
+    def _template(self, size: int) -> tuple[np.ndarray, list[int]]:
+        """The inputs of `size` padding rows packed, and where each array starts: the static buffer's
+        layout for that size. Built once per size."""
+        if size not in self._templates:
+            self._templates[size] = pack_aligned(self._pad(size).arrays())
+        return self._templates[size]
 
     def _buffers_of(self, size: int) -> DecodeBuffers:
         if size not in self._buffers:
-            starts, _ = self._layout(size)
+            starts = self._template(size)[1]
             views = [self.buffer[start:start + a.nbytes // a.shape[0] * size].view(TORCH_DTYPES[a.dtype])
                      for a, start in zip(self._padding.arrays(), starts)]
             views[-1] = views[-1].view(size, self.width)
@@ -120,7 +122,7 @@ class DecodeStep:
         logits = self.model.compute_logits(hidden, out=b.logits)
         batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,
                               top_p=None, min_p=None, all_greedy=all_greedy, max_logprobs=-1)
-        b.tokens.copy_(sample(logits if logits.is_cuda else logits.float(), batch).token_ids)
+        b.tokens.copy_(sample(logits, batch).token_ids)
         self.last_token[v.rows] = b.tokens
 
     @torch.inference_mode()
@@ -140,14 +142,11 @@ class DecodeStep:
 
     def _upload(self, inputs: DecodeInputs[np.ndarray], size: int) -> None:
         """Packs the step's rows over the padding of its size and copies them into the static buffer."""
-        if size not in self._templates:
-            self._templates[size] = pack_aligned(self._pad(size).arrays())
-        template, starts = self._templates[size]
+        template, starts = self._template(size)
         host = staging(template.nbytes, self.device)
         flat = host.numpy()
         flat[:] = template
-        for a, start in zip(inputs.arrays(), starts):
-            flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        pack_into(flat, inputs.arrays(), starts)
         self.buffer[:template.nbytes].copy_(host, non_blocking=True)
 
     def run(self, inputs: DecodeInputs[np.ndarray], all_greedy: bool) -> DecodeBuffers:

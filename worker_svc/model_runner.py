@@ -421,7 +421,7 @@ class ModelRunner:
                 rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
         """params_t: the device copies of params.arrays()."""
         temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
-        if params.use_penalty or params.max_logprobs >= 0 or not logits.is_cuda:
+        if params.use_penalty or params.max_logprobs >= 0:
             logits = logits.float()
         if params.use_penalty:
             penalty_t = penalty_t.view(-1, 3)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.decode_attention import page_of
+from worker_svc.uploads import upload
 
 
 @triton.jit
@@ -76,14 +77,9 @@ def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> t
     counts = -(-lens // block_m)
     first = np.cumsum(counts) - counts
     total = int(counts.sum())
-    blocks = np.zeros((2, -(-total // 4) * 4), np.int32)  # rows start 16-byte aligned (Triton specialises on it)
-    blocks[0, :total] = np.repeat(np.arange(len(lens)), counts)
-    blocks[1, :total] = (np.arange(total) - np.repeat(first, counts)) * block_m
-    host = torch.from_numpy(blocks)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    return dev[0, :total], dev[1, :total]
+    seqs = np.repeat(np.arange(len(lens)), counts).astype(np.int32)
+    starts = ((np.arange(total) - np.repeat(first, counts)) * block_m).astype(np.int32)
+    return tuple(upload([seqs, starts], device))
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

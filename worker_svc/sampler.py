@@ -57,7 +57,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: float32 [S, vocab], already penalised."""
+    """logits: [S, vocab], already penalised; float32 where logprobs are asked for. The Gumbel kernel reads
+    16-bit logits on a GPU; elsewhere the sampler computes in float32."""
+    if not logits.is_cuda:
+        logits = logits.float()
     logprobs = top_ids = top_logprobs = None
     if batch.max_logprobs >= 0:
         all_logprobs = torch.log_softmax(logits, dim=-1)

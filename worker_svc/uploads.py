@@ -27,9 +27,14 @@ def pack_aligned(arrays: Sequence[np.ndarray], out: np.ndarray | None = None) ->
     boundary; returns the buffer and where each starts (in bytes)."""
     starts, total = aligned_starts([a.nbytes for a in arrays])
     flat = np.zeros(total, np.uint8) if out is None else out
+    pack_into(flat, arrays, starts)
+    return flat, starts
+
+
+def pack_into(flat: np.ndarray, arrays: Sequence[np.ndarray], starts: Sequence[int]) -> None:
+    """Writes each array's bytes into `flat` from its start."""
     for a, start in zip(arrays, starts):
         flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return flat, starts
 
 
 def staging(nbytes: int, device: torch.device) -> torch.Tensor:
