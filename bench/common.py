@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the model and engine flags, the checkpoint folder, the local cluster
-(real or simulated worker), an in-process executor over the simulated worker, timed streams
+(real or simulated worker), the offline LLM over either, timed streams
 (Trace, stream), percentiles, and record() with the command as `python -m bench.<name> ...`."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from protos import worker_pb2
-from scheduler_svc.engine import EngineConfig
+from common import limits
+from scheduler_svc.config import SchedulerConfig
 
 
 def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
@@ -26,11 +26,9 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--simulate", action="store_true",
                     help="the simulated worker (same protocol, no model, GPU-like step times): runs on a CPU")
     ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    limits.add_arguments(ap, limits.Limits(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096))
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
-    ap.add_argument("--pipeline-depth", type=int, default=EngineConfig().pipeline_depth,
+    ap.add_argument("--pipeline-depth", type=int, default=SchedulerConfig().pipeline_depth,
                     help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
         ap.add_argument("--out", default=out, help="results JSON (a .md table is written next to it)")
@@ -39,8 +37,8 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
 def write_config_only(preset: str, out: Path) -> Path:
     """config.json, generation_config.json and the tokenizer: all the simulated worker and the scheduler
     read (no weights, no torch)."""
-    from worker_svc.presets import GENERATION_CONFIG, get_preset
-    from worker_svc.tokenizer_files import write_qwen_tokenizer
+    from worker_svc.checkpoints.presets import GENERATION_CONFIG, get_preset
+    from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +60,7 @@ def model_dir(args: argparse.Namespace) -> Iterator[Path]:
         if args.simulate:
             yield write_config_only(args.preset, Path(tmp) / args.preset)
         else:
-            from worker_svc.make_model import make_model
+            from worker_svc.checkpoints.writer import make_model
 
             yield make_model(args.preset, Path(tmp) / args.preset, seed=0, dtype="bfloat16")
 
@@ -80,7 +78,7 @@ def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """EngineConfig fields (those the worker must agree on go to an in-process worker too)."""
+    """Options of offline.LLM: the limits (which an in-process worker gets too) and the pipeline depth."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, pipeline_depth=args.pipeline_depth)
 
@@ -136,37 +134,17 @@ def cluster(args: argparse.Namespace, model: Path, extra_scheduler_args: Sequenc
                     print(f"--- {p.name} log tail ---\n{p.tail(log_lines)}", flush=True)
 
 
-class SimulatedExecutor:
-    """The simulated worker behind the scheduler's Executor seam, in this process: the in-process
-    counterpart of `--simulate` (no torch, no gRPC)."""
-
-    def __init__(self, model: Path, args: argparse.Namespace, num_blocks: int = 4096):
-        from worker_svc.simulated import SimulatedRunner, StepCost
-
-        self.runner = SimulatedRunner(model, num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
-                                      args.max_num_batched_tokens, StepCost())
-        self._pending: list = []
-
-    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
-        return self.runner.describe(request)
-
-    def submit(self, plan: worker_pb2.StepPlan) -> None:
-        self._pending.append(self.runner.execute(plan))
-
-    def receive(self) -> worker_pb2.StepResult:
-        return self._pending.pop(0).result()
-
-    def close(self) -> None:
-        self._pending.clear()
-
-
 def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
-    """scheduler_svc.llm.LLM over the model on --device, or over the simulated worker with --simulate."""
-    from scheduler_svc.llm import LLM
+    """offline.llm.LLM over the model on --device, or over the simulated worker with --simulate."""
+    from offline.llm import LLM
 
     options = engine_options(args) | engine
     if args.simulate:
-        return LLM(model, executor=SimulatedExecutor(model, args), **options)
+        from offline.executor import InProcessExecutor
+        from worker_svc.runtime.simulated import SimulatedRunner, StepCost
+
+        runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost())
+        return LLM(model, executor=InProcessExecutor(runner), **options)
     return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention, **options)
 
 

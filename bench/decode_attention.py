@@ -60,7 +60,7 @@ def make_case(batch: int, lo: int, hi: int, page: int, heads: int, kv_heads: int
 
 def reference_attention(q, k, v, lens, table, scale) -> torch.Tensor:
     """The torch backend's output (float32), the same whatever the layout."""
-    from worker_svc.attention import AttentionMetadata, TorchAttention
+    from worker_svc.kernels.attention import AttentionMetadata, TorchAttention
 
     n = len(lens)
     meta = AttentionMetadata(cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32), seqused_k=lens, page_table=table,
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
     ap.add_argument("--out", default="bench/results/decode_attention.json")
     args = ap.parse_args(argv)
-    from worker_svc.decode_attention import merge_counters, paged_decode_attention
+    from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention
 
     try:
         from flash_attn.cute import flash_attn_varlen_func

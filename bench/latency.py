@@ -1,5 +1,5 @@
 """Batch-1 decode latency: one request at a time (a 128-token prompt, 256 output tokens, greedy,
-ignore EOS), through the gRPC services and in-process (scheduler_svc.llm.LLM's engine, no gRPC) for
+ignore EOS), through the gRPC services and in-process (offline.llm.LLM's engine, no gRPC) for
 comparison. Per output token after the first: the median, mean and p99 of the time between deltas
 (shared by the tokens a delta brings); and the time to the first token.
 

@@ -9,6 +9,7 @@ python -m bench prefill-attention --layouts nhd,hnd
 """
 from __future__ import annotations
 
+from common.util import cdiv
 import argparse
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ import torch
 
 from bench.decode_attention import add_row, as_layout, graph_time_us, kernel_output
 from bench.record import record
-from worker_svc.attention import AttentionMetadata, FlashAttention, TritonAttention, flash_attn_available
+from worker_svc.kernels.attention import AttentionMetadata, flash_attn_available, make_attention
 
 CASES = {  # name: (query tokens per sequence, context lengths)
     "29x560 prompts": ([560] * 29, [560] * 29),
@@ -31,7 +32,7 @@ CASES = {  # name: (query tokens per sequence, context lengths)
 
 def make_case(q_lens: list[int], c_lens: list[int], page: int, gen: torch.Generator, layout: str = "nhd"):
     heads, kv_heads, dim = 16, 8, 128
-    pages = [-(-c // page) for c in c_lens]
+    pages = [cdiv(c, page) for c in c_lens]
     num_blocks = sum(pages) + 1
     perm = torch.randperm(num_blocks, generator=gen).int()
     table = torch.zeros(len(c_lens), max(pages), dtype=torch.int32)
@@ -64,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts: nhd, hnd (bench/decode_attention.py)")
     ap.add_argument("--out", default="bench/results/prefill_attention.json")
     args = ap.parse_args(argv)
-    backends = {"triton": TritonAttention()}
-    if flash_attn_available(torch.device("cuda")):
-        backends["flash_attn"] = FlashAttention()
+    cuda = torch.device("cuda")
+    names = ["triton", "flash_attn"] if flash_attn_available(cuda) else ["triton"]
+    backends = {name: make_attention(name, cuda) for name in names}
     gen = torch.Generator()
     rows = []
     reference = {}  # per case, the first layout's first kernel

@@ -8,6 +8,7 @@ python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --pr
 """
 from __future__ import annotations
 
+from common.util import cdiv
 import argparse
 import json
 import random
@@ -20,9 +21,10 @@ import torch
 
 from bench.common import replay_ms
 from bench.record import record
+from common.limits import Limits
 from protos import worker_pb2 as pb
-from worker_svc.make_model import make_model
-from worker_svc.model_runner import ModelRunner, RunnerConfig
+from worker_svc.checkpoints.writer import make_model
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=1)
 
@@ -31,10 +33,10 @@ class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int):
-        per_seq = -(-(context + steps + 16) // block_size)
+        per_seq = cdiv(context + steps + 16, block_size)
         self.runner = ModelRunner(model_dir, RunnerConfig(
-            device="cuda", block_size=block_size, num_blocks=batch * per_seq, max_num_seqs=batch,
-            max_num_batched_tokens=8192, max_model_len=per_seq * block_size, cuda_graphs=graphs))
+            device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
+            limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
         per_plan = max(1, 8192 // context)
@@ -104,10 +106,10 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
     """Time (and profile) an eager step of new `context`-token prompts totalling about `tokens` tokens,
     as the offline workload's prefill steps are (16k tokens each)."""
     seqs = max(1, tokens // context)
-    per_seq = -(-(context + 1) // block_size)
+    per_seq = cdiv(context + 1, block_size)
     runner = ModelRunner(model_dir, RunnerConfig(
-        device="cuda", block_size=block_size, num_blocks=seqs * per_seq, max_num_seqs=seqs,
-        max_num_batched_tokens=seqs * context, max_model_len=per_seq * block_size, cuda_graphs=False))
+        device="cuda", block_size=block_size, num_blocks=seqs * per_seq, cuda_graphs=False,
+        limits=Limits(max_num_seqs=seqs, max_num_batched_tokens=seqs * context, max_model_len=per_seq * block_size)))
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(context)] for _ in range(seqs)]
     counter = iter(range(1, 1 << 30))

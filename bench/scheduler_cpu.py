@@ -22,47 +22,37 @@ import time
 from collections import deque
 from pathlib import Path
 
-from protos import worker_pb2
+from common.limits import Limits
+from protos import WORKER_PROTOCOL_VERSION, worker_pb2
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.engine import EngineConfig, LLMEngine
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import LLMEngine
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
+from worker_svc.runtime.batch import PersistentBatch
 
 RESULTS = Path(__file__).parent / "results" / "scheduler_cpu.json"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 65536
+MAX_MODEL_LEN = 8192
 VOCAB = 10000
+EPOCH = 1
 
 
 class Sampler:
-    """Answers plans like a worker, without checks: which sequences sample, with what token."""
+    """Answers plans like a worker: each is applied through the workers' PersistentBatch (with its checks), and
+    every sequence that samples gets a token from a fixed random list."""
 
-    def __init__(self) -> None:
-        self.known: dict[int, int] = {}
-        self.computed: dict[int, int] = {}
+    def __init__(self, max_num_seqs: int = 1024) -> None:
+        self.batch = PersistentBatch(max_num_seqs, NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN, epoch=EPOCH)
         self.pending: deque[worker_pb2.StepResult] = deque()
         self.rng = random.Random(0)
         self.tokens = [self.rng.randrange(VOCAB) for _ in range(4096)]
 
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        known, computed = self.known, self.computed
-        for sid in plan.finished_ids:
-            del known[sid], computed[sid]
-        for sid in plan.preempted_ids:
-            del known[sid], computed[sid]
-        ids = []
-        for ns in plan.new_seqs:
-            known[ns.seq_id] = len(ns.token_ids)
-            computed[ns.seq_id] = c = ns.num_computed_tokens + ns.num_scheduled_tokens
-            if c >= known[ns.seq_id]:
-                known[ns.seq_id] += 1
-                ids.append(ns.seq_id)
-        for sid, n in zip(plan.seq_ids, plan.num_scheduled_tokens):
-            computed[sid] = c = computed[sid] + n
-            if c >= known[sid]:
-                known[sid] += 1
-                ids.append(sid)
+        step = self.batch.apply(plan)
+        ids = step.seq_ids[step.samples].tolist()
         result = worker_pb2.StepResult(step=plan.step)
         result.seq_ids.extend(ids)
         start = self.rng.randrange(len(self.tokens) - len(ids) - 1) if len(ids) < len(self.tokens) else 0
@@ -72,8 +62,8 @@ class Sampler:
     # The Executor protocol, for the engine measurement.
     def describe(self, request: worker_pb2.DescribeRequest) -> worker_pb2.DescribeResponse:
         return worker_pb2.DescribeResponse(
-            protocol_version=1, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=8192,
-            epoch=1, vocab_size=151936,
+            protocol_version=WORKER_PROTOCOL_VERSION, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+            max_model_len=MAX_MODEL_LEN, epoch=EPOCH, vocab_size=151936,
         )  # fmt: skip
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -87,22 +77,16 @@ class Sampler:
 
 
 def make_scheduler(num_seqs: int) -> Scheduler:
-    cfg = SchedulerConfig(
-        num_blocks=NUM_BLOCKS,
-        block_size=BLOCK_SIZE,
-        max_model_len=8192,
-        max_num_seqs=num_seqs,
-        max_num_batched_tokens=8192,
-        max_waiting=100_000,
-    )
-    return Scheduler(cfg, eos_token_ids=[VOCAB], epoch=1)
+    cfg = SchedulerConfig(limits=Limits(max_num_seqs=num_seqs, max_num_batched_tokens=8192,
+                                        max_model_len=MAX_MODEL_LEN), max_waiting=100_000)
+    return Scheduler(cfg, NUM_BLOCKS, BLOCK_SIZE, eos_token_ids=[VOCAB], epoch=EPOCH)
 
 
 def add_seqs(sched: Scheduler, rng: random.Random, first_id: int, count: int, prompt_len, max_tokens: int) -> None:
     for i in range(count):
         n = prompt_len(rng)
         prompt = [rng.randrange(VOCAB) for _ in range(n)]
-        sched.add(Sequence(first_id + i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=i))
+        sched.add(Sequence(first_id + i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i)))
 
 
 class Pipeline:
@@ -162,7 +146,7 @@ def bench_decode(num_seqs: int, steps: int) -> dict:
     rng = random.Random(0)
     sched = make_scheduler(num_seqs)
     add_seqs(sched, rng, 1, num_seqs, lambda r: r.randint(100, 1024), max_tokens=4096)
-    pipe = Pipeline(sched, Sampler())
+    pipe = Pipeline(sched, Sampler(num_seqs))
     pipe.prefill_all()
     pipe.measure(5)
     return pipe.measure(steps)
@@ -173,7 +157,7 @@ def bench_mixed(num_seqs: int, steps: int) -> dict:
     rng = random.Random(1)
     sched = make_scheduler(num_seqs)
     add_seqs(sched, rng, 1, num_seqs * 7 // 8, lambda r: r.randint(100, 1024), max_tokens=4096)
-    pipe = Pipeline(sched, Sampler())
+    pipe = Pipeline(sched, Sampler(num_seqs))
     pipe.prefill_all()
     next_id = [1_000_000]
 
@@ -189,14 +173,15 @@ def bench_mixed(num_seqs: int, steps: int) -> dict:
 def bench_engine(num_seqs: int, steps: int) -> dict | None:
     """LLMEngine.step at num_seqs decodes: schedule + update + detokenize + outputs (executor excluded)."""
     try:
-        from worker_svc.tokenizer_files import write_qwen_tokenizer
+        from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
     except ImportError:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         write_qwen_tokenizer(Path(tmp))
         sampler = Sampler()
         sampler.tokens = [279, 3974, 13876, 38835, 34208, 916, 264, 15678, 5562, 13] * 400  # English words
-        engine = LLMEngine(tmp, sampler, EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192))
+        engine = LLMEngine(tmp, sampler, SchedulerConfig(limits=Limits(max_num_seqs=num_seqs,
+                                                                       max_num_batched_tokens=8192)))
     rng = random.Random(2)
     for i in range(num_seqs):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(100, 1024))]
@@ -247,7 +232,7 @@ def bench_block_manager() -> dict:
     owners = iter(prompts[1:])
 
     def commit_64():
-        seq = Sequence(1, next(owners), SamplingParams(), seed=0)
+        seq = Sequence(1, next(owners), SamplingParams(seed=0))
         seq.block_table = bm.allocate(65)
         seq.num_computed_tokens = 1025
         bm.commit(seq)
@@ -256,13 +241,13 @@ def bench_block_manager() -> dict:
     out["allocate 65 + hash+register 64 full blocks + free"] = per_op_us(commit_64, 300)
 
     prompt = prompts[0]
-    owner = Sequence(1, list(prompt), SamplingParams(), seed=0)
+    owner = Sequence(1, list(prompt), SamplingParams(seed=0))
     owner.block_table = bm.allocate(65)
     owner.num_computed_tokens = 1025
     bm.commit(owner)
 
     def hit_64():
-        seq = Sequence(2, prompt, SamplingParams(), seed=0)
+        seq = Sequence(2, prompt, SamplingParams(seed=0))
         hits = bm.match_prefix(seq)
         assert len(hits) == 64
         bm.acquire(hits)

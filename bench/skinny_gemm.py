@@ -1,4 +1,4 @@
-"""The decode projections alone: cuBLAS (F.linear) against worker_svc/skinny_gemm.py, per call.
+"""The decode projections alone: cuBLAS (F.linear) against worker_svc/kernels/skinny_gemm.py, per call.
 
 Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows. Each call reads a different copy of
 the weight (copies fill well past the 50 MB L2, as 28 layers do), 20 calls per CUDA graph, replayed; so
@@ -10,6 +10,7 @@ python -m bench skinny-gemm --rows 1,16,64 --configs 16:256:4:4,32:128:6:4
 """
 from __future__ import annotations
 
+from common.util import cdiv
 import argparse
 import json
 from collections.abc import Sequence
@@ -42,13 +43,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="block_n:block_k:num_stages:num_warps, comma-separated")
     ap.add_argument("--out", default="bench/results/skinny_gemm.json")
     args = ap.parse_args(argv)
-    from worker_svc.skinny_gemm import skinny_linear
+    from worker_svc.kernels.skinny_gemm import skinny_linear
 
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
-        copies = -(-200_000_000 // (n * k * 2))
+        copies = cdiv(200_000_000, n * k * 2)
         weights = [(torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(copies)]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)

@@ -18,6 +18,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import ChannelSecurity, PathOrPem, create_channel
+from common.usage import Usage
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 
@@ -35,13 +36,6 @@ _FINISH_REASONS = {
 }
 # Health states worth polling through while a server starts.
 _NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
 
 
 @dataclass(slots=True)

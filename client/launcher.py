@@ -113,9 +113,10 @@ class LocalCluster:
         if port not in self.worker_ports:
             self.worker_ports.append(port)
         membership = ["--scheduler", self.address] if self.register else []
+        device = ["--device", self.device] if self.worker_command == "serve" else []  # a simulated worker has none
         return self._spawn(f"worker-{port}", ["-m", "worker_svc.cli", self.worker_command, "--model", str(self.model_dir),
-                                              "--host", "127.0.0.1", "--port", str(port), "--device",
-                                              self.device, *self._security_args(), *membership, *self.worker_args,
+                                              "--host", "127.0.0.1", "--port", str(port), *device,
+                                              *self._security_args(), *membership, *self.worker_args,
                                               *(extra or [])])
 
     def start_scheduler(self, extra: list[str] | None = None) -> Process:

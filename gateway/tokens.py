@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from client.byte_level import char_to_byte
+from common.byte_level import char_to_byte
 
 
 class TokenRenderer:
@@ -25,10 +25,6 @@ class TokenRenderer:
             decoder = self._tokenizer.decoder
             self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return self._tokenizer is not None
 
     def render(self, token_id: int) -> tuple[str, list[int] | None]:
         """(the token's text, its UTF-8 bytes or None). A token holding part of a multi-byte character

@@ -1,31 +1,19 @@
 """Paged KV blocks of one worker group: ref counts, a free list in LRU order and a prefix-cache index.
 
-A full block is identified by a chained hash: xxhash64 of its token ids, seeded with the hash of the
-previous block, so equal hashes mean equal prefixes. The index keeps each block's token ids and parent
-hash and a lookup compares them, so a hash collision can never hand out the wrong KV. Freed blocks keep
-their hash and stay hittable until they are reallocated; the free list reuses blocks with no hash
-first, then the least recently freed.
+A full block is identified by its chained hash (prefix_hash.py). The index keeps each block's token ids
+and parent hash and a lookup compares them, so a hash collision can never hand out the wrong KV. Freed
+blocks keep their hash and stay hittable until they are reallocated; the free list reuses blocks with no
+hash first, then the least recently freed.
 """
 
 from __future__ import annotations
 
 import struct
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
-import xxhash
-
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.prefix_hash import ROOT_HASH, block_bytes, extend_hashes, hash_block
 from scheduler_svc.sequence import Sequence
-
-ROOT_HASH = 0  # the "previous hash" of a sequence's first block
-_PROBE_PARAMS = SamplingParams()
-_xxh64 = xxhash.xxh64_intdigest
-
-
-def block_bytes(token_ids: list[int]) -> bytes:
-    return array("i", token_ids).tobytes()
 
 
 class BlockManager:
@@ -59,29 +47,25 @@ class BlockManager:
     def block_hash(self, block_id: int) -> int | None:
         return self._hash[block_id]
 
-    def _hash_upto(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Extend seq.block_hashes to cover its first num_blocks blocks (all of them full)."""
-        hashes = seq.block_hashes
-        start = len(hashes)
-        if start < num_blocks:
-            bs = self.block_size
-            width = 4 * bs
-            data = block_bytes(seq.token_ids[start * bs : num_blocks * bs])
-            h = hashes[-1] if start else ROOT_HASH
-            for off in range(0, len(data), width):
-                h = _xxh64(data[off : off + width], h)
-                hashes.append(h)
-        return hashes
-
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of seq's tokens, never its last token.
 
         Takes no references: pair with acquire()."""
         if not self.enable_prefix_caching:
             return []
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        return self._match(seq.token_ids, extend_hashes(seq.token_ids, self.block_size, seq.block_hashes, limit),
+                           limit)
+
+    def cached_prefix_len(self, token_ids: list[int], hashes: list[int]) -> int:
+        """Tokens of a prompt the prefix cache would serve now, given the hashes of its full blocks (routing;
+        no state changes)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._match(token_ids, hashes, (len(token_ids) - 1) // self.block_size)) * self.block_size
+
+    def _match(self, token_ids: list[int], hashes: list[int], limit: int) -> list[int]:
         bs = self.block_size
-        limit = (len(seq.token_ids) - 1) // bs
-        hashes = self._hash_upto(seq, limit)
         index = self._index
         hits: list[int] = []
         for i in range(limit):
@@ -92,17 +76,12 @@ class BlockManager:
         if hits:
             # Rule out collisions: same parent hash and same token ids, block by block.
             width = 4 * bs
-            data = block_bytes(seq.token_ids[: len(hits) * bs])
+            data = block_bytes(token_ids[: len(hits) * bs])
             for i, bid in enumerate(hits):
                 parent = hashes[i - 1] if i else ROOT_HASH
                 if self._parent[bid] != parent or self._data[bid] != data[i * width : (i + 1) * width]:
                     return hits[:i]
         return hits
-
-    def cached_prefix_len(self, token_ids: list[int]) -> int:
-        """Tokens of a prompt the prefix cache would serve now (routing; no state changes)."""
-        probe = Sequence(0, token_ids, _PROBE_PARAMS, seed=0)
-        return len(self.match_prefix(probe)) * self.block_size
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks are on the free list (acquiring them takes them off it)."""
@@ -180,7 +159,7 @@ class BlockManager:
             if i < known:
                 h = hashes[i]
             else:
-                h = _xxh64(block, parent)
+                h = hash_block(block, parent)
                 hashes.append(h)
             if h not in index:  # else the same content is already cached in another block
                 b = table[i]
@@ -205,6 +184,6 @@ class BlockManager:
             else:
                 assert self._index.get(h) == b, f"block {b}: hash {h:#x} not indexed to it"
                 assert self._data[b] is not None and len(self._data[b]) == 4 * self.block_size
-                assert h == _xxh64(self._data[b], self._parent[b]), f"block {b}: hash does not match its tokens"
+                assert h == hash_block(self._data[b], self._parent[b]), f"block {b}: hash does not match its tokens"
         for h, b in self._index.items():
             assert self._hash[b] == h, f"index entry {h:#x} -> {b} is stale"

@@ -8,7 +8,7 @@ max(--step-timeout, --step-timeout-factor x its recent step time); its requests 
 workers by recompute, and its address is retried with backoff up to --reconnect-backoff-max.
 
 Every gRPC link is TLS (--tls-cert/--tls-key, --tls-ca for mutual TLS) unless --plaintext is given; who
-may register workers and call the public API: scheduler_svc/security.py and deploy/README.md."""
+may register workers and call the public API: common/security.py and deploy/README.md."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scheduler_svc import logs, security
-from scheduler_svc.engine import EngineConfig
+from common import limits, logs, security
+from scheduler_svc.config import SchedulerConfig
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -32,12 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker group's leader; repeat for several (or none: workers register themselves)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=0, help="0: the worker's")
-    p.add_argument("--max-waiting", type=int, default=4096, help="queued requests per group before refusing")
+    limits.add_arguments(p)
+    defaults = SchedulerConfig()
+    p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                   help="queued requests per group before refusing")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--pipeline-depth", type=int, default=EngineConfig().pipeline_depth,
+    p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
@@ -79,11 +79,7 @@ def membership_config(args: argparse.Namespace):
 async def _main(args: argparse.Namespace) -> None:
     from scheduler_svc.server import serve
 
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-                          enable_prefix_caching=not args.no_prefix_caching,
-                          pipeline_depth=args.pipeline_depth)
-    server, service, port = await serve(args.model, args.worker, args.host, args.port, config,
+    server, service, port = await serve(args.model, args.worker, args.host, args.port, args.config,
                                         metrics_port=args.metrics_port, membership=membership_config(args),
                                         tls=args.tls, registration_secret=args.registration_secret,
                                         api_keys=args.api_keys)
@@ -111,8 +107,12 @@ def load_security(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.pipeline_depth < 1:
-        parser.error("--pipeline-depth must be at least 1")
+    try:
+        args.config = SchedulerConfig(limits=limits.from_args(args), max_waiting=args.max_waiting,
+                                      enable_prefix_caching=not args.no_prefix_caching,
+                                      pipeline_depth=args.pipeline_depth)
+    except ValueError as e:
+        parser.error(str(e))
     logs.setup(args.log_format, args.log_level)
     try:
         load_security(args)

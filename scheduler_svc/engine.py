@@ -1,41 +1,24 @@
 """The engine loop over one worker group: requests in, schedule -> submit -> receive -> update, text
-deltas out. With pipelining the plans of steps N+1 and N+2 are submitted before the result of step N is
-read (depth 3), so the worker never waits for the scheduler's Python or the gRPC round trip."""
+deltas out. With pipelining, `pipeline_depth` plans are submitted before the oldest one's result is read,
+so the worker never waits for the scheduler's Python or the gRPC round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from protos import worker_pb2
+from common.limits import Limits
+from common.usage import Usage
+from protos import WORKER_PROTOCOL_VERSION, worker_pb2
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.executor import PROTOCOL_VERSION, Executor
+from scheduler_svc.executor import Executor
+from scheduler_svc.requests import check_params, check_prompt_ids
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus, TokenLogprob
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 0  # 0 = the worker's
-    long_prefill_token_threshold: int = 0  # 0 = max_num_batched_tokens // 4
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    # Steps handed to the worker before the oldest one's result is read (1: serial). With 3 the worker
-    # already holds step N+2 when N ends, so the result -> plan round trip through gRPC (~0.2 ms on a
-    # loaded host) hides behind a whole step even at batch 1 (bench.latency --simulate: 0.91 -> 0.73 ms
-    # per token against 0.71 in-process); a finished sequence costs one wasted decode more.
-    pipeline_depth: int = 3
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -51,16 +34,11 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-
-
-@dataclass(slots=True)
-class Orphan:
-    """A request taken out of an engine (its worker died or drains) to go on in another one by recompute:
-    its tokens so far (prompt and every token already streamed), resolved seed, limits and detokenizer
-    state travel with it, so the client sees exactly the tokens and text it would have seen."""
+class EngineRequest:
+    """A request in an engine: its sequence and its detokenizer. A request that moves to another engine (its
+    worker died or drains) takes both along: its tokens so far (prompt and every token already streamed),
+    resolved seed, limits and detokenizer state, so the client sees exactly the tokens and text it would
+    have seen."""
     seq: Sequence
     detokenizer: IncrementalDetokenizer
 
@@ -74,48 +52,36 @@ class LLMEngine:
         self,
         model_dir: str | Path,
         executor: Executor,
-        config: EngineConfig | None = None,
+        config: SchedulerConfig | None = None,
         tokenizer: ModelTokenizer | None = None,
     ):
-        self.config = config = config or EngineConfig()
+        config = config or SchedulerConfig()
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.executor = executor
+        limits = config.limits
         info = executor.describe(
             worker_pb2.DescribeRequest(
-                protocol_version=PROTOCOL_VERSION,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
+                protocol_version=WORKER_PROTOCOL_VERSION,
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                max_model_len=limits.max_model_len,
                 scheduler_id="engine",
             )
         )
-        if info.protocol_version != PROTOCOL_VERSION:
-            raise RuntimeError(f"worker speaks protocol {info.protocol_version}, scheduler {PROTOCOL_VERSION}")
+        if info.protocol_version != WORKER_PROTOCOL_VERSION:
+            raise RuntimeError(f"worker speaks protocol {info.protocol_version}, scheduler {WORKER_PROTOCOL_VERSION}")
         self.worker_info = info
-        max_model_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
         # The worker refuses plans beyond what it answered it can hold (0: it did not say).
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=info.num_blocks,
-                block_size=info.block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=min(config.max_num_seqs, info.max_num_seqs or config.max_num_seqs),
-                max_num_batched_tokens=min(config.max_num_batched_tokens,
-                                           info.max_num_batched_tokens or config.max_num_batched_tokens),
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_waiting=config.max_waiting,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            epoch=info.epoch,
-        )
+        worker = Limits(info.max_num_seqs or limits.max_num_seqs,
+                        info.max_num_batched_tokens or limits.max_num_batched_tokens, info.max_model_len)
+        self.config = dataclasses.replace(config, limits=limits.within(worker))
+        self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, self.tokenizer.eos_token_ids,
+                                   info.epoch)
         self._vocab_size = info.vocab_size or self.tokenizer.vocab_size
-        if config.pipeline_depth < 1:
-            raise ValueError("pipeline_depth must be at least 1")
-        self._depth = config.pipeline_depth
+        self._depth = self.config.pipeline_depth
         self._in_flight = 0
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
+        self._by_seq: dict[int, EngineRequest] = {}
         self._next_seq_id = 1
         self._aborted: list[RequestOutput] = []  # returned by the next step()
         # Metrics hook (scheduler_svc.metrics.StepObserver): plan(plan) after each submit, result(result)
@@ -126,25 +92,36 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request (a larger priority is more urgent); raises ValueError (bad input) or
-        QueueFullError."""
+        """Queue a request given by the engine's own caller (offline): validated here, a text prompt tokenized,
+        the seed drawn when none is given. A larger priority is more urgent. Raises ValueError (bad input, or
+        it does not fit the worker) or QueueFullError."""
         params = params if params is not None else SamplingParams()
-        params.validate()
+        check_params(params, self._vocab_size)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
+            check_prompt_ids(token_ids, self._vocab_size, "prompt")
         else:
             token_ids = list(prompt)
-            if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self._vocab_size:
-                raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+            check_prompt_ids(token_ids, self._vocab_size, "prompt token ids")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=params.resolved_seed())
+        return self.add(token_ids, params, request_id, priority)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+            block_hashes: list[int] | None = None) -> str:
+        """Queue a request validated at the edge (add_request, or the service's requests.parse_generate), its
+        seed resolved. block_hashes: its prompt's, when the caller has them already (routing). Raises
+        ValueError when it does not fit the worker, or its id is in use; QueueFullError."""
         seq_id = self._next_seq_id
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(seq_id, token_ids, params, params.resolved_seed(), request_id=request_id, priority=priority)
+        seq = Sequence(seq_id, list(prompt_ids), params, request_id=request_id, priority=priority,
+                       block_hashes=list(block_hashes or ()))
         self.scheduler.add(seq)
         self._next_seq_id += 1
-        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, params.stop)
-        self._requests[request_id] = self._by_seq[seq_id] = _Request(seq, detok)
+        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
+        self._requests[request_id] = self._by_seq[seq_id] = EngineRequest(seq, detok)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -164,34 +141,35 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-    def detach(self, waiting_only: bool = False) -> list[Orphan]:
+    def move_out(self, waiting_only: bool = False) -> list[EngineRequest]:
         """Takes every unfinished request out (or only those not running on the worker), with no output:
-        they continue elsewhere (adopt()). Their blocks come back; tokens of steps still in flight are
-        dropped (never streamed), so each orphan holds exactly what its client has seen."""
-        orphans = []
+        they continue in another engine (move_in). Their blocks come back; tokens of steps still in flight
+        are dropped (never streamed), so each request holds exactly what its client has seen."""
+        moving = []
         for req in list(self._requests.values()):
             seq = req.seq
             if waiting_only and seq.status is SequenceStatus.RUNNING:
                 continue
             self.scheduler.abort(seq.seq_id)
             self._forget(seq)
-            orphans.append(Orphan(seq, req.detokenizer))
-        return orphans
+            moving.append(req)
+        return moving
 
-    def adopt(self, orphan: Orphan) -> str:
-        """Continues a request detached from another engine: it is queued with its prompt plus the tokens
+    def move_in(self, req: EngineRequest, block_hashes: list[int] | None = None) -> str:
+        """Continues a request moved out of another engine: it is queued with its prompt plus the tokens
         generated so far (recompute), the same seed and limits, and ahead of the queue's QueueFull bound.
+        block_hashes: of its tokens' full blocks at this worker's block size, when the caller has them.
         Raises ValueError when it does not fit this worker (model length, blocks)."""
-        old = orphan.seq
+        old = req.seq
         if old.request_id in self._requests:
             raise ValueError(f"request id {old.request_id!r} is already in use")
-        seq = Sequence(self._next_seq_id, list(old.token_ids), old.params, old.seed, request_id=old.request_id,
-                       prompt_len=old.prompt_len, priority=old.priority)
+        seq = Sequence(self._next_seq_id, list(old.token_ids), old.params, request_id=old.request_id,
+                       prompt_len=old.prompt_len, priority=old.priority, block_hashes=list(block_hashes or ()))
         seq.num_cached_tokens = old.num_cached_tokens
         seq.logprobs = old.logprobs
         self.scheduler.add(seq, force=True)
         self._next_seq_id += 1
-        self._requests[seq.request_id] = self._by_seq[seq.seq_id] = _Request(seq, orphan.detokenizer)
+        self._requests[seq.request_id] = self._by_seq[seq.seq_id] = EngineRequest(seq, req.detokenizer)
         return seq.request_id
 
     def has_unfinished(self) -> bool:
@@ -229,9 +207,8 @@ class LLMEngine:
         else:
             text, stopped = detokenizer.add(token, len(seq.token_ids) >= seq.min_len)
             if stopped:
-                if reason is None:
-                    self.scheduler.finish(seq.seq_id, "stop")
-                reason = seq.finish_reason = "stop"
+                self.scheduler.stop(seq)
+                reason = seq.finish_reason
                 stop_reason = detokenizer.stop_string
             elif reason is not None:
                 text += detokenizer.flush()
@@ -244,7 +221,8 @@ class LLMEngine:
             self._forget(seq)
         return out
 
-    def _usage(self, seq: Sequence) -> Usage:
+    @staticmethod
+    def _usage(seq: Sequence) -> Usage:
         return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens or 0)
 
     def _forget(self, seq: Sequence) -> None:

@@ -1,13 +1,11 @@
-"""The seam between the scheduler and a worker group: a gRPC stream in the services, a ModelRunner
-in the same process offline (worker_svc.executor.InProcessExecutor), a fake in tests."""
+"""The seam between the scheduler and a worker group: a gRPC stream in the services (grpc_executor.py), a
+ModelRunner in the same process offline (offline/executor.py), a fake in tests."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from protos import worker_pb2
-
-PROTOCOL_VERSION = 1
 
 
 class Executor(Protocol):

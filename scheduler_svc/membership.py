@@ -24,20 +24,21 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
+from common.security import RegistrationPolicy
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
-from scheduler_svc.engine import Orphan
+from scheduler_svc.engine import EngineRequest
 from scheduler_svc.grpc_executor import WatchConfig, WorkerUnavailable
+from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.router import pick_group
-from scheduler_svc.security import RegistrationPolicy
 from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
 
 log = logging.getLogger("splitserve.scheduler")
 SERVICE = mpb.DESCRIPTOR.services_by_name["Membership"].full_name
-FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
 REGISTERED_RETRY_S = 600.0  # how long the address of a failed registered worker is retried
 
 
@@ -52,12 +53,46 @@ class MembershipConfig:
     worker_credentials: Callable[[], grpc.ChannelCredentials] | None = None
 
 
-class Membership:
-    """Owned by the GenerationService (`service`): reads and writes its groups, streams and health."""
+class MembershipHost(Protocol):
+    """What Membership needs of the service it serves (scheduler_svc/server.py's GenerationService)."""
 
-    def __init__(self, service, config: MembershipConfig | None = None):
-        self.service = service
+    @property
+    def accepting(self) -> bool:
+        """False once the scheduler drains: no group joins, no address is retried."""
+        ...
+
+    def open_group(self, address: str, timeout: float, wait_for_ready: bool, stale_epoch: int | None,
+                   credentials: grpc.ChannelCredentials | None) -> WorkerGroup:
+        """Connects a new group to the worker at address (blocks: called in a thread). Raises
+        WorkerUnavailable."""
+        ...
+
+    def is_streaming(self, request_id: str) -> bool:
+        """Whether the request's client call is still open."""
+        ...
+
+    def continue_on(self, request_id: str, group: WorkerGroup) -> bool:
+        """The request continues on group from now on (a cancel aborts it there); False when its call has
+        ended meanwhile."""
+        ...
+
+    def lost(self, request_id: str) -> None:
+        """No live group can continue the request: its call ends with UNAVAILABLE."""
+        ...
+
+    async def groups_changed(self) -> None:
+        """A group joined, left, failed or drains (readiness follows the live groups)."""
+        ...
+
+
+class Membership:
+    def __init__(self, host: MembershipHost, config: MembershipConfig | None = None,
+                 on_moved: Callable[[], None] = lambda: None):
+        """on_moved: called for every request that continues on another group (a metric)."""
+        self.host = host
         self.config = config or MembershipConfig()
+        self.on_moved = on_moved
+        self.groups: list[WorkerGroup] = []  # every group driven now, draining ones included
         self.scheduler_id = uuid.uuid4().hex[:12]
         self.static: set[str] = set()  # --worker addresses
         self.registered: dict[str, float] = {}  # registered address -> loop time it was last seen
@@ -69,8 +104,12 @@ class Membership:
         self._watchdog: asyncio.Task | None = None
 
     # ---- groups -------------------------------------------------------------------------------
+    def live_groups(self) -> list[WorkerGroup]:
+        """Groups that take requests: alive and not draining."""
+        return [g for g in self.groups if g.alive and not g.draining]
+
     def group_at(self, address: str) -> WorkerGroup | None:
-        return next((g for g in self.service.groups if g.address == address and g.alive), None)
+        return next((g for g in self.groups if g.address == address and g.alive), None)
 
     async def add_static(self, address: str) -> WorkerGroup:
         self.static.add(address)
@@ -79,29 +118,26 @@ class Membership:
     async def connect(self, address: str, timeout: float, wait_for_ready: bool = True) -> WorkerGroup:
         """A live group for address: the one there is, or a new one (Describe, then Execute opened).
         Raises WorkerUnavailable."""
-        s = self.service
         lock = self._connect_locks.setdefault(address, asyncio.Lock())
         async with lock:
             group = self.group_at(address)
             if group is not None:
                 return group
             credentials = self.config.worker_credentials
-            group = await asyncio.to_thread(WorkerGroup, address, s.model_dir, s.tokenizer, s.config,
-                                            s._outputs_from_thread, s._failure_from_thread, self.config.watch,
-                                            timeout, wait_for_ready, self._last_epoch.get(address),
+            group = await asyncio.to_thread(self.host.open_group, address, timeout, wait_for_ready,
+                                            self._last_epoch.get(address),
                                             credentials() if credentials is not None else None)
-            group.engine.step_observer = s.metrics.step_observer(address)
-            if not s.accepting:
+            if not self.host.accepting:
                 await asyncio.to_thread(group.stop)
                 raise WorkerUnavailable("the scheduler is shutting down")
             if not group.alive:  # failed at once: group_failed has run or will, and retries
                 raise WorkerUnavailable(f"worker {address} failed as it joined")
-            s.groups.append(group)
+            self.groups.append(group)
         info = group.info
         log.info("worker group %s: %s, %d blocks of %d, max_model_len %d, epoch %d", address, info.device,
                  info.num_blocks, info.block_size, info.max_model_len, info.epoch,
                  extra={"worker": address, "epoch": info.epoch})
-        await s._update_health()
+        await self.host.groups_changed()
         return group
 
     def start(self) -> None:
@@ -120,55 +156,52 @@ class Membership:
         interval = min(1.0, max(0.05, self.config.watch.step_timeout / 10))
         while True:
             await asyncio.sleep(interval)
-            for group in list(self.service.groups):
+            for group in list(self.groups):
                 if group.alive and (reason := group.engine.executor.check_progress()):
                     log.error("watchdog: %s", reason, extra={"worker": group.address})
 
     # ---- failure and re-queue ----------------------------------------------------------------
-    def group_failed(self, group: WorkerGroup, orphans: list[Orphan], error: Exception) -> None:
+    def group_failed(self, group: WorkerGroup, requests: list[EngineRequest], error: Exception) -> None:
         """On the event loop, after a group's engine thread gave up on its worker."""
-        s = self.service
-        if group in s.groups:
-            s.groups.remove(group)
+        if group in self.groups:
+            self.groups.remove(group)
         self._last_epoch[group.address] = group.info.epoch
-        live = s.live_groups()
         log.warning("worker group %s is gone (%s): %d request(s) to move, %d live group(s) left", group.address,
-                    error, len(orphans), len(live), extra={"worker": group.address})
-        self.requeue(orphans)
-        self._spawn(s._update_health())
+                    error, len(requests), len(self.live_groups()), extra={"worker": group.address})
+        self.move(requests)
+        self._spawn(self.host.groups_changed())
         self.schedule_reconnect(group.address)
 
-    def requeue(self, orphans: list[Orphan]) -> None:
-        for orphan in orphans:
-            if orphan.request_id in self.service._streams:
-                self._spawn(self._move(orphan))
+    def move(self, requests: list[EngineRequest]) -> None:
+        for req in requests:
+            if self.host.is_streaming(req.request_id):
+                self._spawn(self._move(req))
 
-    async def _move(self, orphan: Orphan) -> None:
+    async def _move(self, req: EngineRequest) -> None:
         """Continues one request on the live group that costs least (its prompt plus generated tokens are
         recomputed there); with none left, its stream ends with UNAVAILABLE."""
-        s = self.service
-        rid = orphan.request_id
+        rid = req.request_id
+        hashes = PromptHashes(req.seq.token_ids)
         tried: set[WorkerGroup] = set()
         while True:
-            stream = s._streams.get(rid)
-            if stream is None:  # the call ended meanwhile (cancelled)
-                return
-            candidates = [g for g in s.live_groups() if g not in tried]
+            candidates = [g for g in self.live_groups() if g not in tried]
             if not candidates:
-                log.warning("request %s: no live worker left to continue it", rid, extra={"request_id": rid})
-                stream.put(FAILED)
+                if self.host.is_streaming(rid):
+                    log.warning("request %s: no live worker left to continue it", rid, extra={"request_id": rid})
+                    self.host.lost(rid)
                 return
-            group = pick_group(candidates, orphan.seq.token_ids)
-            stream.group_of[rid] = group  # before the adopt is queued: a cancel now aborts it there
+            group = pick_group(candidates, hashes)
+            if not self.host.continue_on(rid, group):  # the call ended meanwhile (cancelled)
+                return
             try:
-                await asyncio.wrap_future(group.adopt(orphan))
+                await asyncio.wrap_future(group.move_in(req, hashes))
             except (GroupUnavailable, ValueError) as e:
                 log.warning("request %s: cannot continue on %s: %s", rid, group.address, e,
                             extra={"request_id": rid, "worker": group.address})
                 tried.add(group)
                 continue
-            s.metrics.requests_requeued.inc()
-            seq = orphan.seq
+            self.on_moved()
+            seq = req.seq
             log.info("request %s moved to worker %s: %d prompt + %d generated tokens to recompute", rid,
                      group.address, seq.prompt_len, seq.num_output_tokens,
                      extra={"request_id": rid, "worker": group.address})
@@ -176,7 +209,7 @@ class Membership:
 
     # ---- coming back --------------------------------------------------------------------------
     def schedule_reconnect(self, address: str) -> None:
-        if not self.service.accepting or address in self._reconnecting:
+        if not self.host.accepting or address in self._reconnecting:
             return
         if address not in self.static and address not in self.registered:
             return
@@ -189,7 +222,7 @@ class Membership:
         delay = cfg.reconnect_backoff_min
         started = loop.time()
         try:
-            while self.service.accepting:
+            while self.host.accepting:
                 if address not in self.static:
                     if address not in self.registered:
                         return  # deregistered meanwhile
@@ -227,37 +260,36 @@ class Membership:
         return await asyncio.shield(task)  # goes on if the caller (a Deregister call) is cancelled
 
     async def _drain(self, group: WorkerGroup, grace: float) -> int:
-        s = self.service
         loop = asyncio.get_running_loop()
         group.draining = True
-        await s._update_health()
+        await self.host.groups_changed()
         log.info("worker %s drains: %d request(s), grace %.1f s", group.address, group.num_unfinished, grace,
                  extra={"worker": group.address})
         moved = 0
-        if s.live_groups():  # queued requests have nothing to finish there: they move at once
-            moved += await self._evict(group, waiting_only=True)
+        if self.live_groups():  # queued requests have nothing to finish there: they move at once
+            moved += await self._move_out(group, waiting_only=True)
         deadline = loop.time() + max(0.0, grace)
         while group.alive and group.num_unfinished and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if group.alive:
-            moved += await self._evict(group)
-            if group in s.groups:
-                s.groups.remove(group)
+            moved += await self._move_out(group)
+            if group in self.groups:
+                self.groups.remove(group)
             self._last_epoch[group.address] = group.info.epoch
             await asyncio.to_thread(group.stop)
         # (a group that failed meanwhile moved its requests through group_failed)
-        await s._update_health()
+        await self.host.groups_changed()
         log.info("worker %s left: %d request(s) moved to other workers", group.address, moved,
                  extra={"worker": group.address})
         return moved
 
-    async def _evict(self, group: WorkerGroup, waiting_only: bool = False) -> int:
+    async def _move_out(self, group: WorkerGroup, waiting_only: bool = False) -> int:
         try:
-            orphans = await asyncio.wrap_future(group.evict(waiting_only))
+            requests = await asyncio.wrap_future(group.move_out(waiting_only))
         except GroupUnavailable:
             return 0
-        self.requeue(orphans)
-        return len(orphans)
+        self.move(requests)
+        return len(requests)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -272,7 +304,7 @@ def _valid_address(address: str) -> bool:
 
 class MembershipService(membership_pb2_grpc.MembershipServicer):
     """Register / Deregister, served by the scheduler next to its public API. Who may call them: the
-    policy (scheduler_svc.security): mutual TLS, a shared secret, or nobody."""
+    policy (common.security): mutual TLS, a shared secret, or nobody."""
 
     def __init__(self, membership: Membership, policy: RegistrationPolicy):
         self.m = membership
@@ -286,10 +318,10 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
-        m, s = self.m, self.m.service
+        m = self.m
         await self._authorize(context, request)
         address = request.address
-        if not s.accepting:
+        if not m.host.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not _valid_address(address):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {address!r}")
@@ -300,7 +332,7 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
             # Registering again at another epoch: the worker restarted, or lost the stream this group holds.
             group.fail(f"worker {address} registered again at a new epoch: its stream is gone")
             deadline = loop.time() + 10.0
-            while group in s.groups and loop.time() < deadline:
+            while group in m.groups and loop.time() < deadline:
                 await asyncio.sleep(0.02)
             group = None
         if group is not None:

@@ -11,64 +11,17 @@ thread through `step_observer()` (engine.py), `requests_requeued` where a failed
 moved (worker failure handling)."""
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+from prometheus_client.core import GaugeMetricFamily
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
-            80.0)
+from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
+
 _SIZES = tuple(2 ** i for i in range(6, 24, 2))
-LATENCY_BUCKETS = _LATENCY
-# Plan and result sizes cost a ByteSize() each (2-4 us at 256 sequences): measured on one step in
+# Plan and result sizes cost a ByteSize() each, a walk of the message: measured on one step in
 # SIZE_SAMPLE_EVERY, so the histograms are a sample of the steps.
 SIZE_SAMPLE_EVERY = 16
-
-
-class FastHistogram:
-    """A histogram for ONE writer thread on a hot path: observe() costs about 0.2 us, against 1-2 us for
-    prometheus_client's locked one. Read (approximately) by its family's collector at scrape time."""
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-
-class FastHistogramFamily:
-    """FastHistograms of one name, one per label tuple (e.g. per worker: each written by its engine thread)."""
-
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
-                 registry: CollectorRegistry):
-        self.name, self.documentation, self.labelnames, self.buckets = name, documentation, labelnames, buckets
-        self._children: dict[tuple[str, ...], FastHistogram] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> FastHistogram:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = FastHistogram(self.buckets)
-        return child
-
-    def describe(self):
-        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
-
-    def collect(self):
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, h in list(self._children.items()):
-            counts, total, buckets = list(h.counts), 0, []
-            for bound, count in zip((*h.bounds, float("inf")), counts):
-                total += count
-                buckets.append((floatToGoString(bound), total))
-            family.add_metric(list(values), buckets, h.sum)
-        yield family
 
 
 class StepObserver:
@@ -106,16 +59,16 @@ class SchedulerMetrics:
         self.generation_tokens = Counter("splitserve:generation_tokens", "Generated tokens", registry=r)
         self.cached_prompt_tokens = Counter("splitserve:prefix_cache_hits",
                                             "Prompt tokens served from the prefix cache", registry=r)
-        self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY,
+        self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
         # Written by the event loop thread only, once per stream message (per completion).
         self.itl = FastHistogramFamily("splitserve:inter_token_latency_seconds",
                                        "Time between streamed messages of a completion (tokens coalesce when "
-                                       "a client falls behind)", (), _LATENCY, r).labels()
+                                       "a client falls behind)", (), LATENCY_BUCKETS, r).labels()
         self.e2e = Histogram("splitserve:e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_LATENCY, registry=r)
+                             buckets=LATENCY_BUCKETS, registry=r)
         self.step = FastHistogramFamily("splitserve:step_duration_seconds",
-                                        "Worker step time, as the worker reports it", ("worker",), _LATENCY, r)
+                                        "Worker step time, as the worker reports it", ("worker",), LATENCY_BUCKETS, r)
         self.plan_bytes = FastHistogramFamily("splitserve:plan_size_bytes",
                                               f"Serialized StepPlan size (one step in {SIZE_SAMPLE_EVERY})",
                                               ("worker",), _SIZES, r)

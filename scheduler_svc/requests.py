@@ -1,5 +1,6 @@
-"""Turns a public GenerateRequest into prompt token ids and SamplingParams, or an error naming the
-field. Everything is checked here, before anything is allocated."""
+"""The edge: turns a public GenerateRequest into prompt token ids and SamplingParams, or an error naming the
+field. Everything is checked here, before anything is allocated, and the seed is resolved; the offline edge
+(LLMEngine.add_request) makes the same checks through check_params and check_prompt_ids."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,12 +40,29 @@ class ParsedRequest:
     priority: int
 
     def completion_params(self, index: int) -> SamplingParams:
-        """The parameters of completion `index` of the n: with a seed, each completion gets its own seed
-        derived from it (the first keeps it), so the n differ and the request stays reproducible."""
+        """The parameters of completion `index` of the n: each completion gets its own seed derived from the
+        request's (the first keeps it), so the n differ and the request stays reproducible."""
         seed = self.params.seed
-        if index == 0 or seed is None:
+        if index == 0:
             return self.params
         return dataclasses.replace(self.params, seed=xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed))
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """Raises InvalidParam naming the first bad field (its SamplingParams name)."""
+    params.validate()
+    if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+        raise InvalidParam("stop_token_ids", f"must lie in [0, {vocab_size}), got {max(params.stop_token_ids)}")
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """Raises InvalidRequest naming `field` unless the prompt holds at least one token id, each in the
+    vocabulary."""
+    if not ids:
+        raise InvalidRequest(f"{field} must not be empty")
+    if not 0 <= min(ids) <= max(ids) < vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise InvalidRequest(f"{field} must lie in [0, {vocab_size}), got {bad}")
 
 
 def max_prompt_bytes(max_model_len: int) -> int:
@@ -73,15 +91,11 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
         ids = tokenizer.encode(prompt.text)
     elif kind == "token_ids":
         raw = prompt.token_ids.ids
-        if not raw:
-            raise InvalidRequest("prompt.token_ids must not be empty")
         if max_model_len and len(raw) >= max_model_len:
             raise InvalidRequest(f"prompt.token_ids must be fewer than max_model_len ({max_model_len}) tokens, "
                                  f"got {len(raw)}")
         ids = list(raw)
-        if not 0 <= min(ids) <= max(ids) < vocab_size:
-            bad = next(t for t in ids if not 0 <= t < vocab_size)
-            raise InvalidRequest(f"prompt.token_ids must lie in [0, {vocab_size}), got {bad}")
+        check_prompt_ids(ids, vocab_size, "prompt.token_ids")
     else:
         chat = prompt.chat
         if not chat.messages:
@@ -139,12 +153,9 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True))
     try:
-        params.validate()
+        check_params(params, vocab_size)
     except InvalidParam as e:
         raise InvalidRequest(f"{PROTO_FIELD.get(e.field, 'sampling.' + e.field)} {e.detail}") from None
-    if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
-        raise InvalidRequest(f"stopping.stop_token_ids must lie in [0, {vocab_size}), "
-                             f"got {max(params.stop_token_ids)}")
     ids = prompt_ids(req, tokenizer, vocab_size, max_model_len)
     kind = req.WhichOneof("prompt")
     if len(ids) >= max_model_len:
@@ -159,4 +170,6 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     elif params.max_tokens > room:
         raise InvalidRequest(f"stopping.max_tokens must be at most {room}: prompt ({len(ids)} tokens) + "
                              f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
+    # Resolved here, once: a request moved to another worker samples the same.
+    params.seed = params.resolved_seed()
     return ParsedRequest(ids, params, n, req.priority)

@@ -2,7 +2,9 @@
 cache, plus its load, so hot prefixes go where they are cached without piling onto one group."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+from scheduler_svc.prefix_hash import PromptHashes
 
 # A running sequence costs about this many prompt tokens of work per step it stays (tunable).
 RUNNING_WEIGHT = 8
@@ -10,14 +12,17 @@ RUNNING_WEIGHT = 8
 
 class Group(Protocol):
     def load(self) -> tuple[int, int, int]: ...
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int: ...
+    def cached_prefix_tokens(self, hashes: PromptHashes) -> int: ...
 
 
-def cost(group: Group, prompt_ids: list[int]) -> float:
+G = TypeVar("G", bound=Group)
+
+
+def cost(group: Group, hashes: PromptHashes) -> float:
     waiting_tokens, running, free_blocks = group.load()
-    uncached = len(prompt_ids) - group.cached_prefix_tokens(prompt_ids)
+    uncached = len(hashes.token_ids) - group.cached_prefix_tokens(hashes)
     return uncached + waiting_tokens + RUNNING_WEIGHT * running - (1e-6 * free_blocks)
 
 
-def pick_group(groups: list, prompt_ids: list[int]):
-    return min(groups, key=lambda g: cost(g, prompt_ids))
+def pick_group(groups: list[G], hashes: PromptHashes) -> G:
+    return min(groups, key=lambda g: cost(g, hashes))

@@ -89,8 +89,9 @@ class SamplingParams:
         """The user's seed, or a fresh random 64-bit one."""
         return self.seed if self.seed is not None else _seed_source.getrandbits(64)
 
-    def to_proto(self, seed: int) -> worker_pb2.SamplingParams:
-        """The resolved parameters the worker samples with."""
+    def to_proto(self) -> worker_pb2.SamplingParams:
+        """The parameters the worker samples with; the seed must be resolved (resolved_seed)."""
+        assert self.seed is not None, "the seed is resolved at the edge"
         return worker_pb2.SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -99,6 +100,6 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            seed=seed,
+            seed=self.seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
         )

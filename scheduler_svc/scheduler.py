@@ -34,14 +34,14 @@ known, so a decode is scheduled for the token still being sampled. Rules that ke
 from __future__ import annotations
 
 import bisect
-import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import NamedTuple
 
+from common.util import cdiv
 from protos import worker_pb2
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import NEVER, Sequence, SequenceStatus, TokenLogprob
 
 RUNNING = SequenceStatus.RUNNING
@@ -52,46 +52,25 @@ WAITING = SequenceStatus.WAITING
 
 class _InFlight(NamedTuple):
     step: int
-    samplers: list[Sequence]  # the sequences that sample in the plan, in result order
-    sampler_ids: list[int]
+    sampling: list[Sequence]  # the sequences that sample in the plan, in result order
+    sampling_ids: list[int]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_waiting: admission refused."""
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    # Cap on a prefill chunk in the first pass of a step; 0 = max_num_batched_tokens // 4.
-    long_prefill_token_threshold: int = 0
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    # How many later arrivals one level of priority may overtake (aging: bounds starvation).
-    priority_aging: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
-
-    @property
-    def chunk_cap(self) -> int:
-        if self.long_prefill_token_threshold:
-            return self.long_prefill_token_threshold
-        return max(self.block_size, self.max_num_batched_tokens // 4)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), epoch: int = 0):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, eos_token_ids: Iterable[int] = (),
+                 epoch: int = 0):
+        """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks and block_size:
+        the worker's KV cache."""
+        if config.limits.max_model_len < 1:
+            raise ValueError("max_model_len must be resolved against the worker's before scheduling")
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_size = block_size
+        self.max_model_len = config.limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
         self.waiting: deque[Sequence] = deque()  # in arrival order
@@ -110,7 +89,9 @@ class Scheduler:
     # --- admission and removal -------------------------------------------------------------------
 
     def add(self, seq: Sequence, force: bool = False) -> None:
-        """Queue a new sequence. Raises QueueFullError or ValueError (naming the field).
+        """Queue a new sequence whose parameters were validated at the edge (requests.py). Raises
+        QueueFullError, or ValueError when it does not fit this worker group (its model length or its
+        blocks: groups may differ).
 
         A sequence may come with generated tokens already (token_ids longer than prompt_len: a request
         moved from another worker group); its limits count from its prompt. force: admit it beyond
@@ -125,24 +106,23 @@ class Scheduler:
             raise ValueError(f"sequence id {seq.seq_id} is already in use")
         params = seq.params
         p = seq.prompt_len
-        max_new = params.max_tokens if params.max_tokens is not None else cfg.max_model_len - p
-        if max_new < 1 or p + max_new > cfg.max_model_len or n >= p + max_new:
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - p
+        if max_new < 1 or p + max_new > self.max_model_len or n >= p + max_new:
             raise ValueError(
-                f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({cfg.max_model_len})"
+                f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.max_model_len})"
             )
         # The last token is never fed back, so max_len - 1 positions of KV.
-        blocks = math.ceil((p + max_new - 1) / cfg.block_size)
-        if blocks > cfg.num_blocks:
-            raise ValueError(
-                f"prompt ({p} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker has {cfg.num_blocks}"
-            )
+        blocks = cdiv(p + max_new - 1, self.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt ({p} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker "
+                             f"has {self.block_manager.num_blocks}")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seq.stop_ids = frozenset(stop_ids)
         seq.max_len = p + max_new
         seq.min_len = seq.prompt_len + params.min_tokens
-        seq.sampling = params.to_proto(seq.seed)
+        seq.sampling = params.to_proto()
         if params.logprobs is None:
             seq.logprobs = None
         elif seq.logprobs is None:
@@ -171,6 +151,14 @@ class Scheduler:
             return False
         self._finish(seq, reason)
         return True
+
+    def stop(self, seq: Sequence) -> None:
+        """A stop string ended seq at its latest token (the detokenizer found it): it finishes with reason
+        "stop", also when that token had already finished it by length."""
+        if seq.status is FINISHED:
+            seq.finish_reason = "stop"
+        else:
+            self._finish(seq, "stop")
 
     def preempt(self, seq_id: int) -> bool:
         """Send a running sequence back to the waiting queue; it recomputes when resumed."""
@@ -246,18 +234,20 @@ class Scheduler:
         """The next step's plan, or None when there is nothing to run or tell the worker."""
         cfg = self.config
         bm = self.block_manager
-        bs = cfg.block_size
-        cap = cfg.chunk_cap
+        bs = self.block_size
+        cap = cfg.chunk_cap(bs)
         caching = cfg.enable_prefix_caching
         step = self._step + 1
-        budget = cfg.max_num_batched_tokens
+        budget = cfg.limits.max_num_batched_tokens
         running = self.running
         n_preempted = self.num_preemptions
 
+        # The plan's running columns (seq_ids, num_scheduled_tokens, num_new_blocks, new_block_ids): decodes,
+        # then continued prefill chunks.
         dec_seqs: list[Sequence] = []
-        dec_ids: list[int] = []
+        col_ids: list[int] = []
         grew: list[int] = []  # indices into dec_seqs of decodes that got a new block
-        dec_blocks: list[int] = []
+        col_blocks: list[int] = []
         dec_commit: list[Sequence] = []
         chunks: list[list] = []  # running prefills: [seq, n, table length before]
         admitted: list[list] = []  # new sequences: [seq, n, num computed before]
@@ -280,10 +270,10 @@ class Scheduler:
                     break
                 b = bm.allocate_one()
                 seq.block_table.append(b)
-                dec_blocks.append(b)
+                col_blocks.append(b)
                 grew.append(len(dec_seqs))
             dec_seqs.append(seq)
-            dec_ids.append(seq.seq_id)
+            col_ids.append(seq.seq_id)
             c += 1
             seq.num_computed_tokens = c
             budget -= 1
@@ -308,7 +298,7 @@ class Scheduler:
                 continue
             entry = [seq, n, len(table)]
             if n > room:
-                table.extend(bm.allocate(-(-(n - room) // bs)))
+                table.extend(bm.allocate(cdiv(n - room, bs)))
             if n < remaining and n == cap:
                 capped.append(entry)
             chunks.append(entry)
@@ -318,7 +308,7 @@ class Scheduler:
         # Admit waiting sequences, unless this step preempted (they would only thrash).
         if self.num_preemptions == n_preempted:
             waiting = self.waiting
-            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            while waiting and budget > 0 and len(running) < cfg.limits.max_num_seqs:
                 seq = waiting[0]
                 if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
                     break  # the worker must drop it before it is resent
@@ -327,7 +317,7 @@ class Scheduler:
                 c = len(hits) * bs
                 remaining = total - c
                 n = min(remaining, cap, budget)
-                need = -(-(c + n) // bs) - len(hits)
+                need = cdiv(c + n, bs) - len(hits)
                 if need + bm.num_free_among(hits) > bm.num_free_blocks:
                     break
                 waiting.popleft()
@@ -366,17 +356,17 @@ class Scheduler:
             if extra <= 0:
                 continue
             if extra > room:
-                table.extend(bm.allocate(-(-(extra - room) // bs)))
+                table.extend(bm.allocate(cdiv(extra - room, bs)))
             entry[1] += extra
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        if not (dec_ids or chunks or admitted or self._preempted_ids):
+        if not (col_ids or chunks or admitted or self._preempted_ids):
             return None
 
         # Result order: new sequences, then the columns (decodes, then continued prefills).
-        samplers: list[Sequence] = []
-        sampler_ids: list[int] = []
+        sampling: list[Sequence] = []  # the sequences that sample in this plan
+        sampling_ids: list[int] = []
         plan = worker_pb2.StepPlan(step=step, epoch=self.epoch)
         for seq, n, c in admitted:
             ns = plan.new_seqs.add()
@@ -388,34 +378,34 @@ class Scheduler:
             ns.num_computed_tokens = c
             ns.num_scheduled_tokens = n
             if c + n == seq.num_sent_tokens:
-                samplers.append(seq)
-                sampler_ids.append(seq.seq_id)
-        samplers += dec_seqs
-        sampler_ids += dec_ids
-        num_tokens = [1] * len(dec_ids)
-        dec_new = [0] * len(dec_ids)  # new blocks per decode: 0 or 1
+                sampling.append(seq)
+                sampling_ids.append(seq.seq_id)
+        sampling += dec_seqs
+        sampling_ids += col_ids
+        col_tokens = [1] * len(col_ids)
+        col_new = [0] * len(col_ids)  # new blocks per decode: 0 or 1
         for k in grew:
-            dec_new[k] = 1
+            col_new[k] = 1
         for seq, n, before in chunks:
             table = seq.block_table
-            dec_ids.append(seq.seq_id)
-            num_tokens.append(n)
-            dec_new.append(len(table) - before)
-            dec_blocks.extend(table[before:])
+            col_ids.append(seq.seq_id)
+            col_tokens.append(n)
+            col_new.append(len(table) - before)
+            col_blocks.extend(table[before:])
             if seq.num_computed_tokens == seq.num_sent_tokens:
-                samplers.append(seq)
-                sampler_ids.append(seq.seq_id)
-        plan.seq_ids.extend(dec_ids)
-        plan.num_scheduled_tokens.extend(num_tokens)
-        plan.num_new_blocks.extend(dec_new)
-        plan.new_block_ids.extend(dec_blocks)
+                sampling.append(seq)
+                sampling_ids.append(seq.seq_id)
+        plan.seq_ids.extend(col_ids)
+        plan.num_scheduled_tokens.extend(col_tokens)
+        plan.num_new_blocks.extend(col_new)
+        plan.new_block_ids.extend(col_blocks)
         if self._finished_ids:
             plan.finished_ids.extend(self._finished_ids)
             self._finished_ids.clear()
         if self._preempted_ids:
             plan.preempted_ids.extend(self._preempted_ids)
             self._preempted_ids.clear()
-        self._in_flight.append(_InFlight(step, samplers, sampler_ids))
+        self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.
         if caching:
@@ -436,31 +426,30 @@ class Scheduler:
         Returns the sequences that received a token: each has just appended exactly one
         (token_ids[-1]), with its logprob appended to seq.logprobs when asked for, and
         finish_reason set when it stopped ("stop" or "length"); its blocks are then already free.
+        Stop tokens and lengths are decided here; stop strings by the caller, through stop().
         """
         if not self._in_flight:
             raise RuntimeError(f"result for step {result.step} with no plan in flight")
-        step, samplers, ids = self._in_flight.popleft()
+        step, sampling, ids = self._in_flight.popleft()
         if result.step != step or result.seq_ids != ids or len(result.token_ids) != len(ids):
             raise RuntimeError(
                 f"result for step {result.step} does not answer plan {step}: "
                 f"{len(result.seq_ids)} sequences, {len(ids)} expected"
             )
-        if len(result.logprobs):
-            return self._update_with_logprobs(step, samplers, result)
-        # The hot loop: _accept inlined.
-        bs = self.config.block_size
+        bs = self.block_size
         caching = self.config.enable_prefix_caching
         commit = self.block_manager.commit
         finish = self._finish
-        stale: list[Sequence] = []
+        accepted: list[Sequence] = []
         num_finished = 0
-        for seq, tok in zip(samplers, result.token_ids):
+        for seq, tok in zip(sampling, result.token_ids):
             if step < seq.start_step:
-                stale.append(seq)  # finished, aborted or preempted since
-                continue
+                continue  # finished, aborted or preempted since: stale
+            accepted.append(seq)
             toks = seq.token_ids
             toks.append(tok)
             n = len(toks)
+            # Its last block is complete once known and computed: the later of the two commits it.
             if n % bs == 0 and caching and seq.num_computed_tokens >= n:
                 commit(seq)
             if tok in seq.stop_ids and n >= seq.min_len:
@@ -471,41 +460,26 @@ class Scheduler:
                 num_finished += 1
         if num_finished:
             self.running = [s for s in self.running if s.status is RUNNING]
-        if stale:
-            skip = set(stale)
-            return [s for s in samplers if s not in skip]
-        return samplers
+        if len(result.logprobs):
+            self._add_logprobs(step, sampling, accepted, result)
+        return accepted
 
-    def _update_with_logprobs(self, step: int, samplers: list[Sequence], result: worker_pb2.StepResult) -> list[Sequence]:
-        out = []
-        top_ids = result.top_token_ids
-        top_lps = result.top_logprobs
+    @staticmethod
+    def _add_logprobs(step: int, sampling: list[Sequence], accepted: list[Sequence],
+                      result: worker_pb2.StepResult) -> None:
+        """Appends each accepted sequence's logprob (and top alternatives) to seq.logprobs. The result holds an
+        entry for every sampling sequence, stale ones included."""
+        top_ids, top_lps = result.top_token_ids, result.top_logprobs
+        taken = set(accepted)
         offset = 0
-        for k, (seq, tok) in enumerate(zip(samplers, result.token_ids)):
+        for k, (seq, tok) in enumerate(zip(sampling, result.token_ids)):
             n_top = max(seq.sampling.logprobs, 0)
-            if step >= seq.start_step:
-                self._accept(seq, tok)
-                if seq.logprobs is not None:
-                    top = None
-                    if n_top:
-                        top = list(zip(top_ids[offset : offset + n_top], top_lps[offset : offset + n_top]))
-                    seq.logprobs.append(TokenLogprob(tok, result.logprobs[k], top))
-                out.append(seq)
+            if seq in taken and seq.logprobs is not None:
+                top = None
+                if n_top:
+                    top = list(zip(top_ids[offset : offset + n_top], top_lps[offset : offset + n_top]))
+                seq.logprobs.append(TokenLogprob(tok, result.logprobs[k], top))
             offset += n_top
-        return out
-
-    def _accept(self, seq: Sequence, tok: int) -> None:
-        """One token of update()'s slow path (its hot loop inlines this)."""
-        toks = seq.token_ids
-        toks.append(tok)
-        n = len(toks)
-        # Its last block is complete once known and computed: the later of the two commits it.
-        if n % self.config.block_size == 0 and self.config.enable_prefix_caching and seq.num_computed_tokens >= n:
-            self.block_manager.commit(seq)
-        if tok in seq.stop_ids and n >= seq.min_len:
-            self._finish(seq, "stop")
-        elif n >= seq.max_len:
-            self._finish(seq, "length")
 
     # --- checks ----------------------------------------------------------------------------------
 
@@ -519,11 +493,11 @@ class Scheduler:
         assert self._waiting_tokens == sum(len(s.token_ids) for s in self.waiting)
         arrivals = [s.arrival for s in self.running]
         assert arrivals == sorted(arrivals), "running list out of arrival order"
-        bs = self.config.block_size
+        bs = self.block_size
         for seq in self.running:
             assert seq.status is RUNNING
             assert seq.num_computed_tokens <= len(seq.block_table) * bs
-            assert len(seq.block_table) == -(-seq.num_computed_tokens // bs), "blocks allocated ahead of use"
+            assert len(seq.block_table) == cdiv(seq.num_computed_tokens, bs), "blocks allocated ahead of use"
             assert seq.num_committed_blocks <= min(seq.num_computed_tokens, len(seq.token_ids)) // bs
         live = {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}
         assert live == self._seqs.keys()

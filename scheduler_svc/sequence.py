@@ -30,8 +30,7 @@ class TokenLogprob:
 class Sequence:
     seq_id: int
     token_ids: list[int]  # every token the scheduler knows: prompt, then generated
-    params: SamplingParams
-    seed: int  # resolved, sent to the worker
+    params: SamplingParams  # its seed resolved at the edge (requests.py): a moved sequence samples the same
     request_id: str = ""
     prompt_len: int = 0  # set from token_ids when 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -39,10 +38,10 @@ class Sequence:
     arrival: int = 0  # queue order, assigned by the scheduler from arrival count and priority
     # Positions whose KV is computed or scheduled in a plan already handed out (in flight included).
     num_computed_tokens: int = 0
-    # len(NewSequence.token_ids) of the current incarnation; later positions are decodes.
+    # len(NewSequence.token_ids) of the current incarnation (the worker's num_sent); later positions are decodes.
     num_sent_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of token_ids, computed lazily; they survive preemption.
+    # Chained hashes of the full blocks of token_ids (prefix_hash.py), extended lazily; they survive preemption.
     block_hashes: list[int] = field(default_factory=list)
     # Leading blocks of block_table already handed to the prefix cache (registered, or hits).
     num_committed_blocks: int = 0

@@ -16,16 +16,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import splitserve_pb2 as api
+from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, TLSConfig, add_port, transport
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
-from scheduler_svc.engine import EngineConfig, Orphan, RequestOutput
-from scheduler_svc.membership import FAILED as _FAILED
+from protos import splitserve_pb2 as api
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineRequest, RequestOutput
 from scheduler_svc.membership import Membership, MembershipConfig, MembershipService
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
 from scheduler_svc.router import pick_group
 from scheduler_svc.scheduler import QueueFullError
-from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, TLSConfig, add_port, transport
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.worker_group import GroupUnavailable, WorkerGroup
 
@@ -34,6 +35,7 @@ SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT}
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
+FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
 
 
 @dataclass(slots=True)
@@ -47,17 +49,17 @@ class _Stream:
     interval: int = 1
     outputs: list = field(default_factory=list)  # RequestOutputs (or FAILED) not taken yet
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    held: dict[str, int] = field(default_factory=dict)  # tokens per completion since it last woke the call
+    since_wake: dict[str, int] = field(default_factory=dict)  # tokens per completion since it last woke the call
 
     def put(self, out: RequestOutput | object) -> None:
         self.outputs.append(out)
-        if out is _FAILED or out.finished or self.interval == 1:
+        if out is FAILED or out.finished or self.interval == 1:
             self.ready.set()
             return
-        first = out.request_id not in self.held
-        held = self.held.get(out.request_id, 0) + len(out.token_ids)
-        due = self.interval and held >= self.interval  # the call sends them all: the count starts over
-        self.held[out.request_id] = 0 if due else held
+        first = out.request_id not in self.since_wake
+        count = self.since_wake.get(out.request_id, 0) + len(out.token_ids)
+        due = self.interval and count >= self.interval  # the call sends them all: the count starts over
+        self.since_wake[out.request_id] = 0 if due else count
         if first or due:
             self.ready.set()
 
@@ -70,30 +72,57 @@ class _Stream:
 
 
 class GenerationService(splitserve_pb2_grpc.GenerationServicer):
-    def __init__(self, model_dir: Path, config: EngineConfig, membership: MembershipConfig | None = None):
+    def __init__(self, model_dir: Path, config: SchedulerConfig, membership: MembershipConfig | None = None):
         self.model_dir, self.config = model_dir, config
         self.tokenizer = load_tokenizer(model_dir)
-        self.groups: list[WorkerGroup] = []
         self.loop = asyncio.get_running_loop()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
         self.accepting = True
         self.health = health.aio.HealthServicer()
-        # Always there (served only with --metrics-port): requests_requeued is the hook for moved requests.
-        self.metrics = SchedulerMetrics(lambda: self.groups)
+        # joining, failing, moving requests, leaving (scheduler_svc/membership.py)
+        self.members = Membership(self, membership)
+        # Always there (served only with --metrics-port).
+        self.metrics = SchedulerMetrics(lambda: self.members.groups)
+        self.members.on_moved = self.metrics.requests_requeued.inc
         self._finished = {r: self.metrics.requests_finished.labels(r) for r in FINISH}
-        self.members = Membership(self, membership)  # joining, failing, re-queue, leaving
 
-    # ---- worker groups ------------------------------------------------------------------------
+    # ---- worker groups (membership.MembershipHost) -----------------------------------------------
     async def add_worker(self, address: str) -> WorkerGroup:
         """A static worker (--worker): waits for it to come up; reconnected whenever it fails."""
         return await self.members.add_static(address)
 
-    def live_groups(self) -> list[WorkerGroup]:
-        """Groups that take requests: alive and not draining."""
-        return [g for g in self.groups if g.alive and not g.draining]
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        return self.members.groups
 
-    async def _update_health(self) -> None:
+    def live_groups(self) -> list[WorkerGroup]:
+        return self.members.live_groups()
+
+    def open_group(self, address: str, timeout: float, wait_for_ready: bool, stale_epoch: int | None,
+                   credentials: grpc.ChannelCredentials | None) -> WorkerGroup:
+        group = WorkerGroup(address, self.model_dir, self.tokenizer, self.config, self._outputs_from_thread,
+                            self._failure_from_thread, self.members.config.watch, timeout, wait_for_ready,
+                            stale_epoch, credentials)
+        group.engine.step_observer = self.metrics.step_observer(address)
+        return group
+
+    def is_streaming(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def continue_on(self, request_id: str, group: WorkerGroup) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.group_of[request_id] = group
+        return True
+
+    def lost(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(FAILED)
+
+    async def groups_changed(self) -> None:
         serving = self.accepting and bool(self.live_groups())
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set(SERVICE, status)
@@ -108,13 +137,13 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
             if stream is not None:
                 stream.put(out)
 
-    def _failure_from_thread(self, group: WorkerGroup, orphans: list[Orphan], error: Exception) -> None:
+    def _failure_from_thread(self, group: WorkerGroup, requests: list[EngineRequest], error: Exception) -> None:
         # Its requests move to the surviving groups (or end with UNAVAILABLE when none is left).
-        self.loop.call_soon_threadsafe(self.members.group_failed, group, orphans, error)
+        self.loop.call_soon_threadsafe(self.members.group_failed, group, requests, error)
 
     @property
     def max_model_len(self) -> int:
-        return min(g.engine.scheduler.config.max_model_len for g in (self.live_groups() or self.groups))
+        return min(g.engine.scheduler.max_model_len for g in (self.live_groups() or self.groups))
 
     @property
     def vocab_size(self) -> int:
@@ -139,13 +168,12 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
             parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if parsed.params.seed is None:  # resolved here: a request moved to another worker samples the same
-            parsed.params.seed = parsed.params.resolved_seed()
         rid = request.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        group = pick_group(groups, parsed.prompt_ids)
+        hashes = PromptHashes(parsed.prompt_ids)  # for routing, and the sequence's prefix blocks
+        group = pick_group(groups, hashes)
         interval = request.stream_interval if request.HasField("stream_interval") else 1
         stream = _Stream(index_of={s: i for i, s in enumerate(subs)}, interval=interval)
         for s in subs:
@@ -159,22 +187,22 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         last_sent = [0.0] * parsed.n
         reasons: list[str | None] = [None] * parsed.n
         first_token = True
-        held: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
+        held_back: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
         try:
             # With n > 1 the first completion computes the prompt; the others start once it has, and
             # hit its cached blocks.
-            await self._submit(group, parsed, subs[0], 0, context)
+            await self._submit(group, parsed, hashes, subs[0], 0, context)
             submitted.add(subs[0])
             started_rest = parsed.n == 1
             while pending:
                 batch = await stream.take()  # all that arrived since: coalesced when the client is slow
-                if _FAILED in batch:
+                if FAILED in batch:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "its worker failed and no other worker is serving; retry the request")
                 if not started_rest:
                     started_rest = True
                     for i, s in enumerate(subs[1:], 1):
-                        await self._submit(stream.group_of.get(subs[0], group), parsed, s, i, context)
+                        await self._submit(stream.group_of.get(subs[0], group), parsed, hashes, s, i, context)
                         submitted.add(s)
                 for response in _responses(rid, batch, stream.index_of):
                     i = response.index
@@ -198,7 +226,7 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                         last_sent[i] = now
                         streamed[i] += len(response.token_ids)
                     if interval != 1:
-                        response = _hold(held, response, interval)
+                        response = _hold(held_back, response, interval)
                     if response is not None:
                         await context.write(response)
         finally:
@@ -227,17 +255,18 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
                             "finish_reason": reasons[0] if parsed.n == 1 else reasons,
                             "latency_s": round(elapsed, 6)})
 
-    async def _submit(self, group: WorkerGroup, parsed, sub_id: str, index: int, context) -> None:
+    async def _submit(self, group: WorkerGroup, parsed, hashes: PromptHashes, sub_id: str, index: int,
+                      context) -> None:
         try:
             while True:
                 if not group.alive or group.draining:  # gone since it was picked: pick again
                     if not (groups := self.live_groups()):
                         await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
-                    group = pick_group(groups, parsed.prompt_ids)
+                    group = pick_group(groups, hashes)
                 self._streams[sub_id].group_of[sub_id] = group  # before the add: a cancel aborts it there
                 try:
-                    await asyncio.wrap_future(group.add(parsed.prompt_ids, parsed.completion_params(index),
-                                                        sub_id, parsed.priority))
+                    await asyncio.wrap_future(group.add(hashes, parsed.completion_params(index), sub_id,
+                                                        parsed.priority))
                     return
                 except GroupUnavailable:
                     continue
@@ -272,18 +301,18 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
     async def drain(self, grace: float) -> None:
         """Stops admitting, lets running requests finish within the grace period."""
         self.accepting = False
-        await self._update_health()
+        await self.groups_changed()
         await self.members.stop()
         deadline = time.monotonic() + grace
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
 
-def _hold(held: dict[int, api.GenerateResponse], response: api.GenerateResponse,
+def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
           interval: int) -> api.GenerateResponse | None:
     """Joins `response` to what its completion holds back; returns the message to send once it holds
     `interval` tokens (0: never) or the completion ended, else None."""
-    joined = held.pop(response.index, None)
+    joined = held_back.pop(response.index, None)
     if joined is not None:
         joined.token_ids.extend(response.token_ids)
         joined.text += response.text
@@ -294,7 +323,7 @@ def _hold(held: dict[int, api.GenerateResponse], response: api.GenerateResponse,
         response = joined
     if response.finish_reason or (interval and len(response.token_ids) >= interval):
         return response
-    held[response.index] = response
+    held_back[response.index] = response
     return None
 
 
@@ -322,16 +351,16 @@ def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateRe
         if last.usage is not None:
             r.usage.prompt_tokens = last.usage.prompt_tokens
             r.usage.completion_tokens = last.usage.completion_tokens
-            r.usage.cached_prompt_tokens = last.usage.cached_tokens
+            r.usage.cached_prompt_tokens = last.usage.cached_prompt_tokens
     return r
 
 
-async def serve(model_dir: Path, workers: list[str], host: str, port: int, config: EngineConfig,
+async def serve(model_dir: Path, workers: list[str], host: str, port: int, config: SchedulerConfig,
                 metrics_port: int = 0, membership: MembershipConfig | None = None, *,
                 tls: TLSConfig | None, registration_secret: bytes | None = None,
                 api_keys: frozenset[str] = frozenset()) -> tuple[grpc.aio.Server, GenerationService, int]:
     """tls: this port's and the worker links' TLS material; None (--plaintext) serves and calls in the clear.
-    registration_secret and api_keys: see scheduler_svc.security."""
+    registration_secret and api_keys: see common.security."""
     membership = membership or MembershipConfig()
     if tls is not None and membership.worker_credentials is None:  # scheduler -> worker: the same material
         membership = dataclasses.replace(membership, worker_credentials=tls.channel_credentials)
@@ -359,7 +388,7 @@ async def serve(model_dir: Path, workers: list[str], host: str, port: int, confi
     if metrics_port:
         service.metrics.serve(metrics_port, host)
         log.info("metrics on %s:%d/metrics", host, metrics_port, extra={"metrics_port": metrics_port})
-    await service._update_health()
+    await service.groups_changed()
     await server.start()
     service.members.start()
     for address in workers:

@@ -3,7 +3,7 @@ executor, driven by a thread of its own so that the engine loop never waits on c
 
 A group lives as long as one Execute stream to its worker: when the stream breaks (the worker died,
 restarted, stopped answering pings, or a step made no progress: see grpc_executor), the group is dead
-for good and hands its unfinished requests (engine.Orphan) to on_failure, to continue elsewhere. A
+for good and hands its unfinished requests (EngineRequests) to on_failure, to continue elsewhere. A
 worker that comes back gets a new group with a fresh block pool."""
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from pathlib import Path
 import grpc
 
 from protos import splitserve_pb2 as api
-from scheduler_svc.engine import EngineConfig, LLMEngine, Orphan, RequestOutput
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineRequest, LLMEngine, RequestOutput
 from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig, WorkerUnavailable
+from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.tokenizer import ModelTokenizer
 
@@ -30,9 +32,9 @@ class GroupUnavailable(RuntimeError):
 
 
 class WorkerGroup:
-    def __init__(self, address: str, model_dir: str | Path, tokenizer: ModelTokenizer, config: EngineConfig,
+    def __init__(self, address: str, model_dir: str | Path, tokenizer: ModelTokenizer, config: SchedulerConfig,
                  on_outputs: Callable[[list[RequestOutput]], None],
-                 on_failure: Callable[["WorkerGroup", list[Orphan], Exception], None],
+                 on_failure: Callable[["WorkerGroup", list[EngineRequest], Exception], None],
                  watch: WatchConfig | None = None, connect_timeout: float = 600.0, wait_for_ready: bool = True,
                  stale_epoch: int | None = None, credentials: grpc.ChannelCredentials | None = None):
         """Connects (Describe, then opens the Execute stream); raises WorkerUnavailable when the worker
@@ -49,6 +51,7 @@ class WorkerGroup:
             executor.close()
             raise
         self.info = self.engine.worker_info
+        self.block_size = self.info.block_size
         self.alive = True
         self.draining = False  # the worker deregistered: nothing new is routed here
         self._dead = False  # set under _queued_lock: commands after it are refused (GroupUnavailable)
@@ -65,10 +68,12 @@ class WorkerGroup:
         self._thread.start()
 
     # Called from other threads: every engine mutation happens on the engine thread.
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+    def add(self, hashes: PromptHashes, params: SamplingParams, request_id: str,
             priority: int = 0) -> concurrent.futures.Future:
-        """The future fails with GroupUnavailable when the group is dead (a request queued before it
-        died is added, then handed to on_failure with the others)."""
+        """A request validated at the edge, its prompt's hashes computed for routing. The future fails with
+        GroupUnavailable when the group is dead (a request queued before it died is added, then handed to
+        on_failure with the others)."""
+        prompt_ids = hashes.token_ids
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._queued_lock:
             if self._dead:
@@ -76,17 +81,19 @@ class WorkerGroup:
                 return future
             self.num_requests += 1
             self._queued_tokens += len(prompt_ids)
-            self._commands.put((self._add_request, (prompt_ids, params, request_id, priority), future))
+            self._commands.put((self._add_request, (prompt_ids, params, request_id, priority,
+                                                    hashes.of(self.block_size)), future))
         self._wake.set()
         return future
 
-    def adopt(self, orphan: Orphan) -> concurrent.futures.Future:
-        """Continues a request moved from another group (engine.adopt); fails like add()."""
-        return self._command(self.engine.adopt, orphan)
+    def move_in(self, request: EngineRequest, hashes: PromptHashes) -> concurrent.futures.Future:
+        """Continues a request moved out of another group (engine.move_in); fails like add()."""
+        return self._command(self.engine.move_in, request, hashes.of(self.block_size))
 
-    def evict(self, waiting_only: bool = False) -> concurrent.futures.Future:
-        """Takes unfinished requests out (engine.detach), to move them elsewhere: a future of Orphans."""
-        return self._command(self.engine.detach, waiting_only)
+    def move_out(self, waiting_only: bool = False) -> concurrent.futures.Future:
+        """Takes unfinished requests out (engine.move_out), to move them elsewhere: a future of
+        EngineRequests."""
+        return self._command(self.engine.move_out, waiting_only)
 
     def fail(self, reason: str) -> None:
         """Declares the worker dead (e.g. it registered again with a new epoch): the failure path runs."""
@@ -112,9 +119,10 @@ class WorkerGroup:
         """On a gRPC thread, when the Execute stream ends: wake the engine thread to notice."""
         self._wake.set()
 
-    def _add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> str:
+    def _add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int,
+                     block_hashes: list[int]) -> str:
         try:
-            return self.engine.add_request(prompt_ids, params, request_id, priority)
+            return self.engine.add(prompt_ids, params, request_id, priority, block_hashes)
         finally:
             with self._queued_lock:
                 self._queued_tokens -= len(prompt_ids)
@@ -145,8 +153,9 @@ class WorkerGroup:
                                 num_running=sched.num_running, num_waiting=sched.num_waiting,
                                 num_requests=self.num_requests, num_preemptions=sched.num_preemptions)
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        return self.engine.scheduler.block_manager.cached_prefix_len(token_ids)
+    def cached_prefix_tokens(self, hashes: PromptHashes) -> int:
+        """Tokens of the prompt its prefix cache would serve now: an unlocked, approximate read."""
+        return self.engine.scheduler.block_manager.cached_prefix_len(hashes.token_ids, hashes.of(self.block_size))
 
     def _drain(self) -> None:
         while True:
@@ -192,6 +201,5 @@ class WorkerGroup:
             with self._queued_lock:
                 self._dead = True
             self._drain()  # what was queued before: added (then handed over) or aborted
-            orphans = self.engine.detach()
-            self._on_failure(self, orphans, e)
+            self._on_failure(self, self.engine.move_out(), e)
             executor.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from common.util import cdiv
 from protos import worker_pb2 as pb
-from worker_svc.model_runner import ModelRunner
+from worker_svc.runtime.model_runner import ModelRunner
 
 GREEDY = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1)
 
@@ -61,15 +62,18 @@ class PagedDriver:
 
     def run_step(self, only: set[int] | None = None) -> dict[int, int]:
         self.step += 1
-        plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, preempted_ids=self.pending_drop)
+        dropping = self.pending_drop
+        plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, preempted_ids=dropping)
         self.pending_drop = []
         scheduled = []
         for s in self.seqs.values():
             if self.done(s) or (only is not None and s.seq_id not in only):
                 continue
+            if s.seq_id in dropping:  # as the scheduler: resent only after the worker has dropped it
+                continue
             known = len(s.tokens)
             n = 1 if s.computed >= known else min(self.chunk, known - s.computed)
-            need = -(-(s.computed + n) // self.bs) - len(s.blocks)
+            need = cdiv(s.computed + n, self.bs) - len(s.blocks)
             new_blocks = [self.free.pop() for _ in range(max(0, need))]
             s.blocks += new_blocks
             if not s.on_worker:

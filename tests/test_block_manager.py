@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from common.util import cdiv
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_svc import block_manager as bm_module
+from scheduler_svc import prefix_hash
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import Sequence
@@ -14,7 +15,7 @@ BS = 4
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, list(tokens), SamplingParams(), seed=0)
+    return Sequence(seq_id, list(tokens), SamplingParams(seed=0))
 
 
 def prefill(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
@@ -22,7 +23,7 @@ def prefill(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
     hits = bm.match_prefix(seq)
     bm.acquire(hits)
     upto = len(seq.token_ids) if upto is None else upto
-    need = -(-upto // bm.block_size) - len(hits)
+    need = cdiv(upto, bm.block_size) - len(hits)
     seq.block_table = hits + bm.allocate(need)
     seq.num_committed_blocks = len(hits)
     seq.num_computed_tokens = upto
@@ -68,9 +69,12 @@ def test_cached_prefix_len_probes_without_taking_blocks():
     bm = BlockManager(16, BS)
     a = make_seq(range(1, 13), 1)
     prefill(bm, a)
-    assert bm.cached_prefix_len(list(range(1, 13))) == 8  # never the last token
-    assert bm.cached_prefix_len(list(range(1, 20))) == 12
-    assert bm.cached_prefix_len([5, 6, 7, 8, 9]) == 0
+    def cached(tokens: list[int]) -> int:
+        return bm.cached_prefix_len(tokens, prefix_hash.PromptHashes(tokens).of(BS))
+
+    assert cached(list(range(1, 13))) == 8  # never the last token
+    assert cached(list(range(1, 20))) == 12
+    assert cached([5, 6, 7, 8, 9]) == 0
     assert bm.num_free_blocks == 13
     bm.check([a.block_table])
 
@@ -108,7 +112,7 @@ def test_hit_on_free_cached_block_takes_it_off_the_free_list():
 
 
 def test_hash_collision_never_returns_wrong_blocks(monkeypatch):
-    monkeypatch.setattr(bm_module, "_xxh64", lambda data, seed: 42)  # every block collides
+    monkeypatch.setattr(prefix_hash, "_xxh64", lambda data, seed: 42)  # every block collides
     bm = BlockManager(8, BS)
     a = make_seq(range(1, 9), 1)
     prefill(bm, a)
@@ -151,9 +155,9 @@ def test_double_free_is_detected():
 def test_hashes_are_chained(tokens):
     bm = BlockManager(64, 2)
     seq = make_seq(tokens)
-    bm._hash_upto(seq, len(tokens) // 2)
+    prefix_hash.extend_hashes(seq.token_ids, bm.block_size, seq.block_hashes, len(tokens) // 2)
     other = make_seq([9] + tokens[1:])
-    bm._hash_upto(other, len(tokens) // 2)
+    prefix_hash.extend_hashes(other.token_ids, bm.block_size, other.block_hashes, len(tokens) // 2)
     if len(tokens) >= 2:
         assert seq.block_hashes[0] != other.block_hashes[0] or tokens[0] == 9
         # A changed first block changes every later hash.
@@ -195,7 +199,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(hits) * bs < len(seq.token_ids)
         c = len(hits) * bs
         n = min(chunk, len(seq.token_ids) - c)
-        need = -(-(c + n) // bs) - len(hits)
+        need = cdiv(c + n, bs) - len(hits)
         if need + bm.num_free_among(hits) > bm.num_free_blocks:
             return
         bm.acquire(hits)
@@ -215,7 +219,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if c == len(seq.token_ids):
             seq.token_ids.append(gen)  # a decode: the sampled token is fed back
         n = min(chunk, len(seq.token_ids) - c)
-        need = -(-(c + n) // bm.block_size) - len(seq.block_table)
+        need = cdiv(c + n, bm.block_size) - len(seq.block_table)
         if need > bm.num_free_blocks:
             return
         seq.block_table += bm.allocate(need)

@@ -116,7 +116,7 @@ def split_address(address: str) -> tuple[str, int]:
 
 def preset_dir(preset: str, cache: str, monkeypatch) -> str:
     """Where `splitserve-worker serve --model PRESET` writes the preset with SPLITSERVE_CACHE=cache."""
-    from worker_svc.make_model import default_model_dir
+    from worker_svc.checkpoints.writer import default_model_dir
 
     monkeypatch.setenv("SPLITSERVE_CACHE", cache)
     return default_model_dir(preset).as_posix()
@@ -150,9 +150,26 @@ MINIMAL_ARGS = {"splitserve-scheduler": ["--model", "m"], "splitserve-worker": [
                 "splitserve-gateway": []}
 
 
-def test_program_parsers_exist():
-    for program in ("splitserve-scheduler", "splitserve-worker", "splitserve-gateway", "splitserve"):
-        assert isinstance(_parser(program), argparse.ArgumentParser)
+@pytest.mark.parametrize("program", ["splitserve-scheduler", "splitserve-worker", "splitserve-gateway", "splitserve"])
+def test_console_scripts_run_their_program(program, capsys):
+    """Each console script's entry point is the program its parser names: `--help` prints its usage and exits 0."""
+    module, _, function = _scripts()[program].partition(":")
+    assert _parser(program).prog == program
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(importlib.import_module(module), function)(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {program} ")
+
+
+@pytest.mark.parametrize("program,argv", [("splitserve-scheduler", ["--model", "m", "--plaintext"]),
+                                          ("splitserve-worker", ["serve", "--model", "m", "--plaintext"]),
+                                          ("splitserve-worker", ["simulate", "--model", "m", "--plaintext"])])
+def test_services_refuse_limits_out_of_range(program, argv, capsys):
+    module, _, function = _scripts()[program].partition(":")
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(importlib.import_module(module), function)([*argv, "--max-num-seqs", "0"])
+    assert exit_info.value.code == 2
+    assert "max_num_seqs must be at least 1, got 0" in capsys.readouterr().err
 
 
 # ---- Dockerfiles ----------------------------------------------------------------------------------
@@ -245,9 +262,76 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path):
         assert rule in done.stdout, done.stdout
 
 
-def test_dockerfiles_present():
-    assert {p.name for p in DOCKERFILES} == {"scheduler.Dockerfile", "worker.Dockerfile", "worker-cpu.Dockerfile",
-                                             "gateway.Dockerfile"}
+FIRST_PARTY = ("protos", "common", "scheduler_svc", "worker_svc", "client", "gateway", "offline", "bench")
+
+
+def _module_file(module: str) -> Path | None:
+    base = REPO / module.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
+def import_closure(modules: list[str]) -> set[str]:
+    """The project's modules that importing `modules` can load, lazy imports inside functions included (and
+    each package's __init__ on the way)."""
+    from tests.test_layering import imported_modules
+
+    seen: set[str] = set()
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        if name.split(".")[0] not in FIRST_PARTY:
+            continue
+        path = _module_file(name)
+        if path is None:  # `from package.module import Name`: the name is not a module
+            parent = name.rpartition(".")[0]
+            if parent:
+                todo.append(parent)
+            continue
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        todo.extend(imported_modules(path))
+    return seen
+
+
+def _copied_packages(dockerfile: Path) -> set[str]:
+    _, stages = dockerfile_stages(dockerfile)
+    copied = set()
+    for keyword, rest in sum(stages, []):
+        if keyword == "COPY" and not rest.startswith("--from"):
+            copied.update(source for source in shlex.split(rest)[:-1] if source in FIRST_PARTY)
+    return copied
+
+
+def _programs(dockerfile: Path) -> list[str]:
+    """The console scripts an image runs: its entry point, and the one its health check calls."""
+    image = _image_for(dockerfile)
+    programs = list(image["entrypoint"])
+    if "splitserve health" in image["health_cmd"][2]:
+        programs.append("splitserve")
+    return programs
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_carry_exactly_the_packages_their_programs_import(dockerfile):
+    """A worker image without the scheduler's code, a scheduler image without the worker's: each copies the
+    packages its programs import, and nothing else of the project."""
+    scripts = _scripts()
+    entry_modules = [scripts[program].split(":")[0] for program in _programs(dockerfile)]
+    needed = {module.split(".")[0] for module in import_closure(entry_modules)}
+    assert _copied_packages(dockerfile) == needed, f"{dockerfile.name}: copies {sorted(_copied_packages(dockerfile))}"
+
+
+def test_import_closure_follows_lazy_imports():
+    closure = import_closure(["worker_svc.cli"])
+    assert "worker_svc.checkpoints.writer" in closure  # imported inside resolve_model
+    assert "common.security" in closure and not any(m.startswith("scheduler_svc") for m in closure)
+    assert {m.split(".")[0] for m in import_closure(["gateway.cli"])} == {"gateway", "client", "common", "protos"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -442,12 +526,15 @@ def test_compose_file_matches_compose_spec(env_name):
 
 
 def test_compose_schema_catches_mistakes():
-    """The schema check has teeth: a misspelt key and a wrong type are both reported."""
+    """The schema check has teeth: a misspelt key and a wrong type are each reported, where they are."""
     validator = _compose_validator()
     doc = compose()
     doc["services"]["scheduler"]["healthcheck"] = {**doc["services"]["scheduler"]["healthcheck"], "intervall": "5s"}
     doc["services"]["worker-0"]["restart"] = ["always"]
-    assert len(list(validator.iter_errors(doc))) >= 2
+    errors = {tuple(map(str, e.absolute_path)): e.message for e in validator.iter_errors(doc)}
+    assert set(errors) == {("services", "scheduler", "healthcheck"), ("services", "worker-0", "restart")}, errors
+    assert "'intervall'" in errors["services", "scheduler", "healthcheck"]
+    assert "is not of type 'string'" in errors["services", "worker-0", "restart"]
 
 
 def _compose_program(service: dict) -> str:
@@ -497,7 +584,7 @@ def _published(ports: list[str]) -> dict[int, int]:
 
 @pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
 def test_compose_topology_matches_the_programs(env_name, monkeypatch):
-    from worker_svc.presets import DEFAULT_PRESET, PRESETS
+    from worker_svc.checkpoints.presets import DEFAULT_PRESET, PRESETS
 
     services = compose(env_name)["services"]
     profiles = {}
@@ -749,7 +836,7 @@ def expand_k8s_vars(args: list[str], container: dict, pod_name: str) -> list[str
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
-    from worker_svc.presets import DEFAULT_PRESET, PRESETS
+    from worker_svc.checkpoints.presets import DEFAULT_PRESET, PRESETS
 
     docs = render(overlay)
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 import xxhash
 
-from scheduler_svc.engine import EngineConfig, LLMEngine, RequestOutput
-from scheduler_svc.llm import LLM
+from scheduler_svc.config import config_from_options
+from scheduler_svc.engine import LLMEngine, RequestOutput
+from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError
 from scheduler_svc.tokenizer import load_tokenizer
@@ -77,7 +78,7 @@ def run(engine: LLMEngine, got: dict[str, Collected] | None = None, max_steps: i
 
 def make_engine(model_dir, token_fn, num_blocks=256, block_size=4, **config) -> tuple[LLMEngine, FakeWorker]:
     worker = FakeWorker(num_blocks, block_size, max_model_len=512, vocab_size=151936, token_fn=token_fn)
-    return LLMEngine(model_dir, worker, EngineConfig(**config)), worker
+    return LLMEngine(model_dir, worker, config_from_options(config)[0]), worker
 
 
 PROMPTS = ["Hello there", "Tell me a story about a fox", [1, 2, 3, 4, 5, 6, 7, 8, 9], "日本語の文章"]
@@ -172,7 +173,7 @@ def test_cached_tokens_in_usage(model_dir, words):
     run(engine)
     second = engine.add_request(prompt + [7], SamplingParams(max_tokens=2))
     usage = run(engine)[second].outputs[-1].usage
-    assert usage.cached_tokens == 28 and usage.prompt_tokens == 31
+    assert usage.cached_prompt_tokens == 28 and usage.prompt_tokens == 31
     assert first != second
 
 
@@ -219,10 +220,10 @@ def test_add_request_rejects_bad_input(model_dir, words):
 
 def test_engine_takes_limits_from_the_worker(model_dir, words):
     engine, worker = make_engine(model_dir, word_fn(words), num_blocks=33, block_size=8, max_model_len=100)
-    cfg = engine.scheduler.config
-    assert (cfg.num_blocks, cfg.block_size, cfg.max_model_len) == (33, 8, 100)
+    bm = engine.scheduler.block_manager
+    assert (bm.num_blocks, bm.block_size, engine.scheduler.max_model_len) == (33, 8, 100)
     assert engine.scheduler.epoch == worker.epoch
-    assert worker.max_num_batched_tokens == engine.config.max_num_batched_tokens
+    assert worker.batch.max_num_batched_tokens == engine.config.limits.max_num_batched_tokens
 
 
 def test_llm_generate(model_dir, words, qwen):

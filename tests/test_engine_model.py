@@ -10,10 +10,12 @@ import pytest
 import torch
 import transformers
 
-from scheduler_svc.engine import EngineConfig, LLMEngine
-from scheduler_svc.llm import LLM
+from scheduler_svc.config import config_from_options
+from scheduler_svc.engine import LLMEngine
+from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
-from worker_svc.executor import InProcessExecutor
+from offline.executor import InProcessExecutor
+from worker_svc.runtime.model_runner import RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,10 +52,10 @@ def reference(hf) -> list[list[int]]:
 
 def _engine(model_dir, *, num_blocks: int, block_size: int, **config) -> LLMEngine:
     config.setdefault("max_num_seqs", 8)
-    executor = InProcessExecutor(model_dir, device="cpu", dtype="float32", num_blocks=num_blocks,
-                                 block_size=block_size, max_num_seqs=config["max_num_seqs"],
-                                 max_num_batched_tokens=config.get("max_num_batched_tokens", 8192))
-    return LLMEngine(model_dir, executor, EngineConfig(**config))
+    config, _ = config_from_options(config)
+    executor = InProcessExecutor.for_model(model_dir, RunnerConfig(device="cpu", dtype="float32", num_blocks=num_blocks,
+                                                                   block_size=block_size, limits=config.limits))
+    return LLMEngine(model_dir, executor, config)
 
 
 def _run(engine: LLMEngine, max_steps: int = 5000) -> dict:
@@ -123,17 +125,17 @@ def test_prefix_cache_hit_reports_cached_tokens(tiny_model_dir, hf):
     try:
         a = engine.add_request(first, _greedy(max_tokens=12))
         got_a = _run(engine)[a]
-        assert got_a[3].cached_tokens == 0
+        assert got_a[3].cached_prompt_tokens == 0
         b = engine.add_request(second, _greedy(max_tokens=12))
         got_b = _run(engine)[b]
         assert got_b[3].prompt_tokens == len(second)
-        assert got_b[3].cached_tokens == 40  # five full blocks of 8
+        assert got_b[3].cached_prompt_tokens == 40  # five full blocks of 8
         assert got_a[0] == _hf_generate(hf, first, 12)
         assert got_b[0] == _hf_generate(hf, second, 12)
         # The same prompt again: everything but the last token is a hit (it must be computed).
         c = engine.add_request(second, _greedy(max_tokens=12))
         got_c = _run(engine)[c]
-        assert got_c[3].cached_tokens == (len(second) - 1) // 8 * 8
+        assert got_c[3].cached_prompt_tokens == (len(second) - 1) // 8 * 8
         assert got_c[0] == got_b[0]
         assert engine.scheduler.block_manager.num_free_blocks == 64
     finally:

@@ -160,12 +160,14 @@ def fake_model_dir(tmp_path_factory):
 
 
 def test_requests_detached_from_one_engine_continue_exactly_in_another(fake_model_dir):
-    """What the scheduler does when a worker dies or drains (engine.detach, then adopt elsewhere): the
+    """What the scheduler does when a worker dies or drains (engine.move_out, then move_in elsewhere): the
     outputs, text (stop strings across the move included), logprobs and usage are those of a run without
     the move, whatever step it happens at."""
     import xxhash
 
-    from scheduler_svc.engine import EngineConfig, LLMEngine
+    from common.limits import Limits
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.engine import LLMEngine
     from scheduler_svc.sampling import SamplingParams
     from scheduler_svc.tokenizer import load_tokenizer
     from tests.fake_worker import FakeWorker
@@ -178,7 +180,8 @@ def test_requests_detached_from_one_engine_continue_exactly_in_another(fake_mode
 
     def engine(num_blocks: int = 64) -> LLMEngine:
         return LLMEngine(fake_model_dir, FakeWorker(num_blocks, 4, max_model_len=512, vocab_size=151936,
-                                                    token_fn=token), EngineConfig(max_num_batched_tokens=16), tok)
+                                                    token_fn=token),
+                         SchedulerConfig(limits=Limits(max_num_batched_tokens=16)), tok)
 
     requests = [("Hello there", SamplingParams(max_tokens=20, seed=1, ignore_eos=True)),
                 ("Tell me a story about a fox", SamplingParams(max_tokens=30, seed=18, stop=["lazy dog"])),
@@ -214,8 +217,8 @@ def test_requests_detached_from_one_engine_continue_exactly_in_another(fake_mode
         for i, (prompt, params) in enumerate(requests):
             a.add_request(prompt, params, f"r{i}")
         run(a, got, cut)
-        for orphan in a.detach():
-            b.adopt(orphan)
+        for moving in a.move_out():
+            b.move_in(moving)
         assert a.num_unfinished == 0 and a.scheduler.block_manager.num_free_blocks == 64
         run(b, got)
         assert got == reference, f"moved after {cut} steps"

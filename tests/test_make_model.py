@@ -13,7 +13,7 @@ import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 
-from worker_svc.make_model import (
+from worker_svc.checkpoints.writer import (
     default_model_dir,
     ensure_model,
     init_tensor,
@@ -22,8 +22,8 @@ from worker_svc.make_model import (
     plan_shards,
     tensor_shapes,
 )
-from worker_svc.presets import PRESETS, get_preset
-from worker_svc.tokenizer_files import TOKENIZER_SIZE
+from worker_svc.checkpoints.presets import PRESETS, get_preset
+from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 import transformers
 
+from common.limits import Limits
+from common.util import cdiv
 from tests.paged_driver import PagedDriver
-from worker_svc.attention import AttentionMetadata
-from worker_svc.make_model import make_model
-from worker_svc.model_runner import ModelRunner, RunnerConfig
-from worker_svc.uploads import pack_aligned
+from worker_svc.checkpoints.writer import make_model
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+from worker_svc.kernels.uploads import pack_aligned
 
 PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 
@@ -37,11 +39,11 @@ def _hf(model_dir) -> transformers.Qwen3ForCausalLM:
     return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _runner(model_dir, **kw) -> ModelRunner:
+def _runner(model_dir, max_num_seqs: int = 16, **kw) -> ModelRunner:
     kw.setdefault("num_blocks", 128)
     kw.setdefault("block_size", 16)
-    kw.setdefault("max_num_seqs", 16)
-    return ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", **kw))
+    return ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", limits=Limits(max_num_seqs=max_num_seqs),
+                                               **kw))
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied", "sharded"])
@@ -52,7 +54,7 @@ def test_logits_match_transformers(checkpoints, kind):
     bs = runner.block_size
     tables, next_block = [], 0
     for p in prompts:
-        n = -(-len(p) // bs)
+        n = cdiv(len(p), bs)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     width = max(map(len, tables))
@@ -68,8 +70,7 @@ def test_logits_match_transformers(checkpoints, kind):
         slot_mapping=torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
         max_seqlen_q=max(lens), query_lens=lens, context_lens=lens)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(np.concatenate(prompts)), torch.from_numpy(positions), meta,
-                              runner.attention)
+        hidden = runner.model(torch.tensor(np.concatenate(prompts)), torch.from_numpy(positions), meta)
         ours = runner.model.compute_logits(hidden)
         start = 0
         for p in prompts:
@@ -180,3 +181,11 @@ def test_uploads_start_on_16_byte_boundaries():
     assert flat.dtype == np.uint8 and all(start % 16 == 0 for start in starts)
     for a, start in zip(arrays, starts):
         assert np.array_equal(flat[start:start + a.nbytes].view(a.dtype), a.reshape(-1))
+
+
+def test_worker_cli_offers_every_attention_backend():
+    """The CLI lists the backends without importing torch; the list is kernels/attention.py's."""
+    from worker_svc import cli
+    from worker_svc.kernels import attention
+
+    assert cli.ATTENTION_NAMES == attention.NAMES

@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.limits import Limits
 from protos import worker_pb2 as pb
 from tests.paged_driver import PagedDriver
-from worker_svc.model_runner import ModelRunner, RunnerConfig
-from worker_svc.sampler import Penalties, SamplingBatch, sample, uniform_noise
+from worker_svc import kernels
+from worker_svc.kernels.reference import uniform_noise
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+from worker_svc.runtime.sampler import Penalties, SamplingBatch, sample
+
+CPU = kernels.select("cpu")
 
 
 def _batch(n, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, logprobs=-1):
@@ -34,7 +39,7 @@ def test_noise_is_a_function_of_seed_position_and_token():
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 4000
-    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n))
+    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n), CPU)
     freq = torch.bincount(out.token_ids, minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
 
@@ -49,13 +54,13 @@ def test_temperature_sampling_follows_the_distribution():
 def test_filters_keep_only_allowed_tokens(kw, allowed):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 2000
-    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n, **kw))
+    out = sample(probs.log().expand(n, 4).contiguous(), _batch(n, **kw), CPU)
     assert set(out.token_ids.tolist()) == allowed
 
 
 def test_greedy_and_logprobs():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    out = sample(logits, _batch(2, temperature=0.0, logprobs=2))
+    out = sample(logits, _batch(2, temperature=0.0, logprobs=2), CPU)
     assert out.token_ids.tolist() == [1, 0]
     ref = torch.log_softmax(logits, -1)
     assert torch.allclose(out.logprobs, ref[[0, 1], [1, 0]])
@@ -80,7 +85,7 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir):
                                  logprobs=-1)
 
     def run(prompts_and_seeds, chunk):
-        runner = ModelRunner(tiny_model_dir, RunnerConfig(dtype="float32", num_blocks=64, max_num_seqs=8))
+        runner = ModelRunner(tiny_model_dir, RunnerConfig(dtype="float32", num_blocks=64, limits=Limits(max_num_seqs=8)))
         driver = PagedDriver(runner, chunk=chunk)
         seqs = [driver.add(p, 12, params(seed)) for p, seed in prompts_and_seeds]
         driver.run_all()

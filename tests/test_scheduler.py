@@ -9,7 +9,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from protos import worker_pb2
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from common.limits import Limits
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import QueueFullError, Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from tests.fake_worker import FakeWorker, fake_logprob
 
@@ -29,23 +31,20 @@ def make(
     token_fn=None,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
+        limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
         long_prefill_token_threshold=cap,
         max_waiting=max_waiting,
         enable_prefix_caching=caching,
     )
     worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn)
     worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
-    return Scheduler(cfg, eos_token_ids=[EOS], epoch=worker.epoch), worker
+    return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch), worker
 
 
 def seq(seq_id: int, prompt, **params) -> Sequence:
     params.setdefault("ignore_eos", True)
-    return Sequence(seq_id, list(prompt), SamplingParams(**params), seed=1000 + seq_id)
+    params.setdefault("seed", 1000 + seq_id)
+    return Sequence(seq_id, list(prompt), SamplingParams(**params))
 
 
 def expected_output(worker: FakeWorker, s: Sequence) -> tuple[list[int], str]:
@@ -53,7 +52,7 @@ def expected_output(worker: FakeWorker, s: Sequence) -> tuple[list[int], str]:
     out = []
     n = s.prompt_len
     while True:
-        tok = worker.token_fn(s.seed, n)
+        tok = worker.token_fn(s.params.seed, n)
         out.append(tok)
         n += 1
         if tok in s.stop_ids and n >= s.min_len:
@@ -485,7 +484,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             sched.check()
         assert not sched.has_unfinished(), "no progress"
-        assert sched.block_manager.num_free_blocks == sched.config.num_blocks
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         sched.block_manager.check([])
         assert not sched._seqs
         event(f"preempted: {sched.num_preemptions > 0}")
@@ -514,10 +513,10 @@ def test_block_count_bound_matches_the_worst_case():
 
 
 def test_sampling_params_resolve_for_the_worker():
-    p = SamplingParams(temperature=0.0, top_k=-1, seed=7).to_proto(7)
+    p = SamplingParams(temperature=0.0, top_k=-1, seed=7).to_proto()
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.logprobs) == (0.0, 1.0, 0, 0.0, 7, -1)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
-    assert SamplingParams(logprobs=0).to_proto(1).logprobs == 0
+    assert SamplingParams(logprobs=0, seed=1).to_proto().logprobs == 0
     assert SamplingParams(seed=5).resolved_seed() == 5
     assert SamplingParams().resolved_seed() != SamplingParams().resolved_seed()
     for bad in (
@@ -537,20 +536,20 @@ def test_sampling_params_resolve_for_the_worker():
 def test_priority_admits_first_preempts_last_and_ages():
     """A larger priority is admitted ahead of queued lower ones; equal priorities stay FCFS; a request
     is overtaken by at most priority_aging x (difference in priority) later arrivals."""
-    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=1,
-                          max_num_batched_tokens=64, priority_aging=2)
-    sched = Scheduler(cfg)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    low = [Sequence(i, [1, 2, 3], params, seed=0) for i in range(4)]
+    cfg = SchedulerConfig(limits=Limits(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64),
+                          priority_aging=2)
+    sched = Scheduler(cfg, 64, 4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
+    low = [Sequence(i, [1, 2, 3], params) for i in range(4)]
     for seq in low:
         sched.add(seq)
-    urgent = Sequence(10, [4, 5, 6], params, seed=0, priority=1)
+    urgent = Sequence(10, [4, 5, 6], params, priority=1)
     sched.add(urgent)
     order = [s.seq_id for s in sched.waiting]
     # arrival 4 with priority 1 and aging 2 counts as arrival 2: it overtakes arrival 3 only, ties go
     # to the earlier arrival, so fewer than priority_aging earlier requests are overtaken
     assert order == [0, 1, 2, 10, 3]
-    very_urgent = Sequence(11, [7, 8, 9], params, seed=0, priority=10)
+    very_urgent = Sequence(11, [7, 8, 9], params, priority=10)
     sched.add(very_urgent)
     plan = sched.schedule()
     assert [n.seq_id for n in plan.new_seqs] == [11]  # admitted first (max_num_seqs=1)

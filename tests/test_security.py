@@ -38,7 +38,7 @@ from client.channel import ChannelSecurity, create_channel
 from client.launcher import ClusterTLS, LocalCluster, Process, free_port
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
-from scheduler_svc import security
+from common import security
 from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(180)

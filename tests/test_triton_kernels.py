@@ -4,23 +4,25 @@ split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbe
 The interpreter is switched on by tests/conftest.py before anything imports triton."""
 from __future__ import annotations
 
+from common.util import cdiv
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from worker_svc.attention import AttentionMetadata, TorchAttention, store_kv
-from worker_svc.decode_step import capture_sizes
-from worker_svc.decode_attention import merge_counters, paged_decode_attention, tile_config
-from worker_svc.layers import RMSNorm, RotaryEmbedding, qk_norm_rope, silu_and_mul
-from worker_svc import layers_triton
-from worker_svc.layers_triton import qk_norm_rope_store
-from worker_svc.prefill_attention import paged_prefill_attention, query_blocks
-from worker_svc.sampler import uniform_noise
-from worker_svc.sampler_triton import gumbel_argmax
-from worker_svc import skinny_gemm
-from worker_svc.skinny_gemm import skinny_linear
+from common.limits import Limits
+from worker_svc import kernels
+from worker_svc.kernels import elementwise, skinny_gemm
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention, tile_config
+from worker_svc.kernels.elementwise import qk_norm_rope_store
+from worker_svc.kernels.gumbel import gumbel_argmax
+from worker_svc.kernels.prefill_attention import paged_prefill_attention, query_blocks
+from worker_svc.kernels.reference import TorchAttention, qk_norm_rope, silu_and_mul, store_kv, uniform_noise
+from worker_svc.kernels.skinny_gemm import skinny_linear
+from worker_svc.model.layers import RMSNorm, RotaryEmbedding
+from worker_svc.runtime.decode_step import capture_sizes
 
 # tests/conftest.py turns the interpreter on where there is no GPU; on a GPU machine tests/gpu checks these
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 def _paged(lens, page, kv_heads, dim, dtype, extra_width=0, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    pages = [-(-c // page) for c in lens]
+    pages = [cdiv(c, page) for c in lens]
     num_blocks = sum(pages) + 2
     k = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype)
@@ -158,12 +160,12 @@ def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_eager(dtype, hidden, with_residual):
     gen = torch.Generator().manual_seed(5)
-    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm = RMSNorm(hidden, 1e-6, kernels.select("cpu")).to(dtype)
     norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
     wide = torch.randn(7, hidden + 8, generator=gen).to(dtype) * 3
     x = wide[:, :hidden]  # a row stride wider than the row, as a slice of a larger buffer
     residual = torch.randn(7, hidden, generator=gen).to(dtype) if with_residual else None
-    got = layers_triton.rms_norm(x, norm.weight, norm.eps, residual)
+    got = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
     want = norm(x, residual)
     tol = 1e-6 if dtype == torch.float32 else 0.0  # 16-bit: rounds where the eager pieces round
     if with_residual:
@@ -180,7 +182,7 @@ def test_silu_and_mul_kernel_matches_eager(dtype, n):
     # float16 rounds where the eager pieces round, but exp may differ from torch's in its last float32 bit,
     # which can move a rounding by one unit (2**-10)
     tol = 1e-6 if dtype == torch.float32 else 2 ** -10
-    torch.testing.assert_close(layers_triton.silu_and_mul(x), silu_and_mul(x), atol=tol, rtol=tol)
+    torch.testing.assert_close(elementwise.silu_and_mul(x), silu_and_mul(x), atol=tol, rtol=tol)
 
 
 def test_gumbel_argmax_matches_torch_sampler_and_breaks_ties_low():
@@ -254,13 +256,14 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(tiny_model_dir):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
     beside them, blocks out of order; greedy tokens equal the torch backend's."""
     from tests.paged_driver import PagedDriver
-    from worker_svc.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     prompts = [[(11 * i + 3 * j) % 1000 for j in range(9 + 13 * i)] for i in range(4)]
     outs = []
     for attention in ("triton", "torch"):
-        runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=64, max_model_len=256, attention=attention))
-        assert runner.attention.name == attention
+        runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=64, limits=Limits(max_model_len=256),
+                                                          attention=attention))
+        assert runner.kernels.attention.name == attention
         driver = PagedDriver(runner, chunk=7, shuffle_seed=1)
         seqs = [driver.add(p, 10) for p in prompts]
         driver.run_all()

@@ -1,37 +1,19 @@
-"""`splitserve-worker` command line: one subcommand per job."""
+"""`splitserve-worker` command line: `serve` a model, `simulate` a worker without one, and the checkpoint
+writer's commands (worker_svc/checkpoints)."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker_svc.presets import PRESETS
+from common import limits
+from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
+from worker_svc.checkpoints.presets import PRESETS
 
-
-def _make_model(args: argparse.Namespace) -> int:
-    from worker_svc.make_model import make_model  # torch import only for this subcommand
-
-    out = make_model(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size, dtype=args.dtype)
-    print(out)
-    return 0
-
-
-def _list_presets(args: argparse.Namespace) -> int:
-    for name, cfg in PRESETS.items():
-        print(
-            f"{name:20} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
-            f"heads={cfg['num_attention_heads']}/{cfg['num_key_value_heads']} head_dim={cfg['head_dim']} "
-            f"intermediate={cfg['intermediate_size']} tied={cfg['tie_word_embeddings']} dtype={cfg['dtype']}"
-        )
-    return 0
-
-
-def _ensure_model(args: argparse.Namespace) -> int:
-    from worker_svc.make_model import ensure_model
-
-    print(ensure_model(args.preset, seed=args.seed))
-    return 0
+# worker_svc.kernels.attention.NAMES, without importing torch for the parser
+ATTENTION_NAMES = ("auto", "triton", "flash_attn", "torch")
 
 
 def resolve_model(model: str) -> Path:
@@ -39,7 +21,7 @@ def resolve_model(model: str) -> Path:
     if Path(model).is_dir():
         return Path(model)
     if model in PRESETS:
-        from worker_svc.make_model import ensure_model
+        from worker_svc.checkpoints.writer import ensure_model  # torch import only for a preset
 
         return ensure_model(model)
     raise SystemExit(f"--model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
@@ -48,58 +30,75 @@ def resolve_model(model: str) -> Path:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from scheduler_svc import logs
-    from worker_svc.model_runner import ModelRunner, RunnerConfig
-    from worker_svc.server import serve
+    from common import logs
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     logs.setup(args.log_format, args.log_level)
     config = RunnerConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, attention=args.attention, cuda_graphs=not args.no_cuda_graphs)
+        limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
-        from worker_svc.tensor_parallel import TensorParallelRunner
+        from worker_svc.runtime.tensor_parallel import TensorParallelRunner
 
         runner = TensorParallelRunner(resolve_model(args.model), config, args.tensor_parallel_size)
     else:
         runner = ModelRunner(resolve_model(args.model), config)
     try:
-        _serve_metrics(runner, args)
-        server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay, tls=args.tls)
+        server = _start(runner, args)
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
             "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, epoch %d",
-            info.model, args.host, port, info.device, info.dtype, info.num_blocks, info.block_size,
-            info.max_model_len, runner.attention.name, info.tensor_parallel_size, info.epoch)
-        _run_until_signal(server, port, args)
+            info.model, args.host, server.port, info.device, info.dtype, info.num_blocks, info.block_size,
+            info.max_model_len, runner.kernels.attention.name, info.tensor_parallel_size, info.epoch)
+        _run_until_signal(server, args)
     finally:
-        if hasattr(runner, "close"):
-            runner.close()  # stops the other tensor-parallel ranks
+        runner.close()  # and the other tensor-parallel ranks
     return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
     import logging
 
-    from scheduler_svc import logs
-    from worker_svc.server import serve
-    from worker_svc.simulated import SimulatedRunner, StepCost
+    from common import logs
+    from worker_svc.runtime.simulated import SimulatedRunner, StepCost
 
     logs.setup(args.log_format, args.log_level)
-    runner = SimulatedRunner(args.model, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
-                             args.max_num_batched_tokens, StepCost(args.base_ms, args.per_token_us,
-                                                                   args.per_context_token_ns))
-    _serve_metrics(runner, args)
-    server, port = serve(runner, args.host, args.port, step_delay=args.debug_step_delay, tls=args.tls)
-    logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, port,
+    runner = SimulatedRunner(args.model, args.num_blocks, args.block_size, args.limits,
+                             StepCost(args.base_ms, args.per_token_us, args.per_context_token_ns))
+    server = _start(runner, args)
+    logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, server.port,
                                                 args.num_blocks, args.block_size)
-    _run_until_signal(server, port, args)
+    _run_until_signal(server, args)
     return 0
 
 
-def _run_until_signal(server, port: int, args: argparse.Namespace) -> None:
+def _start(runner, args: argparse.Namespace):
+    """The gRPC server over the runner, with metrics and the test knob when asked for."""
+    from worker_svc.service.server import serve
+
+    if args.debug_step_delay:
+        _slow_down(runner, args.debug_step_delay)
+    if args.metrics_port:
+        from worker_svc.service.metrics import serve_metrics
+
+        serve_metrics(runner, args.metrics_port, args.host)
+    return serve(runner, args.host, args.port, tls=args.tls)
+
+
+def _slow_down(runner, seconds: float) -> None:
+    """Testing only (--debug-step-delay): every step sleeps first, so tests can act while a request runs."""
+    execute = runner.execute
+
+    def slow_execute(plan):
+        time.sleep(seconds)
+        return execute(plan)
+
+    runner.execute = slow_execute
+
+
+def _run_until_signal(server, args: argparse.Namespace) -> None:
     """Serves until SIGTERM/SIGINT, registered with --scheduler if given; then drains: the scheduler is told
     first (Deregister: nothing new comes, running requests get --shutdown-grace, the rest moves to other
     workers), and the server stops after. Without --scheduler the server stops within --shutdown-grace and
@@ -107,12 +106,12 @@ def _run_until_signal(server, port: int, args: argparse.Namespace) -> None:
     import signal
     import threading
 
-    from worker_svc.membership import Registrar, advertise_address
+    from worker_svc.service.registrar import Registrar, advertise_address
 
-    service = server.worker_service
+    service = server.service
     registrar = None
     if args.scheduler:
-        address = args.advertise_address or advertise_address(args.host, port)
+        address = args.advertise_address or advertise_address(args.host, server.port)
         registrar = Registrar(service, args.scheduler, address, args.register_backoff_max, tls=args.tls,
                               secret=args.registration_secret).start()
     stop = threading.Event()
@@ -125,14 +124,7 @@ def _run_until_signal(server, port: int, args: argparse.Namespace) -> None:
     service.drain()
     if registrar is not None:
         registrar.close()
-    server.stop(grace=grace).wait()
-
-
-def _serve_metrics(runner, args: argparse.Namespace) -> None:
-    if args.metrics_port:
-        from worker_svc.metrics import serve_metrics
-
-        serve_metrics(runner, args.metrics_port, args.host)
+    server.server.stop(grace=grace).wait()
 
 
 def _add_membership_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,8 +142,8 @@ def _add_membership_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """TLS on this worker's port and on its registration link (scheduler_svc/security.py)."""
-    from scheduler_svc import security
+    """TLS on this worker's port and on its registration link (common/security.py)."""
+    from common import security
 
     security.add_tls_arguments(p)
     security.add_registration_arguments(p)
@@ -159,14 +151,14 @@ def _add_security_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_security(args: argparse.Namespace) -> None:
     """args.tls and args.registration_secret, from the flags; raises SecurityConfigError."""
-    from scheduler_svc import security
+    from common import security
 
     args.tls = security.tls_from_args(args)
     args.registration_secret = security.registration_secret_from_args(args)
 
 
 def _add_observability_arguments(p: argparse.ArgumentParser) -> None:
-    from scheduler_svc import logs
+    from common import logs
 
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     logs.add_arguments(p)
@@ -184,22 +176,7 @@ def _add_service_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint in Hugging Face layout")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MB, 1GiB (default 2GB)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the preset's")
-    p.set_defaults(func=_make_model)
-
-    p = sub.add_parser("list-presets", help="list the named model configurations")
-    p.set_defaults(func=_list_presets)
-
-    p = sub.add_parser("ensure-model", help="write a preset's checkpoint into the cache once; print its folder")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_ensure_model)
+    add_checkpoint_commands(sub)
 
     p = sub.add_parser("serve", help="run the worker gRPC service")
     p.add_argument("--model", required=True, help="checkpoint folder, or a preset name (written once)")
@@ -211,10 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--attention", default="auto", choices=["auto", "triton", "flash_attn", "torch"],
+    limits.add_arguments(p)
+    p.add_argument("--attention", default="auto", choices=ATTENTION_NAMES,
                    help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "
                         "kernel for decodes; triton: Triton kernels for both (any CUDA GPU from Ampere); torch: "
                         "the reference; auto: flash_attn where it imports, else triton on a GPU, else torch")
@@ -229,13 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--device", default="simulated", help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--max-model-len", type=int)
-    from worker_svc.simulated import StepCost  # protobuf only, no torch
+    limits.add_arguments(p, limits.Limits(max_num_seqs=512, max_num_batched_tokens=16384))
+    from worker_svc.runtime.simulated import StepCost  # protobuf only, no torch
 
     cost = StepCost()
     p.add_argument("--base-ms", type=float, default=cost.base_ms)
@@ -250,11 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "simulate"):  # refuse to start without TLS material or --plaintext
-        from scheduler_svc.security import SecurityConfigError
+        from common.security import SecurityConfigError
 
         try:
+            args.limits = limits.from_args(args)
             _load_security(args)
-        except SecurityConfigError as e:
+        except (ValueError, SecurityConfigError) as e:
             parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
     return args.func(args)
 

@@ -18,6 +18,7 @@ RUN python requirements.py pyproject.toml gateway > requirements.txt \
     && pip install -c constraints.txt -c constraints-images.txt -r requirements.txt setuptools
 COPY README.md ./
 COPY protos protos
+COPY common common
 COPY client client
 COPY gateway gateway
 RUN pip install --no-deps --no-build-isolation . \

@@ -17,10 +17,9 @@ RUN python requirements.py pyproject.toml > requirements.txt \
     && pip install -c constraints.txt -c constraints-images.txt -r requirements.txt setuptools
 COPY README.md ./
 COPY protos protos
+COPY common common
 COPY scheduler_svc scheduler_svc
-COPY worker_svc worker_svc
 COPY client client
-COPY bench bench
 RUN pip install --no-deps --no-build-isolation . \
     && python -c "import scheduler_svc.server, client.cli" \
     && ! python -c "import torch" 2>/dev/null

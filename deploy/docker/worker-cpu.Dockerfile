@@ -21,12 +21,11 @@ RUN python requirements.py pyproject.toml worker > requirements.txt \
     && pip install -c constraints.txt -c constraints-images.txt -r requirements.txt setuptools
 COPY README.md ./
 COPY protos protos
-COPY scheduler_svc scheduler_svc
+COPY common common
 COPY worker_svc worker_svc
 COPY client client
-COPY bench bench
 RUN pip install --no-deps --no-build-isolation . \
-    && python -c "import torch, worker_svc.model_runner; assert not torch.cuda.is_available()"
+    && python -c "import torch, worker_svc.runtime.model_runner; assert not torch.cuda.is_available()"
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0

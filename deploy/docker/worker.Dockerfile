@@ -25,12 +25,11 @@ RUN python requirements.py pyproject.toml gpu > requirements.txt \
     && pip install -c constraints.txt -c constraints-images.txt -r requirements.txt setuptools
 COPY README.md ./
 COPY protos protos
-COPY scheduler_svc scheduler_svc
+COPY common common
 COPY worker_svc worker_svc
 COPY client client
-COPY bench bench
 RUN pip install --no-deps --no-build-isolation . \
-    && python -c "import importlib.metadata as m, torch, triton, worker_svc.model_runner; m.version('flash-attn-4')"
+    && python -c "import importlib.metadata as m, torch, triton, worker_svc.runtime.model_runner; m.version('flash-attn-4')"
 
 FROM ${CUDA_IMAGE}
 ARG VERSION=0.1.0
@@ -38,7 +37,7 @@ LABEL org.opencontainers.image.title="splitserve-worker" \
       org.opencontainers.image.description="splitserve worker, CUDA 13 build with flash-attn-4" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-# Triton (torch.compile, the sampler kernel) builds its launcher with a C compiler against Python.h
+# Triton (splitserve's kernels) builds its launcher with a C compiler against Python.h
 # at run time, so the runtime image keeps gcc and the Python headers.
 # apt versions follow the pinned base image's Ubuntu archive (exact pins break on security updates).
 # hadolint ignore=DL3008
@@ -60,7 +59,7 @@ USER 10001:10001
 WORKDIR /home/splitserve
 # 50061: gRPC (splitserve.worker.v1.Worker, grpc.health.v1). 9091: Prometheus metrics (with --metrics-port 9091).
 EXPOSE 50061 9091
-# The port opens only after loading, warm-up (flash-attn-4 JIT, torch.compile) and CUDA graph capture.
+# The port opens only after loading, warm-up (flash-attn-4 and Triton JIT) and CUDA graph capture.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
     CMD ["/bin/sh", "-c", "splitserve health --address \"$SPLITSERVE_ADDRESS\" --service splitserve.worker.v1.Worker --timeout 3 || exit 1"]
 ENTRYPOINT ["splitserve-worker"]

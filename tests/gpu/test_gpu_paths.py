@@ -5,19 +5,22 @@ against cuBLAS.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
+from common.util import cdiv
 import numpy as np
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from common.limits import Limits  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
-from worker_svc.attention import (AttentionMetadata, FlashAttention, TorchAttention,  # noqa: E402
-                                  TritonAttention, flash_attn_available)
+from worker_svc import kernels  # noqa: E402
+from worker_svc.kernels.attention import AttentionMetadata, flash_attn_available, make_attention  # noqa: E402
+from worker_svc.kernels.reference import TorchAttention  # noqa: E402
 
 
 def _meta(query_lens, context_lens, block_size, num_blocks, gen):
-    blocks_needed = [-(-c // block_size) for c in context_lens]
+    blocks_needed = [cdiv(c, block_size) for c in context_lens]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(blocks_needed)
     page = np.zeros((len(query_lens), width), np.int32)
@@ -43,9 +46,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("backend", [
-    TritonAttention,
-    pytest.param(FlashAttention, marks=pytest.mark.skipif(not flash_attn_available(torch.device("cuda")),
-                                                          reason="flash-attn-4 not installed"))])
+    "triton",
+    pytest.param("flash_attn", marks=pytest.mark.skipif(not flash_attn_available(torch.device("cuda")),
+                                                        reason="flash-attn-4 not installed"))])
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_backends_match_torch_backend(backend, block_size, case):
@@ -56,7 +59,7 @@ def test_fast_backends_match_torch_backend(backend, block_size, case):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = backend().forward(q, k_cache, v_cache, meta, dim ** -0.5)
+    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5)
     ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -64,12 +67,12 @@ def test_fast_backends_match_torch_backend(backend, block_size, case):
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
-    from worker_svc.decode_attention import paged_decode_attention, tile_config
+    from worker_svc.kernels.decode_attention import paged_decode_attention, tile_config
 
     gen = torch.Generator().manual_seed(1)
     dim = 128
     c_lens = [1, 2, 255, 256, 257, 511, 512, 513, 1500, 4000, 33]
-    num_blocks = sum(-(-c // block_size) for c in c_lens) + 64
+    num_blocks = sum(cdiv(c, block_size) for c in c_lens) + 64
     meta = _meta([1] * len(c_lens), c_lens, block_size, num_blocks, gen)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
@@ -88,7 +91,7 @@ def test_decode_split_merge_by_the_last_program_is_race_free():
     """The last split program of a (sequence, KV head) merges what the others stored: if it could read a
     partial before its store were visible, some replay would differ. The merge order is fixed, so every
     one of 100 replays (28 layers' worth of calls each, one counter buffer) must equal the first bit for bit."""
-    from worker_svc.decode_attention import merge_counters, paged_decode_attention
+    from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention
 
     gen = torch.Generator().manual_seed(4)
     batch, heads, kv_heads, dim, page = 256, 16, 8, 128, 256
@@ -118,9 +121,9 @@ def test_decode_split_merge_by_the_last_program_is_race_free():
 
 
 def test_fused_qk_norm_rope_store_matches_eager_pieces():
-    from worker_svc.attention import store_kv
-    from worker_svc.layers import RotaryEmbedding, qk_norm_rope
-    from worker_svc.layers_triton import qk_norm_rope_store
+    from worker_svc.kernels.elementwise import qk_norm_rope_store
+    from worker_svc.kernels.reference import qk_norm_rope, store_kv
+    from worker_svc.model.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, tokens, page, blocks = 16, 8, 128, 300, 16, 64
@@ -145,31 +148,31 @@ def test_fused_qk_norm_rope_store_matches_eager_pieces():
 
 @pytest.mark.parametrize("rows", [1, 256, 16384])  # a decode, a decode batch, a prefill step
 def test_norm_and_swiglu_kernels_match_eager_in_bfloat16(rows):
-    from worker_svc import layers_triton
-    from worker_svc.layers import RMSNorm, silu_and_mul
+    from worker_svc.kernels import elementwise
+    from worker_svc.kernels.reference import silu_and_mul
+    from worker_svc.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(3)
-    norm = RMSNorm(1024, 1e-6).to(torch.bfloat16)
+    norm = RMSNorm(1024, 1e-6, kernels.select("cpu")).to(torch.bfloat16)
     norm.weight.copy_(torch.rand(1024, generator=gen) + 0.5)
     x, residual = (torch.randn(2, rows, 1024, generator=gen) * 3).to(torch.bfloat16)
     gate_up = (torch.randn(rows, 6144, generator=gen) * 4).to(torch.bfloat16)
     want_norm, want_sum = norm(x, residual)  # the CPU's eager pieces
-    got_norm, got_sum = layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps, residual.cuda())
+    got_norm, got_sum = elementwise.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps, residual.cuda())
     assert torch.equal(got_sum.cpu(), want_sum)
     # Up to two bfloat16 units (2**-6 relative): float32 sums in another order (or another exp) can move the
     # first rounding by one unit, and the product with the weight (or up) rounds again; measured: 26 of
     # 16.8M elements beyond one unit at 16,384 rows, none beyond two
     torch.testing.assert_close(got_norm.cpu(), want_norm, atol=0, rtol=2 ** -6)
-    torch.testing.assert_close(layers_triton.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps).cpu(), norm(x),
+    torch.testing.assert_close(elementwise.rms_norm(x.cuda(), norm.weight.cuda(), norm.eps).cpu(), norm(x),
                                atol=0, rtol=2 ** -6)
-    torch.testing.assert_close(layers_triton.silu_and_mul(gate_up.cuda()).cpu(), silu_and_mul(gate_up),
+    torch.testing.assert_close(elementwise.silu_and_mul(gate_up.cuda()).cpu(), silu_and_mul(gate_up),
                                atol=1e-3, rtol=2 ** -6)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (96, 512)])
 def test_skinny_gemm_matches_cublas_in_bfloat16(n, k):
-    from worker_svc.parallel import linear
-    from worker_svc.skinny_gemm import skinny_linear, supported
+    from worker_svc.kernels.skinny_gemm import linear, skinny_linear, supported
 
     gen = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
@@ -182,7 +185,9 @@ def test_skinny_gemm_matches_cublas_in_bfloat16(n, k):
 
 
 def test_triton_sampler_matches_torch_sampler():
-    from worker_svc.sampler import SamplingBatch, sample
+    from worker_svc.runtime.sampler import SamplingBatch, sample
+
+    gpu, cpu = kernels.select("cuda"), kernels.select("cpu")
 
     gen = torch.Generator().manual_seed(0)
     rows, vocab = 64, 151936
@@ -191,10 +196,10 @@ def test_triton_sampler_matches_torch_sampler():
     batch = SamplingBatch(temperature=temperature, seeds=torch.arange(rows, device="cuda") * 7919,
                           positions=torch.arange(rows, device="cuda") + 100, top_k=None, top_p=None,
                           min_p=None, all_greedy=False, max_logprobs=-1)
-    fused = sample(logits, batch).token_ids
+    fused = sample(logits, batch, gpu).token_ids
     reference = sample(logits.cpu(), SamplingBatch(**{
         f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
-        for f in SamplingBatch.__slots__})).token_ids
+        for f in SamplingBatch.__slots__}), cpu).token_ids
     assert torch.equal(fused.cpu(), reference)
 
 
@@ -215,11 +220,11 @@ def test_cuda_graph_decode_matches_eager(tmp_path, sampling):
     """Captured decode steps (padded batches, LM head and sampler inside) against the same steps run
     uncaptured and unpadded."""
     from tests.paged_driver import PagedDriver
-    from worker_svc.make_model import make_model
-    from worker_svc.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.checkpoints.writer import make_model
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     model_dir = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
-    cfg = dict(device="cuda", num_blocks=512, block_size=16, max_num_seqs=64, max_model_len=1024)
+    cfg = dict(device="cuda", num_blocks=512, block_size=16, limits=Limits(max_num_seqs=64, max_model_len=1024))
     graphed = ModelRunner(model_dir, RunnerConfig(**cfg))
     eager = ModelRunner(model_dir, RunnerConfig(**cfg, cuda_graphs=False))
     assert graphed.decode.graphs and not eager.decode.graphs

@@ -1,0 +1,96 @@
+"""Offline batch generation (nano-vLLM's LLM.generate): prompts in, texts out, with a progress bar."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from common.usage import Usage
+from offline.executor import InProcessExecutor
+from scheduler_svc.config import config_from_options
+from scheduler_svc.engine import LLMEngine
+from scheduler_svc.executor import Executor
+from scheduler_svc.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+class LLM:
+    """Options: the Limits fields (max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler and the
+    worker get the same), SchedulerConfig's other fields, and without an executor RunnerConfig's (device,
+    dtype, block_size, ...) for the in-process ModelRunner."""
+
+    def __init__(self, model_dir: str | Path, executor: Executor | None = None, **options: Any):
+        config, options = config_from_options(options)
+        if executor is None:
+            from worker_svc.runtime.model_runner import RunnerConfig  # imports torch: only here, only when asked
+
+            executor = InProcessExecutor.for_model(model_dir, RunnerConfig(limits=config.limits, **options))
+        elif options:
+            raise TypeError(f"unknown options {sorted(options)} (an executor was given)")
+        self.engine = LLMEngine(model_dir, executor, config)
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationOutput]:
+        """Outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+
+        engine = self.engine
+        todo = deque(zip(prompts, sampling_params))
+        order: list[str] = []
+        texts: dict[str, list[str]] = {}
+        tokens: dict[str, list[int]] = {}
+        done: dict[str, GenerationOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        num_tokens = 0
+        try:
+            while todo or engine.has_unfinished():
+                # Feed the queue up to its bound rather than all at once.
+                while todo and engine.scheduler.num_waiting < engine.scheduler.config.max_waiting:
+                    rid = engine.add_request(*todo.popleft())
+                    order.append(rid)
+                    texts[rid], tokens[rid] = [], []
+                for out in engine.step():
+                    texts[out.request_id].append(out.text)
+                    tokens[out.request_id].extend(out.token_ids)
+                    num_tokens += len(out.token_ids)
+                    if out.finished:
+                        rid = out.request_id
+                        text = "".join(texts.pop(rid))
+                        done[rid] = GenerationOutput(text, tokens.pop(rid), out.finish_reason, out.usage)
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}", refresh=False)
+        finally:
+            bar.close()
+        return [done[rid] for rid in order]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,67 @@
+"""`python -m worker_svc.checkpoints`: write random-weight checkpoints (also `splitserve-worker make-model`,
+`list-presets`, `ensure-model`)."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from worker_svc.checkpoints.presets import PRESETS
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from worker_svc.checkpoints.writer import make_model  # torch import only for this subcommand
+
+    print(make_model(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size, dtype=args.dtype))
+    return 0
+
+
+def _list_presets(args: argparse.Namespace) -> int:
+    for name, cfg in PRESETS.items():
+        print(
+            f"{name:20} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
+            f"heads={cfg['num_attention_heads']}/{cfg['num_key_value_heads']} head_dim={cfg['head_dim']} "
+            f"intermediate={cfg['intermediate_size']} tied={cfg['tie_word_embeddings']} dtype={cfg['dtype']}"
+        )
+    return 0
+
+
+def _ensure_model(args: argparse.Namespace) -> int:
+    from worker_svc.checkpoints.writer import ensure_model
+
+    print(ensure_model(args.preset, seed=args.seed))
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The checkpoint commands, as subcommands of `sub` (this module's parser, and splitserve-worker's)."""
+    p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint in Hugging Face layout")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MB, 1GiB (default 2GB)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the preset's")
+    p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("list-presets", help="list the named model configurations")
+    p.set_defaults(func=_list_presets)
+
+    p = sub.add_parser("ensure-model", help="write a preset's checkpoint into the cache once; print its folder")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_ensure_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker_svc.checkpoints", description=__doc__)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

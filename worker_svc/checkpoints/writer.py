@@ -1,0 +1,213 @@
+"""Write random-weight Qwen3 checkpoints in the exact Hugging Face layout.
+
+Weights are drawn per tensor from a `torch.Generator` seeded by (seed, tensor name), so a tensor's
+values do not depend on sharding or on which other tensors exist, and are streamed shard by shard:
+even qwen3-8b never needs the whole model in memory.
+
+Scaling, chosen so greedy decoding has clear top-1 margins and does not collapse into repeating
+the input token (see `tests/test_make_model.py`):
+- embeddings (and an untied lm_head) ~ N(0, 1/hidden): unit-norm rows, so the token's own
+  embedding is a small part of the residual stream (with tied weights a large one makes every
+  token predict itself);
+- every linear ~ N(0, 1/fan_in), so each block adds O(1) per coordinate to the residual;
+- RMSNorm weights ~ U(0.5, 1.5): near 1 but not all equal, so loading the wrong norm shows up;
+- q_norm/k_norm further scaled by QK_NORM_SCALE: sharper attention makes each position depend
+  more on its own query, and greedy decoding stops settling into one repeated token;
+- the final norm further scaled by LOGIT_SCALE, which sets the logits' standard deviation
+  (transformers' std 0.02 init leaves it near 0.2, with top logits tied to ~1e-3);
+- embedding (and lm_head) rows past the tokenizer's last id are zero, as no text maps to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from worker_svc.checkpoints.presets import DEFAULT_PRESET, GENERATION_CONFIG, get_preset
+from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, write_qwen_tokenizer
+
+LOGIT_SCALE = 8.0
+QK_NORM_SCALE = 2.0
+_CHUNK_ELEMENTS = 1 << 24  # draw big tensors in pieces of this many values (bounded fp32 scratch)
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in a size like 2GB (10**9) or 500MiB (2**20), as Hugging Face reads max_shard_size."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
+    if not m:
+        raise ValueError(f"bad size {size!r}; expected e.g. 2GB, 500MB, 200KB, 1GiB")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes in transformers' Qwen3ForCausalLM state_dict order."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "self_attn.q_norm.weight", (hd,)),
+            (p + "self_attn.k_norm.weight", (hd,)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    shapes.append(("model.norm.weight", (h,)))
+    if not config["tie_word_embeddings"]:
+        shapes.append(("lm_head.weight", (config["vocab_size"], h)))
+    return shapes
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The random value of one parameter (see the module docstring for the scaling)."""
+    gen = _generator(seed, name)
+    if len(shape) == 1:
+        t = torch.rand(shape, generator=gen) + 0.5
+        if name == "model.norm.weight":
+            t *= LOGIT_SCALE
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            t *= QK_NORM_SCALE
+        return t.to(dtype)
+    std = shape[1] ** -0.5  # fan_in; for embeddings and lm_head 1/sqrt(hidden) gives unit-norm rows
+    out = torch.empty(shape, dtype=dtype)
+    rows = max(1, _CHUNK_ELEMENTS // shape[1])
+    for start in range(0, shape[0], rows):
+        chunk = out[start : start + rows]
+        chunk.copy_(torch.randn(chunk.shape, generator=gen).mul_(std))
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        out[TOKENIZER_SIZE:] = 0  # padding ids the tokenizer never emits: logit 0, never the argmax
+    return out
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Group tensors as huggingface_hub's `split_torch_state_dict_into_shards` does.
+
+    A tensor larger than the limit gets a shard of its own; otherwise the current shard is closed
+    when the next tensor would overflow it.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if nbytes > max_shard_size:
+            shards.append([name])
+            continue
+        if current and used + nbytes > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def make_model(
+    preset: str,
+    out: Path,
+    seed: int = 0,
+    max_shard_size: str | int = "2GB",
+    dtype: str | None = None,
+) -> Path:
+    """Write config, generation config, safetensors weights and tokenizer files of `preset` into `out`.
+
+    `dtype` defaults to the preset's (float32 for test presets, bfloat16 for real ones).
+    """
+    config = get_preset(preset)
+    dtype = dtype or config["dtype"]
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    torch_dtype = _DTYPES[dtype]
+    config["dtype"] = config["torch_dtype"] = dtype
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    shapes = dict(tensor_shapes(config))
+    itemsize = torch_dtype.itemsize
+    sizes = [(name, itemsize * torch.Size(shape).numel()) for name, shape in shapes.items()]
+    shards = plan_shards(sizes, parse_size(max_shard_size))
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+
+    weight_map = {}
+    for file, names in zip(files, shards):
+        tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype) for name in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del tensors  # free this shard before drawing the next one
+    if len(files) > 1:
+        total = sum(nbytes for _, nbytes in sizes)
+        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", GENERATION_CONFIG)
+    write_qwen_tokenizer(out)
+    return out
+
+
+def cache_root() -> Path:
+    """`$SPLITSERVE_CACHE`, else `~/.cache/splitserve`."""
+    return Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve")
+
+
+def default_model_dir(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
+    """Where `ensure_model` keeps `preset` written with `seed`."""
+    return cache_root() / "models" / f"{preset}-seed{seed}"
+
+
+def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
+    """The cached checkpoint folder of `preset`, written once.
+
+    Written into a temporary sibling folder and renamed into place, so a folder that exists is
+    complete; when two processes race, the loser's copy is discarded.
+    """
+    final = default_model_dir(preset, seed)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        make_model(preset, tmp, seed=seed)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

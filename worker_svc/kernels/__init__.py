@@ -1,0 +1,41 @@
+"""The worker's kernels, and the one place they are picked: `select(device, attention)` returns the Kernels a
+runner builds its model with. On a CUDA GPU: splitserve's Triton kernels (elementwise.py, gumbel.py,
+skinny_gemm.py) and the attention backend asked for (attention.py); elsewhere the torch references
+(reference.py). Triton and flash-attn-4 are imported only when a GPU's kernels are selected."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.kernels.attention import AttentionBackend, make_attention
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    name: str  # "triton" or "torch"
+    # (x, weight, eps, residual=None) -> norm(x), or (norm(x + residual), x + residual)
+    rms_norm: Callable
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads) -> q
+    qk_norm_rope_store: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]  # (x, weight, bias=None)
+    # (logits, temperature, seeds, positions) -> tokens: temperature sampling or greedy, no filters
+    gumbel_argmax: Callable[..., torch.Tensor]
+    sampling_dtype: torch.dtype | None  # what the sampler computes in; None: the logits' own (16-bit on a GPU)
+    attention: AttentionBackend
+
+
+def select(device: torch.device | str, attention: str = "auto") -> Kernels:
+    device = torch.device(device)
+    backend = make_attention(attention, device)
+    if device.type == "cuda":
+        from worker_svc.kernels import elementwise, gumbel, skinny_gemm
+
+        return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.qk_norm_rope_store,
+                       skinny_gemm.linear, gumbel.gumbel_argmax, None, backend)
+    from worker_svc.kernels import reference
+
+    return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.qk_norm_rope_store,
+                   reference.linear, reference.gumbel_argmax, torch.float32, backend)

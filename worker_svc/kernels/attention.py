@@ -1,0 +1,146 @@
+"""Paged attention over a mixed batch: prefill chunks, continuations over cached prefixes and decodes
+in ONE call per layer, described like flash-attn-4's paged varlen call.
+
+The KV cache of a layer is a K and a V tensor shaped [num_blocks, block_size, num_kv_heads, head_dim];
+token t of a sequence lives in block page_table[seq, t // block_size] at offset t % block_size.
+
+Backends, by name (`splitserve-worker serve --attention`):
+- `torch`: the reference (kernels/reference.py), for CPUs and for checking the others;
+- `triton`: splitserve's split-KV decode kernel for decode-only steps, its paged prefill kernel otherwise;
+- `flash_attn`: the same decode kernel, flash-attn-4's paged varlen call for steps with prefills
+  (Hopper and Blackwell);
+- `auto`: flash_attn where flash-attn-4 imports, else triton on a CUDA GPU, else torch.
+Which is faster where: bench/results/decode_attention.md and prefill_attention.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+NAMES = ("auto", "triton", "flash_attn", "torch")
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    cu_seqlens_q: torch.Tensor  # int32 [batch + 1]: query tokens of sequence i are [cu[i], cu[i+1])
+    seqused_k: torch.Tensor     # int32 [batch]: context length of each sequence after this step
+    page_table: torch.Tensor    # int32 [batch, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [tokens]: where each new token's K and V are written
+    max_seqlen_q: int
+    query_lens: list[int]       # host copies, for backends that loop on the host
+    context_lens: list[int]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; the new K/V are already in the cache. Returns q's shape."""
+        ...
+
+
+Prefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+class TritonDecode:
+    """The split-KV decode kernel (decode_attention.py) with the split counters every layer shares (each
+    call leaves them zero). Sized by the first, largest call: CUDA graphs are captured largest first, after
+    an eager warm-up. A larger batch later gets larger ones; the old stay allocated, as captured graphs may
+    still use them."""
+
+    def __init__(self):
+        from worker_svc.kernels import decode_attention  # triton: a GPU-only dependency
+
+        self._kernel = decode_attention
+        self._counters: list[torch.Tensor] = []
+
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
+            self._counters.append(self._kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
+        return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
+                                                   counters=self._counters[-1])
+
+
+class TritonPrefill:
+    """The paged prefill kernel (prefill_attention.py); its query blocks are listed once per step, not per
+    layer."""
+
+    def __init__(self):
+        from worker_svc.kernels import prefill_attention  # triton: a GPU-only dependency
+
+        self._kernel = prefill_attention
+        self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
+
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kernel = self._kernel
+        if self._blocks_of is not meta:
+            self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, kernel.BLOCK_M, q.device), meta
+        return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
+                                              meta.page_table, self._blocks, scale)
+
+
+class FlashAttnPrefill:
+    """flash-attn-4 (CuTe DSL): one paged varlen call."""
+
+    def __init__(self):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self._fn = flash_attn_varlen_func
+
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
+                       page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q,
+                       softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class PagedAttention:
+    """A GPU backend: one kernel for decode-only steps (one query token per sequence), another for steps
+    with prefills."""
+
+    def __init__(self, name: str, prefill: Prefill, decode: Prefill):
+        self.name, self._prefill, self._decode = name, prefill, decode
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kernel = self._decode if meta.max_seqlen_q == 1 else self._prefill
+        return kernel(q, k_cache, v_cache, meta, scale)
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    if not _cuda_capability_at_least(device, 9):
+        return False
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
+
+
+def resolve(name: str, device: torch.device) -> str:
+    """The backend `auto` stands for on this device; other names as they are."""
+    if name not in NAMES:
+        raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
+    if name != "auto":
+        return name
+    if flash_attn_available(device):
+        return "flash_attn"
+    return "triton" if _cuda_capability_at_least(device, 8) else "torch"
+
+
+def make_attention(name: str, device: torch.device) -> AttentionBackend:
+    name = resolve(name, device)
+    if name == "torch":
+        from worker_svc.kernels.reference import TorchAttention
+
+        return TorchAttention()
+    prefill = FlashAttnPrefill() if name == "flash_attn" else TritonPrefill()
+    return PagedAttention(name, prefill, TritonDecode())

@@ -1,0 +1,166 @@
+"""Split-KV paged decode attention in Triton: one query token per sequence, GQA heads packed.
+
+flash-attn-4's varlen kernel handles a decode as a 128-row query tile with one live row per head and
+one CTA per (sequence, head), so a batch whose contexts vary from 100 to 2,000 tokens ends on a tail
+of long sequences. This kernel is flash-decoding over pages, close to the bandwidth of a device-to-device
+copy (bench/results/decode_attention.md):
+
+- one program per (KV head, split of SPLIT tokens, sequence) reads its split's K and V once for all
+  query heads of the group (their rows padded to a tensor-core tile) and writes a partial output and
+  log-sum-exp, or the output itself when the context fits one split;
+- the last program of a (sequence, KV head) to finish, counted on an atomic counter, merges the splits
+  (a second kernel would cost a launch and its ramp per layer for a few microseconds of work).
+
+Splits have a fixed token count, so work per program is even whatever the mix of context lengths, and
+the grid depends only on the batch size and the page table's width: it can be captured in a CUDA graph
+(programs past a sequence's context return at once).
+"""
+from __future__ import annotations
+
+from common.util import cdiv
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
+
+
+@triton.jit
+def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(cache block, offset in it) of tokens t = t0 + arange(BLOCK_N) of the sequence whose page table
+    row is `pages`; tokens past `valid` read block 0."""
+    if BLOCK_N <= PAGE:  # the tile lies in one page
+        page = tl.load(pages + t0 // PAGE).to(tl.int64)
+    else:
+        page = tl.load(pages + t // PAGE, mask=valid, other=0).to(tl.int64)
+    return page, t % PAGE
+
+
+@triton.jit
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e,
+                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
+                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
+    # same pages (3 % faster than sequence-major at 256 x 800)
+    kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(SeqUsed + seq)
+    start = split * SPLIT
+    if start >= ctx:
+        return
+    end = tl.minimum(start + SPLIT, ctx)
+    h, d, n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    live = h < GROUP
+    heads = kvh * GROUP + h
+    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    pages = PageTable + seq.to(tl.int64) * stride_pt
+    for t0 in tl.range(start, end, BLOCK_N):
+        t = t0 + n
+        valid = t < end
+        page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
+        k_rows = page * stride_kb + offset * stride_kt
+        v_rows = page * stride_vb + offset * stride_vt
+        k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
+    splits = tl.cdiv(ctx, SPLIT)
+    if splits == 1:  # the whole context in one split: no partials, no merge
+        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+        return
+    o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
+    tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live[:, None])
+    tl.store(lse_ptrs + split, m + tl.log2(l), mask=live)
+    # Every thread's stores come before the counter's release; the program that finds splits - 1 there
+    # is the last, and its acquire makes the others' partials visible to it. It resets the counter
+    # for the next layer (and graph replay).
+    tl.debug_barrier()
+    counter = Counters + seq * KV_HEADS + kvh
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        tl.debug_barrier()
+        tl.store(counter, 0)
+        # the partials are read past L1, which another program's stores did not go through
+        m = tl.load(lse_ptrs, mask=live, other=0.0, cache_modifier=".cg")
+        acc = tl.load(o_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        for i in range(1, splits):
+            lse = tl.load(lse_ptrs + i, mask=live, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+            part = tl.load(o_ptrs + i * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
+            acc = acc * a[:, None] + part * b[:, None]
+            l = l * a + b
+            m = m_new
+        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+
+
+def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
+    """Tokens per split: `base`, or more when the page table is so wide that MAX_SPLITS would not cover it."""
+    longest = page_table_width * page
+    split = max(base, cdiv(longest, MAX_SPLITS))
+    return cdiv(split, block_n) * block_n
+
+
+def tile_config(batch: int) -> dict:
+    """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md):
+    up to 8 sequences, short splits of 64-token tiles spread the few sequences over the GPU; past that,
+    128-token tiles in 512-token splits (longer splits save a merge but add as much tail). The bound is a
+    CUDA-graph batch size (decode_step.capture_sizes), so a batch and the padded batch of its graph take
+    the same tiles and compute the same values."""
+    if batch <= 8:
+        return dict(base_split=128, block_n=64)
+    return dict(base_split=512, block_n=128)
+
+
+def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The split counters of paged_decode_attention: zeros, which every call leaves zero again."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
+                           counters: torch.Tensor | None = None, base_split: int | None = None,
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
+    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype.
+    counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
+    Tiles default to tile_config(batch)."""
+    q = q.contiguous()  # the kernels take unit stride along head_dim
+    batch, heads, head_dim = q.shape
+    if base_split is None or block_n is None:
+        tiles = tile_config(batch)
+        base_split, block_n = base_split or tiles["base_split"], block_n or tiles["block_n"]
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    block_n = min(block_n, base_split)
+    if page % block_n and block_n % page:
+        raise ValueError(f"block size {page} and tile {block_n} must divide one another")
+    split = split_size(page_table.shape[1], page, block_n, base_split)
+    num_splits = cdiv(page_table.shape[1] * page, split)
+    part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if counters is None:
+        counters = merge_counters(batch, kv_heads, q.device)
+    assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
+    block_h = max(16, triton.next_power_of_2(group))
+    _split_kernel[(kv_heads, num_splits, batch)](
+        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
+    return out

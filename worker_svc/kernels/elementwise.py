@@ -1,0 +1,141 @@
+"""The transformer's elementwise pieces as Triton kernels for the GPU, each rounding to the activation
+dtype where the references (reference.py) do, so both paths give the same values:
+
+- RMSNorm, with the residual add fused;
+- SwiGLU (silu(gate) * up);
+- between the QKV projection and attention, one kernel for per-head RMSNorm of q and k, rotary
+  embedding, and the store of k and v into the paged KV cache (eight kernels when compiled separately).
+
+Hand-written rather than torch.compile'd: compiled ops cost host time on every call of an eager (mixed)
+step, guards of dynamic shapes included, and their SwiGLU fell short of the bandwidth on long prefills
+(bench/NOTES.md)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weighted(x, r, w, dtype: tl.constexpr):
+    """RMSNorm's output from float32 x, its 1/rms r and weight w, rounded to `dtype` where the eager
+    pieces round: the normalised x, then its product with the weight."""
+    return ((x * r).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _norm_rope_store(src, dst, W, cos, sin, eps, live, HALF: tl.constexpr):
+    """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W, rotate, store."""
+    dtype = dst.dtype.element_ty
+    c = tl.arange(0, HALF)
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    n1 = _weighted(x1, r, tl.load(W + c)[None, :], dtype).to(tl.float32)
+    n2 = _weighted(x2, r, tl.load(W + HALF + c)[None, :], dtype).to(tl.float32)
+    tl.store(dst, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=live)
+    tl.store(dst + HALF, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=live)
+
+
+@triton.jit
+def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, eps,
+                        stride_qkv, stride_cs, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h,
+                        stride_vc_s, stride_vc_h,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t)
+    c = tl.arange(0, HALF)
+    cos = tl.load(CosSin + pos * stride_cs + c)
+    sin = tl.load(CosSin + pos * stride_cs + HALF + c)
+    row = QKV + t * stride_qkv  # q heads, then k heads, then v heads
+    slot = tl.load(Slots + t)
+
+    h = tl.arange(0, BLOCK_Q)
+    _norm_rope_store(row + h[:, None] * (2 * HALF) + c[None, :],
+                     QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :],
+                     QW, cos, sin, eps, (h < HEADS)[:, None], HALF)
+    h = tl.arange(0, BLOCK_KV)
+    live = (h < KV_HEADS)[:, None]
+    _norm_rope_store(row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :],
+                     KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :],
+                     KW, cos, sin, eps, live, HALF)
+    src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
+    dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
+    tl.store(dst, tl.load(src, mask=live), mask=live)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=live), mask=live)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [tokens, (heads + 2 kv_heads) * head_dim] straight from the projection. Writes k and v at
+    slot_mapping in the caches ([num_blocks, block_size, kv_heads, head_dim]); returns q [tokens, heads, head_dim]."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    for cache in (k_cache, v_cache):  # slots index (block, offset) pairs flattened
+        assert cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
+    assert qkv.stride(1) == 1 and head_dim % 2 == 0
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        _qk_norm_rope_store[(tokens,)](
+            qkv, positions, cos_sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps,
+            qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(1), v_cache.stride(2), HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+            BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+            num_warps=4)
+    return q
+
+
+@triton.jit
+def _rms_norm(X, Res, W, Out, ResOut, eps, stride_x, stride_r, stride_o, stride_ro, N: tl.constexpr,
+              BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = c < N
+    x = tl.load(X + row * stride_x + c, mask=live, other=0.0)
+    dtype = x.dtype
+    if HAS_RES:  # the sum is rounded to the activation dtype before the norm, as x + residual is
+        x = (x.to(tl.float32) + tl.load(Res + row * stride_r + c, mask=live, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(ResOut + row * stride_ro + c, x, mask=live)
+    x = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    tl.store(Out + row * stride_o + c, _weighted(x, r, tl.load(W + c, mask=live, other=0.0), dtype), mask=live)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, hidden]. norm(x), or with `residual` (norm(x + residual), x + residual)."""
+    rows, n = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    if rows:
+        _rms_norm[(rows,)](x, res, weight, out, res_out, eps, x.stride(0), res.stride(0), out.stride(0),
+                           res_out.stride(0), N=n, BLOCK=triton.next_power_of_2(n),
+                           HAS_RES=residual is not None, num_warps=4 if n <= 2048 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row, col = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = col * BLOCK + tl.arange(0, BLOCK)
+    live = c < N
+    gate = tl.load(X + row * stride_x + c, mask=live, other=0.0)
+    up = tl.load(X + row * stride_x + N + c, mask=live, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as F.silu's output is
+    tl.store(Out + row * stride_o + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=live)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * n], gate then up. Returns silu(gate) * up, [rows, n]."""
+    rows, n = x.shape[0], x.shape[1] // 2
+    assert x.stride(1) == 1
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows:
+        _silu_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
+                                                      num_warps=4)
+    return out

@@ -1,0 +1,137 @@
+"""The reference of every kernel, in plain torch: what a CPU runs (tests, demos) and what the GPU kernels are
+checked against. The GPU kernels round where these do, so both paths give the same values."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common.util import cdiv
+
+_M32 = 0xFFFFFFFF
+
+
+# ---- elementwise ------------------------------------------------------------------------------------
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x), or with `residual` (norm(x + residual), x + residual)."""
+    if residual is None:
+        return _rms(x, weight, eps)
+    x = x + residual
+    return _rms(x, weight, eps), x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then rotary embedding (rotate-half layout, as Qwen3)."""
+    cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
+    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [tokens, (heads + 2 kv_heads) * head_dim] from the projection. Writes k and v at slot_mapping in
+    the caches; returns q [tokens, heads, head_dim], normed and rotated."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = qk_norm_rope(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), positions, cos_sin,
+                        q_weight, k_weight, eps)
+    store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from (seed, position)."""
+    key = _mix32((seeds & _M32) ^ _mix32(positions & _M32))
+    return _mix32(key ^ ((seeds >> 32) & _M32))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, vocab] float32 in (0, 1), a pure function of (seed, position, token id)."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(row_keys(seeds, positions)[:, None] ^ ((ids * 0x9E3779B9) & _M32)[None, :])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                restrict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Gumbel-max: argmax(x_i + G_i), G_i = -log(-log U_i), draws token i with probability softmax(x)_i, for
+    x = logits / temperature (then `restrict`ed: top-k, top-p, min-p); greedy where the temperature is 0."""
+    greedy = logits.argmax(dim=-1)
+    x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if restrict is not None:
+        x = restrict(x)
+    u = uniform_noise(seeds, positions, logits.shape[-1])
+    race = x - torch.log(-torch.log(u))
+    return torch.where(temperature > 0, race.argmax(dim=-1), greedy)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """kernels/gumbel.py's kernel: temperature sampling (or greedy) without filters."""
+    if not bool((temperature > 0).any()):
+        return logits.argmax(dim=-1)
+    return gumbel_race(logits, temperature, seeds, positions)
+
+
+# ---- attention --------------------------------------------------------------------------------------
+class TorchAttention:
+    """Plain reference over the paged layout: gathers each sequence's context and runs causal SDPA.
+
+    One loop iteration per sequence, so it is for CPUs, tests and checking the fast backends."""
+
+    name = "torch"
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+        start = 0
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            blocks = meta.page_table[i, : cdiv(ctx, block_size)].long()
+            k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0)
+            v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0)
+            qpos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
+                                               attn_mask=mask, scale=scale)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out

@@ -1,0 +1,67 @@
+"""y = x W^T for a single token, in Triton: one decoding sequence's projections.
+
+At 1-64 rows cuBLAS and this kernel run at the same per-kernel floor for the projections of small models,
+except for a single row with K <= 2048, where cuBLAS takes a split-K kernel about twice as slow
+(bench/results/skinny_gemm.md). So a batch of one uses this kernel for those shapes, cuBLAS does the rest. Every program owns BLOCK_N output columns and streams them through
+num_stages loads in flight; the row is padded to a tensor-core tile of 16.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + m[:, None] * stride_xm + k[None, :]
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
+    rows, cols = m[:, None] < M, n[:, None] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, K, BLOCK_K):  # the host checks that BLOCK_K divides K
+        x = tl.load(x_ptrs, mask=rows, other=0.0)
+        w = tl.load(w_ptrs, mask=cols, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows & (n[None, :] < N))
+
+
+def tiles(n: int) -> dict:
+    """The best measured for one row and N output columns on the H200 (bench/results/skinny_gemm.md)."""
+    if n <= 2048:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_stages=5, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_stages=5, num_warps=4)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row (a decode step of one sequence: a CUDA-graph batch size of its own), K <= 2048, 16-bit
+    weights (float32 would go through TF32 here, coarser than cuBLAS's float32)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= 2048 and weight.shape[1] % 256 == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
+    """x: [rows, K]; weight: [N, K] (nn.Linear's layout). Returns [rows, N] in x's dtype. Any row count
+    works; `overrides` replace entries of tiles() (the benchmark's sweep)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    meta = tiles(n) | {"BLOCK_M": max(16, triton.next_power_of_2(rows))} | overrides
+    if k % meta["BLOCK_K"]:
+        raise ValueError(f"K={k} is not a multiple of the {meta['BLOCK_K']}-wide tile")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _skinny_gemm[(triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, y, rows, n, k, x.stride(0), weight.stride(0),
+                                                    y.stride(0), **meta)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with this kernel where supported() (no bias)."""
+    if bias is None and supported(x, weight):
+        return skinny_linear(x, weight)
+    return torch.nn.functional.linear(x, weight, bias)

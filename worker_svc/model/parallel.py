@@ -1,0 +1,175 @@
+"""Tensor-parallel building blocks (Megatron style). With no process group they run at world size 1.
+
+Each layer holds only its rank's shard and knows how to cut that shard out of a full checkpoint
+tensor (`weight_loader`), so no rank ever needs the whole model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from common.util import cdiv
+from worker_svc.kernels import Kernels
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def min_over_ranks(value: int, device: torch.device | str) -> int:
+    """The smallest `value` over the tensor-parallel ranks (itself at world size 1)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return t.narrow(dim, rank * (t.shape[dim] // size), t.shape[dim] // size)
+
+
+def _divide(n: int, d: int) -> int:
+    if n % d:
+        raise ValueError(f"{n} is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows; each rank produces a slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.empty(_divide(out_features, self.tp_size), in_features),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.weight.shape[0]), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], kernels: Kernels, bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), kernels, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        size = self.out_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Packed q, k and v projections. Query heads are split across ranks; KV heads too, or
+    replicated when there are more ranks than KV heads (each rank keeps the head its queries use)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, kernels: Kernels,
+                 bias: bool = False):
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, size)
+        self.num_kv_heads = max(1, num_kv_heads // size)
+        if num_kv_heads >= size:
+            _divide(num_kv_heads, size)
+        else:
+            _divide(size, num_kv_heads)
+        self.total_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
+        super().__init__(hidden_size, out, kernels, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, shard = 0, q_size, _shard(loaded, 0, self.tp_rank, self.tp_size)
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            # rank r serves query heads [r*h, (r+1)*h); they use KV head r * kv_total // tp_size
+            kv_index = self.tp_rank * self.total_kv_heads // self.tp_size
+            start = (kv_index // self.num_kv_heads) * kv_size
+            size, shard = kv_size, loaded.narrow(0, start, kv_size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size)),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = lambda p, w: p.data.copy_(w)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernels.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up its own rows, others give 0."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.shard_size = cdiv(vocab_size, self.tp_size)
+        self.start = self.tp_rank * self.shard_size
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = loaded[self.start:self.start + self.shard_size]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0]:].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; each rank computes its rows and the full logits are gathered."""
+
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """out: where to write the logits (decode steps' static buffer), else a new tensor."""
+        if self.tp_size == 1:
+            return torch.matmul(hidden, self.weight.t(), out=out)
+        local = F.linear(hidden, self.weight)
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local)
+        logits = torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return logits if out is None else out.copy_(logits)

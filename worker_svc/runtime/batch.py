@@ -1,0 +1,268 @@
+"""The worker's mirror of the scheduler's state, kept by applying each StepPlan (a delta): which sequences
+it holds, in which row of the persistent batch, their block tables, token counts and sampling parameters.
+numpy only, no torch: the ModelRunner, the simulated runner, tensor-parallel followers, the scheduler's test
+fake and bench/scheduler_cpu all apply plans through `PersistentBatch.apply`, which makes every check of the
+protocol (docs/architecture.md) and refuses a plan that breaks one with a PlanError.
+
+Token counts per row: `num_sent` tokens came with the sequence's NewSequence (its prompt, plus its
+generated tokens when it resumes or moved); `num_tokens` counts those and every token sampled since;
+`num_computed` positions have KV (scheduled in an applied plan). A row samples in the step that runs its
+last known token, so a decode runs exactly position num_tokens - 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.util import cdiv
+from protos import worker_pb2 as pb
+
+_SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the worker's state (gap in steps, other epoch, unknown sequence, ...)."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    row: int
+    token_ids: list[int]  # the ids the scheduler sent; later tokens exist only where they were sampled
+    prompt_len: int
+
+
+@dataclass(slots=True)
+class BatchStep:
+    """An applied plan: its sequences in result order (new ones, then the running columns)."""
+    step: int
+    seq_ids: np.ndarray       # uint64
+    rows: np.ndarray          # int64
+    num_computed: np.ndarray  # int64: positions with KV before the step
+    num_scheduled: np.ndarray  # int64: tokens the step runs
+    num_sent: np.ndarray      # int64
+    samples: np.ndarray       # bool: the row samples its next token in this step
+    states: list[SeqState]
+    new: list[SeqState]       # sequences this plan starts
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_scheduled.sum())
+
+
+@dataclass(slots=True)
+class SamplingArrays:
+    """The sampling parameters of a step's sampling rows, gathered on the host."""
+    temperature: np.ndarray  # float32
+    penalty: np.ndarray      # float32 [S, 3]: repetition, presence, frequency
+    top_k: np.ndarray        # int64, vocab size where off
+    top_p: np.ndarray        # float32
+    min_p: np.ndarray        # float32
+    use_k: bool
+    use_p: bool
+    use_min_p: bool
+    use_penalty: bool
+    all_greedy: bool
+    max_logprobs: int
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.temperature, self.penalty, self.top_k, self.top_p, self.min_p]
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Whether the general sampler must run: the decode step's Gumbel kernel does temperature alone."""
+        return self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
+
+
+class PersistentBatch:
+    def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_batched_tokens: int = 0, epoch: int = 0):
+        """max_num_batched_tokens 0: no bound on a step's tokens."""
+        self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
+        self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
+        self.epoch = epoch
+        rows = max_num_seqs
+        self.seqs: dict[int, SeqState] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.num_computed = np.zeros(rows, np.int64)
+        self.num_sent = np.zeros(rows, np.int64)
+        self.num_tokens = np.zeros(rows, np.int64)
+        self.block_table = np.zeros((rows, cdiv(max_model_len, block_size)), np.int32)
+        self.num_table_blocks = np.zeros(rows, np.int64)
+        self.holders = np.zeros(num_blocks, np.int32)  # live sequences whose table holds each block
+        # sampling parameters per row
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int64)
+        self.top_p = np.ones(rows, np.float32)
+        self.min_p = np.zeros(rows, np.float32)
+        self.seed = np.zeros(rows, np.int64)
+        self.logprobs = np.full(rows, -1, np.int64)
+        self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
+        self.next_step = 1
+
+    def reset(self, epoch: int) -> None:
+        """Forgets every sequence; plans start again at step 1 of `epoch`."""
+        for seq_id in list(self.seqs):
+            self._drop(seq_id)
+        self.next_step, self.epoch = 1, epoch
+
+    # ---- applying a plan ----------------------------------------------------------------------------
+    def apply(self, plan: pb.StepPlan) -> BatchStep:
+        """Applies the delta, after checking it against the state; returns the step it schedules. On a
+        PlanError the state may be half applied: the stream that sent the plan ends and the worker resets."""
+        if plan.epoch != self.epoch:
+            raise PlanError(f"plan for epoch {plan.epoch}, this worker is at epoch {self.epoch}")
+        if plan.step != self.next_step:
+            raise PlanError(f"expected step {self.next_step}, got {plan.step}")
+        self.next_step += 1
+        dropped = [*plan.finished_ids, *plan.preempted_ids]
+        if len(set(dropped)) != len(dropped):
+            raise PlanError(f"step {plan.step}: a sequence is dropped twice")
+        for seq_id in dropped:
+            if seq_id not in self.seqs:
+                raise PlanError(f"step {plan.step}: dropped sequence {seq_id} is not held")
+            self._drop(seq_id)
+        new = [self._add(ns, dropped) for ns in plan.new_seqs]
+        k = len(plan.seq_ids)
+        if len(plan.num_scheduled_tokens) != k or len(plan.num_new_blocks) != k:
+            raise PlanError("seq_ids, num_scheduled_tokens and num_new_blocks differ in length")
+        try:
+            states = new + [self.seqs[seq_id] for seq_id in plan.seq_ids]
+        except KeyError as e:
+            raise PlanError(f"step {plan.step}: unknown sequence {e.args[0]}") from None
+        ids = np.array([ns.seq_id for ns in plan.new_seqs] + list(plan.seq_ids), np.uint64)
+        if len(np.unique(ids)) != len(ids):
+            raise PlanError(f"step {plan.step}: a sequence is scheduled twice")
+        rows = np.fromiter((st.row for st in states), np.int64, len(states))
+        n = np.array([ns.num_scheduled_tokens for ns in plan.new_seqs] + list(plan.num_scheduled_tokens), np.int64)
+        self._append_blocks(plan, ids[len(new):], rows[len(new):])
+        c, sent, known = self.num_computed[rows], self.num_sent[rows], self.num_tokens[rows]
+        end = c + n
+        decode = c >= sent
+        bad = (n <= 0) | (end > self.num_table_blocks[rows] * self.block_size) | (end > self.max_model_len)
+        bad |= decode & ((n != 1) | (c != known - 1))  # a decode runs its last sampled token, alone
+        bad |= ~decode & (end > sent)  # a chunk stays within the sent tokens
+        samples = end >= known
+        bad |= samples & (end >= self.max_model_len)  # the sampled token's position must fit too
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PlanError(f"sequence {ids[i]}: {n[i]} tokens from position {c[i]} (of {known[i]} known, {sent[i]} "
+                            f"sent) do not fit its {self.num_table_blocks[rows[i]]} blocks, max_model_len "
+                            f"{self.max_model_len}, or a decode's single token")
+        total = int(n.sum())
+        if self.max_num_batched_tokens and total > self.max_num_batched_tokens:
+            raise PlanError(f"step {plan.step}: {total} tokens, more than max_num_batched_tokens "
+                            f"{self.max_num_batched_tokens}")
+        self._check_writes(ids, rows, c, n)
+        self.num_computed[rows] = end
+        self.num_tokens[rows[samples]] = end[samples] + 1
+        return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new)
+
+    def _drop(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id)
+        row = state.row
+        self.holders[self.block_table[row, :self.num_table_blocks[row]]] -= 1  # a table never holds a block twice
+        self.free_rows.append(row)
+
+    def _add(self, new: pb.NewSequence, dropped: list[int]) -> SeqState:
+        sid, c, n, total = new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids)
+        if sid in self.seqs:
+            raise PlanError(f"sequence {sid} is already running on this worker")
+        if sid in dropped:
+            raise PlanError(f"sequence {sid} is dropped and sent again in one plan")
+        if not self.free_rows:
+            raise PlanError(f"more than max_num_seqs={self.max_num_seqs} sequences")
+        if not 0 < new.prompt_len <= total:
+            raise PlanError(f"sequence {sid}: prompt_len {new.prompt_len} of {total} tokens")
+        if not 0 <= c < total or c % self.block_size:
+            raise PlanError(f"sequence {sid}: num_computed_tokens {c} must be a whole number of blocks below its "
+                            f"{total} tokens")
+        if n < 1 or c + n > total:
+            raise PlanError(f"sequence {sid}: chunk [{c}, {c + n}) beyond its {total} tokens")
+        blocks = np.asarray(new.block_ids, np.int64)
+        if len(np.unique(blocks)) != len(blocks):
+            raise PlanError(f"sequence {sid}: a block twice in its table")
+        row = self.free_rows.pop()
+        state = SeqState(row, list(new.token_ids), new.prompt_len)
+        self.seqs[sid] = state
+        self.num_computed[row], self.num_sent[row], self.num_tokens[row] = c, total, total
+        self.num_table_blocks[row] = 0
+        self._extend_table(sid, row, blocks)
+        p = new.sampling
+        self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
+        self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & _SEED_MASK, p.logprobs
+        self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
+        return state
+
+    def _append_blocks(self, plan: pb.StepPlan, ids: np.ndarray, rows: np.ndarray) -> None:
+        """The running columns' new blocks."""
+        counts = np.array(plan.num_new_blocks, np.int64)
+        if int(counts.sum()) != len(plan.new_block_ids):
+            raise PlanError("num_new_blocks does not add up to the number of new_block_ids")
+        if not len(plan.new_block_ids):
+            return
+        blocks = np.array(plan.new_block_ids, np.int64)
+        if blocks.min() < 0 or blocks.max() >= self.num_blocks:
+            raise PlanError(f"step {plan.step}: block id outside [0, {self.num_blocks})")
+        # Blocks appended to running sequences are fresh: every one covers positions the step computes.
+        if len(np.unique(blocks)) != len(blocks) or self.holders[blocks].any():
+            raise PlanError(f"step {plan.step}: a new block is held already or given twice")
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for i in np.flatnonzero(counts):
+            self._extend_table(int(ids[i]), int(rows[i]), blocks[offsets[i]:offsets[i + 1]])
+
+    def _extend_table(self, seq_id: int, row: int, blocks: np.ndarray) -> None:
+        have = int(self.num_table_blocks[row])
+        if have + len(blocks) > self.block_table.shape[1]:
+            raise PlanError(f"sequence {seq_id}: block table longer than max_model_len needs")
+        if len(blocks) and not 0 <= blocks.min() <= blocks.max() < self.num_blocks:
+            raise PlanError(f"sequence {seq_id}: block id outside [0, {self.num_blocks})")
+        self.block_table[row, have:have + len(blocks)] = blocks
+        self.num_table_blocks[row] = have + len(blocks)
+        self.holders[blocks] += 1
+
+    def _check_writes(self, ids: np.ndarray, rows: np.ndarray, c: np.ndarray, n: np.ndarray) -> None:
+        """Every block the step writes (its new tokens' K/V) is held by the writing sequence alone: a block
+        twice in a table, or a shared prefix block written, would corrupt another sequence's KV."""
+        bs = self.block_size
+        first, last = c // bs, (c + n - 1) // bs
+        if (first == last).all():
+            owner = np.arange(len(rows))
+            blocks = self.block_table[rows, first]
+        else:
+            per_seq = last - first + 1
+            owner = np.repeat(np.arange(len(rows)), per_seq)
+            col = np.repeat(first, per_seq) + np.arange(int(per_seq.sum())) - np.repeat(np.cumsum(per_seq) - per_seq,
+                                                                                        per_seq)
+            blocks = self.block_table[rows[owner], col]
+        shared = self.holders[blocks] != 1
+        if shared.any():
+            i = int(np.flatnonzero(shared)[0])
+            raise PlanError(f"sequence {ids[owner[i]]} writes block {blocks[i]}, which "
+                            f"{self.holders[blocks[i]]} live sequences hold")
+
+    # ---- reading ------------------------------------------------------------------------------------
+    def sampling(self, rows: np.ndarray, vocab_size: int, penalties: bool) -> SamplingArrays:
+        """The sampling parameters of `rows`; penalties: whether penalty statistics are kept at all."""
+        top_k = self.top_k[rows]
+        use_k = (top_k > 0) & (top_k < vocab_size)
+        penalty = self.penalty[rows]
+        temperature, top_p, min_p = self.temperature[rows], self.top_p[rows], self.min_p[rows]
+        return SamplingArrays(temperature=temperature, penalty=penalty, top_k=np.where(use_k, top_k, vocab_size),
+                              top_p=top_p, min_p=min_p, use_k=bool(use_k.any()), use_p=bool((top_p < 1).any()),
+                              use_min_p=bool((min_p > 0).any()),
+                              use_penalty=penalties and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any()),
+                              all_greedy=bool((temperature == 0).all()),
+                              max_logprobs=int(self.logprobs[rows].max(initial=-1)))
+
+    def has_penalty(self, row: int) -> bool:
+        rep, pres, freq = self.penalty[row]
+        return rep != 1.0 or pres != 0.0 or freq != 0.0
+
+    def table(self, seq_id: int) -> np.ndarray:
+        state = self.seqs[seq_id]
+        return self.block_table[state.row, :self.num_table_blocks[state.row]]
+
+    def num_blocks_in_use(self) -> int:
+        """Distinct blocks in the tables of the sequences held."""
+        return int(np.count_nonzero(self.holders))

@@ -1,0 +1,327 @@
+"""ModelRunner: applies each StepPlan (a delta) to the persistent batch (runtime/batch.py), builds the
+step's tensors, runs the model and samples.
+
+Each sequence's last sampled token stays on the device in its row, so a decode needs no token id from the
+scheduler and no host round trip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.limits import Limits
+from common.util import cdiv
+from protos import WORKER_PROTOCOL_VERSION
+from protos import worker_pb2 as pb
+from worker_svc import kernels
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.model.config import DTYPES, ModelConfig
+from worker_svc.model.loader import load_weights
+from worker_svc.model.parallel import min_over_ranks, tp_size
+from worker_svc.model.qwen3 import Qwen3ForCausalLM
+from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
+from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
+from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from worker_svc.kernels.uploads import upload
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: str | None = None            # default: the checkpoint's dtype
+    block_size: int | None = None       # default: 256 on a GPU (flash-attn-4 reads KV fastest), 16 on a CPU
+    num_blocks: int | None = None       # default: from a memory profile (GPU) or kv_cache_memory (CPU)
+    kv_cache_memory: int = 256 << 20    # bytes for the KV cache on a CPU when num_blocks is not given
+    gpu_memory_utilization: float = 0.9 # share of the GPU's memory this worker may use in all
+    cuda_graphs: bool = True            # capture decode steps (GPU, a Triton or flash_attn backend)
+    limits: Limits = field(default_factory=Limits)
+    attention: str = "auto"
+
+
+class PendingStep:
+    """A launched step; `result()` waits for its sampled ids (the step's one host sync)."""
+
+    def __init__(self, step: int, seq_ids: list[int], out: SamplerOutput | None,
+                 logprob_counts: list[int], started: float):
+        self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
+        self.host: list[torch.Tensor | None] = []
+        self.event = None
+        if out is not None:
+            tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+            # copy=True: on a CPU, token_ids may be the decode step's static buffer, which the next step reuses
+            self.host = [t.to("cpu", non_blocking=True, copy=True) if t is not None else None for t in tensors]
+            if out.token_ids.is_cuda:
+                self.event = torch.cuda.Event()
+                self.event.record()
+
+    def result(self) -> pb.StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        res = pb.StepResult(step=self.step, seq_ids=self.seq_ids)
+        if self.host:
+            tokens, logprobs, top_ids, top_logprobs = self.host
+            res.token_ids.extend(tokens.tolist())
+            if logprobs is not None:
+                res.logprobs.extend(logprobs.tolist())
+                for i, n in enumerate(self.logprob_counts):
+                    if n > 0:
+                        res.top_token_ids.extend(top_ids[i, :n].tolist())
+                        res.top_logprobs.extend(top_logprobs[i, :n].tolist())
+        res.forward_ms = (time.perf_counter() - self.started) * 1e3
+        return res
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
+        self.config = cfg = config or RunnerConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype else mc.dtype
+        self.max_model_len = min(cfg.limits.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.limits = dataclasses.replace(cfg.limits, max_model_len=self.max_model_len)
+        self.block_size = cfg.block_size or (256 if self.device.type == "cuda" else 16)
+        self.worker_id = uuid.uuid4().hex[:12]
+        self.kernels = kernels.select(self.device, cfg.attention)
+
+        torch.set_default_dtype(self.dtype)
+        with torch.device(self.device):
+            self.model = Qwen3ForCausalLM(mc, self.kernels)
+        torch.set_default_dtype(torch.float32)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            self._warm_up()
+        rows = self.limits.max_num_seqs
+        self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
+                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63))
+        # each row's last sampled token (the next one it runs), and a scratch row for padding
+        self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
+        self.penalties: Penalties | None = None
+        self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
+                                 scratch_block=self.num_blocks, block_size=self.block_size)
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch":
+            self.decode.capture(capture_sizes(rows))
+
+    @property
+    def epoch(self) -> int:
+        return self.batch.epoch
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _allocate_kv_cache(self) -> None:
+        """One allocation for every layer's K and V, plus one scratch block (the last) that the
+        scheduler never owns: padded rows of graph-captured steps write there."""
+        mc, cfg = self.model_config, self.config
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.dtype.itemsize
+        if cfg.num_blocks:
+            self.num_blocks = cfg.num_blocks
+        elif self.device.type == "cuda":
+            self.num_blocks = self._profile_num_blocks(per_block)
+        else:
+            self.num_blocks = max(1, cfg.kv_cache_memory // per_block)
+        self.num_blocks = min_over_ranks(self.num_blocks, self.device)  # one block pool for all TP ranks
+        shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """Runs the largest step the worker accepts on a throw-away cache and sizes the KV cache from
+        what is left of gpu_memory_utilization, keeping room for CUDA graphs and the sampler."""
+        cfg, mc = self.config, self.model_config
+        limits = self.limits
+        tokens = min(limits.max_num_batched_tokens, limits.max_num_seqs * self.max_model_len)
+        seqs = max(1, min(limits.max_num_seqs, tokens))
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        blocks_each = cdiv(max(lens), self.block_size)
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        scratch = torch.zeros(2, mc.num_hidden_layers, blocks_each, self.block_size, kv_heads, mc.head_dim,
+                              dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[0, i], scratch[1, i]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        page = torch.arange(blocks_each, dtype=torch.int32, device=self.device).expand(seqs, -1).contiguous()
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(self.device)
+        slots = positions % (blocks_each * self.block_size)
+        meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                                 page_table=page, slot_mapping=slots, max_seqlen_q=max(lens),
+                                 query_lens=lens, context_lens=lens)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
+        self.model.compute_logits(hidden[:limits.max_num_seqs]).float().softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        graph_reserve = 1 << 30
+        # One worker per GPU (as vLLM assumes): it may use gpu_memory_utilization of the whole GPU.
+        free = total * cfg.gpu_memory_utilization - peak - graph_reserve
+        if free < per_block * 2:
+            raise RuntimeError(f"no memory left for the KV cache: peak {peak >> 20} MiB, free {free_now >> 20} MiB "
+                               f"of {total >> 20} MiB, gpu_memory_utilization {cfg.gpu_memory_utilization}")
+        return int(free // per_block) - 1
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Runs mixed steps of several query lengths before serving, so that kernels compiled on first
+        use (flash-attn-4's variants, Triton's kernels) are built now, not inside a request."""
+        bs, budget = self.block_size, self.limits.max_num_batched_tokens
+        longest = min(budget, self.max_model_len - 1)
+        for q_len in sorted({min(4 ** i, longest) for i in range(12)}):
+            per_seq = cdiv(q_len + 1, bs)
+            seqs = max(1, min(self.limits.max_num_seqs, budget // q_len, self.num_blocks // per_seq))
+            lens = [q_len] * seqs
+            lens[0] = 1  # a decode beside the chunks: a mixed batch
+            ctx = [n + 1 for n in lens]  # over a one-token cached prefix
+            page = torch.arange(seqs * per_seq, dtype=torch.int32, device=self.device).view(seqs, per_seq)
+            positions = torch.cat([torch.arange(1, n + 1) for n in lens]).to(self.device)
+            seq_of = torch.repeat_interleave(torch.arange(seqs), torch.tensor(lens)).to(self.device)
+            slots = page[seq_of, positions // bs].long() * bs + positions % bs
+            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
+            seqused = torch.tensor(ctx, dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=seqused, page_table=page, slot_mapping=slots,
+                                     max_seqlen_q=max(lens), query_lens=lens, context_lens=ctx)
+            hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
+            logits = self.model.compute_logits(hidden[cu[1:] - 1])
+        rows = logits.shape[0]
+        zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        sample(logits, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
+                                     all_greedy=False, max_logprobs=-1), self.kernels)
+        torch.cuda.synchronize()
+
+    def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
+        limits = self.limits
+        return pb.DescribeResponse(
+            protocol_version=WORKER_PROTOCOL_VERSION, model=self.model_dir.name,
+            dtype=str(self.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len, tensor_parallel_size=tp_size(),
+            epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
+            device=str(self.device), max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens)
+
+    def close(self) -> None:
+        """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
+        self.model = self.kv_cache = self.decode = self.penalties = self.last_token = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reset(self, epoch: int | None = None) -> None:
+        """Forgets every sequence and starts a new epoch (the scheduler that drove us is gone); a
+        tensor-parallel follower takes its leader's."""
+        self.batch.reset(random.getrandbits(63) if epoch is None else epoch)
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: pb.StepPlan) -> PendingStep:
+        """Applies the plan and launches its step; on a GPU it returns before the step has run."""
+        started = time.perf_counter()
+        step = self.batch.apply(plan)
+        for state in step.new:
+            self._start_penalties(state)
+        rows, n, c = step.rows, step.num_scheduled, step.num_computed
+        if not len(rows):
+            return PendingStep(plan.step, [], None, [], started)
+        sampling = step.samples
+        if sampling.all() and n.max() == 1:
+            return self._execute_decode(step, started)
+        bs = self.block_size
+        cu = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(rows)), n)
+        positions = c[seq_of_token] + np.arange(total) - cu[:-1][seq_of_token]
+        input_ids = np.zeros(total, np.int64)
+        prefill = c < step.num_sent
+        for i in np.flatnonzero(prefill):  # decodes take their token from the device instead
+            input_ids[cu[i]:cu[i + 1]] = step.states[i].token_ids[c[i]:c[i] + n[i]]
+        sample_at, sample_rows = cu[1:][sampling] - 1, rows[sampling]
+        table = self.batch.block_table
+        page_table = table[rows, :int(self.batch.num_table_blocks[rows].max())]
+        slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        params = self.batch.sampling(sample_rows, self.model_config.vocab_size, self.penalties is not None)
+        (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
+         cu_t, seqused_t, page_t, *params_t) = upload(
+            [input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
+             positions[sample_at] + 1, self.batch.seed[sample_rows], cu.astype(np.int32), (c + n).astype(np.int32),
+             page_table, *params.arrays()], self.device)
+        if not prefill.all():
+            ids_t[dec_at_t] = self.last_token[dec_rows_t]
+        meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
+                                 slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
+                                 context_lens=(c + n).tolist())
+        hidden = self.model(ids_t, pos_t, meta)
+        if not len(sample_at):
+            return PendingStep(plan.step, [], None, [], started)
+        logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
+        out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t)
+        self.last_token[rows_t] = out.token_ids
+        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started)
+
+    def _start_penalties(self, state) -> None:
+        """A new sequence with a penalty: its row's token statistics, from the tokens sent."""
+        if not self.batch.has_penalty(state.row):
+            return
+        if self.penalties is None:
+            self.penalties = Penalties(self.limits.max_num_seqs, self.model_config.vocab_size, self.device)
+        ids = torch.tensor(state.token_ids, dtype=torch.int64, device=self.device)
+        self.penalties.reset_row(state.row, ids[: state.prompt_len], ids[state.prompt_len:])
+
+    def _execute_decode(self, step: BatchStep, started: float) -> PendingStep:
+        """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);
+        the sampler runs again outside only for what its Gumbel kernel does not do (filters, penalties,
+        logprobs)."""
+        bs = self.block_size
+        rows, c = step.rows, step.num_computed
+        input_ids = np.full(len(rows), -1, np.int64)
+        for i in np.flatnonzero(c < step.num_sent):  # the last token of a prompt (or of a preempted sequence)
+            input_ids[i] = step.states[i].token_ids[c[i]]
+        table = self.batch.block_table[rows]
+        params = self.batch.sampling(rows, self.model_config.vocab_size, self.penalties is not None)
+        b = self.decode.run(DecodeInputs(
+            rows=rows, input_ids=input_ids, positions=c,
+            slot_mapping=table[np.arange(len(rows)), c // bs].astype(np.int64) * bs + c % bs,
+            seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.batch.seed[rows],
+            page_table=table), all_greedy=params.all_greedy)
+        v = b.inputs
+        if params.needs_sampler:
+            out = self._sample(b.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
+                               v.seeds)
+            self.last_token[v.rows] = out.token_ids
+        else:
+            out = SamplerOutput(b.tokens, None, None, None)
+        return self._pending(step.step, step.seq_ids, rows, v.rows, out, started)
+
+    def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
+                 started: float) -> PendingStep:
+        if self.penalties is not None:
+            self.penalties.record(rows_t, out.token_ids)
+        counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
+        return PendingStep(step, ids.tolist(), out, counts, started)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingArrays, params_t: list[torch.Tensor],
+                rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
+        """params_t: the device copies of params.arrays()."""
+        temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
+        if params.use_penalty or params.max_logprobs >= 0:
+            logits = logits.float()
+        if params.use_penalty:
+            penalty_t = penalty_t.view(-1, 3)
+            logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
+        return sample(logits, SamplingBatch(
+            temperature=temperature_t, seeds=seeds, positions=positions, top_k=top_k_t if params.use_k else None,
+            top_p=top_p_t if params.use_p else None, min_p=min_p_t if params.use_min_p else None,
+            all_greedy=params.all_greedy, max_logprobs=params.max_logprobs), self.kernels)

@@ -1,0 +1,98 @@
+"""A simulated worker: the worker protocol and handshake without a model (no torch).
+
+It applies each plan through the PersistentBatch the ModelRunner uses (same delta, same checks), samples a
+deterministic token per (seed, position), and answers after the time the GPU would take for the step, from a
+cost model fitted to H200 measurements. The scheduler's overhead and the cost of the split can be measured and
+tuned on a CPU with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.limits import Limits
+from protos import WORKER_PROTOCOL_VERSION
+from protos import worker_pb2 as pb
+from worker_svc.runtime.batch import PersistentBatch
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Step time = base + per query token + per token of context read by attention. The defaults are fitted
+    to Qwen3-0.6B in bf16 on one H200 (bench/NOTES.md says from which runs)."""
+    base_ms: float = 0.95
+    per_token_us: float = 2.7
+    per_context_token_ns: float = 30.0
+
+    def seconds(self, num_tokens: int, context_tokens: int) -> float:
+        return (self.base_ms * 1e3 + self.per_token_us * num_tokens + self.per_context_token_ns * 1e-3
+                * context_tokens) * 1e-6
+
+
+class _SimStep:
+    def __init__(self, result: pb.StepResult, done_at: float):
+        self._result, self._done_at = result, done_at
+
+    def result(self) -> pb.StepResult:
+        delay = self._done_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return self._result
+
+
+class SimulatedRunner:
+    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, limits: Limits, cost: StepCost):
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.model_name = Path(model_dir).name
+        self.vocab_size = config["vocab_size"]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        model_len = config["max_position_embeddings"]
+        self.limits = dataclasses.replace(limits, max_model_len=min(limits.max_model_len or model_len, model_len))
+        self.cost = cost
+        self.worker_id = uuid.uuid4().hex[:12]
+        self._lock = threading.Lock()
+        self.batch = PersistentBatch(self.limits.max_num_seqs, num_blocks, block_size, self.limits.max_model_len,
+                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63))
+        self._busy_until = 0.0
+
+    @property
+    def epoch(self) -> int:
+        return self.batch.epoch
+
+    def close(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.batch.reset(random.getrandbits(63))
+        self._busy_until = 0.0
+
+    def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
+        limits = self.limits
+        return pb.DescribeResponse(
+            protocol_version=WORKER_PROTOCOL_VERSION, model=self.model_name, dtype="simulated",
+            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=limits.max_model_len,
+            tensor_parallel_size=1, epoch=self.epoch, vocab_size=self.vocab_size, worker_id=self.worker_id,
+            device="simulated", max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens)
+
+    def execute(self, plan: pb.StepPlan) -> _SimStep:
+        step = self.batch.apply(plan)
+        end = step.num_computed + step.num_scheduled
+        result = pb.StepResult(step=plan.step)
+        seeds = self.batch.seed[step.rows]
+        for i in np.flatnonzero(step.samples):
+            result.seq_ids.append(int(step.seq_ids[i]))
+            result.token_ids.append(random.Random(int(seeds[i]) * 1_000_003 + int(end[i])).randrange(self.vocab_size // 2))
+        with self._lock:
+            start = max(time.monotonic(), self._busy_until)
+            self._busy_until = start + self.cost.seconds(step.num_tokens, int(end.sum()))
+        result.forward_ms = (self._busy_until - start) * 1e3
+        return _SimStep(result, self._busy_until)

@@ -1,0 +1,1 @@
+"""The worker's gRPC service: the Execute stream and its threads, registration with a scheduler, metrics."""
