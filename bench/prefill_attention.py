@@ -9,7 +9,6 @@ python -m bench prefill-attention --layouts nhd,hnd
 """
 from __future__ import annotations
 
-from common.util import cdiv
 import argparse
 import time
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ import torch
 
 from bench.decode_attention import add_row, as_layout, graph_time_us, kernel_output
 from bench.record import record
+from common.util import cdiv
 from worker_svc.kernels.attention import AttentionMetadata, flash_attn_available, make_attention
 
 CASES = {  # name: (query tokens per sequence, context lengths)

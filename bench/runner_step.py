@@ -8,7 +8,6 @@ python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --pr
 """
 from __future__ import annotations
 
-from common.util import cdiv
 import argparse
 import json
 import random
@@ -22,6 +21,7 @@ import torch
 from bench.common import replay_ms
 from bench.record import record
 from common.limits import Limits
+from common.util import cdiv
 from protos import worker_pb2 as pb
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig

@@ -10,7 +10,6 @@ python -m bench skinny-gemm --rows 1,16,64 --configs 16:256:4:4,32:128:6:4
 """
 from __future__ import annotations
 
-from common.util import cdiv
 import argparse
 import json
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from bench.common import replay_ms
 from bench.record import record
+from common.util import cdiv
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
 

@@ -80,11 +80,10 @@ class GenerationService(splitserve_pb2_grpc.GenerationServicer):
         self._ids = itertools.count(1)
         self.accepting = True
         self.health = health.aio.HealthServicer()
-        # joining, failing, moving requests, leaving (scheduler_svc/membership.py)
-        self.members = Membership(self, membership)
         # Always there (served only with --metrics-port).
         self.metrics = SchedulerMetrics(lambda: self.members.groups)
-        self.members.on_moved = self.metrics.requests_requeued.inc
+        # joining, failing, moving requests, leaving (scheduler_svc/membership.py)
+        self.members = Membership(self, membership, on_moved=self.metrics.requests_requeued.inc)
         self._finished = {r: self.metrics.requests_finished.labels(r) for r in FINISH}
 
     # ---- worker groups (membership.MembershipHost) -----------------------------------------------

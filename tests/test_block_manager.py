@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-from common.util import cdiv
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from common.util import cdiv
 from scheduler_svc import prefix_hash
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sampling import SamplingParams

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 import xxhash
 
+from offline.llm import LLM
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine, RequestOutput
-from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError
 from scheduler_svc.tokenizer import load_tokenizer

@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
+from offline.executor import InProcessExecutor
+from offline.llm import LLM
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
-from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
-from offline.executor import InProcessExecutor
 from worker_svc.runtime.model_runner import RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,6 +13,8 @@ import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 
+from worker_svc.checkpoints.presets import PRESETS, get_preset
+from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE
 from worker_svc.checkpoints.writer import (
     default_model_dir,
     ensure_model,
@@ -22,8 +24,6 @@ from worker_svc.checkpoints.writer import (
     plan_shards,
     tensor_shapes,
 )
-from worker_svc.checkpoints.presets import PRESETS, get_preset
-from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ from common.util import cdiv
 from tests.paged_driver import PagedDriver
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.kernels.attention import AttentionMetadata
-from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 from worker_svc.kernels.uploads import pack_aligned
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 

@@ -7,10 +7,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from protos import worker_pb2
-from scheduler_svc.sampling import SamplingParams
 from common.limits import Limits
+from protos import worker_pb2
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError, Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from tests.fake_worker import FakeWorker, fake_logprob

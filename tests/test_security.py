@@ -36,9 +36,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from client import Client
 from client.channel import ChannelSecurity, create_channel
 from client.launcher import ClusterTLS, LocalCluster, Process, free_port
+from common import security
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
-from common import security
 from tests import sim_cluster
 
 pytestmark = pytest.mark.timeout(180)

@@ -28,8 +28,8 @@ from client import AsyncClient, Client
 from client.client import CompletionCollector
 from client.launcher import LocalCluster
 from scheduler_svc.tokenizer import load_tokenizer
-from worker_svc.checkpoints.writer import make_model
 from tests import sim_cluster
+from worker_svc.checkpoints.writer import make_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,8 +28,8 @@ from common.limits import Limits
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2, worker_pb2_grpc
 from worker_svc import kernels
-from worker_svc.model import parallel
 from worker_svc.checkpoints.writer import make_model
+from worker_svc.model import parallel
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,6 @@ split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbe
 The interpreter is switched on by tests/conftest.py before anything imports triton."""
 from __future__ import annotations
 
-from common.util import cdiv
 import os
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from common.limits import Limits
+from common.util import cdiv
 from worker_svc import kernels
 from worker_svc.kernels import elementwise, skinny_gemm
 from worker_svc.kernels.attention import AttentionMetadata

@@ -5,7 +5,6 @@ against cuBLAS.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
-from common.util import cdiv
 import numpy as np
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from common.limits import Limits  # noqa: E402
+from common.util import cdiv  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
 from worker_svc import kernels  # noqa: E402
 from worker_svc.kernels.attention import AttentionMetadata, flash_attn_available, make_attention  # noqa: E402

@@ -17,10 +17,11 @@ the grid depends only on the batch size and the page table's width: it can be ca
 """
 from __future__ import annotations
 
-from common.util import cdiv
 import torch
 import triton
 import triton.language as tl
+
+from common.util import cdiv
 
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
 

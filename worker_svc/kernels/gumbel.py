@@ -8,13 +8,14 @@ relative error moves a draw only where two entries tie to that precision. Triton
 lg2.approx, so there the same kernel runs tl.log2."""
 from __future__ import annotations
 
-from common.util import cdiv
 import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from common.util import cdiv
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

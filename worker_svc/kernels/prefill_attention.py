@@ -10,12 +10,12 @@ The host lists the (sequence, first token) of every block, so no program is idle
 """
 from __future__ import annotations
 
-from common.util import cdiv
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from common.util import cdiv
 from worker_svc.kernels.decode_attention import page_of
 from worker_svc.kernels.uploads import upload
 

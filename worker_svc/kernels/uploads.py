@@ -3,11 +3,12 @@ starting on a 16-byte boundary. Triton specialises a kernel on its pointers' ali
 offset would compile new kernel variants while serving (the warm-up's tensors are all aligned)."""
 from __future__ import annotations
 
-from common.util import cdiv
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from common.util import cdiv
 
 ALIGN = 16
 TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,

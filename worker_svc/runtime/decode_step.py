@@ -21,9 +21,9 @@ import torch
 
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.uploads import TORCH_DTYPES, pack_aligned, pack_into, staging
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.runtime.sampler import SamplingBatch, sample
-from worker_svc.kernels.uploads import TORCH_DTYPES, pack_aligned, pack_into, staging
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

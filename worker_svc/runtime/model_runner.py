@@ -23,6 +23,7 @@ from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc import kernels
 from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, ModelConfig
 from worker_svc.model.loader import load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
@@ -30,7 +31,6 @@ from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
-from worker_svc.kernels.uploads import upload
 
 
 @dataclass(slots=True)

@@ -18,10 +18,10 @@ import threading
 
 import grpc
 
-from protos import membership_pb2 as mpb
-from protos import membership_pb2_grpc
 from common import security
 from common.security import TLSConfig
+from protos import membership_pb2 as mpb
+from protos import membership_pb2_grpc
 
 log = logging.getLogger("splitserve.worker")
 BACKOFF_MIN_S = 0.5

@@ -19,10 +19,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.security import TLSConfig, add_port
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from common.security import TLSConfig, add_port
 from worker_svc.runtime.batch import PersistentBatch, PlanError
 
 log = logging.getLogger("splitserve.worker")
