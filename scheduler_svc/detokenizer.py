@@ -76,6 +76,19 @@ class IncrementalDetokenizer:
         self._pending = text[len(text) - hold :]
         return text[: len(text) - hold], False
 
+    def next(self, token_id: int, finish_reason: str | None, check_stop: bool) -> tuple[str, str | None, str | None]:
+        """One new token of a sequence and how the scheduler left it: (text delta, finish reason, stop reason).
+        A stop token (reason "stop") is no part of the text; a stop string found here finishes it with reason
+        "stop" whatever the scheduler said (its caller tells the scheduler); the end flushes what is held."""
+        if finish_reason == "stop":
+            return self.flush(), "stop", str(token_id)
+        text, stopped = self.add(token_id, check_stop)
+        if stopped:
+            return text, "stop", self.stop_string
+        if finish_reason is not None:
+            text += self.flush()
+        return text, finish_reason, None
+
     def flush(self) -> str:
         """Text held back for a stop string that did not come (the sequence ended otherwise), and an
         incomplete character at the end as decode() renders it (U+FFFD), so the whole text is decode()'s."""

@@ -36,6 +36,14 @@ FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "a
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
+# gRPC core cancels incoming calls that wait for the server to take them once more than max_pending_requests
+# (1,000) are pending, with status CANCELLED and no message: a burst of new streams larger than that, on one
+# connection or many, lost the excess. Admission is this service's job (RESOURCE_EXHAUSTED, with a message),
+# so the bound is far above any admission bound.
+MAX_PENDING_CALLS = 1 << 17
+PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                         ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]
 
 
 @dataclass(slots=True)
@@ -370,7 +378,7 @@ async def serve(model_dir: Path, workers: list[str], host: str, port: int, confi
         refused = service.metrics.requests_rejected.labels(grpc.StatusCode.UNAUTHENTICATED.name)
         interceptors.append(ApiKeyInterceptor(keys, [SERVICE],
                                               lambda method: refused.inc() if method.endswith("/Generate") else None))
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(interceptors=interceptors, options=PUBLIC_SERVER_OPTIONS)
     policy = RegistrationPolicy(transport(tls), registration_secret)
     splitserve_pb2_grpc.add_GenerationServicer_to_server(service, server)
     membership_pb2_grpc.add_MembershipServicer_to_server(MembershipService(service.members, policy), server)
