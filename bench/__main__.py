@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,scheduler-cpu,runner-step,decode-attention,
+"""python -m bench {offline,online,latency,prefix,scale,scheduler-cpu,runner-step,decode-attention,
                  prefill-attention,skinny-gemm,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -26,6 +26,7 @@ MODULES = {
     "decode-attention": "bench.decode_attention",
     "skinny-gemm": "bench.skinny_gemm",
     "prefill-attention": "bench.prefill_attention",
+    "scale": "bench.scale",
 }
 ALL = ("offline", "latency", "online", "prefix")
 

@@ -18,6 +18,8 @@ from scheduler_svc.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        """With record_events set, hashes entering and leaving the index are appended to `stored` and
+        `removed` for whoever mirrors it (the front-ends' routers); take_events() empties them."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -31,6 +33,9 @@ class BlockManager:
         self._index: dict[int, int] = {}  # hash -> block id
         # Free blocks; the front is reused first. Values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.record_events = False
+        self.stored: list[int] = []
+        self.removed: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,8 +114,20 @@ class BlockManager:
             del self._index[h]
             self._hash[b] = None
             self._data[b] = None
+            if self.record_events:
+                self.removed.append(h)
         self._ref[b] = 1
         return b
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """(hashes stored, hashes removed) since the last call."""
+        events = self.stored, self.removed
+        self.stored, self.removed = [], []
+        return events
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the index now (a mirror's starting point)."""
+        return list(self._index)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block. Tail blocks are released first, so a sequence's prefix
@@ -164,6 +181,8 @@ class BlockManager:
             if h not in index:  # else the same content is already cached in another block
                 b = table[i]
                 index[h] = b
+                if self.record_events:
+                    self.stored.append(h)
                 hash_of[b] = h
                 parent_of[b] = parent
                 data_of[b] = block

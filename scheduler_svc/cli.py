@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker group's leader; repeat for several (or none: workers register themselves)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    g = p.add_argument_group("the process tree")
+    g.add_argument("--frontends", type=int, default=0,
+                   help="front-end processes serving the public API on the one port (0: by the cores, 1 to 8)")
+    g.add_argument("--engines", type=int, default=0,
+                   help="engine processes: one per worker group up to this many, then groups share them "
+                        "(0: the number of cores)")
     limits.add_arguments(p)
     defaults = SchedulerConfig()
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
@@ -64,36 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def membership_config(args: argparse.Namespace):
+def watch_config(args: argparse.Namespace):
     from scheduler_svc.grpc_executor import WatchConfig
-    from scheduler_svc.membership import MembershipConfig
 
-    watch = WatchConfig(keepalive_time=args.worker_keepalive_time, keepalive_timeout=args.worker_keepalive_timeout,
-                        step_timeout=args.step_timeout, step_timeout_factor=args.step_timeout_factor)
-    return MembershipConfig(watch=watch, connect_timeout=args.worker_connect_timeout,
-                            reconnect_timeout=args.reconnect_timeout,
-                            reconnect_backoff_min=min(0.5, args.reconnect_backoff_max),
-                            reconnect_backoff_max=args.reconnect_backoff_max)
-
-
-async def _main(args: argparse.Namespace) -> None:
-    from scheduler_svc.server import serve
-
-    server, service, port = await serve(args.model, args.worker, args.host, args.port, args.config,
-                                        metrics_port=args.metrics_port, membership=membership_config(args),
-                                        tls=args.tls, registration_secret=args.registration_secret,
-                                        api_keys=args.api_keys)
-    logging.getLogger("splitserve.scheduler").info("serving on %s:%d with %d worker group(s)", args.host, port,
-                                                   len(service.groups))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await service.drain(args.drain_timeout)
-    await server.stop(grace=1.0)
-    for group in service.groups:
-        group.stop()
+    return WatchConfig(keepalive_time=args.worker_keepalive_time, keepalive_timeout=args.worker_keepalive_timeout,
+                       step_timeout=args.step_timeout, step_timeout_factor=args.step_timeout_factor)
 
 
 def load_security(args: argparse.Namespace) -> None:
@@ -104,24 +83,41 @@ def load_security(args: argparse.Namespace) -> None:
     args.api_keys = security.api_keys_from_args(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, the config and the security material; exits with status 2 on anything unusable."""
     args = parser.parse_args(argv)
     try:
         args.config = SchedulerConfig(limits=limits.from_args(args), max_waiting=args.max_waiting,
                                       enable_prefix_caching=not args.no_prefix_caching,
                                       pipeline_depth=args.pipeline_depth)
+        if args.frontends < 0 or args.engines < 0:
+            raise ValueError("--frontends and --engines must be at least 0 (0: automatic)")
     except ValueError as e:
         parser.error(str(e))
-    logs.setup(args.log_format, args.log_level)
     try:
         load_security(args)
     except security.SecurityConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    # The engine thread must get the GIL back as soon as a step's result arrives, not after the default
-    # 5 ms switch interval of the event loop thread: that wait would stall the worker every step.
+    return args
+
+
+def parse_child_args(argv: list[str]) -> argparse.Namespace:
+    """In a process of the tree: the supervisor's command line, parsed again (TLS files are read again, so
+    each process watches them for rotation), with its logging set up."""
+    args = _parse(build_parser(), argv)
+    logs.setup(args.log_format, args.log_level)
+    # A step's result must get the GIL at once, not after the default 5 ms switch interval of another thread.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    asyncio.run(_main(args))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from scheduler_svc import supervisor
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(build_parser(), argv)
+    logs.setup(args.log_format, args.log_level)
+    asyncio.run(supervisor.run(args, argv))
     return 0
 
 

@@ -8,36 +8,25 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.usage import Usage
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.executor import Executor
+from scheduler_svc.output import OutputState, RequestOutput
 from scheduler_svc.requests import check_params, check_prompt_ids
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.sequence import Sequence, TokenLogprob
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # new since the previous output
-    text: str  # new text since the previous output
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
-    usage: Usage | None = None  # on the final output
-    stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
+__all__ = ["EngineRequest", "LLMEngine", "RequestOutput"]
 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """A request in an engine: its sequence and its detokenizer. A request that moves to another engine takes
+    """A request in an engine: its sequence and its text so far. A request that moves to another engine takes
     both along: its tokens so far (prompt and every token already streamed), resolved seed, limits and
     detokenizer state, so the caller sees exactly the tokens and text it would have seen."""
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    text: OutputState
 
     @property
     def request_id(self) -> str:
@@ -87,8 +76,8 @@ class LLMEngine:
         seq = self.core.add(prompt_ids, params, priority=priority, request_id=request_id,
                             block_hashes=block_hashes or ())
         self._next_id += 1
-        detok = IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
-        self._requests[request_id] = self._by_seq[seq.seq_id] = EngineRequest(seq, detok)
+        text = OutputState(request_id, self.tokenizer.tokenizer, prompt_ids, len(prompt_ids), params)
+        self._requests[request_id] = self._by_seq[seq.seq_id] = EngineRequest(seq, text)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -97,7 +86,8 @@ class LLMEngine:
         if req is None:
             return False
         self.core.abort(req.seq)
-        self._aborted.append(RequestOutput(request_id, [], "", True, "abort", usage=self._usage(req.seq)))
+        req.text.cached_tokens = req.seq.num_cached_tokens
+        self._aborted.append(RequestOutput(request_id, [], "", True, "abort", usage=req.text.usage()))
         self._forget(req.seq)
         return True
 
@@ -128,7 +118,7 @@ class LLMEngine:
                             request_id=old.request_id, block_hashes=block_hashes or (), force=True)
         seq.num_cached_tokens = old.num_cached_tokens
         seq.logprobs = old.logprobs
-        self._requests[seq.request_id] = self._by_seq[seq.seq_id] = EngineRequest(seq, req.detokenizer)
+        self._requests[seq.request_id] = self._by_seq[seq.seq_id] = EngineRequest(seq, req.text)
         return seq.request_id
 
     @property
@@ -152,21 +142,14 @@ class LLMEngine:
         self.core.close()
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        token = seq.token_ids[-1]
-        text, reason, stop_reason = self._by_seq[seq.seq_id].detokenizer.next(
-            token, seq.finish_reason, len(seq.token_ids) >= seq.min_len)
-        if reason == "stop" and seq.finish_reason != "stop":  # a stop string
+        text = self._by_seq[seq.seq_id].text
+        text.cached_tokens = seq.num_cached_tokens
+        out, stop_string = text.output(seq.token_ids[-1], seq.finish_reason, seq.logprobs[-1] if seq.logprobs else None)
+        if stop_string:
             self.core.stop(seq)
-        out = RequestOutput(seq.request_id, [token], text, reason is not None, reason,
-                            [seq.logprobs[-1]] if seq.logprobs else None, stop_reason=stop_reason)
-        if reason is not None:
-            out.usage = self._usage(seq)
+        if out.finished:
             self._forget(seq)
         return out
-
-    @staticmethod
-    def _usage(seq: Sequence) -> Usage:
-        return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens or 0)
 
     def _forget(self, seq: Sequence) -> None:
         del self._requests[seq.request_id]

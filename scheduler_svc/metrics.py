@@ -1,31 +1,32 @@
 """Prometheus metrics of the scheduler, named as vLLM users expect (`splitserve:` prefix).
 
-Counters and histograms are updated where things happen; gauges of queue and KV state are read from
-the worker groups when Prometheus scrapes (unlocked, approximate reads). Histograms written on hot paths
-(every step of an engine thread, every message of a stream) are FastHistograms: one writer thread each,
-a bisect and two adds per observation, summed up at scrape time.
+Each process of the tree keeps its own: a front-end the request metrics (FrontendMetrics: updated in its
+Generate), an engine the step histograms and the queue and KV gauges of its worker groups (EngineMetrics). The supervisor serves them all on one --metrics-port: at every scrape it asks each
+process for its exposition and adds the samples up by name and labels (merge()), so counters and histograms are
+totals over the processes and per-worker gauges come from the engine that drives the worker.
 
-Where they are updated: the request metrics in server.py's Generate (per completion: a request with
-n > 1 counts n times in `request_success` and the token counters), the step metrics on each engine
-thread through `step_observer()` (engine.py), `requests_requeued` where a failed worker's requests are
-moved (worker failure handling)."""
+Histograms written on hot paths (every step of an engine thread, every message of a stream) are FastHistograms:
+one writer thread each, summed up at scrape time."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
 
-_SIZES = tuple(2 ** i for i in range(6, 24, 2))
+SIZE_BUCKETS = tuple(2 ** i for i in range(6, 24, 2))
 # Plan and result sizes cost a ByteSize() each, a walk of the message: measured on one step in
 # SIZE_SAMPLE_EVERY, so the histograms are a sample of the steps.
 SIZE_SAMPLE_EVERY = 16
 
 
 class StepObserver:
-    """Called by one engine thread around each step (engine.py): worker step time from every result, plan
+    """Called by one engine thread around each step (engine_core.py): worker step time from every result, plan
     and result sizes from a sample of them."""
     __slots__ = ("_step", "_plan", "_result", "_plans", "_results")
 
@@ -45,52 +46,65 @@ class StepObserver:
             self._result.observe(result.ByteSize())
 
 
-class SchedulerMetrics:
-    def __init__(self, groups: Callable[[], Iterable]):
-        self.registry = CollectorRegistry()
-        r = self.registry
+class FrontendMetrics:
+    """A front-end's request metrics. Per completion: a request with n > 1 counts n times in `request_success`
+    and the token counters."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
         self.requests_finished = Counter("splitserve:request_success", "Finished requests by finish reason",
                                          ["finished_reason"], registry=r)
         self.requests_rejected = Counter("splitserve:request_rejected", "Requests refused, by gRPC status",
                                          ["status"], registry=r)
         self.requests_requeued = Counter("splitserve:num_requests_requeued",
-                                         "Requests moved to another worker after a worker failed", registry=r)
+                                         "Requests moved to another worker after a worker failed or drained",
+                                         registry=r)
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("splitserve:generation_tokens", "Generated tokens", registry=r)
         self.cached_prompt_tokens = Counter("splitserve:prefix_cache_hits",
                                             "Prompt tokens served from the prefix cache", registry=r)
-        self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
+        self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
         # Written by the event loop thread only, once per stream message (per completion).
         self.itl = FastHistogramFamily("splitserve:inter_token_latency_seconds",
                                        "Time between streamed messages of a completion (tokens coalesce when "
                                        "a client falls behind)", (), LATENCY_BUCKETS, r).labels()
         self.e2e = Histogram("splitserve:e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=r)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class EngineMetrics:
+    """An engine process's metrics: step histograms per worker and the groups' queue and KV state (gauges,
+    read at scrape time). The supervisor adds them up with the other processes'."""
+
+    def __init__(self, groups):
+        self.registry = r = CollectorRegistry()
         self.step = FastHistogramFamily("splitserve:step_duration_seconds",
                                         "Worker step time, as the worker reports it", ("worker",), LATENCY_BUCKETS, r)
         self.plan_bytes = FastHistogramFamily("splitserve:plan_size_bytes",
                                               f"Serialized StepPlan size (one step in {SIZE_SAMPLE_EVERY})",
-                                              ("worker",), _SIZES, r)
+                                              ("worker",), SIZE_BUCKETS, r)
         self.result_bytes = FastHistogramFamily("splitserve:result_size_bytes",
                                                 f"Serialized StepResult size (one step in {SIZE_SAMPLE_EVERY})",
-                                                ("worker",), _SIZES, r)
+                                                ("worker",), SIZE_BUCKETS, r)
         r.register(_GroupCollector(groups))
 
     def step_observer(self, worker: str) -> StepObserver:
         """For the engine thread of one worker group (its only writer)."""
-        return StepObserver(self.step.labels(worker), self.plan_bytes.labels(worker),
-                            self.result_bytes.labels(worker))
+        return StepObserver(self.step.labels(worker), self.plan_bytes.labels(worker), self.result_bytes.labels(worker))
 
-    def serve(self, port: int, host: str = "0.0.0.0"):
-        """Serves /metrics (Prometheus text) on a daemon thread; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
 
 
 class _GroupCollector:
-    """Queue, KV and cache state of every worker group, read at scrape time."""
+    """Queue, KV and cache state of every live group of this engine, read at scrape time (unlocked,
+    approximate reads)."""
 
-    def __init__(self, groups: Callable[[], Iterable]):
+    def __init__(self, groups):
         self._groups = groups
 
     def collect(self):
@@ -104,8 +118,8 @@ class _GroupCollector:
         hit = GaugeMetricFamily("splitserve:prefix_cache_hit_rate",
                                 "Admitted tokens served from the prefix cache, as a share", labels=["worker"])
         alive = GaugeMetricFamily("splitserve:worker_alive", "1 while the worker group serves", labels=["worker"])
-        for g in self._groups():
-            s = g.engine.scheduler
+        for g in list(self._groups()):
+            s = g.scheduler
             bm = s.block_manager
             w = [g.address]
             running.add_metric(w, s.num_running)
@@ -117,3 +131,27 @@ class _GroupCollector:
             hit.add_metric(w, s.num_prefix_hit_tokens / max(1, s.num_admitted_tokens))
             alive.add_metric(w, 1.0 if g.alive else 0.0)
         yield from (running, waiting, used, free, usage, preempt, hit, alive)
+
+
+def merge(texts: Iterable[str]) -> list[Metric]:
+    """The metric families of several processes' expositions, samples of equal name and labels added up
+    (`_created` timestamps: the earliest)."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                values[family.name] = {}
+            acc = values[family.name]
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if s.name.endswith("_created"):
+                    acc[key] = min(acc.get(key, s.value), s.value)
+                else:
+                    acc[key] = acc.get(key, 0.0) + s.value
+    for name, merged in families.items():
+        for (sample, labels), value in values[name].items():
+            merged.add_sample(sample, dict(labels), value)
+    return list(families.values())

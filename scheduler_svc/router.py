@@ -1,13 +1,97 @@
-"""Which worker group gets a new request: the lowest cost of prefill work left to do after its prefix
-cache, plus its load, so hot prefixes go where they are cached without piling onto one group."""
+"""Which worker group gets a new request: the lowest cost of prefill work left to do after its prefix cache,
+plus its load, so hot prefixes go where they are cached without piling onto one group.
+
+A front-end routes from its GroupViews: what the supervisor says of each group (GroupInfo), and a mirror of the
+group's prefix-cache index and load that its engine publishes with every step (block-stored and block-removed
+events, queue and KV counters). The mirror lags the engine by at most the message in flight; requests this
+front-end routed and the engine has not acknowledged yet count as pending prefill, so a burst does not all land
+on the group that looked idle. Another front-end's burst shows up one step later."""
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from scheduler_svc.prefix_hash import PromptHashes
 
 # A running sequence costs about this many prompt tokens of work per step it stays (tunable).
 RUNNING_WEIGHT = 8
+
+
+@dataclass(slots=True)
+class GroupInfo:
+    """A worker group as the supervisor announces it (one Execute stream to one worker, at one epoch)."""
+    group_id: int
+    engine: int  # the engine process that drives it
+    address: str
+    model: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    epoch: int
+    draining: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class GroupView:
+    info: GroupInfo
+    hashes: set[int] = field(default_factory=set)  # the group's cached blocks, by chained hash
+    # its engine's last report
+    waiting: int = 0
+    waiting_tokens: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    preemptions: int = 0
+    num_requests: int = 0
+    # adds this front-end sent and the engine has not acknowledged yet: (serial, prompt tokens)
+    pending: deque = field(default_factory=deque)
+    pending_tokens: int = 0
+    sent: int = 0
+
+    @property
+    def group_id(self) -> int:
+        return self.info.group_id
+
+    @property
+    def address(self) -> str:
+        return self.info.address
+
+    def routed(self, tokens: int) -> None:
+        """A request of `tokens` prompt tokens was sent to the group."""
+        self.sent += 1
+        self.pending.append((self.sent, tokens))
+        self.pending_tokens += tokens
+
+    def report(self, load: list, acked: int, events: list | None, stored, removed) -> None:
+        """The engine's report: its load, how many of this front-end's adds it has applied, cache events."""
+        (self.waiting, self.waiting_tokens, self.running, self.free_blocks, self.cached_blocks, self.preemptions,
+         self.num_requests) = load
+        while self.pending and self.pending[0][0] <= acked:
+            self.pending_tokens -= self.pending.popleft()[1]
+        if events is not None:
+            if len(events) > 2:  # a snapshot: the whole index
+                self.hashes = set(stored)
+            else:
+                self.hashes.update(stored)
+                self.hashes.difference_update(removed)
+
+    def load(self) -> tuple[int, int, int]:
+        return self.waiting_tokens + self.pending_tokens, self.running, self.free_blocks
+
+    def cached_prefix_tokens(self, hashes: PromptHashes) -> int:
+        """Tokens of the prompt its prefix cache holds (as last reported), never the last one."""
+        bs = self.info.block_size
+        of = hashes.of(bs)
+        limit = (len(hashes.token_ids) - 1) // bs
+        n = 0
+        cached = self.hashes
+        while n < limit and of[n] in cached:
+            n += 1
+        return n * bs
 
 
 class Group(Protocol):

@@ -1,10 +1,10 @@
-"""When a call's coroutine wakes (scheduler_svc/server.py's _Stream): every output with stream_interval 1;
+"""When a call's coroutine wakes (scheduler_svc/frontend.py's _Stream): every output with stream_interval 1;
 otherwise only when a message may go out, and always on a completion's first token (the other n - 1
 completions of a request start on it)."""
 from __future__ import annotations
 
-from scheduler_svc.engine import RequestOutput
-from scheduler_svc.server import FAILED, _Stream
+from scheduler_svc.output import RequestOutput
+from scheduler_svc.frontend import FAILED, _Stream
 
 
 def _wakes(stream: _Stream, out) -> bool:

@@ -1,0 +1,615 @@
+"""A front-end process of the scheduler tree: the public gRPC API (Generate, model info, tokenize, health,
+reflection, and worker Register / Deregister, which it hands to the supervisor) on the service's one port. Every
+front-end binds the same port (SO_REUSEPORT: the kernel spreads client connections over them).
+
+A front-end holds its requests' client-facing state: prompt, parameters and resolved seed, the tokens received
+so far, the detokenizer (text, stop strings) and the client stream. It validates, tokenizes and routes each
+request to a worker group (router.py), whose engine process sends back token ids, one message per step; it
+turns them into text and streams it. A stop string found here finishes the sequence at its engine (one wasted
+token at most, as with pipelining). When a group goes (its worker died, drains, or its engine process died),
+the front-end continues each of its requests there on another group with its prompt plus the tokens received
+so far (recompute, same seed): the client sees exactly the tokens it would have seen; with no group left the
+stream ends with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, add_port, transport
+from protos import membership_pb2 as mpb
+from protos import membership_pb2_grpc, splitserve_pb2_grpc
+from protos import splitserve_pb2 as api
+from scheduler_svc import ipc
+from scheduler_svc.metrics import FrontendMetrics
+from scheduler_svc.output import OutputState, RequestOutput
+from scheduler_svc.prefix_hash import PromptHashes
+from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
+from scheduler_svc.router import GroupInfo, GroupView, pick_group
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import TokenLogprob
+from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
+
+log = logging.getLogger("splitserve.scheduler")
+SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT}
+_REASON = {v: k for k, v in FINISH.items()}
+DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
+FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
+# gRPC core cancels incoming calls that wait for the server to take them once more than max_pending_requests
+# (1,000) are pending, with status CANCELLED and no message: a burst of new streams larger than that, on one
+# connection or many, lost the excess. Admission is this service's job (RESOURCE_EXHAUSTED, with a message),
+# so the bound is far above any admission bound.
+MAX_PENDING_CALLS = 1 << 17
+PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                         ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                         ("grpc.so_reuseport", 1)]
+# what an engine's refusal of an add means for the client
+_REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.INVALID_ARGUMENT}
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Outputs of one client call (all its n completions), fed by the receive loop. With a stream_interval
+    other than 1 the call's coroutine wakes only when a message may go out (a completion's first token,
+    `interval` tokens held, its end, or its failure): one wake-up per token per call was most of the event
+    loop's work."""
+    index_of: dict[str, int] = field(default_factory=dict)
+    interval: int = 1
+    outputs: list = field(default_factory=list)  # RequestOutputs (or FAILED) not taken yet
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    since_wake: dict[str, int] = field(default_factory=dict)  # tokens per completion since it last woke the call
+
+    def put(self, out: RequestOutput | object) -> None:
+        self.outputs.append(out)
+        if out is FAILED or out.finished or self.interval == 1:
+            self.ready.set()
+            return
+        first = out.request_id not in self.since_wake
+        count = self.since_wake.get(out.request_id, 0) + len(out.token_ids)
+        due = self.interval and count >= self.interval  # the call sends them all: the count starts over
+        self.since_wake[out.request_id] = 0 if due else count
+        if first or due:
+            self.ready.set()
+
+    async def take(self) -> list:
+        """Every output put since the last take, once one of them calls for it."""
+        await self.ready.wait()
+        self.ready.clear()
+        batch, self.outputs = self.outputs, []
+        return batch
+
+
+@dataclass(slots=True, eq=False)
+class Completion:
+    """One of a request's n completions, as this front-end carries it."""
+    key: int  # this front-end's id of it, in its engine's messages
+    sub_id: str
+    stream: _Stream
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    text: OutputState
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    group: GroupView | None = None  # where it runs now
+    ack: asyncio.Future | None = None  # while its engine has not answered its add
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+
+class Frontend(splitserve_pb2_grpc.GenerationServicer):
+    def __init__(self, index: int, run_dir: str, tokenizer: ModelTokenizer):
+        self.index, self.run_dir, self.tokenizer = index, run_dir, tokenizer
+        self.loop = asyncio.get_running_loop()
+        self.groups: dict[int, GroupView] = {}
+        self.completions: dict[int, Completion] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._keys = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future] = {}
+        self.accepting = True
+        self.health = health.aio.HealthServicer()
+        self.metrics = FrontendMetrics()
+        self._finished = {r: self.metrics.requests_finished.labels(r) for r in FINISH}
+        self.out = ipc.Outboxes(zmq.Context.instance(), run_dir)
+        self.server: grpc.aio.Server | None = None
+        self.stopped = asyncio.Event()
+
+    # ---- the worker groups --------------------------------------------------------------------------
+    def groups_by_address(self, address: str) -> GroupView | None:
+        return next((g for g in self.groups.values() if g.address == address), None)
+
+    def live_groups(self) -> list[GroupView]:
+        return [g for g in self.groups.values() if not g.info.draining]
+
+    @property
+    def max_model_len(self) -> int:
+        return min(g.info.max_model_len for g in (self.live_groups() or self.groups.values()))
+
+    @property
+    def vocab_size(self) -> int:
+        groups = self.live_groups() or list(self.groups.values())
+        return groups[0].info.vocab_size or self.tokenizer.vocab_size
+
+    async def update_health(self) -> None:
+        serving = self.accepting and bool(self.live_groups())
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE, status)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
+
+    def _table(self, infos: list[dict]) -> None:
+        """The supervisor's table of live groups: new ones are mirrored from a snapshot of their cache, gone
+        ones have their requests continue elsewhere."""
+        now = {}
+        for d in infos:
+            info = GroupInfo(**d)
+            view = self.groups.get(info.group_id)
+            if view is None:
+                view = GroupView(info)
+                self._to_engine(info.engine, ["snapshot", self.index, info.group_id])
+            view.info = info
+            now[info.group_id] = view
+        gone = [g for gid, g in self.groups.items() if gid not in now]
+        self.groups = now
+        for g in gone:
+            self._group_gone(g, [c.key for c in self.completions.values() if c.group is g])
+        asyncio.ensure_future(self.update_health())
+
+    def _to_engine(self, engine: int, message: list) -> None:
+        self.out.send(ipc.engine_name(engine), message)
+
+    # ---- messages from engines and the supervisor ----------------------------------------------------
+    async def receive(self, inbox: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await inbox.recv()
+            try:
+                self._handle(ipc.unpack(data))
+            except Exception:
+                log.exception("front-end %d: a message failed", self.index)
+            await asyncio.sleep(0)  # a waiting recv() does not yield: let the streams write between messages
+
+    def _handle(self, message: list) -> None:
+        op = message[0]
+        if op == "out":
+            self._outputs(message)
+        elif op == "ack":
+            _, gid, key, code, text = message
+            c = self.completions.get(key)
+            if (c is not None and c.ack is not None and not c.ack.done() and c.group is not None
+                    and c.group.group_id == gid):
+                c.ack.set_result((code, text))
+        elif op in ("moved", "down"):
+            g = self.groups.get(message[1])
+            keys = list(ipc.unints(message[2]))
+            if op == "down":
+                self.groups.pop(message[1], None)
+            self._group_gone(g, keys)
+        elif op == "groups":
+            self._table(message[1])
+        elif op == "reply":
+            future = self._replies.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif op == "metrics":
+            self.out.send(ipc.SUPERVISOR, ["metrics", message[1], self.metrics.text()])
+        elif op == "drain":
+            asyncio.ensure_future(self._drain())
+        elif op == "exit":
+            asyncio.ensure_future(self._exit())
+
+    def _outputs(self, message: list) -> None:
+        gid = message[1]
+        group = self.groups.get(gid)
+        if group is not None:
+            events = message[4]
+            group.report(message[2], message[3], events, *((ipc.unints(events[0], "Q"), ipc.unints(events[1], "Q"))
+                                                          if events else ((), ())))
+        if len(message) == 5:
+            return
+        keys, tokens = ipc.unints(message[5]), ipc.unints(message[6], "i")
+        finished, first, logprobs = dict(message[7]), message[8], message[9]
+        completions = self.completions
+        for i, cached in first:
+            c = completions.get(keys[i])
+            if c is not None and c.text.cached_tokens is None:
+                c.text.cached_tokens = cached
+        for i, key in enumerate(keys):
+            c = completions.get(key)
+            if c is None or c.group is None or c.group.group_id != gid:
+                continue  # finished, aborted or moved since
+            token = tokens[i]
+            reason = finished.get(i)
+            lp = None
+            if logprobs is not None and logprobs[i] is not None:
+                value, top = logprobs[i]
+                lp = TokenLogprob(token, value, [tuple(t) for t in top] if top else None)
+            c.tokens.append(token)
+            out, stop_string = c.text.output(token, reason, lp)
+            if stop_string and reason is None:  # it still runs at its engine
+                self._to_engine(c.group.info.engine, ["stop", self.index, key, gid])
+            if out.finished:
+                del completions[key]
+                c.group = None
+            c.stream.put(out)
+
+    def _group_gone(self, group: GroupView | None, keys: list[int]) -> None:
+        """These requests left `group` unfinished (it failed, drained or its engine died): each continues
+        elsewhere, or its add is answered as refused."""
+        for key in keys:
+            c = self.completions.get(key)
+            if c is None or (group is not None and c.group is not group):
+                continue
+            if c.ack is not None and not c.ack.done():
+                c.ack.set_result(("gone", f"worker {c.group.address} is gone" if c.group else "gone"))
+                continue
+            c.group = None
+            asyncio.ensure_future(self._move(c))
+
+    async def _move(self, c: Completion) -> None:
+        """Continues a completion whose group went, on the live group that costs least (its prompt plus the
+        tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE."""
+        hashes = PromptHashes(c.token_ids())
+        tried: set[int] = set()
+        while c.key in self.completions:
+            groups = [g for g in self.live_groups() if g.group_id not in tried]
+            if not groups:
+                log.warning("request %s: no live worker left to continue it", c.sub_id,
+                            extra={"request_id": c.sub_id})
+                self.completions.pop(c.key, None)
+                c.stream.put(FAILED)
+                return
+            group = pick_group(groups, hashes)
+            code, text = await self._add(c, group, hashes, force=True)
+            if code == "":
+                self.metrics.requests_requeued.inc()
+                log.info("request %s moved to worker %s: %d prompt + %d generated tokens to recompute", c.sub_id,
+                         group.address, len(c.prompt_ids), len(c.tokens),
+                         extra={"request_id": c.sub_id, "worker": group.address})
+                return
+            log.warning("request %s: cannot continue on %s: %s", c.sub_id, group.address, text,
+                        extra={"request_id": c.sub_id, "worker": group.address})
+            tried.add(group.group_id)
+
+    async def _add(self, c: Completion, group: GroupView, hashes: PromptHashes, force: bool = False) -> tuple[str, str]:
+        """Sends the completion's add to the group's engine and waits for its answer: ("", "") when queued, else
+        (refusal code, message)."""
+        c.group = group
+        c.ack = self.loop.create_future()
+        tokens = c.token_ids()
+        group.routed(len(tokens))
+        params = c.params
+        self._to_engine(group.info.engine, [
+            "add", self.index, c.key, group.group_id, len(c.prompt_ids), ipc.ints(tokens, "i"), _params(params),
+            c.priority, force, ipc.ints(hashes.of(group.info.block_size), "Q")])
+        try:
+            return await c.ack
+        finally:
+            c.ack = None
+
+    # ---- RPCs -------------------------------------------------------------------------------------
+    async def _reject(self, context, code: grpc.StatusCode, message: str) -> None:
+        """Refuse a request before (or at) admission: counted by status, then the call ends."""
+        self.metrics.requests_rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def Generate(self, request: api.GenerateRequest, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        remaining = context.time_remaining()  # None: no deadline
+        deadline = None if remaining is None else started + remaining
+        if not self.accepting:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        if not self.live_groups():
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        try:
+            parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
+        except InvalidRequest as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or f"req-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
+        if any(s in self._streams for s in subs):
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        hashes = PromptHashes(parsed.prompt_ids)  # for routing, and the sequences' prefix blocks
+        interval = request.stream_interval if request.HasField("stream_interval") else 1
+        stream = _Stream(index_of={s: i for i, s in enumerate(subs)}, interval=interval)
+        completions = []
+        for i, s in enumerate(subs):
+            params = parsed.completion_params(i)
+            completions.append(Completion(next(self._keys), s, stream, parsed.prompt_ids, params, parsed.priority,
+                                          OutputState(s, self.tokenizer.tokenizer, parsed.prompt_ids,
+                                                      len(parsed.prompt_ids), params)))
+            self._streams[s] = stream
+        pending = set(subs)
+        submitted: set[str] = set()
+        usage = api.Usage()
+        # Metrics, per completion: tokens streamed, when its last message went out; the request's TTFT.
+        metrics, itl = self.metrics, self.metrics.itl
+        streamed = [0] * parsed.n
+        last_sent = [0.0] * parsed.n
+        reasons: list[str | None] = [None] * parsed.n
+        first_token = True
+        held_back: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
+        where = "-"  # the group the request was routed to, for the log
+        try:
+            # With n > 1 the first completion computes the prompt; the others start once it has, on the same
+            # group, and hit its cached blocks.
+            where = (await self._submit(completions[0], hashes, context)).address
+            submitted.add(subs[0])
+            started_rest = parsed.n == 1
+            while pending:
+                batch = await stream.take()  # all that arrived since: coalesced when the client is slow
+                if FAILED in batch:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "its worker failed and no other worker is serving; retry the request")
+                if not started_rest:
+                    started_rest = True
+                    for c in completions[1:]:
+                        await self._submit(c, hashes, context,
+                                           prefer=completions[0].group or self.groups_by_address(where))
+                        submitted.add(c.sub_id)
+                for response in _responses(rid, batch, stream.index_of):
+                    i = response.index
+                    if response.finish_reason:
+                        pending.discard(subs[i])
+                        u = response.usage
+                        usage.prompt_tokens = u.prompt_tokens
+                        usage.completion_tokens += u.completion_tokens
+                        usage.cached_prompt_tokens += u.cached_prompt_tokens
+                        reasons[i] = reason = _REASON[response.finish_reason]
+                        self._finished[reason].inc()
+                        metrics.prompt_tokens.inc(u.prompt_tokens)
+                        metrics.cached_prompt_tokens.inc(u.cached_prompt_tokens)
+                    if response.token_ids:
+                        now = time.perf_counter()
+                        if first_token:
+                            first_token = False
+                            metrics.ttft.observe(now - started)
+                        elif last_sent[i]:
+                            itl.observe(now - last_sent[i])
+                        last_sent[i] = now
+                        streamed[i] += len(response.token_ids)
+                    if interval != 1:
+                        response = _hold(held_back, response, interval)
+                    if response is not None:
+                        await context.write(response)
+        finally:
+            for c in completions:
+                self._streams.pop(c.sub_id, None)
+                if c.sub_id in pending:  # cancelled, failed or deadline passed: free its blocks now
+                    self._abort(c)
+            # Every completion handed to an engine counts once: by its finish reason, or as an abort.
+            aborted = len(pending & submitted)
+            if aborted:
+                self._finished["abort"].inc(aborted)
+            elapsed = time.perf_counter() - started
+            if submitted:
+                metrics.generation_tokens.inc(sum(streamed))
+                metrics.e2e.observe(elapsed)
+            status = "cancelled" if pending else "done"
+            # The client's own timer usually cancels the call a moment before the server's fires.
+            if pending and deadline is not None and time.perf_counter() >= deadline - DEADLINE_SLACK_S:
+                status = "cancelled (deadline passed)"
+            log.info("request %s: group %s, n=%d, prompt %d tokens, completion %d tokens, cached %d, %s, %.3f s",
+                     rid, where, parsed.n, len(parsed.prompt_ids), sum(streamed), usage.cached_prompt_tokens, status,
+                     elapsed, extra={"request_id": rid, "worker": where, "n": parsed.n, "priority": parsed.priority,
+                                     "prompt_tokens": len(parsed.prompt_ids), "completion_tokens": sum(streamed),
+                                     "cached_tokens": usage.cached_prompt_tokens, "status": status,
+                                     "finish_reason": reasons[0] if parsed.n == 1 else reasons,
+                                     "latency_s": round(elapsed, 6)})
+
+    async def _submit(self, c: Completion, hashes: PromptHashes, context,
+                      prefer: GroupView | None = None) -> GroupView:
+        """Routes the completion (to `prefer` while it serves) and queues it there; refusals end the call."""
+        self.completions[c.key] = c
+        tried: set[int] = set()
+        while True:
+            groups = [g for g in self.live_groups() if g.group_id not in tried]
+            if not groups:
+                self.completions.pop(c.key, None)
+                await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+            group = prefer if prefer is not None and prefer in groups else pick_group(groups, hashes)
+            code, text = await self._add(c, group, hashes)
+            if code == "":
+                return group
+            if code in _REFUSED:
+                self.completions.pop(c.key, None)
+                c.group = None
+                await self._reject(context, _REFUSED[code], text)
+            tried.add(group.group_id)  # gone meanwhile: pick again
+
+    def _abort(self, c: Completion) -> None:
+        self.completions.pop(c.key, None)
+        if c.group is not None:
+            self._to_engine(c.group.info.engine, ["abort", self.index, ipc.ints([c.key]), c.group.group_id])
+            c.group = None
+
+    async def GetModelInfo(self, request, context) -> api.ModelInfo:
+        groups = self.live_groups()
+        if not groups:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        info = groups[0].info
+        return api.ModelInfo(
+            model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups), dtype=info.dtype,
+            block_size=info.block_size,
+            workers=[api.WorkerStatus(address=g.address, alive=True, num_blocks=g.info.num_blocks,
+                                      free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
+                                      num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,
+                                      num_preemptions=g.preemptions) for g in self.groups.values()])
+
+    async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
+        try:
+            limit = self.max_model_len if self.groups else 1 << 16
+            if request.WhichOneof("prompt") == "text":
+                check_text_size(request.text, "text", max_prompt_bytes(limit))
+                ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            else:
+                ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size, limit)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return api.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.tokenizer.id_to_token(i) or ""
+                                                           for i in ids])
+
+    # ---- membership, through the supervisor ---------------------------------------------------------
+    async def ask_supervisor(self, message: list) -> dict:
+        """Sends a request to the supervisor and waits for its reply."""
+        req_id = next(self._ids)
+        future = self._replies[req_id] = self.loop.create_future()
+        self.out.send(ipc.SUPERVISOR, [message[0], self.index, req_id, *message[1:]])
+        return await future
+
+    # ---- leaving ----------------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        """The scheduler drains: new requests get UNAVAILABLE; the supervisor is told once the last stream ended."""
+        self.accepting = False
+        await self.update_health()
+        while self._streams:
+            await asyncio.sleep(0.05)
+        self.out.send(ipc.SUPERVISOR, ["drained", self.index])
+
+    async def _exit(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        self.stopped.set()
+
+
+def _params(p: SamplingParams) -> dict:
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "seed": p.seed, "stop_token_ids": p.stop_token_ids,
+            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "min_tokens": p.min_tokens}
+
+
+def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
+          interval: int) -> api.GenerateResponse | None:
+    """Joins `response` to what its completion holds back; returns the message to send once it holds
+    `interval` tokens (0: never) or the completion ended, else None."""
+    joined = held_back.pop(response.index, None)
+    if joined is not None:
+        joined.token_ids.extend(response.token_ids)
+        joined.text += response.text
+        joined.logprobs.extend(response.logprobs)
+        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
+        if response.HasField("usage"):
+            joined.usage.CopyFrom(response.usage)
+        response = joined
+    if response.finish_reason or (interval and len(response.token_ids) >= interval):
+        return response
+    held_back[response.index] = response
+    return None
+
+
+def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -> list[api.GenerateResponse]:
+    """One response per completion in the batch, with all its new tokens."""
+    outputs: dict[int, list[RequestOutput]] = {}
+    for out in batch:
+        outputs.setdefault(index_of[out.request_id], []).append(out)
+    return [_response(rid, index, outs) for index, outs in outputs.items()]
+
+
+def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateResponse:
+    # Joined once: with stream_interval 0 a completion's ~1,000 outputs come in one batch, and appending
+    # each one's text to the message's string field copies (and checks) the whole text every time.
+    r = api.GenerateResponse(request_id=rid, index=index, text="".join(out.text for out in outs),
+                             token_ids=[t for out in outs for t in out.token_ids])
+    for out in outs:
+        for lp in out.logprobs or ():
+            r.logprobs.add(logprob=lp.logprob,
+                           top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+    last = outs[-1]  # a completion's final output is its last
+    if last.finished:
+        r.finish_reason = FINISH.get(last.finish_reason, api.FINISH_REASON_STOP)
+        r.stop_reason = last.stop_reason or ""
+        if last.usage is not None:
+            r.usage.prompt_tokens = last.usage.prompt_tokens
+            r.usage.completion_tokens = last.usage.completion_tokens
+            r.usage.cached_prompt_tokens = last.usage.cached_prompt_tokens
+    return r
+
+
+def _valid_address(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+class MembershipService(membership_pb2_grpc.MembershipServicer):
+    """Register / Deregister, served next to the public API and answered by the supervisor, which drives the
+    workers. Who may call them: the policy (common.security): mutual TLS, a shared secret, or nobody."""
+
+    def __init__(self, frontend: Frontend, policy: RegistrationPolicy):
+        self.frontend, self.policy = frontend, policy
+
+    async def _authorize(self, context, request) -> None:
+        reason = self.policy.refusal(context.invocation_metadata())
+        if reason is not None:
+            log.warning("membership call refused from %s for worker %r: %s", context.peer(), request.address,
+                        reason, extra={"worker": request.address})
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
+        await self._authorize(context, request)
+        if not self.frontend.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        if not _valid_address(request.address):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
+        reply = await self.frontend.ask_supervisor(["register", request.address, request.worker_id, request.epoch])
+        if reply.get("code"):
+            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+        return mpb.RegisterResponse(scheduler_id=reply["scheduler_id"], already_member=reply["already_member"])
+
+    async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:
+        await self._authorize(context, request)
+        reply = await asyncio.shield(self.frontend.ask_supervisor(
+            ["deregister", request.address, request.worker_id, max(0.0, request.grace_s)]))
+        return mpb.DeregisterResponse(moved=reply["moved"], was_member=reply["was_member"])
+
+
+async def serve(index: int, run_dir: str, args, port: int) -> None:
+    """Serves the public API on host:port until the supervisor says exit."""
+    frontend = Frontend(index, run_dir, load_tokenizer(args.model))
+    interceptors = []
+    keys = ApiKeys(args.api_keys)
+    if keys:  # the Generation service only; a refused Generate counts as a rejected request
+        refused = frontend.metrics.requests_rejected.labels(grpc.StatusCode.UNAUTHENTICATED.name)
+        interceptors.append(ApiKeyInterceptor(keys, [SERVICE],
+                                              lambda method: refused.inc() if method.endswith("/Generate") else None))
+    server = frontend.server = grpc.aio.server(interceptors=interceptors, options=PUBLIC_SERVER_OPTIONS)
+    policy = RegistrationPolicy(transport(args.tls), args.registration_secret)
+    splitserve_pb2_grpc.add_GenerationServicer_to_server(frontend, server)
+    membership_pb2_grpc.add_MembershipServicer_to_server(MembershipService(frontend, policy), server)
+    health_pb2_grpc.add_HealthServicer_to_server(frontend.health, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    add_port(server, f"{args.host}:{port}", args.tls)
+    await frontend.update_health()
+    await server.start()
+    inbox = ipc.inbox(zmq.asyncio.Context.instance(), run_dir, ipc.frontend_name(index))
+    receiving = asyncio.ensure_future(frontend.receive(inbox))
+    frontend.out.send(ipc.SUPERVISOR, ["hello", "frontend", index, os.getpid()])
+    await frontend.stopped.wait()
+    receiving.cancel()
+    inbox.close(0)
+    frontend.out.close()
+
+
+def frontend_main(index: int, run_dir: str, argv: list[str], port: int, parent) -> None:
+    """Entry point of front-end process `index`."""
+    import signal
+
+    from scheduler_svc import cli
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the supervisor decides
+    args = cli.parse_child_args(argv)
+    ipc.exit_with_parent(parent)
+    asyncio.run(serve(index, run_dir, args, port))

@@ -1,0 +1,57 @@
+"""A request's outputs: each token an engine samples, turned into text by the request's detokenizer, with the
+finish and stop reasons and, at the end, the usage. The offline LLMEngine and the service's front-ends both
+make them here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from common.usage import Usage
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import TokenLogprob
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new since the previous output
+    text: str  # new text since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
+    usage: Usage | None = None  # on the final output
+    stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
+
+
+class OutputState:
+    """One request's text so far. `cached_tokens`: its prompt tokens the prefix cache served at its first
+    admission, set by the caller once known."""
+    __slots__ = ("request_id", "detokenizer", "prompt_len", "min_len", "num_output", "cached_tokens")
+
+    def __init__(self, request_id: str, tokenizer: Tokenizer, token_ids: list[int], prompt_len: int,
+                 params: SamplingParams):
+        self.request_id = request_id
+        self.detokenizer = IncrementalDetokenizer(tokenizer, token_ids[:prompt_len], params.skip_special_tokens,
+                                                  params.stop)
+        self.prompt_len = prompt_len
+        self.min_len = prompt_len + params.min_tokens  # stop strings count from this total length
+        self.num_output = len(token_ids) - prompt_len
+        self.cached_tokens: int | None = None
+
+    def output(self, token_id: int, finish_reason: str | None,
+               logprob: TokenLogprob | None = None) -> tuple[RequestOutput, bool]:
+        """The output of one new token, given how the engine left the sequence, and whether a stop string
+        ended it here (the engine must then be told: a stop string is found only here)."""
+        self.num_output += 1
+        text, reason, stop_reason = self.detokenizer.next(token_id, finish_reason,
+                                                          self.prompt_len + self.num_output >= self.min_len)
+        out = RequestOutput(self.request_id, [token_id], text, reason is not None, reason,
+                            None if logprob is None else [logprob], stop_reason=stop_reason)
+        if reason is not None:
+            out.usage = self.usage()
+        return out, reason == "stop" and finish_reason != "stop"
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, self.num_output, self.cached_tokens or 0)

@@ -1,0 +1,471 @@
+"""The scheduler's process tree, behind one address, and its supervisor (the process `splitserve-scheduler`
+starts):
+
+    clients ──gRPC──▶ front-ends (K processes, one port)  ◀─ZeroMQ IPC─▶  engines (one per worker group, or M)
+                      validation, tokens, routing, text,                  Scheduler + BlockManager, the
+                      stop strings, streaming                             pipelined Execute stream
+
+The supervisor starts the front-ends (frontend.py) and the engines (engine_proc.py) and replaces any that dies,
+keeps the membership of the worker groups (who joins, fails, comes back and leaves: below), tells the front-ends
+which groups serve, serves every process's metrics on one --metrics-port (added up), and drains the tree on
+SIGTERM. It holds no request: a front-end holds its requests, an engine its sequences.
+
+- Join: a static `--worker` address is connected at start-up; a worker started with `--scheduler` calls Register
+  (on any front-end, which asks the supervisor) and is connected then. The supervisor gives each group to an
+  engine: a new engine process for each group while there are fewer than --engines, else the engine with the
+  fewest groups. A group is one Execute stream to the worker at one epoch, with a fresh block pool.
+- Fail: a group's stream breaks (worker gone, keepalive heartbeat unanswered, or a step overdue: its engine's
+  watchdog). Its front-ends continue its requests on the other groups by recompute; with none left they end
+  with UNAVAILABLE, and readiness is NOT_SERVING until a worker is back.
+- Come back: the address of a failed group is retried in the background with exponential backoff (a static one
+  until it answers; a registered one for REGISTERED_RETRY_S, after which the worker is expected to register
+  again by itself). A worker that answers, at a new epoch, gets a new group.
+- Leave: Deregister (a worker that drains on SIGTERM) marks the group draining: nothing new is routed to it, its
+  queued requests move at once, its running ones get the grace period the worker asks for, then what remains
+  moves by recompute and the stream is closed, before Deregister returns.
+- A process dies: an engine's groups are gone (their front-ends move their requests, the supervisor retries
+  their addresses on the other engines, and a new engine takes the dead one's place); a front-end's client
+  streams are gone with it (clients see UNAVAILABLE and retry): its requests are aborted at the engines and a
+  new front-end takes its place on the same port.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, start_http_server
+
+from scheduler_svc import ipc
+from scheduler_svc.grpc_executor import WorkerUnavailable
+from scheduler_svc.metrics import merge
+
+log = logging.getLogger("splitserve.scheduler")
+REGISTERED_RETRY_S = 600.0  # how long the address of a failed registered worker is retried
+METRICS_TIMEOUT_S = 5.0  # a process that does not answer a scrape within this is left out of it
+
+
+@dataclass(slots=True)
+class _Group:
+    group_id: int
+    engine: int
+    address: str
+    info: dict
+    draining: bool = False
+    left: asyncio.Future | None = None  # while draining: resolved with the number of requests moved
+
+
+@dataclass(slots=True)
+class _Child:
+    kind: str  # "frontend" or "engine"
+    index: int
+    process: mp.process.BaseProcess
+    pipe: object  # our end of the pipe it watches: closed when we die
+    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def default_frontends(cpus: int) -> int:
+    """Front-ends by cores: a streamed token costs a front-end more than an engine."""
+    return max(1, min(8, cpus // 4))
+
+
+class Supervisor:
+    def __init__(self, args, argv: list[str]):
+        self.args, self.argv = args, argv
+        cpus = os.cpu_count() or 1
+        self.num_frontends = args.frontends or default_frontends(cpus)
+        self.max_engines = args.engines or cpus
+        self.run_dir = tempfile.mkdtemp(prefix="splitserve-tree-")
+        self.loop = asyncio.get_running_loop()
+        self.context = zmq.Context.instance()
+        self.out = ipc.Outboxes(self.context, self.run_dir)
+        self.inbox = ipc.inbox(zmq.asyncio.Context.instance(), self.run_dir, ipc.SUPERVISOR)
+        self.port = args.port or _free_port(args.host)
+        self.accepting = True
+        self.scheduler_id = uuid.uuid4().hex[:12]
+        self.frontends: dict[int, _Child] = {}
+        self.engines: dict[int, _Child] = {}
+        self.groups: dict[int, _Group] = {}
+        self._group_ids = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        # group id -> (engine, future): the group on group_up, an error on connect_failed
+        self._connects: dict[int, tuple[int, asyncio.Future]] = {}
+        self._metrics: dict[int, asyncio.Future] = {}
+        self._drained: set[int] = set()
+        self.static: set[str] = set()
+        self.registered: dict[str, float] = {}  # registered address -> loop time it was last seen
+        self._connect_locks: dict[str, asyncio.Lock] = {}
+        self._reconnecting: dict[str, asyncio.Task] = {}
+        self._last_epoch: dict[str, int] = {}  # address -> epoch of its last group (gone)
+        self._tasks: set[asyncio.Task] = set()
+        self._receiving: asyncio.Task | None = None
+
+    # ---- the processes ----------------------------------------------------------------------------
+    def _spawn(self, kind: str, index: int) -> _Child:
+        from scheduler_svc.engine_proc import engine_main
+        from scheduler_svc.frontend import frontend_main
+
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)  # the child reads: EOF means we are gone
+        if kind == "frontend":
+            target, args = frontend_main, (index, self.run_dir, self.argv, self.port, reader)
+        else:
+            target, args = engine_main, (index, self.run_dir, self.argv, self.num_frontends, reader)
+        process = ctx.Process(target=target, args=args, name=f"{kind}-{index}", daemon=True)
+        process.start()
+        reader.close()
+        child = _Child(kind, index, process, writer)
+        (self.frontends if kind == "frontend" else self.engines)[index] = child
+        self.loop.add_reader(process.sentinel, self._child_ended, child)
+        return child
+
+    def _child_ended(self, child: _Child) -> None:
+        self.loop.remove_reader(child.process.sentinel)
+        child.process.join(1.0)
+        child.pipe.close()
+        if not self.accepting:
+            return
+        log.error("%s %d (pid %s) exited with code %s: replacing it", child.kind, child.index, child.process.pid,
+                  child.process.exitcode)
+        if child.kind == "frontend":
+            for engine in self.engines:
+                self._to_engine(engine, ["forget", child.index])
+        else:
+            for group in [g for g in self.groups.values() if g.engine == child.index]:
+                self._group_gone(group, f"its engine process {child.index} exited")
+            for engine, future in self._connects.values():  # connects it was making
+                if engine == child.index and not future.done():
+                    future.set_exception(WorkerUnavailable(f"engine {child.index} exited"))
+        self._spawn(child.kind, child.index)
+
+    async def _engine_for_new_group(self) -> int:
+        counts = {i: 0 for i in self.engines}
+        for g in self.groups.values():
+            counts[g.engine] = counts.get(g.engine, 0) + 1
+        idle = [i for i, n in counts.items() if n == 0]
+        if idle:
+            index = idle[0]
+        elif len(self.engines) < self.max_engines:
+            index = len(self.engines)
+            self._spawn("engine", index)
+        else:
+            index = min(counts, key=counts.get)
+        await self.engines[index].ready
+        return index
+
+    def _to_engine(self, index: int, message: list) -> None:
+        self.out.send(ipc.engine_name(index), message)
+
+    def _to_frontends(self, message: list) -> None:
+        data = ipc.pack(message)
+        for index in self.frontends:
+            self.out.send_bytes(ipc.frontend_name(index), data)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            message = ipc.unpack(await self.inbox.recv())
+            try:
+                self._handle(message)
+            except Exception:
+                log.exception("supervisor: message %r failed", message[0])
+
+    def _handle(self, message: list) -> None:
+        op = message[0]
+        if op == "hello":
+            _, kind, index, _pid = message
+            child = (self.frontends if kind == "frontend" else self.engines).get(index)
+            if child is not None and not child.ready.done():
+                child.ready.set_result(None)
+            if kind == "frontend":
+                self.out.send(ipc.frontend_name(index), ["groups", self._table()])
+        elif op == "group_up":
+            _, engine, gid, address, info = message
+            _, future = self._connects.pop(gid, (None, None))
+            if future is None or future.done():  # given up on meanwhile
+                self._to_engine(engine, ["drain", gid, 0.0, False])
+                return
+            self.groups[gid] = _Group(gid, engine, address, info)
+            future.set_result(self.groups[gid])
+            self._publish()
+        elif op == "connect_failed":
+            _, _engine, gid, address, text, unavailable = message
+            _, future = self._connects.pop(gid, (None, None))
+            if future is not None and not future.done():
+                future.set_exception(WorkerUnavailable(text) if unavailable else RuntimeError(text))
+        elif op == "group_down":
+            _, _engine, gid, address, epoch, reason = message
+            group = self.groups.get(gid)
+            if group is not None:
+                self._group_gone(group, reason)
+        elif op == "group_left":
+            _, _engine, gid, address, epoch, moved = message
+            group = self.groups.pop(gid, None)
+            if group is not None:
+                self._last_epoch[group.address] = group.info["epoch"]
+                if group.left is not None and not group.left.done():
+                    group.left.set_result(moved)
+                self._publish()
+        elif op == "register":
+            self._spawn_task(self._register(*message[1:]))
+        elif op == "deregister":
+            self._spawn_task(self._deregister(*message[1:]))
+        elif op == "drained":
+            self._drained.add(message[1])
+        elif op == "metrics":
+            future = self._metrics.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+
+    def _table(self) -> list[dict]:
+        return [{"group_id": g.group_id, "engine": g.engine, "address": g.address, "draining": g.draining,
+                 **g.info} for g in self.groups.values()]
+
+    def _publish(self) -> None:
+        """The front-ends learn which groups serve."""
+        self._to_frontends(["groups", self._table()])
+
+    def _group_gone(self, group: _Group, reason: str) -> None:
+        self.groups.pop(group.group_id, None)
+        self._last_epoch[group.address] = group.info["epoch"]
+        log.warning("worker group %s is gone (%s); %d live group(s) left", group.address, reason,
+                    sum(not g.draining for g in self.groups.values()), extra={"worker": group.address})
+        if group.left is not None and not group.left.done():
+            group.left.set_result(0)
+        self._publish()
+        self.schedule_reconnect(group.address)
+
+    def _spawn_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- joining ----------------------------------------------------------------------------------
+    def group_at(self, address: str) -> _Group | None:
+        return next((g for g in self.groups.values() if g.address == address), None)
+
+    async def connect(self, address: str, timeout: float, wait_for_ready: bool = True) -> _Group:
+        """A live group for address: the one there is, or a new one on an engine. Raises WorkerUnavailable
+        (unreachable) or RuntimeError (it refused: another protocol version, ...)."""
+        lock = self._connect_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            group = self.group_at(address)
+            if group is not None:
+                return group
+            if not self.accepting:
+                raise WorkerUnavailable("the scheduler is shutting down")
+            engine = await self._engine_for_new_group()
+            gid = next(self._group_ids)
+            future = self.loop.create_future()
+            self._connects[gid] = (engine, future)
+            self._to_engine(engine, ["connect", gid, address, timeout, wait_for_ready, self._last_epoch.get(address)])
+            try:
+                group = await future
+            finally:
+                self._connects.pop(gid, None)
+        info = group.info
+        log.info("worker group %s: %s, %d blocks of %d, max_model_len %d, epoch %d, engine %d", address,
+                 info["device"], info["num_blocks"], info["block_size"], info["max_model_len"], info["epoch"],
+                 group.engine, extra={"worker": address, "epoch": info["epoch"]})
+        return group
+
+    async def add_static(self, address: str) -> _Group:
+        self.static.add(address)
+        return await self.connect(address, self.args.worker_connect_timeout)
+
+    # ---- coming back ------------------------------------------------------------------------------
+    def schedule_reconnect(self, address: str) -> None:
+        if not self.accepting or address in self._reconnecting:
+            return
+        if address not in self.static and address not in self.registered:
+            return
+        self._reconnecting[address] = asyncio.ensure_future(self._reconnect(address))
+
+    async def _reconnect(self, address: str) -> None:
+        args = self.args
+        delay = min(0.5, args.reconnect_backoff_max)
+        started = self.loop.time()
+        try:
+            while self.accepting:
+                if address not in self.static:
+                    if address not in self.registered:
+                        return  # deregistered meanwhile
+                    if self.loop.time() - started > REGISTERED_RETRY_S:
+                        log.info("worker %s: not back after %.0f s; forgotten until it registers again", address,
+                                 REGISTERED_RETRY_S, extra={"worker": address})
+                        self.registered.pop(address, None)
+                        return
+                if self.group_at(address) is not None:
+                    return
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(2 * delay, args.reconnect_backoff_max)
+                try:
+                    group = await self.connect(address, args.reconnect_timeout, wait_for_ready=False)
+                except WorkerUnavailable as e:
+                    log.debug("worker %s: not back yet: %s", address, e)
+                    continue
+                except Exception:
+                    log.exception("worker %s: reconnecting failed", address)
+                    continue
+                log.info("worker %s is back at epoch %d", address, group.info["epoch"], extra={"worker": address})
+                return
+        finally:
+            if self._reconnecting.get(address) is asyncio.current_task():
+                del self._reconnecting[address]
+
+    # ---- Register / Deregister, asked by a front-end ------------------------------------------------
+    def _reply(self, frontend: int, req_id: int, **reply) -> None:
+        self.out.send(ipc.frontend_name(frontend), ["reply", req_id, reply])
+
+    async def _register(self, frontend: int, req_id: int, address: str, worker_id: str, epoch: int) -> None:
+        def refuse(code: str, message: str) -> None:
+            self._reply(frontend, req_id, code=code, message=message)
+
+        if not self.accepting:
+            return refuse("UNAVAILABLE", "the scheduler is shutting down")
+        self.registered[address] = self.loop.time()
+        group = self.group_at(address)
+        if group is not None and epoch and group.info["epoch"] != epoch:
+            # Registering again at another epoch: the worker restarted, or lost the stream this group holds.
+            self._to_engine(group.engine, ["fail", group.group_id, f"worker {address} registered again at a new "
+                                           "epoch: its stream is gone"])
+            deadline = self.loop.time() + 10.0
+            while group.group_id in self.groups and self.loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            group = None
+        if group is not None:
+            if group.draining:
+                return refuse("FAILED_PRECONDITION", f"worker {address} is draining")
+            return self._reply(frontend, req_id, scheduler_id=self.scheduler_id, already_member=True)
+        try:
+            await self.connect(address, self.args.reconnect_timeout, wait_for_ready=False)
+        except WorkerUnavailable as e:
+            return refuse("UNAVAILABLE", f"cannot reach the worker at {address}: {e}")
+        except Exception as e:  # e.g. another protocol version
+            log.error("worker %s: registration refused: %s", address, e, extra={"worker": address})
+            return refuse("FAILED_PRECONDITION", f"worker {address} refused: {e}")
+        log.info("worker %s registered (worker id %s)", address, worker_id or "?", extra={"worker": address})
+        self._reply(frontend, req_id, scheduler_id=self.scheduler_id, already_member=False)
+
+    async def _deregister(self, frontend: int, req_id: int, address: str, worker_id: str, grace: float) -> None:
+        self.registered.pop(address, None)
+        group = self.group_at(address)
+        if group is None:
+            return self._reply(frontend, req_id, moved=0, was_member=False)
+        log.info("worker %s deregisters (worker id %s)", address, worker_id or "?", extra={"worker": address})
+        moved = await self.drain_group(group, grace)
+        if address in self.static:
+            self.schedule_reconnect(address)  # a static worker that is restarted comes back
+        self._reply(frontend, req_id, moved=moved, was_member=True)
+
+    async def drain_group(self, group: _Group, grace: float) -> int:
+        """Routes nothing new to the group, lets its running requests finish within grace seconds, moves the
+        rest by recompute, closes its stream. Returns how many requests moved. Idempotent."""
+        if group.left is None:
+            group.left = self.loop.create_future()
+            group.draining = True
+            self._publish()
+            others = any(not g.draining for g in self.groups.values())
+            # queued requests have nothing to finish there: they move at once, if there is somewhere to go
+            self._to_engine(group.engine, ["drain", group.group_id, grace, others])
+            log.info("worker %s drains: grace %.1f s", group.address, grace, extra={"worker": group.address})
+        moved = await asyncio.shield(group.left)
+        log.info("worker %s left: %d request(s) moved to other workers", group.address, moved,
+                 extra={"worker": group.address})
+        return moved
+
+    # ---- metrics ----------------------------------------------------------------------------------
+    async def gather_metrics(self) -> list[str]:
+        """Every live process's exposition (those that answer within METRICS_TIMEOUT_S)."""
+        futures = []
+        for kind, children in (("frontend", self.frontends), ("engine", self.engines)):
+            for index in children:
+                req_id = next(self._req_ids)
+                future = self._metrics[req_id] = self.loop.create_future()
+                name = ipc.frontend_name(index) if kind == "frontend" else ipc.engine_name(index)
+                self.out.send(name, ["metrics", req_id])
+                futures.append((req_id, future))
+        done, _ = await asyncio.wait([f for _, f in futures], timeout=METRICS_TIMEOUT_S)
+        for req_id, future in futures:
+            self._metrics.pop(req_id, None)
+        return [f.result() for f in done]
+
+    def serve_metrics(self, port: int, host: str) -> None:
+        supervisor = self
+
+        class TreeCollector:
+            def collect(self):
+                texts = asyncio.run_coroutine_threadsafe(supervisor.gather_metrics(), supervisor.loop).result(
+                    METRICS_TIMEOUT_S * 2)
+                yield from merge(texts)
+
+        registry = CollectorRegistry()
+        registry.register(TreeCollector())
+        start_http_server(port, addr=host, registry=registry)
+        log.info("metrics on %s:%d/metrics", host, port, extra={"metrics_port": port})
+
+    # ---- life -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._receiving = asyncio.ensure_future(self._receive())
+        for index in range(self.num_frontends):
+            self._spawn("frontend", index)
+        await asyncio.gather(*(c.ready for c in self.frontends.values()))
+        if self.args.metrics_port:
+            self.serve_metrics(self.args.metrics_port, self.args.host)
+        for address in self.args.worker:
+            await self.add_static(address)
+        log.info("serving on %s:%d with %d worker group(s), %d front-end(s)", self.args.host, self.port,
+                 len(self.groups), self.num_frontends)
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: new requests get UNAVAILABLE and readiness NOT_SERVING; running ones finish within timeout;
+        then every process stops."""
+        self.accepting = False
+        for task in list(self._reconnecting.values()):
+            task.cancel()
+        self._to_frontends(["drain"])
+        deadline = self.loop.time() + timeout
+        while len(self._drained) < len(self.frontends) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self._to_frontends(["exit"])
+        for index in self.engines:
+            self._to_engine(index, ["stop_all"])
+        children = [*self.frontends.values(), *self.engines.values()]
+        for child in children:
+            self.loop.remove_reader(child.process.sentinel)
+        for child in children:
+            await asyncio.to_thread(child.process.join, 10)
+            if child.process.is_alive():
+                child.process.kill()
+        if self._receiving is not None:
+            self._receiving.cancel()
+        self.out.close()
+        self.inbox.close(0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def run(args, argv: list[str]) -> None:
+    supervisor = Supervisor(args, argv)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        supervisor.loop.add_signal_handler(sig, stop.set)
+    await supervisor.start()
+    await stop.wait()
+    await supervisor.drain(args.drain_timeout)
