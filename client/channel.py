@@ -75,11 +75,17 @@ class ChannelSecurity:
                 "tls_server_name": self.tls_server_name, "api_key": self.api_key}
 
 
+# gRPC shares one connection between the channels of a process that have the same target and options, so
+# several clients would reach one front-end of a scheduler only: each channel has a connection of its own.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def create_channel(address: str, security: ChannelSecurity | None = None, *, aio: bool = False,
                    options: list | None = None):
-    """A grpc (or grpc.aio) channel to `address`, plaintext or TLS as `security` says."""
+    """A grpc (or grpc.aio) channel to `address`, plaintext or TLS as `security` says, on a connection of its
+    own."""
     security = security or ChannelSecurity()
-    options = [*(options or []), *security.options()]
+    options = [*CHANNEL_OPTIONS, *(options or []), *security.options()]
     credentials = security.credentials()
     module = grpc.aio if aio else grpc
     if credentials is None:

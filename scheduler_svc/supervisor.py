@@ -184,7 +184,8 @@ class Supervisor:
     def _handle(self, message: list) -> None:
         op = message[0]
         if op == "hello":
-            _, kind, index, _pid = message
+            _, kind, index, pid = message
+            log.info("%s %d started, pid %d", kind, index, pid, extra={"role": kind, "index": index, "pid": pid})
             child = (self.frontends if kind == "frontend" else self.engines).get(index)
             if child is not None and not child.ready.done():
                 child.ready.set_result(None)

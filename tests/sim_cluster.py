@@ -13,6 +13,8 @@ from client import Client
 from client.launcher import LocalCluster, free_port
 
 WAIT_S = 60.0  # bound of a functional wait (generous: the machine is shared)
+# The scheduler tree the service suites run against: two front-ends on the one port, an engine per worker group.
+TREE_ARGS = ["--frontends", "2", "--engines", "2"]
 
 
 def config_only_model(out: Path, preset: str = "qwen3-tiny") -> Path:
@@ -25,7 +27,7 @@ def config_only_model(out: Path, preset: str = "qwen3-tiny") -> Path:
 def start_simulated(model_dir: Path, log_dir: Path, *, num_workers: int = 1, worker_args: list[str] = (),
                     scheduler_args: list[str] = ()) -> LocalCluster:
     return LocalCluster(model_dir, num_workers=num_workers, worker_command="simulate",
-                        worker_args=list(worker_args), scheduler_args=list(scheduler_args),
+                        worker_args=list(worker_args), scheduler_args=[*TREE_ARGS, *scheduler_args],
                         log_dir=log_dir).start(timeout=120)
 
 

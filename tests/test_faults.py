@@ -15,6 +15,7 @@ import functools
 import os
 from pathlib import Path
 import random
+import re
 import signal
 import threading
 import time
@@ -25,13 +26,14 @@ import pytest
 from client import Client
 from client.launcher import PUBLIC_SERVICE, LocalCluster, Process, free_port, health_status
 from tests import sim_cluster
+from tests.sim_cluster import scrape
 
 pytestmark = pytest.mark.timeout(300)
 
 WAIT_S = 60.0
 SIM_ARGS = ["--base-ms", "30", "--num-blocks", "512", "--block-size", "16", "--log-format", "text"]
 # Short reconnection backoff so that a worker that comes back is taken in quickly.
-SCHED_ARGS = ["--log-format", "text", "--reconnect-backoff-max", "1"]
+SCHED_ARGS = [*sim_cluster.TREE_ARGS, "--log-format", "text", "--reconnect-backoff-max", "1"]
 SIM_TOKENS = 80  # at 30 ms a step, a few seconds per stream
 
 
@@ -420,3 +422,87 @@ def test_workers_register_join_drain_and_come_back_after_the_scheduler_dies(clus
     with Client(c.address, timeout=WAIT_S * 2) as client:
         wait_for("workers registered again", lambda: set(live_workers(client)) == {second, third})
         assert_same(run_streams(client, requests[:8]), reference[:8])
+
+
+# --- the scheduler's own processes -----------------------------------------------------------------------------
+
+
+def tree_pids(cluster: LocalCluster, role: str) -> dict[int, int]:
+    """index -> pid of the scheduler's `role` processes ("engine" or "frontend"), the latest of each, from the
+    supervisor's log."""
+    found = {}
+    for line in scheduler_of(cluster).log_path.read_text().splitlines():
+        if m := re.search(rf"{role} (\d+) started, pid (\d+)", line):
+            found[int(m[1])] = int(m[2])
+    return found
+
+
+def test_kill9_an_engine_process_every_stream_equals_a_run_without_the_fault(cluster_factory):
+    c = cluster_factory(2)  # two groups, each on an engine process of its own
+    requests = sim_requests(32, seed=11)
+    with Client(c.address, timeout=WAIT_S * 3) as client:
+        reference = run_streams(client, requests)
+        engines = tree_pids(c, "engine")
+        assert len(engines) == 2, engines
+        streams = start_streams(client, requests)
+        wait_for("every stream streaming", lambda: all(len(s.token_ids) >= 3 for s in streams))
+        assert not any(s.done.is_set() for s in streams), "streams ended before the fault: slow the workers"
+        os.kill(engines[0], signal.SIGKILL)
+        join(streams)
+        assert_same(streams, reference)
+        wait_for("the engine replaced", lambda: tree_pids(c, "engine").get(0) not in (None, engines[0]))
+        wait_for("its worker back", lambda: len(live_workers(client)) == 2)
+        wait_for("every block free", lambda: all_idle(client))
+        assert run_streams(client, requests[:2])[1].token_ids == reference[1].token_ids
+    assert re.search(r"engine 0 \(pid \d+\) exited", scheduler_of(c).log_path.read_text())
+
+
+def test_kill9_a_frontend_its_streams_end_unavailable_the_rest_go_on_and_it_is_replaced(cluster_factory):
+    c = cluster_factory(1)
+    frontends = tree_pids(c, "frontend")
+    assert len(frontends) == 2, frontends
+    clients = [Client(c.address, timeout=WAIT_S * 3) for _ in range(16)]  # connections spread over both
+    try:
+        streams = [start_streams(client, sim_requests(1, seed=20 + k, max_tokens=200))[0]
+                   for k, client in enumerate(clients)]
+        wait_for("every stream streaming", lambda: all(len(s.token_ids) >= 3 for s in streams))
+        os.kill(frontends[0], signal.SIGKILL)
+        join(streams)
+        lost = [s for s in streams if s.error is not None]
+        assert lost and len(lost) < len(streams), "the 16 connections did not reach both front-ends"
+        assert all(s.error.code() == grpc.StatusCode.UNAVAILABLE for s in lost), [s.error for s in lost]
+        assert all(len(s.token_ids) == 200 for s in streams if s.error is None)
+        wait_for("the front-end replaced", lambda: tree_pids(c, "frontend").get(0) not in (None, frontends[0]))
+    finally:
+        for client in clients:
+            client.close()
+    with Client(c.address, timeout=WAIT_S) as client:
+        wait_for("its requests aborted at the engine: every block free", lambda: all_idle(client))
+        [s] = run_streams(client, sim_requests(1, seed=40, max_tokens=8))
+        assert s.error is None and len(s.token_ids) == 8
+
+
+def test_metrics_of_every_process_add_up_to_what_the_clients_saw(cluster_factory):
+    metrics_port = free_port()
+    c = cluster_factory(2, "--metrics-port", str(metrics_port))
+    clients = [Client(c.address, timeout=WAIT_S) for _ in range(16)]
+    try:
+        streams = []
+        for k, client in enumerate(clients):
+            streams += start_streams(client, sim_requests(2, seed=60 + k, max_tokens=8))
+        join(streams)
+    finally:
+        for client in clients:
+            client.close()
+    assert all(s.error is None and len(s.token_ids) == 8 for s in streams)
+    served_by = set(re.findall(r"request req-(\d+)-", scheduler_of(c).log_path.read_text()))
+    assert served_by == {"0", "1"}, f"front-ends that served: {served_by}"
+    samples = scrape(metrics_port)
+    assert samples[("splitserve:request_success_total", (("finished_reason", "length"),))] == 32
+    assert samples[("splitserve:generation_tokens_total", ())] == 32 * 8
+    assert samples[("splitserve:prompt_tokens_total", ())] == sum(len(s.params["token_ids"]) for s in streams)
+    assert samples[("splitserve:time_to_first_token_seconds_count", ())] == 32
+    steps = {labels: v for (name, labels), v in samples.items() if name == "splitserve:step_duration_seconds_count"}
+    assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps  # one engine per worker
+    alive = {labels: v for (name, labels), v in samples.items() if name == "splitserve:worker_alive"}
+    assert sorted(alive.values()) == [1.0, 1.0], alive

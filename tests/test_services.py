@@ -46,8 +46,9 @@ WAIT_S = 30.0
 
 
 def _start(model_dir: Path, log_dir: Path, num_workers: int, worker_args: list[str]) -> LocalCluster:
-    return LocalCluster(model_dir, num_workers=num_workers, worker_args=worker_args, log_dir=log_dir).start(
-        timeout=240)
+    return LocalCluster(model_dir, num_workers=num_workers, worker_args=worker_args,
+                        scheduler_args=sim_cluster.TREE_ARGS,
+                        log_dir=log_dir).start(timeout=240)
 
 
 @pytest.fixture(scope="module")
