@@ -5,7 +5,8 @@ and with one message per completion (stream_interval 0); aggregate output tok/s 
 and the CPU seconds the scheduler's whole process tree spends per 1,000 output tokens.
 
     python -m bench scale --workers 1,2,4,8 [--client-procs 8] [--scheduler-args "--frontends 4"]
-    python -m bench scale --workers 1 --gateway   # the same load through the OpenAI gateway
+    python -m bench scale --workers 1,2 --gateway   # the same load through the OpenAI gateway
+    python -m bench scale --workers 8 --stream-intervals "" --burst 10000   # 10,000 streams at once
 
 Needs no GPU: run it where there are cores (the H200 machine's 16) and on the 2-core box.
 """
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import common
+from common.util import available_cpus
 
 STEP_CLOCK = os.sysconf("SC_CLK_TCK")
 
@@ -47,56 +49,68 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-async def _grpc_share(address: str, reqs: list, interval: int, connections: int) -> tuple[int, int, float, float]:
+async def _grpc_share(address: str, reqs: list, interval: int, connections: int) -> dict:
     from client import AsyncClient
 
     clients = [AsyncClient(address) for _ in range(connections)]
-    tokens = errors = 0
+    out = {"tokens": 0, "short": 0, "statuses": {}}
 
     async def one(i: int, r) -> None:
-        nonlocal tokens, errors
         trace = await common.stream(clients[i % connections], r.prompt_ids, r.max_tokens, ignore_eos=True,
                                     temperature=0.6, stream_interval=interval)
-        tokens += trace.output_tokens
-        errors += trace.error is not None or trace.output_tokens != r.max_tokens
+        out["tokens"] += trace.output_tokens
+        if trace.error is not None:
+            code = trace.error.split(":", 1)[0]
+            out["statuses"][code] = out["statuses"].get(code, 0) + 1
+        elif trace.output_tokens != r.max_tokens:
+            out["short"] += 1
 
-    start = time.time()
+    out["start"] = time.time()
     await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
-    end = time.time()
+    out["end"] = time.time()
     for c in clients:
         await c.close()
-    return tokens, errors, start, end
+    return out
 
 
-async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> tuple[int, int, float, float]:
+async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dict:
+    import json
+
     import httpx
 
-    tokens = errors = 0
+    out = {"tokens": 0, "short": 0, "statuses": {}}
     limits = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         async def one(r) -> None:
-            nonlocal tokens, errors
             body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.6,
                     "ignore_eos": True, "stream": interval != 0}
             try:
                 if interval == 0:
                     response = await http.post("/v1/completions", json=body)
                     response.raise_for_status()
-                    got = response.json()["usage"]["completion_tokens"]
+                    usage = response.json()["usage"]
                 else:
-                    got = 0
+                    body["stream_options"] = {"include_usage": True}
+                    last = ""
                     async with http.stream("POST", "/v1/completions", json=body) as response:
                         response.raise_for_status()
                         async for line in response.aiter_lines():
-                            got += line.startswith("data: {")
-                tokens += got
-                errors += got != r.max_tokens
-            except httpx.HTTPError:
-                errors += 1
+                            if line.startswith("data: {"):
+                                last = line
+                    usage = json.loads(last[len("data: "):])["usage"]
+                out["tokens"] += usage["completion_tokens"]
+                out["short"] += usage["completion_tokens"] != r.max_tokens
+            except httpx.HTTPStatusError as e:
+                key = f"HTTP {e.response.status_code}"
+                out["statuses"][key] = out["statuses"].get(key, 0) + 1
+            except httpx.HTTPError as e:
+                key = type(e).__name__
+                out["statuses"][key] = out["statuses"].get(key, 0) + 1
 
-        start = time.time()
+        out["start"] = time.time()
         await asyncio.gather(*(one(r) for r in reqs))
-        return tokens, errors, start, time.time()
+        out["end"] = time.time()
+        return out
 
 
 def _client_process(target: dict, reqs: list, interval: int, results) -> None:
@@ -106,8 +120,9 @@ def _client_process(target: dict, reqs: list, interval: int, results) -> None:
         results.put(asyncio.run(_grpc_share(target["address"], reqs, interval, target["connections"])))
 
 
-def drive(target: dict, reqs: list, interval: int, procs: int) -> tuple[int, int, float]:
-    """Runs the requests from `procs` client processes at once: (output tokens, failed streams, seconds)."""
+def drive(target: dict, reqs: list, interval: int, procs: int) -> dict:
+    """Runs the requests from `procs` client processes at once: output tokens, streams that ended early with
+    no error, error statuses by code, and the seconds from the first send to the last end."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     shares = [reqs[k::procs] for k in range(procs)]
@@ -117,8 +132,12 @@ def drive(target: dict, reqs: list, interval: int, procs: int) -> tuple[int, int
     outs = [results.get(timeout=900) for _ in workers]
     for w in workers:
         w.join()
-    tokens, errors = sum(o[0] for o in outs), sum(o[1] for o in outs)
-    return tokens, errors, max(o[3] for o in outs) - min(o[2] for o in outs)
+    statuses: dict[str, int] = {}
+    for o in outs:
+        for code, count in o["statuses"].items():
+            statuses[code] = statuses.get(code, 0) + count
+    return {"tokens": sum(o["tokens"] for o in outs), "short": sum(o["short"] for o in outs),
+            "statuses": statuses, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -135,13 +154,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--worker-args", default="", help="extra flags of splitserve-worker simulate")
     ap.add_argument("--gateway", action="store_true", help="drive the load through the OpenAI gateway")
     ap.add_argument("--gateway-args", default="", help="extra flags of splitserve-gateway")
+    ap.add_argument("--burst", type=int, default=0,
+                    help="then this many short streams at once (32 prompt tokens, 16 out): all must complete")
     ap.add_argument("--out", default="bench/results/scale.json")
     args = ap.parse_args(argv)
     import tempfile
 
     from client.launcher import LocalCluster
 
-    procs = args.client_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
+    procs = args.client_procs or max(1, min(8, available_cpus() // 2))
     rows: list[dict] = []
     one_worker: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="splitserve-scale-") as tmp:
@@ -152,46 +173,65 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    worker_args=shlex.split(args.worker_args),
                                    scheduler_args=["--max-num-seqs", "512", *shlex.split(args.scheduler_args)],
                                    log_dir=Path(tmp) / f"logs-{n}")
-            with cluster as c, _gateway(args, c, model) as target:
+            with cluster as c, _gateway(args, c, model) as (target, gateway_pid):
                 scheduler = next(p for p in c.processes if p.name == "scheduler").popen.pid
                 drive(target, common.offline_workload(8, 128, 16, seed=99), 1, 1)  # connections up, the tree warm
-                for k, interval in enumerate(common.csv_numbers(args.stream_intervals, int)):
-                    run = common.redraw_tokens(reqs, seed=k + 1)  # no prefix hits between passes
-                    cpu = tree_cpu_seconds(scheduler)
-                    tokens, errors, seconds = drive(target, run, interval, procs)
-                    cpu = tree_cpu_seconds(scheduler) - cpu
-                    rate = tokens / seconds
-                    if n == 1 or interval not in one_worker:
-                        one_worker.setdefault(interval, rate / n)
-                    ideal = n * one_worker[interval]
-                    rows.append({"workers": n, "stream_interval": interval, "path": "gateway" if args.gateway else
-                                 "grpc", "client_procs": procs, "output_tokens": tokens, "errors": errors,
-                                 "seconds": round(seconds, 2), "tokens_per_s": round(rate),
-                                 "n_x_one_worker": round(ideal), "ratio": round(rate / ideal, 3),
-                                 "scheduler_cpu_s": round(cpu, 1),
-                                 "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 4)})
-                    print(rows[-1], flush=True)
-    args.model, args.cpus = None, os.cpu_count()
+                passes = [(interval, reqs) for interval in common.csv_numbers(args.stream_intervals, int)]
+                if args.burst:
+                    passes.append((1, common.offline_workload(args.burst, 32, 16, seed=7)))
+                for k, (interval, work) in enumerate(passes):
+                    run = common.redraw_tokens(work, seed=k + 1)  # no prefix hits between passes
+                    cpu = tree_cpu_seconds(scheduler), tree_cpu_seconds(gateway_pid) if gateway_pid else 0.0
+                    got = drive(target, run, interval, procs)
+                    cpu = tree_cpu_seconds(scheduler) - cpu[0], (
+                        tree_cpu_seconds(gateway_pid) - cpu[1] if gateway_pid else 0.0)
+                    tokens, rate = got["tokens"], got["tokens"] / got["seconds"]
+                    row = {"workers": n, "stream_interval": interval, "path": "gateway" if args.gateway else "grpc",
+                           "pass": "burst" if work is not reqs else "offline", "streams": len(run),
+                           "client_procs": procs, "output_tokens": tokens, "short_streams": got["short"],
+                           "error_statuses": got["statuses"], "seconds": round(got["seconds"], 2),
+                           "tokens_per_s": round(rate), "scheduler_cpu_s": round(cpu[0], 1),
+                           "cpu_s_per_1k_tokens": round(1000 * cpu[0] / max(tokens, 1), 4)}
+                    if work is reqs:
+                        one_worker.setdefault(interval, rate / n)  # the first N run (1 unless --workers omits it)
+                        ideal = n * one_worker[interval]
+                        row.update(n_x_one_worker=round(ideal), ratio=round(rate / ideal, 3))
+                    if gateway_pid:
+                        row.update(gateway_cpu_s=round(cpu[1], 1),
+                                   gateway_cpu_s_per_1k_tokens=round(1000 * cpu[1] / max(tokens, 1), 4))
+                    rows.append(row)
+                    print(row, flush=True)
+    args.model, args.cpus = None, available_cpus()
     common.save("bench.scale", argv, args.out, "scale", args, rows)
 
 
 @contextlib.contextmanager
 def _gateway(args: argparse.Namespace, cluster, model: Path):
+    """The load's target (the scheduler, or a gateway in front of it) and the gateway's pid (None without)."""
     if not args.gateway:
-        yield {"address": cluster.address, "connections": args.connections}
+        yield {"address": cluster.address, "connections": args.connections}, None
         return
     import subprocess
     import sys
 
-    from client.launcher import free_port, wait_http
+    import httpx
+
+    from client.launcher import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--scheduler", cluster.address, "--port", str(port),
-                             "--model-name", model.name, *shlex.split(args.gateway_args)],
+                             "--served-model-name", model.name, "--no-access-log", *shlex.split(args.gateway_args)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 120)
-        yield {"gateway": f"http://127.0.0.1:{port}", "model": model.name}
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not come up (exit status {proc.poll()})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield {"gateway": f"http://127.0.0.1:{port}", "model": model.name}, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from client.channel import add_security_arguments, security_from_args
+from common.util import available_cpus
 from gateway.reasoning import REASONING_PARSERS
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from gateway.app import GatewayConfig
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas (e.g. from a Secret)
 SCHEDULER_API_KEY_ENV = "SPLITSERVE_SCHEDULER_API_KEY"  # the key the gateway presents to the scheduler
+ARGV_ENV = "SPLITSERVE_GATEWAY_ARGV"  # how uvicorn's worker processes get the command line (JSON list)
+
+
+def default_workers(cpus: int) -> int:
+    """HTTP worker processes by cores: a streamed token costs a gateway process about what it costs a
+    scheduler front-end, so the gateway gets as many of them as the scheduler tree could feed."""
+    return max(2, min(8, cpus // 2))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                            title="connection to the scheduler (gRPC)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
+    p.add_argument("--workers", type=int, default=0,
+                   help="HTTP server processes sharing the port, each with its own connection to the scheduler "
+                        "(0: half the cores, $SPLITSERVE_CPUS or the affinity mask, 2 to 8)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept `Authorization: Bearer KEY` on /v1 routes; repeat for several. Keys also "
                         f"come from ${API_KEY_ENV} (comma-separated) and --api-key-file. Without any, the "
@@ -56,12 +75,13 @@ def read_api_keys(keys: Sequence[str], files: Sequence[Path], env: str | None = 
     return frozenset(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def load(argv: Sequence[str]) -> tuple[argparse.Namespace, "GatewayConfig"]:
+    """The command line checked and turned into the app's config; a bad one exits with a message."""
+    from gateway.app import GatewayConfig
+
     args = build_parser().parse_args(argv)
-    import uvicorn
-
-    from gateway.app import GatewayConfig, create_app
-
+    if args.workers < 0:
+        raise SystemExit("splitserve-gateway: --workers must be at least 0 (0: by the cores)")
     try:
         keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
     except OSError as e:
@@ -72,17 +92,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler_security = security_from_args(args, "scheduler-")
     except ValueError as e:
         raise SystemExit(f"splitserve-gateway: {e}") from None
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = GatewayConfig(scheduler=args.scheduler, scheduler_security=scheduler_security, api_keys=keys,
                            served_model_names=tuple(args.served_model_name),
                            tokenizer=args.tokenizer, reasoning_parser=args.reasoning_parser,
                            request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origin))
-    # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1.
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
-        log_level=args.log_level, access_log=not args.no_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run()
+    return args, config
+
+
+def app_from_env() -> "FastAPI":
+    """uvicorn's app factory, called in each HTTP worker process: the app of the command line in $ARGV_ENV."""
+    from gateway.app import create_app
+
+    args, config = load(json.loads(os.environ[ARGV_ENV]))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return create_app(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = load(argv)  # a bad command line fails here, before any worker process starts
+    import uvicorn
+
+    os.environ[ARGV_ENV] = json.dumps(argv)
+    # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1. With several workers
+    # uvicorn binds the port once and its processes accept from it; it replaces one that dies.
+    uvicorn.run("gateway.cli:app_from_env", factory=True, workers=args.workers or default_workers(available_cpus()),
+                host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
+                log_level=args.log_level, access_log=not args.no_access_log,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 

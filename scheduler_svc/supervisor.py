@@ -34,7 +34,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import random
 import shutil
 import signal
@@ -47,6 +46,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, start_http_server
 
+from common.util import available_cpus
 from scheduler_svc import ipc
 from scheduler_svc.grpc_executor import WorkerUnavailable
 from scheduler_svc.metrics import merge
@@ -83,7 +83,7 @@ def default_frontends(cpus: int) -> int:
 class Supervisor:
     def __init__(self, args, argv: list[str]):
         self.args, self.argv = args, argv
-        cpus = os.cpu_count() or 1
+        cpus = available_cpus()
         self.num_frontends = args.frontends or default_frontends(cpus)
         self.max_engines = args.engines or cpus
         self.run_dir = tempfile.mkdtemp(prefix="splitserve-tree-")

@@ -99,3 +99,24 @@ def test_all_offline_simulated(model: Path, tmp_path: Path, capsys: pytest.Captu
     assert batch["path"] == "grpc services, stream_interval 0 (simulated worker)"
     assert in_process["output_tokens"] == services["output_tokens"] == batch["output_tokens"] > 0
     assert "| grpc services (simulated worker) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gateway", [False, True], ids=["grpc", "gateway"])
+def test_scale(tmp_path: Path, gateway: bool) -> None:
+    from bench import scale
+
+    out = tmp_path / "scale.json"
+    scale.main(["--preset", "qwen3-tiny", "--workers", "1,2", "--requests-per-worker", "6", "--max-input", "24",
+                "--max-output", "10", "--client-procs", "2", "--burst", "40", "--out", str(out),
+                *(["--gateway", "--gateway-args", "--workers 2"] if gateway else [])])
+    rows = _load(out, "scale", "bench.scale")["results"]
+    assert [(r["workers"], r["stream_interval"], r["pass"]) for r in rows] == [
+        (n, i, p) for n in (1, 2) for i, p in ((1, "offline"), (0, "offline"), (1, "burst"))]
+    for r in rows:
+        assert r["error_statuses"] == {} and r["short_streams"] == 0 and r["path"] == ("gateway" if gateway else "grpc")
+        assert r["output_tokens"] > 0 and r["streams"] == (40 if r["pass"] == "burst" else 6 * r["workers"])
+        _positive(r, "seconds", "tokens_per_s")
+        assert r["cpu_s_per_1k_tokens"] >= 0 and ("gateway_cpu_s_per_1k_tokens" in r) == gateway
+        if r["pass"] == "offline":
+            _positive(r, "ratio", "n_x_one_worker")
+    assert [r["ratio"] for r in rows if r["workers"] == 1 and r["pass"] == "offline"] == [1.0, 1.0]

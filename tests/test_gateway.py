@@ -44,6 +44,7 @@ NUM_BLOCKS = 64
 WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16",
                "--max-num-batched-tokens", "1024"]
 STEP_MS = 50  # the simulated worker's step time
+HTTP_WORKERS = 2  # uvicorn worker processes of the main gateway
 START_S = 120.0
 WAIT_S = 20.0
 PROMPT = "The capital of France is"
@@ -105,7 +106,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(cluster, tiny_model_dir, tmp_path_factory):
     g = Gateway(cluster.address, tmp_path_factory.mktemp("gw") / "gateway.log", "--api-key", API_KEY,
-                "--tokenizer", str(tiny_model_dir), "--reasoning-parser", "qwen3")
+                "--tokenizer", str(tiny_model_dir), "--reasoning-parser", "qwen3", "--workers", str(HTTP_WORKERS))
     try:
         yield g.wait_healthy()
     finally:
@@ -172,6 +173,41 @@ def test_health_and_models(gateway, oai, grpc_client):
     (model,) = oai.models.list().data
     assert model.id == info["model"] and model.object == "model"
     assert model.model_extra["max_model_len"] == info["max_model_len"]
+
+
+def _http_workers(gateway: Gateway) -> set[int]:
+    """Pids of the gateway's uvicorn worker processes (its spawned children, not multiprocessing's helpers)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == gateway.popen.pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+def test_http_workers_share_the_port_and_a_dead_one_is_replaced(gateway, grpc_client):
+    """--workers 2: two processes answer on the one port; kill -9 one, uvicorn starts another, and
+    answers stay right (each worker has its own connection to the scheduler)."""
+    wait_for("both HTTP workers", lambda: len(_http_workers(gateway)) == HTTP_WORKERS)
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0)
+    want = ref.text
+
+    def answers(n: int) -> list[str]:
+        return [_post(gateway, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(n)]
+
+    assert answers(6) == [want] * 6
+    before = _http_workers(gateway)
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    wait_for("a new HTTP worker", lambda: len(_http_workers(gateway) - before) == 1
+             and len(_http_workers(gateway)) == HTTP_WORKERS)
+    wait_for("health", lambda: httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200)
+    assert answers(6) == [want] * 6
 
 
 def test_api_key_required(gateway):
