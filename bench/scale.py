@@ -28,8 +28,10 @@ from common.util import available_cpus
 STEP_CLOCK = os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and every live descendant (from /proc)."""
+def process_cpu(roots: list[tuple[str, int]]) -> dict[int, tuple[str, float]]:
+    """User + system CPU seconds of each live process under the labelled root pids (from /proc): pid ->
+    (role, seconds). In the scheduler's tree the role is what the process title says (frontend, engine),
+    else its root's label."""
     children: dict[int, list[int]] = {}
     stats: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -41,12 +43,32 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
         stats[int(entry)] = (int(fields[11]) + int(fields[12])) / STEP_CLOCK
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += stats.get(p, 0.0)
-        todo.extend(children.get(p, []))
-    return total
+    out: dict[int, tuple[str, float]] = {}
+    for label, root in roots:
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            role = label
+            with contextlib.suppress(OSError):
+                words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
+                if len(words) > 1 and words[0] == b"splitserve-scheduler":
+                    role = words[1].decode()
+            out[pid] = (role, stats.get(pid, 0.0))
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_use(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float,
+            tokens: int) -> dict:
+    """Per role: CPU seconds per 1,000 output tokens over the pass, and the busiest process's share of one core."""
+    total: dict[str, float] = {}
+    busiest: dict[str, float] = {}
+    for pid, (role, cpu) in after.items():
+        used = cpu - before.get(pid, (role, 0.0))[1]
+        total[role] = total.get(role, 0.0) + used
+        busiest[role] = max(busiest.get(role, 0.0), used / seconds)
+    return {"cpu_s_per_1k_tokens": {r: round(1000 * c / max(tokens, 1), 4) for r, c in sorted(total.items())},
+            "busiest_core_share": {r: round(b, 2) for r, b in sorted(busiest.items())}}
 
 
 async def _grpc_share(address: str, reqs: list, interval: int, connections: int) -> dict:
@@ -114,10 +136,13 @@ async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dic
 
 
 def _client_process(target: dict, reqs: list, interval: int, results) -> None:
+    cpu = time.process_time()
     if "gateway" in target:
-        results.put(asyncio.run(_gateway_share(target["gateway"], target["model"], reqs, interval)))
+        out = asyncio.run(_gateway_share(target["gateway"], target["model"], reqs, interval))
     else:
-        results.put(asyncio.run(_grpc_share(target["address"], reqs, interval, target["connections"])))
+        out = asyncio.run(_grpc_share(target["address"], reqs, interval, target["connections"]))
+    out["cpu"] = time.process_time() - cpu
+    results.put(out)
 
 
 def drive(target: dict, reqs: list, interval: int, procs: int) -> dict:
@@ -137,7 +162,8 @@ def drive(target: dict, reqs: list, interval: int, procs: int) -> dict:
         for code, count in o["statuses"].items():
             statuses[code] = statuses.get(code, 0) + count
     return {"tokens": sum(o["tokens"] for o in outs), "short": sum(o["short"] for o in outs),
-            "statuses": statuses, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs)}
+            "statuses": statuses, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
+            "client_cpu": [o["cpu"] for o in outs]}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -174,31 +200,34 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    scheduler_args=["--max-num-seqs", "512", *shlex.split(args.scheduler_args)],
                                    log_dir=Path(tmp) / f"logs-{n}")
             with cluster as c, _gateway(args, c, model) as (target, gateway_pid):
-                scheduler = next(p for p in c.processes if p.name == "scheduler").popen.pid
+                roots = [("supervisor" if p.name == "scheduler" else "worker", p.popen.pid) for p in c.processes]
+                roots += [("gateway", gateway_pid)] if gateway_pid else []
                 drive(target, common.offline_workload(8, 128, 16, seed=99), 1, 1)  # connections up, the tree warm
                 passes = [(interval, reqs) for interval in common.csv_numbers(args.stream_intervals, int)]
                 if args.burst:
                     passes.append((1, common.offline_workload(args.burst, 32, 16, seed=7)))
                 for k, (interval, work) in enumerate(passes):
                     run = common.redraw_tokens(work, seed=k + 1)  # no prefix hits between passes
-                    cpu = tree_cpu_seconds(scheduler), tree_cpu_seconds(gateway_pid) if gateway_pid else 0.0
+                    before = process_cpu(roots)
                     got = drive(target, run, interval, procs)
-                    cpu = tree_cpu_seconds(scheduler) - cpu[0], (
-                        tree_cpu_seconds(gateway_pid) - cpu[1] if gateway_pid else 0.0)
-                    tokens, rate = got["tokens"], got["tokens"] / got["seconds"]
+                    after = process_cpu(roots)
+                    tokens, seconds = got["tokens"], got["seconds"]
+                    use = cpu_use(before, after, seconds, tokens)
+                    use["cpu_s_per_1k_tokens"]["client"] = round(1000 * sum(got["client_cpu"]) / max(tokens, 1), 4)
+                    use["busiest_core_share"]["client"] = round(max(got["client_cpu"]) / seconds, 2)
+                    tree = {"supervisor", "frontend", "engine"}
                     row = {"workers": n, "stream_interval": interval, "path": "gateway" if args.gateway else "grpc",
                            "pass": "burst" if work is not reqs else "offline", "streams": len(run),
                            "client_procs": procs, "output_tokens": tokens, "short_streams": got["short"],
-                           "error_statuses": got["statuses"], "seconds": round(got["seconds"], 2),
-                           "tokens_per_s": round(rate), "scheduler_cpu_s": round(cpu[0], 1),
-                           "cpu_s_per_1k_tokens": round(1000 * cpu[0] / max(tokens, 1), 4)}
+                           "error_statuses": got["statuses"], "seconds": round(seconds, 2),
+                           "tokens_per_s": round(tokens / seconds),
+                           "scheduler_cpu_s_per_1k_tokens": round(sum(
+                               v for r, v in use["cpu_s_per_1k_tokens"].items() if r in tree), 4)}
                     if work is reqs:
-                        one_worker.setdefault(interval, rate / n)  # the first N run (1 unless --workers omits it)
+                        one_worker.setdefault(interval, tokens / seconds / n)  # from the first N run
                         ideal = n * one_worker[interval]
-                        row.update(n_x_one_worker=round(ideal), ratio=round(rate / ideal, 3))
-                    if gateway_pid:
-                        row.update(gateway_cpu_s=round(cpu[1], 1),
-                                   gateway_cpu_s_per_1k_tokens=round(1000 * cpu[1] / max(tokens, 1), 4))
+                        row.update(n_x_one_worker=round(ideal), ratio=round(tokens / seconds / ideal, 3))
+                    row.update(use)
                     rows.append(row)
                     print(row, flush=True)
     args.model, args.cpus = None, available_cpus()

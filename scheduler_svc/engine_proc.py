@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -300,9 +299,8 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
     or the supervisor is gone (`parent`: a pipe end that breaks then)."""
     from scheduler_svc import cli
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the supervisor decides
+    ipc.become_child(f"engine {index}", parent)
     args = cli.parse_child_args(argv)
-    ipc.exit_with_parent(parent)
     watch = cli.watch_config(args)
     credentials = args.tls.channel_credentials if args.tls is not None else None
     from scheduler_svc.tokenizer import load_tokenizer

@@ -605,11 +605,8 @@ async def serve(index: int, run_dir: str, args, port: int) -> None:
 
 def frontend_main(index: int, run_dir: str, argv: list[str], port: int, parent) -> None:
     """Entry point of front-end process `index`."""
-    import signal
-
     from scheduler_svc import cli
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the supervisor decides
+    ipc.become_child(f"frontend {index}", parent)
     args = cli.parse_child_args(argv)
-    ipc.exit_with_parent(parent)
     asyncio.run(serve(index, run_dir, args, port))

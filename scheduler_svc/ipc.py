@@ -10,11 +10,13 @@ ends; a slow peer is never dropped from. Sockets are not thread-safe: each threa
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from array import array
 from pathlib import Path
 
 import msgpack
+import setproctitle
 import zmq
 import zmq.asyncio
 
@@ -101,8 +103,13 @@ def inbox(context: zmq.Context | zmq.asyncio.Context, run_dir: str | Path, name:
     return s
 
 
-def exit_with_parent(parent) -> None:
-    """Exits this process when the supervisor's end of the pipe `parent` closes (it died)."""
+def become_child(title: str, parent) -> None:
+    """What a child of the supervisor does first: takes a process title (`ps`, `top`: `splitserve-scheduler
+    frontend 0`), leaves Ctrl-C (sent to the whole process group) to the supervisor, and exits when the
+    supervisor's end of the pipe `parent` closes (it died)."""
+    setproctitle.setproctitle(f"splitserve-scheduler {title}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch() -> None:
         try:
             parent.recv()
