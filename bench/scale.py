@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument("--stream-intervals", default="1,0")
-    ap.add_argument("--client-procs", type=int, default=0, help="client processes (0: min(8, cores // 2))")
+    ap.add_argument("--client-procs", type=int, default=0, help="client processes (0: three quarters of the cores, up to 16)")
     ap.add_argument("--connections", type=int, default=4, help="gRPC connections per client process")
     ap.add_argument("--scheduler-args", default="", help="extra flags of splitserve-scheduler")
     ap.add_argument("--worker-args", default="", help="extra flags of splitserve-worker simulate")
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from client.launcher import LocalCluster
 
-    procs = args.client_procs or max(1, min(8, available_cpus() // 2))
+    procs = args.client_procs or max(1, min(16, available_cpus() * 3 // 4))
     rows: list[dict] = []
     one_worker: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="splitserve-scale-") as tmp:

@@ -177,17 +177,17 @@ def _tokenize_request(
 
 
 def _delta(response: pb.GenerateResponse) -> Delta:
-    usage = response.usage
-    return Delta(
-        index=response.index,
-        token_ids=list(response.token_ids),
-        text=response.text,
-        logprobs=[(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in response.logprobs] or None,
-        finish_reason=_FINISH_REASONS[response.finish_reason],
-        stop_reason=response.stop_reason or None,
-        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
-        if response.HasField("usage") else None,
-    )
+    # Positional, and the optional fields looked at only when present: this runs for every streamed token.
+    logprobs = response.logprobs
+    if response.finish_reason:
+        usage = response.usage
+        return Delta(response.index, list(response.token_ids), response.text,
+                     [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in logprobs] if logprobs else None,
+                     _FINISH_REASONS[response.finish_reason], response.stop_reason or None,
+                     Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
+                     if response.HasField("usage") else None)
+    return Delta(response.index, list(response.token_ids), response.text,
+                 [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in logprobs] if logprobs else None)
 
 
 @dataclass(slots=True)

@@ -86,13 +86,22 @@ class SimulatedRunner:
     def execute(self, plan: pb.StepPlan) -> _SimStep:
         step = self.batch.apply(plan)
         end = step.num_computed + step.num_scheduled
-        result = pb.StepResult(step=plan.step)
-        seeds = self.batch.seed[step.rows]
-        for i in np.flatnonzero(step.samples):
-            result.seq_ids.append(int(step.seq_ids[i]))
-            result.token_ids.append(random.Random(int(seeds[i]) * 1_000_003 + int(end[i])).randrange(self.vocab_size // 2))
+        rows = np.flatnonzero(step.samples)
+        tokens = _mix(self.batch.seed[step.rows][rows].astype(np.uint64), end[rows].astype(np.uint64))
+        result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(),
+                               token_ids=(tokens % np.uint64(self.vocab_size // 2)).tolist())
         with self._lock:
             start = max(time.monotonic(), self._busy_until)
             self._busy_until = start + self.cost.seconds(step.num_tokens, int(end.sum()))
         result.forward_ms = (self._busy_until - start) * 1e3
         return _SimStep(result, self._busy_until)
+
+
+def _mix(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """A token drawn from (sequence seed, position) alone, the same on every run and after a recompute:
+    splitmix64's finaliser over both (uint64 arithmetic wraps)."""
+    with np.errstate(over="ignore"):
+        z = seed * np.uint64(0x9E3779B97F4A7C15) + position
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
