@@ -200,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    scheduler_args=["--max-num-seqs", "512", *shlex.split(args.scheduler_args)],
                                    log_dir=Path(tmp) / f"logs-{n}")
             with cluster as c, _gateway(args, c, model) as (target, gateway_pid):
+                _wait_for_workers(c.address, n)  # every group up (and its engine started) before anything counts
                 roots = [("supervisor" if p.name == "scheduler" else "worker", p.popen.pid) for p in c.processes]
                 roots += [("gateway", gateway_pid)] if gateway_pid else []
                 drive(target, common.offline_workload(8, 128, 16, seed=99), 1, 1)  # connections up, the tree warm
@@ -232,6 +233,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(row, flush=True)
     args.model, args.cpus = None, available_cpus()
     common.save("bench.scale", argv, args.out, "scale", args, rows)
+
+
+def _wait_for_workers(address: str, n: int, timeout: float = 120.0) -> None:
+    from client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(address, timeout=10) as client:
+        while sum(w["alive"] for w in client.model_info()["workers"]) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n} workers not connected after {timeout} s")
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

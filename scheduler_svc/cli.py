@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051)
     g = p.add_argument_group("the process tree")
     g.add_argument("--frontends", type=int, default=0,
-                   help="front-end processes serving the public API on the one port (0: a quarter of the cores, $SPLITSERVE_CPUS or the affinity mask, 1 to 8)")
+                   help="front-end processes serving the public API on the one port (0: half the cores, 1 to 8; "
+                        "the cores are $SPLITSERVE_CPUS, else the CPU affinity mask)")
     g.add_argument("--engines", type=int, default=0,
                    help="engine processes: one per worker group up to this many, then groups share them "
                         "(0: the number of cores)")

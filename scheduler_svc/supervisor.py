@@ -76,8 +76,10 @@ class _Child:
 
 
 def default_frontends(cpus: int) -> int:
-    """Front-ends by cores: a streamed token costs a front-end more than an engine."""
-    return max(1, min(8, cpus // 4))
+    """Front-ends by cores: half of them (1 to 8). A streamed token costs a front-end about twice what it
+    costs an engine, and a front-end's event loop is one core: the front-ends run out first (bench/NOTES.md,
+    bench scale)."""
+    return max(1, min(8, cpus // 2))
 
 
 class Supervisor:

@@ -116,7 +116,9 @@ def test_scale(tmp_path: Path, gateway: bool) -> None:
         assert r["error_statuses"] == {} and r["short_streams"] == 0 and r["path"] == ("gateway" if gateway else "grpc")
         assert r["output_tokens"] > 0 and r["streams"] == (40 if r["pass"] == "burst" else 6 * r["workers"])
         _positive(r, "seconds", "tokens_per_s")
-        assert r["cpu_s_per_1k_tokens"] >= 0 and ("gateway_cpu_s_per_1k_tokens" in r) == gateway
+        roles = {"supervisor", "frontend", "engine", "worker", "client", *(["gateway"] * gateway)}
+        assert set(r["cpu_s_per_1k_tokens"]) == set(r["busiest_core_share"]) == roles, r
+        assert all(v >= 0 for v in [*r["cpu_s_per_1k_tokens"].values(), *r["busiest_core_share"].values()])
         if r["pass"] == "offline":
             _positive(r, "ratio", "n_x_one_worker")
     assert [r["ratio"] for r in rows if r["workers"] == 1 and r["pass"] == "offline"] == [1.0, 1.0]

@@ -23,6 +23,7 @@ import fnmatch
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -1115,3 +1116,54 @@ def test_k8s_security(overlay):
                               ("splitserve-scheduler", "splitserve-worker", "splitserve-gateway"))
     assert sched["SPLITSERVE_API_KEYS"] == gateway["SPLITSERVE_SCHEDULER_API_KEY"], "the key the gateway sends"
     assert sched["SPLITSERVE_REGISTRATION_SECRET"] == worker["SPLITSERVE_REGISTRATION_SECRET"]
+
+
+# ---- CPU sizing: the process trees follow the CPU they are given ------------------------------------------
+
+TREE_FLAGS = {"splitserve-scheduler": ("frontends", "engines"), "splitserve-gateway": ("workers",)}
+
+
+@pytest.mark.parametrize("env_name", sorted(COMPOSE_ENVS))
+def test_compose_cpu_reservation_is_what_the_process_trees_size_to(env_name):
+    """Scheduler and gateway: $SPLITSERVE_CPUS equals the CPU reservation, and no --frontends / --engines /
+    --workers overrides the defaults that follow it."""
+    services = compose(env_name)["services"]
+    for name, service in services.items():
+        program = _compose_program(service)
+        if program not in TREE_FLAGS:
+            continue
+        cpus = service["deploy"]["resources"]["reservations"]["cpus"]
+        assert float(service["environment"]["SPLITSERVE_CPUS"]) == float(cpus), name
+        args = parse(program, service["command"])
+        assert all(getattr(args, flag) == 0 for flag in TREE_FLAGS[program]), (name, service["command"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_cpu_request_is_what_the_process_trees_size_to(overlay):
+    """Scheduler and gateway pods: $SPLITSERVE_CPUS is the container's own CPU request (rounded up to whole
+    cores), and no flag overrides the defaults that follow it."""
+    docs = render(overlay)
+    for name, program in (("splitserve-scheduler", "splitserve-scheduler"), ("splitserve-gateway", "splitserve-gateway")):
+        (container,) = _find(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        (cpus,) = [e for e in container["env"] if e["name"] == "SPLITSERVE_CPUS"]
+        ref = cpus["valueFrom"]["resourceFieldRef"]
+        assert ref == {"containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}, ref
+        assert container["resources"]["requests"]["cpu"], f"{name}: no CPU request to size to"
+        args = parse(program, container["args"])
+        assert all(getattr(args, flag) == 0 for flag in TREE_FLAGS[program]), (name, container["args"])
+
+
+def test_available_cpus_reads_the_request_else_the_affinity(monkeypatch):
+    from common.util import CPUS_ENV, available_cpus
+    from gateway.cli import default_workers
+    from scheduler_svc.supervisor import default_frontends
+
+    monkeypatch.setenv(CPUS_ENV, "4")
+    assert available_cpus() == 4 and default_frontends(4) == 2 and default_workers(4) == 2
+    monkeypatch.setenv(CPUS_ENV, "x")
+    with pytest.raises(ValueError, match=CPUS_ENV):
+        available_cpus()
+    monkeypatch.delenv(CPUS_ENV)
+    assert available_cpus() == len(os.sched_getaffinity(0))
+    assert [default_frontends(n) for n in (1, 2, 16, 64)] == [1, 1, 8, 8]
+    assert [default_workers(n) for n in (1, 2, 16, 64)] == [2, 2, 8, 8]

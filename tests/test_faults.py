@@ -506,3 +506,23 @@ def test_metrics_of_every_process_add_up_to_what_the_clients_saw(cluster_factory
     assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps  # one engine per worker
     alive = {labels: v for (name, labels), v in samples.items() if name == "splitserve:worker_alive"}
     assert sorted(alive.values()) == [1.0, 1.0], alive
+
+
+def test_the_tree_sizes_itself_to_its_cpus_and_names_its_processes(tiny_model_dir, tmp_path, monkeypatch):
+    """No --frontends / --engines: $SPLITSERVE_CPUS (a pod's CPU request) decides, half of it front-ends; one
+    engine per worker group. Each process says what it is in its title (ps, top)."""
+    monkeypatch.setenv("SPLITSERVE_CPUS", "4")
+    c = LocalCluster(tiny_model_dir, num_workers=2, worker_command="simulate", log_dir=tmp_path).start(timeout=120)
+    try:
+        with Client(c.address, timeout=10) as client:
+            wait_for("2 workers connected", lambda: len(live_workers(client)) == 2)
+            [s] = run_streams(client, sim_requests(1, seed=3, max_tokens=4))
+            assert s.error is None and len(s.token_ids) == 4
+        frontends, engines = tree_pids(c, "frontend"), tree_pids(c, "engine")
+        assert sorted(frontends) == [0, 1] and sorted(engines) == [0, 1], (frontends, engines)
+        for role, pids in (("frontend", frontends), ("engine", engines)):
+            for index, pid in pids.items():
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                assert title == f"splitserve-scheduler {role} {index}", title
+    finally:
+        c.stop()
