@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import common
-from common.util import available_cpus
+from common.util import CPUS_ENV, available_cpus
 
 STEP_CLOCK = os.sysconf("SC_CLK_TCK")
 
@@ -182,8 +182,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--gateway-args", default="", help="extra flags of splitserve-gateway")
     ap.add_argument("--burst", type=int, default=0,
                     help="then this many short streams at once (32 prompt tokens, 16 out): all must complete")
+    ap.add_argument("--scheduler-cores", type=int, default=0,
+                    help="pin the scheduler tree to this many cores of its own (and size it to them); the "
+                         "clients, workers and gateway get the rest (0: everything shares every core)")
     ap.add_argument("--out", default="bench/results/scale.json")
     args = ap.parse_args(argv)
+    tree_cores: set[int] = set()
+    if args.scheduler_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if not 0 < args.scheduler_cores < len(cores):
+            ap.error(f"--scheduler-cores must leave cores for the load: 1 to {len(cores) - 1}")
+        tree_cores = set(cores[:args.scheduler_cores])
+        os.sched_setaffinity(0, set(cores[args.scheduler_cores:]))  # inherited by the clients and workers
     import tempfile
 
     from client.launcher import LocalCluster
@@ -199,8 +209,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    worker_args=shlex.split(args.worker_args),
                                    scheduler_args=["--max-num-seqs", "512", *shlex.split(args.scheduler_args)],
                                    log_dir=Path(tmp) / f"logs-{n}")
-            with cluster as c, _gateway(args, c, model) as (target, gateway_pid):
+            with contextlib.ExitStack() as stack:
+                with _cpus_env(args.scheduler_cores):
+                    c = stack.enter_context(cluster)
+                target, gateway_pid = stack.enter_context(_gateway(args, c, model))
                 _wait_for_workers(c.address, n)  # every group up (and its engine started) before anything counts
+                if tree_cores:
+                    _pin_tree(next(p.popen.pid for p in c.processes if p.name == "scheduler"), tree_cores)
                 roots = [("supervisor" if p.name == "scheduler" else "worker", p.popen.pid) for p in c.processes]
                 roots += [("gateway", gateway_pid)] if gateway_pid else []
                 drive(target, common.offline_workload(8, 128, 16, seed=99), 1, 1)  # connections up, the tree warm
@@ -233,6 +248,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(row, flush=True)
     args.model, args.cpus = None, available_cpus()
     common.save("bench.scale", argv, args.out, "scale", args, rows)
+
+
+@contextlib.contextmanager
+def _cpus_env(cores: int):
+    """$SPLITSERVE_CPUS = cores while the cluster starts (the tree sizes itself to them); unset after, so that
+    the gateway sizes itself to the cores it runs on."""
+    if not cores:
+        yield
+        return
+    os.environ[CPUS_ENV] = str(cores)
+    try:
+        yield
+    finally:
+        os.environ.pop(CPUS_ENV, None)
+
+
+def _pin_tree(root: int, cores: set[int]) -> None:
+    """Every thread of every process under `root` onto `cores` (threads and processes started later inherit)."""
+    for pid in process_cpu([("tree", root)]):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cores)
 
 
 def _wait_for_workers(address: str, n: int, timeout: float = 120.0) -> None:
