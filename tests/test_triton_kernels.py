@@ -247,6 +247,104 @@ def test_prefill_attention_matches_reference(dtype, page, block_m, block_n, head
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+# ---- fp8 KV cache: e4m3 values with a scale per tensor, read by both attention kernels --------------------
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.75, 2.5  # scales other than 1, so that a scale applied twice or not at all shows
+
+
+@pytest.fixture
+def faithful_fp8(monkeypatch):
+    """Triton's interpreter rounds float32 -> e4m3 wrongly (it truncates by default, and its round-to-nearest
+    ORs the mantissa's carry into the exponent: 1.97 becomes 1.0); the GPU's cvt.rn.satfinite does not. The
+    kernels' own arithmetic is what these tests check, so the interpreter converts with torch's
+    round-to-nearest-even instead."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
+            x = np.frombuffer(data.tobytes(), dtype=np.float32 if input_dtype == tl.float32 else np.float16)
+            return torch.from_numpy(x.astype(np.float32)).to(FP8).view(torch.uint8).numpy().reshape(data.shape)
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+def _fp8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (k.float() * 4 / K_SCALE).to(FP8), (v.float() * 4 / V_SCALE).to(FP8)  # values spread over e4m3
+
+
+def _dequantised(k8: torch.Tensor, v8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k8.float() * K_SCALE, v8.float() * V_SCALE
+
+
+@pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
+def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split):
+    lens = [1, split - 1, split + 1, 3 * split + 5]
+    dim, heads, kv_heads = 32, 4, 2
+    k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
+    table = _paged(lens, page, kv_heads, dim, torch.float32)[2]
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1))
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
+                             [1] * len(lens), lens)
+    ref = TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5)
+    out = paged_decode_attention(q, k8, v8, seqused, table, dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
+                                 base_split=split, block_n=block_n)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_reads_an_fp8_cache_with_its_scales():
+    query_lens, context_lens = [37, 1, 20, 5], [37, 90, 68, 5]
+    dim, heads, kv_heads, page = 32, 4, 2, 16
+    k, v, table = _paged(context_lens, page, kv_heads, dim, torch.float32)
+    k8, v8 = _fp8(k, v)
+    q = torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(7))
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5)
+    out = paged_prefill_attention(q, k8, v8, cu, seqused, table, query_blocks(query_lens, 16, q.device),
+                                  dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE, block_m=16, block_n=16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_qk_norm_rope_store_quantises_into_an_fp8_cache_as_the_reference(dtype, faithful_fp8):
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, tokens, page, blocks = 4, 2, 32, 9, 4, 8
+    rotary = RotaryEmbedding(dim, 128, 1e6)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    positions = torch.randint(0, 128, (tokens,), generator=gen)
+    q_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    k_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    slots = torch.randperm(blocks * page, generator=gen)[:tokens]
+    k_cache = torch.zeros(blocks, page, kv_heads, dim, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = qk_norm_rope_store(qkv, positions, rotary.cos_sin, q_w, k_w, 1e-6, k_cache, v_cache, slots, heads, kv_heads,
+                           k_scale=K_SCALE, v_scale=V_SCALE)
+    from worker_svc.kernels import reference
+
+    q_ref = reference.qk_norm_rope_store(qkv, positions, rotary.cos_sin, q_w, k_w, 1e-6, k_ref, v_ref, slots, heads,
+                                         kv_heads, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert q.dtype == dtype and k_cache.dtype == FP8
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    # the rope's last bit may differ (as q's may), and so land one e4m3 step away at a rounding boundary
+    step = (k_cache.float() - k_ref.float()).abs() / k_ref.float().abs().clamp_min(2 ** -6)
+    assert float(step.max()) <= 0.125 and float((k_cache.float() != k_ref.float()).float().mean()) < 0.02
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert float(k_cache.float().abs().sum()) > 0 and int((v_cache.float() != 0).sum()) >= tokens * kv_heads * dim // 2
+
+
 def test_query_blocks_cover_every_token_once():
     seqs, starts = query_blocks([5, 1, 0, 16, 17], 16, torch.device("cpu"))
     assert seqs.tolist() == [0, 1, 3, 4, 4] and starts.tolist() == [0, 0, 0, 0, 16]

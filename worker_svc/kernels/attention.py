@@ -37,13 +37,14 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; the new K/V are already in the cache. Returns q's shape."""
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; the new K/V are already in the cache (q's dtype, or fp8 holding
+        k / k_scale and v / v_scale). Returns q's shape."""
         ...
 
 
-Prefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+Prefill = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, meta, scale, k_scale, v_scale) -> out
 
 
 class TritonDecode:
@@ -58,11 +59,12 @@ class TritonDecode:
         self._kernel = decode_attention
         self._counters: list[torch.Tensor] = []
 
-    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                 v_scale: float) -> torch.Tensor:
         if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
             self._counters.append(self._kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
         return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
-                                                   counters=self._counters[-1])
+                                                   k_scale=k_scale, v_scale=v_scale, counters=self._counters[-1])
 
 
 class TritonPrefill:
@@ -76,23 +78,26 @@ class TritonPrefill:
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
 
-    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                 v_scale: float) -> torch.Tensor:
         kernel = self._kernel
         if self._blocks_of is not meta:
             self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, kernel.BLOCK_M, q.device), meta
         return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
-                                              meta.page_table, self._blocks, scale)
+                                              meta.page_table, self._blocks, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 class FlashAttnPrefill:
-    """flash-attn-4 (CuTe DSL): one paged varlen call."""
+    """flash-attn-4 (CuTe DSL): one paged varlen call, over a cache of q's dtype (resolve() keeps fp8 caches
+    away from it)."""
 
     def __init__(self):
         from flash_attn.cute import flash_attn_varlen_func
 
         self._fn = flash_attn_varlen_func
 
-    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                 v_scale: float) -> torch.Tensor:
         out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
                        page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q,
                        softmax_scale=scale, causal=True)
@@ -106,9 +111,10 @@ class PagedAttention:
     def __init__(self, name: str, prefill: Prefill, decode: Prefill):
         self.name, self._prefill, self._decode = name, prefill, decode
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         kernel = self._decode if meta.max_seqlen_q == 1 else self._prefill
-        return kernel(q, k_cache, v_cache, meta, scale)
+        return kernel(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def flash_attn_available(device: torch.device) -> bool:

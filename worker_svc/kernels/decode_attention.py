@@ -38,7 +38,7 @@ def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e,
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -66,19 +66,19 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         k_rows = page * stride_kb + offset * stride_kt
         v_rows = page * stride_vb + offset * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2e
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)
     if splits == 1:  # the whole context in one split: no partials, no merge
-        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
         return
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
     lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
@@ -104,7 +104,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             acc = acc * a[:, None] + part * b[:, None]
             l = l * a + b
             m = m_new
-        tl.store(out, (acc / l[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
+        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
 
 
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
@@ -132,10 +132,12 @@ def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> tor
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
+                           k_scale: float = 1.0, v_scale: float = 1.0,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
-    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim]. Returns q's shape and dtype.
+    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
+    folded into the softmax scale, the output times v_scale). Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
@@ -158,8 +160,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     block_h = max(16, triton.next_power_of_2(group))
     _split_kernel[(kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters,
+        scale * k_scale * 1.4426950408889634, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,

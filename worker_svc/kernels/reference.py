@@ -40,22 +40,38 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
 
 
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a KV cache of `cache_dtype` holds it: itself, or in an fp8 cache x / scale, saturated."""
+    if x.dtype == cache_dtype:
+        return x
+    top = torch.finfo(cache_dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-top, top).to(cache_dtype)
+
+
+def _put_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    rows = cache.view(-1, *x.shape[1:])
+    if cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel on a CPU: copy the bytes
+        rows, x = rows.view(torch.uint8), x.view(torch.uint8)
+    rows.index_copy_(0, slot_mapping, x)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    _put_rows(k_cache, slot_mapping, to_cache(k, k_cache.dtype, k_scale))
+    _put_rows(v_cache, slot_mapping, to_cache(v, v_cache.dtype, v_scale))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * head_dim] from the projection. Writes k and v at slot_mapping in
-    the caches; returns q [tokens, heads, head_dim], normed and rotated."""
+    the caches (into fp8 ones divided by their scales); returns q [tokens, heads, head_dim], normed and rotated."""
     head_dim = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k = qk_norm_rope(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), positions, cos_sin,
                         q_weight, k_weight, eps)
-    store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -115,23 +131,25 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 # ---- attention --------------------------------------------------------------------------------------
 class TorchAttention:
     """Plain reference over the paged layout: gathers each sequence's context and runs causal SDPA.
+    An fp8 cache is read as the kernels read it: its values in q's dtype, k_scale folded into the softmax
+    scale, the output times v_scale.
 
     One loop iteration per sequence, so it is for CPUs, tests and checking the fast backends."""
 
     name = "torch"
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         out = torch.empty_like(q)
         block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             blocks = meta.page_table[i, : cdiv(ctx, block_size)].long()
-            k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0)
-            v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0)
+            k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0).to(q.dtype)
+            v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0).to(q.dtype)
             qpos = torch.arange(ctx - n, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
-                                               attn_mask=mask, scale=scale)
-            out[start:start + n] = o.transpose(0, 1)
+                                               attn_mask=mask, scale=scale * k_scale)
+            out[start:start + n] = o.transpose(0, 1) if v_scale == 1.0 else (o.transpose(0, 1) * v_scale)
             start += n
         return out
