@@ -28,6 +28,8 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--block-size", type=int, default=256)
     limits.add_arguments(ap, limits.Limits(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096))
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="the worker's --kv-cache-dtype (not with --simulate)")
     ap.add_argument("--pipeline-depth", type=int, default=SchedulerConfig().pipeline_depth,
                     help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
@@ -69,7 +71,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """Flags of `splitserve-worker serve` (or `simulate`, with --simulate)."""
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
-    return flags if args.simulate else [*flags, "--attention", args.attention]
+    return flags if args.simulate else [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype]
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
@@ -145,7 +147,8 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
 
         runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost())
         return LLM(model, executor=InProcessExecutor(runner), **options)
-    return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention, **options)
+    return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention,
+               kv_cache_dtype=args.kv_cache_dtype, **options)
 
 
 def replay_ms(graph, replays: int) -> float:

@@ -32,6 +32,7 @@ class GroupInfo:
     max_model_len: int
     vocab_size: int
     epoch: int
+    kv_cache_dtype: str
     draining: bool = False
 
 

@@ -183,9 +183,11 @@ def test_uploads_start_on_16_byte_boundaries():
         assert np.array_equal(flat[start:start + a.nbytes].view(a.dtype), a.reshape(-1))
 
 
-def test_worker_cli_offers_every_attention_backend():
-    """The CLI lists the backends without importing torch; the list is kernels/attention.py's."""
+def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
+    """The CLI lists them without importing torch; the lists are kernels/attention.py's and model/config.py's."""
     from worker_svc import cli
     from worker_svc.kernels import attention
+    from worker_svc.model.config import KV_CACHE_DTYPES
 
     assert cli.ATTENTION_NAMES == attention.NAMES
+    assert cli.KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)

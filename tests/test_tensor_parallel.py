@@ -327,6 +327,25 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
     assert [o.token_ids for o in tp1] == got
 
 
+def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):
+    """Each rank quantises its own KV heads, as the one rank of TP 1 quantises all of them."""
+    from offline.llm import LLM
+    from scheduler_svc.sampling import SamplingParams
+
+    prompts = _prompts(seed=12)
+    with LLM(tp_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
+             kv_cache_dtype="fp8") as llm:
+        tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    cluster = _cluster(tp_model_dir, 2, tmp_path, "--kv-cache-dtype", "fp8")
+    try:
+        info = _describe(cluster.worker_ports[0])
+        assert info.tensor_parallel_size == 2 and info.kv_cache_dtype == "float8_e4m3fn"
+        assert _generate_all(cluster.address, prompts) == tp1
+    finally:
+        cluster.stop()
+
+
 def test_sigterm_stops_every_rank(tp2_cluster):
     worker = _worker(tp2_cluster)
     ranks = _rank_pids(worker.popen.pid)

@@ -14,6 +14,7 @@ from worker_svc.checkpoints.presets import PRESETS
 
 # worker_svc.kernels.attention.NAMES, without importing torch for the parser
 ATTENTION_NAMES = ("auto", "triton", "flash_attn", "torch")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8")  # worker_svc.model.config.KV_CACHE_DTYPES
 
 
 def resolve_model(model: str) -> Path:
@@ -37,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = RunnerConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs)
+        limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -49,9 +51,10 @@ def _serve(args: argparse.Namespace) -> int:
         server = _start(runner, args)
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
-            "serving %s on %s:%d: %s %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, epoch %d",
-            info.model, args.host, server.port, info.device, info.dtype, info.num_blocks, info.block_size,
-            info.max_model_len, runner.kernels.attention.name, info.tensor_parallel_size, info.epoch)
+            "serving %s on %s:%d: %s %s, KV cache %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, "
+            "epoch %d", info.model, args.host, server.port, info.device, info.dtype, info.kv_cache_dtype,
+            info.num_blocks, info.block_size, info.max_model_len, runner.kernels.attention.name,
+            info.tensor_parallel_size, info.epoch)
         _run_until_signal(server, args)
     finally:
         runner.close()  # and the other tensor-parallel ranks
@@ -192,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="auto", choices=ATTENTION_NAMES,
                    help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "
                         "kernel for decodes; triton: Triton kernels for both (any CUDA GPU from Ampere); torch: "
-                        "the reference; auto: flash_attn where it imports, else triton on a GPU, else torch")
+                        "the reference; auto: flash_attn where it imports (not over an fp8 KV cache), else triton "
+                        "on a GPU, else torch")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+                   help="auto: K and V in the model's dtype; fp8: e4m3 with a scale per layer and tensor (the "
+                        "checkpoint's k_scale / v_scale, else 1): about twice the KV blocks, outputs not "
+                        "bit-identical to the model's dtype")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "

@@ -238,3 +238,74 @@ def test_cuda_graph_decode_matches_eager(tmp_path, sampling):
         outs.append([s.generated for s in seqs])
     agree = sum(a == b for a, b in zip(*outs))
     assert agree >= 12, outs  # bf16 padded vs unpadded matmuls may flip one near-tie at most
+
+
+# ---- fp8 KV cache ---------------------------------------------------------------------------------------
+FP8_SCALES = (0.05, 0.02)  # k_scale, v_scale: maps the test's N(0, 1) values into e4m3's upper range
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_backend_reads_an_fp8_cache_as_the_torch_backend(block_size, case):
+    """Every step kind the triton backend serves over an fp8 cache (flash_attn refuses one: resolve())."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, num_blocks = 16, 8, 128, 4096 // block_size * 8
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_scale, v_scale = FP8_SCALES
+    k8 = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) / k_scale).to(torch.float8_e4m3fn).cuda()
+    v8 = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) / v_scale).to(torch.float8_e4m3fn).cuda()
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    fast = make_attention("auto", torch.device("cuda"), fp8_cache=True)
+    assert fast.name == "triton"
+    out = fast.forward(q, k8, v8, meta, dim ** -0.5, k_scale, v_scale)
+    ref = TorchAttention().forward(q.float(), k8.float() * k_scale, v8.float() * v_scale, meta, dim ** -0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_store_quantises_into_an_fp8_cache_as_the_reference():
+    from worker_svc.kernels import reference
+    from worker_svc.kernels.elementwise import qk_norm_rope_store
+    from worker_svc.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens, page, blocks = 16, 8, 128, 300, 16, 64
+    rotary = RotaryEmbedding(dim, 4096, 1e6)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 4).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    q_w, k_w = (torch.rand(2, dim, generator=gen) + 0.5).to(torch.bfloat16)
+    slots = torch.randperm(blocks * page, generator=gen)[:tokens]
+    k_ref = torch.zeros(blocks, page, kv_heads, dim, dtype=torch.float8_e4m3fn)
+    v_ref = torch.zeros_like(k_ref)
+    reference.qk_norm_rope_store(qkv, positions, rotary.cos_sin, q_w, k_w, 1e-6, k_ref, v_ref, slots, heads, kv_heads,
+                                 *FP8_SCALES)
+    k_cache, v_cache = torch.zeros_like(k_ref).cuda(), torch.zeros_like(v_ref).cuda()
+    qk_norm_rope_store(qkv.cuda(), positions.cuda(), rotary.cos_sin.cuda(), q_w.cuda(), k_w.cuda(), 1e-6, k_cache,
+                       v_cache, slots.cuda(), heads, kv_heads, *FP8_SCALES)
+    assert torch.equal(v_cache.cpu().view(torch.uint8), v_ref.view(torch.uint8))  # no arithmetic but the scale
+    step = (k_cache.cpu().float() - k_ref.float()).abs() / k_ref.float().abs().clamp_min(2 ** -6)
+    assert float(step.max()) <= 0.125 and float((step > 0).float().mean()) < 0.02
+
+
+def test_fp8_cache_runner_on_the_gpu_matches_the_torch_backend(tmp_path):
+    """The whole worker over an fp8 cache (triton backend, CUDA graphs) against the torch backend with the
+    same cache dtype, on the same GPU."""
+    from tests.paged_driver import PagedDriver
+    from worker_svc.checkpoints.writer import make_model
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
+    cfg = dict(device="cuda", num_blocks=512, block_size=16, kv_cache_dtype="fp8",
+               limits=Limits(max_num_seqs=64, max_model_len=1024))
+    fast = ModelRunner(model_dir, RunnerConfig(**cfg))
+    slow = ModelRunner(model_dir, RunnerConfig(**cfg, attention="torch", cuda_graphs=False))
+    assert fast.kernels.attention.name == "triton" and fast.decode.graphs
+    assert fast.describe().kv_cache_dtype == "float8_e4m3fn"
+    prompts = [[(7 * i + j) % 5000 for j in range(5 + 11 * i)] for i in range(13)]
+    outs = []
+    for runner in (fast, slow):
+        driver = PagedDriver(runner, chunk=32)
+        seqs = [driver.add(p, 24) for p in prompts]
+        driver.run_all()
+        outs.append([s.generated for s in seqs])
+    assert sum(a == b for a, b in zip(*outs)) >= 11, outs  # bf16 kernels vs the reference may flip near-ties

@@ -18,7 +18,8 @@ class Kernels:
     # (x, weight, eps, residual=None) -> norm(x), or (norm(x + residual), x + residual)
     rms_norm: Callable
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads) -> q
+    # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads,
+    #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]  # (x, weight, bias=None)
     # (logits, temperature, seeds, positions) -> tokens: temperature sampling or greedy, no filters
@@ -27,9 +28,9 @@ class Kernels:
     attention: AttentionBackend
 
 
-def select(device: torch.device | str, attention: str = "auto") -> Kernels:
+def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool = False) -> Kernels:
     device = torch.device(device)
-    backend = make_attention(attention, device)
+    backend = make_attention(attention, device, fp8_cache)
     if device.type == "cuda":
         from worker_svc.kernels import elementwise, gumbel, skinny_gemm
 

@@ -131,19 +131,23 @@ def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
 
 
-def resolve(name: str, device: torch.device) -> str:
-    """The backend `auto` stands for on this device; other names as they are."""
+def resolve(name: str, device: torch.device, fp8_cache: bool = False) -> str:
+    """The backend `auto` stands for on this device (over an fp8 KV cache, which flash-attn-4's paged call
+    does not read: triton); other names as they are."""
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
+    if name == "flash_attn" and fp8_cache:
+        raise ValueError("--attention flash_attn cannot read an fp8 KV cache (flash-attn-4's paged call takes "
+                         "the model's dtype): use --attention triton or auto")
     if name != "auto":
         return name
-    if flash_attn_available(device):
+    if flash_attn_available(device) and not fp8_cache:
         return "flash_attn"
     return "triton" if _cuda_capability_at_least(device, 8) else "torch"
 
 
-def make_attention(name: str, device: torch.device) -> AttentionBackend:
-    name = resolve(name, device)
+def make_attention(name: str, device: torch.device, fp8_cache: bool = False) -> AttentionBackend:
+    name = resolve(name, device, fp8_cache)
     if name == "torch":
         from worker_svc.kernels.reference import TorchAttention
 

@@ -22,17 +22,28 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any
-    unexpected or missing name."""
+KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")  # an fp8 KV cache's scales, as vLLM names them
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
+    """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
+    missing name. Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale`
+    gives both), for an fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
+    kv_scales: dict[str, float] = {}
     for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
                 name, shard_id = _our_name(hf_name, packed)
+                prefix, _, leaf = name.rpartition(".")
+                if leaf in KV_SCALE_NAMES:
+                    value = float(f.get_tensor(hf_name).float().max())
+                    for which in ("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,):
+                        kv_scales[f"{prefix}.{which}"] = value
+                    continue
                 if name == "lm_head.weight" and tied:
                     continue  # tied checkpoints may still store the head; the embedding is the source
                 if name not in params:
@@ -54,6 +65,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     missing = expected - loaded
     if missing:
         raise KeyError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+    return kv_scales
 
 
 def _our_name(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:

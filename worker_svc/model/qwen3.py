@@ -25,13 +25,17 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
-        self.k_cache = self.v_cache = torch.empty(0)  # bound by the ModelRunner once allocated
+        # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q = self.kernels.qk_norm_rope_store(self.qkv_proj(x), positions, self.rotary.cos_sin, self.q_norm.weight,
                                             self.k_norm.weight, self.q_norm.eps, self.k_cache, self.v_cache,
-                                            meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+                                            meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                            self.k_scale, self.v_scale)
+        o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
+                                           self.v_scale)
         return self.o_proj(o.flatten(1))
 
 

@@ -24,7 +24,7 @@ from protos import worker_pb2 as pb
 from worker_svc import kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.uploads import upload
-from worker_svc.model.config import DTYPES, ModelConfig
+from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
@@ -44,6 +44,7 @@ class RunnerConfig:
     cuda_graphs: bool = True            # capture decode steps (GPU, a Triton or flash_attn backend)
     limits: Limits = field(default_factory=Limits)
     attention: str = "auto"
+    kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
 
 
 class PendingStep:
@@ -90,13 +91,24 @@ class ModelRunner:
         self.limits = dataclasses.replace(cfg.limits, max_model_len=self.max_model_len)
         self.block_size = cfg.block_size or (256 if self.device.type == "cuda" else 16)
         self.worker_id = uuid.uuid4().hex[:12]
-        self.kernels = kernels.select(self.device, cfg.attention)
+        if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {cfg.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
+        self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or self.dtype
+        fp8_cache = self.kv_dtype == torch.float8_e4m3fn
+        self.kernels = kernels.select(self.device, cfg.attention, fp8_cache)
 
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = Qwen3ForCausalLM(mc, self.kernels)
         torch.set_default_dtype(torch.float32)
-        load_weights(self.model, model_dir)
+        kv_scales = load_weights(self.model, model_dir)
+        if fp8_cache:
+            # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
+            # is written (cached blocks outlive any change), so a dynamic one could only come from made-up
+            # start-up traffic; e4m3's error is relative over its normal range, and a per-tensor absmax scale
+            # measured no closer to the full-precision cache (bench/NOTES.md).
+            for name, value in kv_scales.items():
+                setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
         self.model.eval()
         self._allocate_kv_cache()
         if self.device.type == "cuda":
@@ -122,7 +134,7 @@ class ModelRunner:
         scheduler never owns: padded rows of graph-captured steps write there."""
         mc, cfg = self.model_config, self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.dtype.itemsize
+        per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.kv_dtype.itemsize
         if cfg.num_blocks:
             self.num_blocks = cfg.num_blocks
         elif self.device.type == "cuda":
@@ -131,7 +143,7 @@ class ModelRunner:
             self.num_blocks = max(1, cfg.kv_cache_memory // per_block)
         self.num_blocks = min_over_ranks(self.num_blocks, self.device)  # one block pool for all TP ranks
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -147,7 +159,7 @@ class ModelRunner:
         blocks_each = cdiv(max(lens), self.block_size)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         scratch = torch.zeros(2, mc.num_hidden_layers, blocks_each, self.block_size, kv_heads, mc.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[0, i], scratch[1, i]
         torch.cuda.synchronize()
@@ -210,7 +222,8 @@ class ModelRunner:
             block_size=self.block_size, max_model_len=self.max_model_len, tensor_parallel_size=tp_size(),
             epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
-            max_num_batched_tokens=limits.max_num_batched_tokens)
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."))
 
     def close(self) -> None:
         """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
