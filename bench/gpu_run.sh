@@ -25,6 +25,10 @@ for b in $benches; do
                --out $OUT/latency_ttft.json 2>&1 | grep -v -i warn | tail -4; gzip -f $OUT/ttft.folded ;;
     prefill) timeout 300 python3 -m bench prefill-attention --out $OUT/prefill_attention.json 2>&1 | grep '^{' ;;
     offline) timeout 500 python3 -m bench.offline --model $MODEL ${OFFLINE_ARGS:-} --out $OUT/offline.json 2>&1 | grep -E "by batch|^[|]" ;;
+    short)   timeout 500 python3 -m bench.offline --model $MODEL --workload short --runs 2 ${OFFLINE_ARGS:-} \
+               --out $OUT/offline_short.json 2>&1 | grep -E "^[|]" ;;
+    fp8)     timeout 500 python3 -m bench.offline --model $MODEL --kv-cache-dtype fp8 ${OFFLINE_ARGS:-} \
+               --out $OUT/offline_fp8.json 2>&1 | grep -E "by batch|^[|]" ;;
     *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;
   esac
 done

@@ -1,11 +1,13 @@
-"""Offline throughput on nano-vLLM's workload (256 sequences, prompts and outputs of 100-1024 tokens,
-temperature 0.6, ignore EOS): in-process (engine and ModelRunner in one process, no gRPC) and through
-the services (client -> scheduler -> worker over gRPC on loopback). Output tokens / wall time,
-prefill included; through the services once streaming token by token and once with one message per
-completion (stream_interval 0, how a batch client asks). With --simulate both paths run over the simulated worker (no model, GPU-like step
-times), which measures the scheduler's and the split's cost on a CPU.
+"""Offline throughput: in-process (engine and ModelRunner in one process, no gRPC) and through the services
+(client -> scheduler -> worker over gRPC on loopback). Output tokens / wall time, prefill included; through
+the services once streaming token by token and once with one message per completion (stream_interval 0, how a
+batch client asks). Workloads (temperature 0.6, ignore EOS): `offline`, nano-vLLM's (256 sequences, prompts and
+outputs of 100-1024 tokens), and `short`, many short requests (2,048, 100-300 tokens each). Each path runs the
+workload --runs times in one process (fresh token ids each time), so the first run shows any warm-up left, and
+every figure stands beside the workload's hardware floor (bench/floor.py). With --simulate both paths run over
+the simulated worker (no model, GPU-like step times), which measures the scheduler's and the split's cost on a CPU.
 
-python -m bench offline --preset qwen3-0.6b --device cuda --mode both
+python -m bench offline --preset qwen3-0.6b --device cuda --mode both [--workload short] [--runs 2]
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from bench import common
-from bench.workload import Request, offline
+from bench.workload import Request, offline, short
 
 
 class StepTrace:
@@ -60,19 +62,22 @@ class StepTrace:
                 "mean_decode_batch": round(sum(seqs for _, seqs in decodes) / n, 1)}
 
 
-def run_in_process(args: argparse.Namespace, model, reqs: list[Request]) -> tuple[float, dict]:
+def run_in_process(args: argparse.Namespace, model, runs: list[list[Request]]) -> list[tuple[float, dict]]:
     from scheduler_svc.sampling import SamplingParams
 
+    timings = []
     with common.in_process_llm(args, model) as llm:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens) for r in reqs]
-        trace = llm.engine.step_observer = StepTrace()
-        start = time.perf_counter()
-        outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
-        elapsed = time.perf_counter() - start
-    assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
-    print("decode step ms by batch size:", trace.by_batch(start), flush=True)
-    return elapsed, trace.summary(start)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # the engine's first step
+        for reqs in runs:
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens) for r in reqs]
+            trace = llm.engine.step_observer = StepTrace()
+            start = time.perf_counter()
+            outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
+            elapsed = time.perf_counter() - start
+            assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
+            print("decode step ms by batch size:", trace.by_batch(start), flush=True)
+            timings.append((elapsed, trace.summary(start)))
+    return timings
 
 
 async def _through_services(address: str, reqs: list[Request], stream_interval: int) -> float:
@@ -95,37 +100,66 @@ async def _through_services(address: str, reqs: list[Request], stream_interval: 
     return elapsed
 
 
+def workload(args: argparse.Namespace) -> list[Request]:
+    if args.workload == "short":
+        return short(args.num_seqs or 2048)
+    return offline(args.num_seqs or 256, args.max_input, args.max_output)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(ap, out="bench/results/offline.json")
     ap.add_argument("--mode", choices=["in-process", "services", "both"], default="both")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input", type=int, default=1024)
-    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--workload", choices=["offline", "short"], default="offline")
+    ap.add_argument("--num-seqs", type=int, help="requests (default: the workload's, 256 or 2,048)")
+    ap.add_argument("--max-input", type=int, default=1024, help="the offline workload's longest prompt")
+    ap.add_argument("--max-output", type=int, default=1024, help="the offline workload's longest output")
+    ap.add_argument("--runs", type=int, default=1, help="times each path runs the workload in one process")
     ap.add_argument("--stream-intervals", default="1,0",
                     help="services passes, by tokens per message (the request's stream_interval; 0: one message "
                          "per completion, as a batch client asks)")
     args = ap.parse_args(argv)
-    reqs = offline(args.num_seqs, args.max_input, args.max_output)
+    reqs = workload(args)
     total = sum(r.max_tokens for r in reqs)
+    # a first token outside the workload's ids, per pass: no pass hits a block an earlier one cached
+    passes = [reqs] + [[Request([10_001 + k, *r.prompt_ids[1:]], r.max_tokens) for r in reqs]
+                       for k in range(1, args.runs * len(args.stream_intervals.split(",")))]
     rows = []
     with common.model_dir(args) as model:
+        floor = _floor(args, model, reqs)
+
+        def row(path: str, run: int, seconds: float, **extra) -> dict:
+            rate = total / seconds
+            return {"path": common.path_label(args, path), "run": run, "seconds": round(seconds, 2),
+                    "output_tokens": total, "tokens_per_s": round(rate), "floor_tokens_per_s": round(floor),
+                    "pct_of_floor": round(100 * rate / floor, 1), **extra}
+
         if args.mode in ("in-process", "both"):
-            t, steps = run_in_process(args, model, reqs)
-            rows.append({"path": common.path_label(args, "in-process"), "seconds": round(t, 2),
-                         "output_tokens": total, "tokens_per_s": round(total / t), **steps})
-            print(rows[-1], flush=True)
+            for run, (t, steps) in enumerate(run_in_process(args, model, passes[:args.runs]), 1):
+                rows.append(row("in-process", run, t, **steps))
+                print(rows[-1], flush=True)
         if args.mode in ("services", "both"):
             with common.cluster(args, model) as address:
-                for k, interval in enumerate(int(i) for i in args.stream_intervals.split(",")):
-                    # a first token outside the workload's ids: a later pass hits no block an earlier cached
-                    fresh = reqs if k == 0 else [Request([10_001 + k, *r.prompt_ids[1:]], r.max_tokens) for r in reqs]
-                    t = asyncio.run(_through_services(address, fresh, interval))
-                    label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
-                    rows.append({"path": common.path_label(args, label), "seconds": round(t, 2),
-                                 "output_tokens": total, "tokens_per_s": round(total / t)})
-                    print(rows[-1], flush=True)
+                k = 0
+                for run in range(1, args.runs + 1):
+                    for interval in (int(i) for i in args.stream_intervals.split(",")):
+                        t = asyncio.run(_through_services(address, passes[k], interval))
+                        k += 1
+                        label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
+                        rows.append(row(label, run, t))
+                        print(rows[-1], flush=True)
     common.save("bench.offline", argv, args.out, "offline", args, rows)
+
+
+def _floor(args: argparse.Namespace, model, reqs: list[Request]) -> float:
+    """The workload's hardware floor on one H200 (bench/floor.py), for the model's shape and the KV dtype."""
+    import json
+
+    from bench.floor import ModelShape, floor_tokens_per_s
+
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    return floor_tokens_per_s(shape, [(len(r.prompt_ids), r.max_tokens) for r in reqs],
+                              max_num_seqs=args.max_num_seqs, kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
 
 
 if __name__ == "__main__":

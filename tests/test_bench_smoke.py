@@ -101,6 +101,37 @@ def test_all_offline_simulated(model: Path, tmp_path: Path, capsys: pytest.Captu
     assert "| grpc services (simulated worker) |" in capsys.readouterr().out
 
 
+def test_offline_short_workload_runs_twice_beside_its_floor(model: Path, tmp_path: Path) -> None:
+    from bench import offline
+
+    out = tmp_path / "offline.json"
+    offline.main(["--model", str(model), *SIM, "--workload", "short", "--num-seqs", "12", "--runs", "2",
+                  "--stream-intervals", "1", "--out", str(out)])
+    rows = _load(out, "offline", "bench.offline")["results"]
+    assert [(r["path"], r["run"]) for r in rows] == [(f"{p} (simulated worker)", run) for p in ("in-process",
+                                                     "grpc services") for run in (1, 2)]
+    for r in rows:
+        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor")
+        assert r["output_tokens"] == rows[0]["output_tokens"] and 12 * 100 <= r["output_tokens"] <= 12 * 300
+        assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) < 0.1
+
+
+def test_floor_of_the_offline_workload_is_the_figure_the_project_quotes() -> None:
+    """bench/floor.py on Qwen3-0.6B's shapes: ~34k output tokens/s for nano-vLLM's workload at bf16; an fp8 KV
+    cache moves half the KV bytes; more running sequences never lower it."""
+    from bench.floor import ModelShape, floor_tokens_per_s
+    from bench.workload import offline, short
+    from worker_svc.checkpoints.presets import get_preset
+
+    shape = ModelShape.from_config(get_preset("qwen3-0.6b"))
+    assert 590e6 < shape.params < 760e6  # 0.6B parameters, the tied embedding once
+    work = [(len(r.prompt_ids), r.max_tokens) for r in offline()]
+    bf16, fp8 = floor_tokens_per_s(shape, work), floor_tokens_per_s(shape, work, kv_bytes=1)
+    assert 32_000 < bf16 < 36_000 and 1.5 * bf16 < fp8 < 2 * bf16
+    many = [(len(r.prompt_ids), r.max_tokens) for r in short(512)]
+    assert floor_tokens_per_s(shape, many, max_num_seqs=64) < floor_tokens_per_s(shape, many, max_num_seqs=512)
+
+
 @pytest.mark.parametrize("gateway", [False, True], ids=["grpc", "gateway"])
 def test_scale(tmp_path: Path, gateway: bool) -> None:
     from bench import scale
