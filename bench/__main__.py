@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,scale,scheduler-cpu,runner-step,decode-attention,
+"""python -m bench {offline,online,latency,prefix,scale,floor,scheduler-cpu,runner-step,decode-attention,
                  prefill-attention,skinny-gemm,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -27,6 +27,7 @@ MODULES = {
     "skinny-gemm": "bench.skinny_gemm",
     "prefill-attention": "bench.prefill_attention",
     "scale": "bench.scale",
+    "floor": "bench.floor",
 }
 ALL = ("offline", "latency", "online", "prefix")
 
