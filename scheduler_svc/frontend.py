@@ -46,6 +46,7 @@ SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT}
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
+CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
 FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
 # gRPC core cancels incoming calls that wait for the server to take them once more than max_pending_requests
 # (1,000) are pending, with status CANCELLED and no message: a burst of new streams larger than that, on one
@@ -382,8 +383,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                         streamed[i] += len(response.token_ids)
                     if interval != 1:
                         response = _hold(held_back, response, interval)
-                    if response is not None:
-                        await context.write(response)
+                    if response is not None and not await _write(context, response):
+                        return
         finally:
             for c in completions:
                 self._streams.pop(c.sub_id, None)
@@ -484,6 +485,19 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.stopped.set()
+
+
+async def _write(context, response: api.GenerateResponse) -> bool:
+    """Sends one message; False if the call ended under the write. A client's deadline or cancel that races a
+    write fails the write's batch, and gRPC only then cancels the handler: waiting for that lets the call end as
+    the cancellation it is, instead of as an error raised by the servicer."""
+    try:
+        await context.write(response)
+        return True
+    except Exception as e:
+        log.debug("a write failed as the call ended: %r", e)
+        await asyncio.sleep(CLOSE_NOTICE_S)
+        return False
 
 
 def _params(p: SamplingParams) -> dict:
