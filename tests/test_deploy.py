@@ -1167,3 +1167,32 @@ def test_available_cpus_reads_the_request_else_the_affinity(monkeypatch):
     assert available_cpus() == len(os.sched_getaffinity(0))
     assert [default_frontends(n) for n in (1, 2, 16, 64)] == [1, 1, 8, 8]
     assert [default_workers(n) for n in (1, 2, 16, 64)] == [2, 2, 8, 8]
+
+
+def test_gpu_workers_keep_compiled_kernels_in_a_volume():
+    """The GPU worker image's $SPLITSERVE_KERNEL_CACHE (--kernel-cache-dir) is a volume in both deployments, so
+    a restarted worker loads its kernels instead of compiling them."""
+    folder = _image_for(DOCKER / "worker.Dockerfile")["env"]["SPLITSERVE_KERNEL_CACHE"]
+    assert folder.startswith("/cache/")
+    services = compose()["services"]
+    gpu = [s for s in services.values() if _compose_program(s) == "splitserve-worker" and s.get("profiles") == ["gpu"]]
+    assert gpu and all(any(v.get("target") == folder and v.get("type") == "volume" for v in s["volumes"]) for s in gpu)
+    statefulset = _find(render("gpu"), "StatefulSet", "splitserve-worker")
+    (worker,) = statefulset["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in worker["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in statefulset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume and not mount.get("readOnly")
+
+
+def test_kernel_cache_dir_points_triton_and_flash_attn_at_it(monkeypatch, tmp_path):
+    from worker_svc import cli
+
+    for name in ("TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cli.KERNEL_CACHE_ENV, str(tmp_path))
+    args = cli.build_parser().parse_args(["serve", "--model", "m"])
+    assert args.kernel_cache_dir == str(tmp_path)  # the image's variable is the flag's default
+    cli.use_kernel_cache(args.kernel_cache_dir)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "flash_attn")

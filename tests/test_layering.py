@@ -30,7 +30,8 @@ FORBIDDEN = {
 }
 # packages (or modules) that must run without torch installed
 TORCH_FREE = ["scheduler_svc", "client", "gateway", "common", "protos", "worker_svc/runtime/batch.py",
-              "worker_svc/runtime/simulated.py", "worker_svc/cli.py", "worker_svc/service",
+              "worker_svc/runtime/simulated.py", "worker_svc/runtime/kernel_builds.py", "worker_svc/cli.py",
+              "worker_svc/service",
               "worker_svc/checkpoints/presets.py", "worker_svc/checkpoints/__main__.py"]
 
 

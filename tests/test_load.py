@@ -331,6 +331,9 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
     assert (sample(worker_after, "splitserve:worker_step_duration_seconds_count")
             - sample(worker_before, "splitserve:worker_step_duration_seconds_count")) >= seen_tokens
     assert any(name == "splitserve:worker_epoch_info" for name, _ in worker_after)
+    # a simulated worker builds no GPU kernel: both phases exported, both 0
+    builds = [("splitserve:worker_kernel_builds_total", (("phase", p),)) for p in ("warm_up", "serving")]
+    assert [worker_after[b] for b in builds] == [0, 0]
 
     # The per-request log line: one JSON object with the request's fields.
     entry = _log_entry(slow, "metrics-len-2")

@@ -191,3 +191,31 @@ def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
 
     assert cli.ATTENTION_NAMES == attention.NAMES
     assert cli.KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
+
+
+def test_kernel_builds_are_counted_by_phase_through_the_cute_compilers_forms():
+    """runtime/kernel_builds.py and kernels/build_hooks.py: what is built before serving_from_now() is warm-up, after it serving; the wrapper
+    put over cute.compile counts plain calls and `compile[options](...)` calls and passes the rest through."""
+    from worker_svc.kernels.build_hooks import CountedCompile
+    from worker_svc.runtime.kernel_builds import KernelBuilds
+
+    class FakeCompile:
+        compile_to = "passed through"
+
+        def __call__(self, fn, *args):
+            return ("compiled", fn.__name__, args)
+
+        def __getitem__(self, options):
+            return self
+
+    builds = KernelBuilds()
+    counted = CountedCompile(FakeCompile(), builds.count)
+    assert counted(test_uploads_start_on_16_byte_boundaries, 1) == ("compiled",
+                                                                    "test_uploads_start_on_16_byte_boundaries", (1,))
+    builds.serving_from_now()
+    counted["--opt"](test_uploads_start_on_16_byte_boundaries)
+    builds.count("triton kernel")
+    assert (builds.warm_up, builds.serving) == (1, 2) and counted.compile_to == "passed through"
+    builds.serving_from_now(False)
+    builds.count("another warm-up")
+    assert (builds.warm_up, builds.serving) == (2, 2)

@@ -4,6 +4,7 @@ writer's commands (worker_svc/checkpoints)."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +29,24 @@ def resolve_model(model: str) -> Path:
     raise SystemExit(f"--model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
 
 
+KERNEL_CACHE_ENV = "SPLITSERVE_KERNEL_CACHE"
+
+
+def use_kernel_cache(folder: str | None) -> None:
+    """Compiled GPU kernels kept in `folder` across restarts: Triton's cache and flash-attn-4's (off by default).
+    Before torch, Triton or flash-attn-4 are imported: they read these at import; tensor-parallel ranks inherit
+    them."""
+    if not folder:
+        return
+    os.environ["TRITON_CACHE_DIR"] = str(Path(folder) / "triton")
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(folder) / "flash_attn")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
+
+    use_kernel_cache(args.kernel_cache_dir)
 
     from common import logs
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
@@ -49,6 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
         runner = ModelRunner(resolve_model(args.model), config)
     try:
         server = _start(runner, args)
+        from worker_svc.runtime.kernel_builds import BUILDS
+
+        BUILDS.serving_from_now()
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
             "serving %s on %s:%d: %s %s, KV cache %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, "
@@ -201,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: K and V in the model's dtype; fp8: e4m3 with a scale per layer and tensor (the "
                         "checkpoint's k_scale / v_scale, else 1): about twice the KV blocks, outputs not "
                         "bit-identical to the model's dtype")
+    p.add_argument("--kernel-cache-dir", default=os.environ.get(KERNEL_CACHE_ENV) or None, metavar="PATH",
+                   help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "
+                        f"worker loads them instead of compiling (default: ${KERNEL_CACHE_ENV}; without it Triton's "
+                        "~/.triton/cache and flash-attn-4 in memory only)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "

@@ -52,6 +52,7 @@ COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     SPLITSERVE_CACHE=/cache \
+    SPLITSERVE_KERNEL_CACHE=/cache/kernels \
     SPLITSERVE_ADDRESS=127.0.0.1:50061 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

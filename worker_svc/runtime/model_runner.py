@@ -29,6 +29,7 @@ from worker_svc.model.loader import load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
+from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
 
@@ -95,6 +96,10 @@ class ModelRunner:
             raise ValueError(f"unknown kv_cache_dtype {cfg.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or self.dtype
         fp8_cache = self.kv_dtype == torch.float8_e4m3fn
+        if self.device.type == "cuda":
+            from worker_svc.kernels import build_hooks
+
+            build_hooks.install(BUILDS.count)  # before the first kernel runs: the warm-up's builds count as warm-up
         self.kernels = kernels.select(self.device, cfg.attention, fp8_cache)
 
         torch.set_default_dtype(self.dtype)

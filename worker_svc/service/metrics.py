@@ -1,4 +1,5 @@
-"""Prometheus metrics of a worker (`--metrics-port`): step duration, sequences held, KV blocks, epoch.
+"""Prometheus metrics of a worker (`--metrics-port`): step duration, sequences held, KV blocks, epoch, kernels
+built (runtime/kernel_builds.py).
 
 No torch here: the runner (ModelRunner, TensorParallelRunner or SimulatedRunner) is read at scrape time
 (unlocked, approximate), and the step time is observed where each step's result is collected, by
@@ -9,9 +10,10 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
+from worker_svc.runtime.kernel_builds import BUILDS
 
 log = logging.getLogger("splitserve.worker")
 
@@ -77,4 +79,9 @@ class _RunnerCollector:
         total.add_metric([], batch.num_blocks)
         used.add_metric([], batch.num_blocks_in_use())
         epoch.add_metric([str(runner.epoch), runner.worker_id], 1.0)
-        yield from (running, total, used, epoch)
+        builds = CounterMetricFamily("splitserve:worker_kernel_builds", "GPU kernel variants built in this "
+                                     "process (Triton, flash-attn-4), by phase: serving should stay 0",
+                                     labels=["phase"])
+        builds.add_metric(["warm_up"], BUILDS.warm_up)
+        builds.add_metric(["serving"], BUILDS.serving)
+        yield from (running, total, used, epoch, builds)

@@ -1,0 +1,54 @@
+"""A fresh worker on the GPU builds every kernel it needs before it reports SERVING: after readiness, traffic
+of every step shape within its limits (prefills from 1 token to the batch budget, chunks over cached prefixes,
+decode batches from 1 to max_num_seqs, mixed steps, sampling and greedy) builds nothing
+(`splitserve:worker_kernel_builds_total{phase="serving"}` stays 0). One worker per attention choice and KV
+cache dtype. Run: pytest tests/gpu (skipped without a CUDA GPU)."""
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(900)]
+
+from client import Client  # noqa: E402
+from client.launcher import LocalCluster, free_port  # noqa: E402
+from tests.sim_cluster import scrape  # noqa: E402
+
+LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "2048"]
+
+
+def _traffic(address: str) -> None:
+    rng = random.Random(0)
+    lens = [1, 2, 15, 16, 17, 100, 255, 256, 257, 1000, 1999, 2040]
+    shared = [rng.randrange(0, 10000) for _ in range(700)]
+    requests = [([rng.randrange(0, 10000) for _ in range(n)], 8) for n in lens]
+    requests += [(shared + [rng.randrange(0, 10000) for _ in range(n)], 4) for n in (1, 30, 300)]  # prefix hits
+    with Client(address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(64) as pool:
+        list(pool.map(lambda r: client.complete(token_ids=r[0], max_tokens=r[1], ignore_eos=True, temperature=0.0),
+                      requests))
+        for batch in (1, 3, 8, 31, 64):  # decode batches of every size class
+            list(pool.map(lambda k: client.complete(token_ids=[k + 1, 2, 3], max_tokens=40, ignore_eos=True,
+                                                    temperature=0.7 if k % 2 else 0.0, seed=k), range(batch)))
+
+
+@pytest.mark.parametrize("worker_flags", [[], ["--attention", "triton"], ["--kv-cache-dtype", "fp8"]],
+                         ids=["auto", "triton", "fp8"])
+def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, worker_flags):
+    from worker_svc.checkpoints.writer import make_model
+
+    model = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
+    port = free_port()
+    worker = ["--metrics-port", str(port), *LIMITS, *worker_flags]
+    with LocalCluster(model, device="cuda", worker_args=worker, scheduler_args=LIMITS,
+                      log_dir=tmp_path / "logs") as cluster:
+        before = scrape(port)
+        assert before[("splitserve:worker_kernel_builds_total", (("phase", "warm_up"),))] > 0
+        _traffic(cluster.address)
+        after = scrape(port)
+    built = [line for log in (tmp_path / "logs").glob("worker*.log") for line in log.read_text().splitlines()
+             if "built while serving" in line]
+    assert after[("splitserve:worker_kernel_builds_total", (("phase", "serving"),))] == 0, built[:20]
