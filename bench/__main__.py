@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,skinny-gemm,all} [flags]
+                 prefill-attention,attention-policy,skinny-gemm,fp8-accuracy,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -26,6 +26,8 @@ MODULES = {
     "decode-attention": "bench.decode_attention",
     "skinny-gemm": "bench.skinny_gemm",
     "prefill-attention": "bench.prefill_attention",
+    "attention-policy": "bench.attention_policy",
+    "fp8-accuracy": "bench.fp8_accuracy",
     "scale": "bench.scale",
     "floor": "bench.floor",
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU measurement in one go, on the lent H200 (see ../shared/device/README.md):
 #   call 1 (carry .fa4/a):        mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/
-#   call 2 (carry .fa4/b, .whl):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
+#   call 2 (carry .fa4/b, .whl, .peers for nano_*):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
 # Installs the wheels brought along, writes the Qwen3-0.6B-shaped checkpoint once, runs the GPU checks
 # and the benchmarks (each warms up first), and writes results under $OUT (default bench/results).
 set -uo pipefail
@@ -29,6 +29,15 @@ for b in $benches; do
                --out $OUT/offline_short.json 2>&1 | grep -E "^[|]" ;;
     fp8)     timeout 500 python3 -m bench.offline --model $MODEL --kv-cache-dtype fp8 ${OFFLINE_ARGS:-} \
                --out $OUT/offline_fp8.json 2>&1 | grep -E "by batch|^[|]" ;;
+    policy)  timeout 500 python3 -m bench attention-policy --out $OUT/attention_policy.json 2>&1 | grep -E "^[{]|best threshold" ;;
+    accuracy) timeout 500 python3 -m bench fp8-accuracy --model $MODEL --capacity --out $OUT/fp8_accuracy.json 2>&1 | tail -3 ;;
+    accuracy8b) M8=/tmp/qwen3-8b; [ -f $M8/config.json ] || python3 -m worker_svc.cli make-model --preset qwen3-8b --out $M8 >/dev/null
+             timeout 500 python3 -m bench fp8-accuracy --model $M8 --num-seqs ${ACC8B_SEQS:-64} --capacity \
+               --out $OUT/fp8_accuracy_8b.json 2>&1 | tail -3 ;;
+    nano_short|nano_offline)  # nano-vLLM beside it (../shared/device/peers, carried as .peers/: its README)
+             shape="2048 100 300 100 300 4096 2"; [ $b = nano_offline ] && shape="256 100 1024 100 1024 4096 1"
+             (cd .peers/nano-vllm && PYTHONPATH=$PWD/../peers/shim:$PWD:$PYTHONPATH timeout 500 \
+               python3 ../peers/nanovllm_run.py $MODEL $shape) 2>&1 | grep '^{' | tee $OUT/$b.jsonl ;;
     *)       timeout 500 python3 -m bench $b --model $MODEL --device cuda --out $OUT/$b.json 2>&1 | grep -v -i warn | tail -8 ;;
   esac
 done

@@ -153,3 +153,15 @@ def test_scale(tmp_path: Path, gateway: bool) -> None:
         if r["pass"] == "offline":
             _positive(r, "ratio", "n_x_one_worker")
     assert [r["ratio"] for r in rows if r["workers"] == 1 and r["pass"] == "offline"] == [1.0, 1.0]
+
+
+def test_fp8_accuracy(tmp_path: Path) -> None:
+    """The fp8 cache scored against the model's-dtype cache on a real (tiny) model: KL and greedy agreement."""
+    from bench.__main__ import main
+
+    out = tmp_path / "fp8_accuracy.json"
+    main(["fp8-accuracy", "--preset", "qwen3-tiny", "--device", "cpu", "--dtype", "float32", "--num-seqs", "2",
+                       "--prompt-len", "16", "--output-len", "12", "--out", str(out)])
+    (row,) = _load(out, "fp8_accuracy", "bench.fp8_accuracy")["results"]
+    assert row["tokens"] == 2 * 12
+    assert 0 < row["mean_kl"] <= row["max_kl"] and 0 < row["greedy_agreement"] <= 1

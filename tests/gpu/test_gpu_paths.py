@@ -15,7 +15,8 @@ from common.limits import Limits  # noqa: E402
 from common.util import cdiv  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
 from worker_svc import kernels  # noqa: E402
-from worker_svc.kernels.attention import AttentionMetadata, flash_attn_available, make_attention  # noqa: E402
+from worker_svc.kernels.attention import (AttentionMetadata, flash_attn_available, make_attention,  # noqa: E402
+                                          prefill_kernel)
 from worker_svc.kernels.reference import TorchAttention  # noqa: E402
 
 
@@ -42,13 +43,15 @@ CASES = {
     "chunk_over_prefix": ([64, 129, 5], [64 + 256, 129 + 512, 5 + 17]),
     "decode": ([1] * 40, list(range(1, 800, 20))),
     "mixed": ([1, 1, 200, 1, 33, 1], [900, 5, 200, 64, 97, 1500]),
+    "long_prefill_beside_decodes": ([4000, 1, 1], [4000, 900, 3]),  # past FLASH_ATTN_MIN_FLOPS: auto's flash_attn
 }
 
 
-@pytest.mark.parametrize("backend", [
-    "triton",
-    pytest.param("flash_attn", marks=pytest.mark.skipif(not flash_attn_available(torch.device("cuda")),
-                                                        reason="flash-attn-4 not installed"))])
+_NEEDS_FA4 = pytest.mark.skipif(not flash_attn_available(torch.device("cuda")), reason="flash-attn-4 not installed")
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
+                                     pytest.param("auto", marks=_NEEDS_FA4)])
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_backends_match_torch_backend(backend, block_size, case):
@@ -59,9 +62,12 @@ def test_fast_backends_match_torch_backend(backend, block_size, case):
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5)
+    paged = make_attention(backend, torch.device("cuda"))
+    fast = paged.forward(q, k_cache, v_cache, meta, dim ** -0.5)
     ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+    if backend == "auto" and meta.max_seqlen_q > 1:
+        assert paged.steps[prefill_kernel(meta, heads, dim)] == 1
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 256])

@@ -9,8 +9,9 @@ Backends, by name (`splitserve-worker serve --attention`):
 - `triton`: splitserve's split-KV decode kernel for decode-only steps, its paged prefill kernel otherwise;
 - `flash_attn`: the same decode kernel, flash-attn-4's paged varlen call for steps with prefills
   (Hopper and Blackwell);
-- `auto`: flash_attn where flash-attn-4 imports, else triton on a CUDA GPU, else torch.
-Which is faster where: bench/results/decode_attention.md and prefill_attention.md.
+- `auto`: on a GPU with flash-attn-4, the decode kernel for decode-only steps and, for each step with prefills,
+  whichever prefill kernel suits it (`prefill_kernel`); else triton on a CUDA GPU, else torch.
+Which is faster where: bench/results/decode_attention.md, prefill_attention.md and attention_policy.md.
 """
 from __future__ import annotations
 
@@ -104,17 +105,44 @@ class FlashAttnPrefill:
         return out[0] if isinstance(out, tuple) else out
 
 
-class PagedAttention:
-    """A GPU backend: one kernel for decode-only steps (one query token per sequence), another for steps
-    with prefills."""
+# flash-attn-4's call costs ~100 us more host time than the Triton prefill kernel's (eager_us in
+# bench/results/prefill_attention.md) and wins it back on the GPU only when the step's attention is large: below
+# this many FLOPs of attention per layer the Triton kernel runs the step faster (bench/results/attention_policy.md).
+FLASH_ATTN_MIN_FLOPS = 40e9
 
-    def __init__(self, name: str, prefill: Prefill, decode: Prefill):
-        self.name, self._prefill, self._decode = name, prefill, decode
+
+def attention_flops(meta: AttentionMetadata, heads: int, head_dim: int) -> float:
+    """FLOPs of one layer's attention in the step: QK^T and PV, 4 * heads * head_dim per causal (query, key) pair."""
+    pairs = sum(q * (k - (q - 1) / 2) for q, k in zip(meta.query_lens, meta.context_lens))
+    return 4.0 * heads * head_dim * pairs
+
+
+def prefill_kernel(meta: AttentionMetadata, heads: int, head_dim: int) -> str:
+    """`auto`'s choice for a step with prefills."""
+    return "flash_attn" if attention_flops(meta, heads, head_dim) >= FLASH_ATTN_MIN_FLOPS else "triton"
+
+
+class PagedAttention:
+    """A GPU backend: the decode kernel for decode-only steps (one query token per sequence); for steps with
+    prefills its one prefill kernel or, with several (`auto`), the one `prefill_kernel` picks, once per step."""
+
+    def __init__(self, name: str, prefills: dict[str, Prefill], decode: Prefill):
+        self.name, self.prefills, self._decode = name, prefills, decode
+        self.forced: str | None = None  # a prefill kernel every step uses (the warm-up builds each in turn)
+        self.steps = dict.fromkeys(prefills, 0)  # steps with prefills, by the kernel that ran them
+        self._chosen: Prefill = next(iter(prefills.values()))
+        self._chosen_for: AttentionMetadata | None = None
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0) -> torch.Tensor:
-        kernel = self._decode if meta.max_seqlen_q == 1 else self._prefill
-        return kernel(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if meta.max_seqlen_q == 1:
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if self._chosen_for is not meta:  # the first layer of a step decides for all
+            name = self.forced or (prefill_kernel(meta, q.shape[1], q.shape[2]) if len(self.prefills) > 1
+                                   else next(iter(self.prefills)))
+            self._chosen, self._chosen_for = self.prefills[name], meta
+            self.steps[name] += 1
+        return self._chosen(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def flash_attn_available(device: torch.device) -> bool:
@@ -132,8 +160,9 @@ def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
 
 
 def resolve(name: str, device: torch.device, fp8_cache: bool = False) -> str:
-    """The backend `auto` stands for on this device (over an fp8 KV cache, which flash-attn-4's paged call
-    does not read: triton); other names as they are."""
+    """What `auto` stands for on this device: itself (a choice per step) where flash-attn-4 runs and the cache is
+    in the model's dtype (its paged call reads no fp8), else triton on a CUDA GPU, else torch; other names as they
+    are."""
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
     if name == "flash_attn" and fp8_cache:
@@ -142,7 +171,7 @@ def resolve(name: str, device: torch.device, fp8_cache: bool = False) -> str:
     if name != "auto":
         return name
     if flash_attn_available(device) and not fp8_cache:
-        return "flash_attn"
+        return "auto"
     return "triton" if _cuda_capability_at_least(device, 8) else "torch"
 
 
@@ -152,5 +181,6 @@ def make_attention(name: str, device: torch.device, fp8_cache: bool = False) -> 
         from worker_svc.kernels.reference import TorchAttention
 
         return TorchAttention()
-    prefill = FlashAttnPrefill() if name == "flash_attn" else TritonPrefill()
-    return PagedAttention(name, prefill, TritonDecode())
+    prefills = {"auto": {"triton": TritonPrefill, "flash_attn": FlashAttnPrefill}, "triton": {"triton": TritonPrefill},
+                "flash_attn": {"flash_attn": FlashAttnPrefill}}[name]
+    return PagedAttention(name, {k: make() for k, make in prefills.items()}, TritonDecode())

@@ -193,31 +193,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Runs mixed steps of several query lengths before serving, so that kernels compiled on first
-        use (flash-attn-4's variants, Triton's kernels) are built now, not inside a request."""
+        """Runs steps of several query lengths before serving, through every prefill kernel the attention
+        backend may pick, with and without a decode beside the chunks (token counts odd and even), so that
+        kernels compiled on first use (flash-attn-4's variants, Triton's specialisations) are built now, not
+        inside a request; runtime/kernel_builds.py counts any that are not."""
         bs, budget = self.block_size, self.limits.max_num_batched_tokens
         longest = min(budget, self.max_model_len - 1)
-        for q_len in sorted({min(4 ** i, longest) for i in range(12)}):
-            per_seq = cdiv(q_len + 1, bs)
-            seqs = max(1, min(self.limits.max_num_seqs, budget // q_len, self.num_blocks // per_seq))
-            lens = [q_len] * seqs
-            lens[0] = 1  # a decode beside the chunks: a mixed batch
-            ctx = [n + 1 for n in lens]  # over a one-token cached prefix
-            page = torch.arange(seqs * per_seq, dtype=torch.int32, device=self.device).view(seqs, per_seq)
-            positions = torch.cat([torch.arange(1, n + 1) for n in lens]).to(self.device)
-            seq_of = torch.repeat_interleave(torch.arange(seqs), torch.tensor(lens)).to(self.device)
-            slots = page[seq_of, positions // bs].long() * bs + positions % bs
-            cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
-            seqused = torch.tensor(ctx, dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=seqused, page_table=page, slot_mapping=slots,
-                                     max_seqlen_q=max(lens), query_lens=lens, context_lens=ctx)
-            hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
-            logits = self.model.compute_logits(hidden[cu[1:] - 1])
+        attention = self.kernels.attention
+        for kernel in getattr(attention, "prefills", None) or [None]:
+            if kernel is not None:
+                attention.forced = kernel
+            for q_len in sorted({min(4 ** i, longest) for i in range(12)}):
+                per_seq = cdiv(q_len + 1, bs)
+                seqs = max(1, min(self.limits.max_num_seqs, budget // q_len, self.num_blocks // per_seq))
+                for mixed in (True, False):
+                    lens = [q_len] * seqs
+                    if mixed:
+                        lens[0] = 1  # a decode beside the chunks
+                    logits = self._warm_up_step(lens, per_seq)
+        if hasattr(attention, "forced"):
+            attention.forced = None
+            attention.steps = dict.fromkeys(attention.steps, 0)
         rows = logits.shape[0]
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
         sample(logits, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
                                      all_greedy=False, max_logprobs=-1), self.kernels)
         torch.cuda.synchronize()
+
+    def _warm_up_step(self, lens: list[int], per_seq: int) -> torch.Tensor:
+        """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""
+        bs, seqs = self.block_size, len(lens)
+        ctx = [n + 1 for n in lens]
+        page = torch.arange(seqs * per_seq, dtype=torch.int32, device=self.device).view(seqs, per_seq)
+        positions = torch.cat([torch.arange(1, n + 1) for n in lens]).to(self.device)
+        seq_of = torch.repeat_interleave(torch.arange(seqs), torch.tensor(lens)).to(self.device)
+        slots = page[seq_of, positions // bs].long() * bs + positions % bs
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
+        seqused = torch.tensor(ctx, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=seqused, page_table=page, slot_mapping=slots,
+                                 max_seqlen_q=max(lens), query_lens=lens, context_lens=ctx)
+        hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
+        return self.model.compute_logits(hidden[cu[1:] - 1])
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         limits = self.limits

@@ -1,0 +1,119 @@
+"""What an fp8 KV cache does to the model's outputs: per-token KL divergence of the next-token distribution with
+an fp8 (e4m3) cache against the model's-dtype cache, and how often their greedy (argmax) tokens agree.
+
+Greedy completions are generated with the model's-dtype cache (`--num-seqs` prompts of `--prompt-len` tokens,
+`--output-len` tokens each); then each whole sequence is run once through a ModelRunner with each cache and
+scored at every generated position: every earlier token's K and V come back from that cache, as in decoding.
+
+python -m bench fp8-accuracy --preset qwen3-0.6b                    # 256 x 1,024 generated tokens
+python -m bench fp8-accuracy --preset qwen3-8b --num-seqs 64
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench.record import record
+from common.limits import Limits
+from common.util import cdiv
+from offline.llm import LLM
+from scheduler_svc.sampling import SamplingParams
+from worker_svc.checkpoints.writer import make_model
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+
+@torch.inference_mode()
+def log_probs(runner: ModelRunner, seq: list[int], start: int) -> torch.Tensor:
+    """Log-probabilities (float32) of the next token at positions start-1 .. len(seq)-2: one prefill of the
+    whole sequence, its K and V written to and read back from the runner's cache."""
+    device, bs = runner.device, runner.block_size
+    n = len(seq)
+    page = torch.arange(cdiv(n, bs), dtype=torch.int32, device=device).view(1, -1)
+    positions = torch.arange(n, device=device)
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+                             seqused_k=torch.tensor([n], dtype=torch.int32, device=device), page_table=page,
+                             slot_mapping=page[0, positions // bs].long() * bs + positions % bs,
+                             max_seqlen_q=n, query_lens=[n], context_lens=[n])
+    hidden = runner.model(torch.tensor(seq, device=device), positions, meta)
+    return runner.model.compute_logits(hidden[start - 1:n - 1]).float().log_softmax(-1)
+
+
+def compare(model_dir: Path, sequences: list[list[int]], prompt_len: int, device: str, dtype: str) -> dict:
+    longest = max(map(len, sequences))
+    runners = {}
+    for cache in ("auto", "fp8"):  # one attention kernel for both (flash-attn-4 reads no fp8): only the cache differs
+        runners[cache] = ModelRunner(model_dir, RunnerConfig(
+            device=device, dtype=dtype, kv_cache_dtype=cache, cuda_graphs=False,
+            attention="triton" if device == "cuda" else "torch", num_blocks=cdiv(longest, 256) + 1,
+            block_size=256, limits=Limits(max_num_seqs=1, max_num_batched_tokens=longest, max_model_len=longest)))
+    kl_sum, kl_max, agree, count = 0.0, 0.0, 0, 0
+    per_seq_kl = []
+    for seq in sequences:
+        ref, fp8 = (log_probs(runners[c], seq, prompt_len) for c in ("auto", "fp8"))
+        kl = (ref.exp() * (ref - fp8)).sum(-1)
+        kl_sum += kl.sum().item()
+        kl_max = max(kl_max, kl.max().item())
+        agree += (ref.argmax(-1) == fp8.argmax(-1)).sum().item()
+        count += kl.numel()
+        per_seq_kl.append(kl.mean().item())
+    for r in runners.values():
+        r.close()
+    per_seq_kl.sort()
+    return {"tokens": count, "mean_kl": round(kl_sum / count, 6), "max_kl": round(kl_max, 4),
+            "median_seq_kl": round(per_seq_kl[len(per_seq_kl) // 2], 6),
+            "greedy_agreement": round(agree / count, 5)}
+
+
+def capacity(model_dir: Path, dtype: str, seq_len: int = 4096) -> dict:
+    """How many sequences of `seq_len` tokens fit in the KV cache at once (default memory use), per cache dtype."""
+    fits = {}
+    for cache in ("auto", "fp8"):
+        runner = ModelRunner(model_dir, RunnerConfig(device="cuda", dtype=dtype, kv_cache_dtype=cache,
+                                                     limits=Limits(max_model_len=seq_len)))
+        fits[f"{seq_len}_token_seqs_{'fp8' if cache == 'fp8' else dtype}"] = (
+            runner.num_blocks // cdiv(seq_len, runner.block_size))
+        runner.close()
+    return fits
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder (else --preset is written with random weights)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--capacity", action="store_true", help="also the largest batch of 4,096-token sequences that "
+                                                              "fits, per cache dtype (GPU)")
+    ap.add_argument("--out", default="bench/results/fp8_accuracy.json")
+    args = ap.parse_args(argv)
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else make_model(args.preset, Path(tmp) / "m", seed=0,
+                                                                   dtype=args.dtype)
+        longest = args.prompt_len + args.output_len
+        with LLM(model_dir, device=args.device, dtype=args.dtype, max_model_len=longest + 1,
+                 max_num_seqs=min(256, args.num_seqs)) as llm:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len),
+                                use_tqdm=False)
+        sequences = [p + o.token_ids for p, o in zip(prompts, outs)]
+        row = {"model": args.model or args.preset, "dtype": args.dtype, "seqs": args.num_seqs,
+               "prompt_len": args.prompt_len, "output_len": args.output_len}
+        row |= compare(model_dir, sequences, args.prompt_len, args.device, args.dtype)
+        if args.capacity:
+            row |= capacity(model_dir, args.dtype)
+    print(row)
+    record(args.out, "fp8_accuracy", vars(args), [row])
+
+
+if __name__ == "__main__":
+    main()
