@@ -7,6 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
+mkdir -p $OUT
 [ -d /tmp/site/flash_attn ] || bash bench/gpu_setup.sh || exit 1
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
 MODEL=/tmp/qwen3-0.6b
@@ -15,7 +16,8 @@ benches=${*:-checks offline latency online prefix}
 for b in $benches; do
   echo "=== $b ==="
   case $b in
-    checks)  timeout 300 python3 -m pytest -q -p no:warnings tests/gpu 2>&1 | tail -3 ;;
+    checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:-} > $OUT/checks.txt 2>&1
+             grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
     profile) timeout 400 python3 -m bench runner-step --block-sizes 256 --batches "${PROFILE_BATCHES:-1,32,256}" --graphs-only \
                --profile --out $OUT/runner_step.json > $OUT/profile.txt 2>&1; grep -E '^[{]|host time|replay alone' $OUT/profile.txt ;;
