@@ -36,6 +36,15 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny"])
+def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
+    """Each name and shape the writer emits is one transformers' model of that architecture expects."""
+    model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert type(model).__name__ == PRESETS[preset]["architectures"][0]
+    assert not any(info.values()), info
+
+
 def _load(model_dir: Path) -> transformers.Qwen3ForCausalLM:
     model, info = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -64,19 +73,30 @@ def test_real_presets_have_published_sizes():
         "qwen3-4b": (4.02, 3.63),
         "qwen3-8b": (8.19, 6.95),
     }
-    for name, (total, non_embedding) in expected.items():
+    # The other families keep Qwen's vocabulary (the tokenizer at hand): their non-embedding parameters, from
+    # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
+    # Qwen2.5 151,936)
+    non_embedding_only = {"llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36,
+                          "mistral-7b": 6.98}
+    for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
         embeddings = config["vocab_size"] * config["hidden_size"] * (1 if config["tie_word_embeddings"] else 2)
-        assert round(params / 1e9, 2) == total and round((params - embeddings) / 1e9, 2) == non_embedding
+        if name in expected:
+            assert round(params / 1e9, 2) == expected[name][0]
+        assert round((params - embeddings) / 1e9, 2) == (expected.get(name) or (0, non_embedding_only[name]))[1]
 
 
-def test_presets_load_as_qwen3_configs(tmp_path):
+CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}
+
+
+def test_presets_load_as_their_architectures_configs(tmp_path):
     for name, config in PRESETS.items():
         (tmp_path / "config.json").write_text(json.dumps(config))
         loaded = transformers.AutoConfig.from_pretrained(tmp_path)
-        assert isinstance(loaded, transformers.Qwen3Config), name
-        assert loaded.rope_parameters["rope_theta"] == 1e6 and config["rope_theta"] == 1e6
+        assert isinstance(loaded, CONFIG_CLASSES[config["architectures"][0]]), name
+        assert loaded.rope_parameters["rope_theta"] == config["rope_theta"]
         assert loaded.vocab_size == 151936
         assert str(loaded.dtype) == f"torch.{config['dtype']}"
     tp = PRESETS["qwen3-tiny-tp"]

@@ -46,7 +46,7 @@ def _prompts(seed: int = 8) -> list[list[int]]:
 def _hf(model_dir: Path):
     import transformers  # not at module level: the spawned ranks import this module
 
-    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _hf_generate(model_dir: Path, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
@@ -325,6 +325,18 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
         tp1 = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)
     assert [o.token_ids for o in tp1] == got
+
+
+def test_tp2_llama_with_biases_equals_transformers(tmp_path):
+    """A dense newcomer under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the
+    row-parallel bias added once after the all-reduce), no q/k norms, scaled rope; 6 heads over 2 KV heads."""
+    model_dir = make_model("llama-tiny", tmp_path / "llama", seed=4)
+    cluster = _cluster(model_dir, 2, tmp_path / "logs")
+    try:
+        assert _describe(cluster.worker_ports[0]).tensor_parallel_size == 2
+        assert _generate_all(cluster.address, _prompts()) == _hf_generate(model_dir, _prompts())
+    finally:
+        cluster.stop()
 
 
 def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):

@@ -130,16 +130,53 @@ def test_split_counters_are_left_zero_for_the_next_call():
     assert not counters.any()
 
 
+@pytest.mark.parametrize("window", [1, 5, 33, 64, 70])
+@pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
+def test_decode_attention_with_a_sliding_window_matches_reference(window, page, block_n, split):
+    """Windows inside one split, spanning splits, starting mid-tile and longer than some contexts: the splits
+    before the window do no work and the merge starts at the window's first split."""
+    lens = [1, 2, split - 1, split + 1, 3 * split + 5, 130, page + 1]
+    heads, kv_heads, dim = 4, 2, 32
+    k, v, table = _paged(lens, page, kv_heads, dim, torch.float32)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1))
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
+                             [1] * len(lens), lens)
+    ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window)
+    out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=split, block_n=block_n,
+                                 window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref, TorchAttention().forward(q, k, v, meta, dim ** -0.5))
+
+
+@pytest.mark.parametrize("window", [1, 6, 16, 40])
+@pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (32, 32, 16)])
+def test_prefill_attention_with_a_sliding_window_matches_reference(window, page, block_m, block_n):
+    query_lens = [37, 1, 20, 1, block_m, 5, 1]
+    context_lens = [37, 90, 20 + 3 * page, 2, block_m + 7, 5, 1]
+    heads, kv_heads, dim = 6, 2, 32
+    k, v, table = _paged(context_lens, page, kv_heads, dim, torch.float32)
+    q = torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(7))
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window)
+    out = paged_prefill_attention(q, k, v, cu, seqused, table, query_blocks(query_lens, block_m, q.device),
+                                  dim ** -0.5, window=window, block_m=block_m, block_n=block_n)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (8, 8)])
-def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads):
+@pytest.mark.parametrize("norm", [True, False])
+def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads, norm):
     gen = torch.Generator().manual_seed(3)
     dim, tokens, page, blocks = 32, 9, 4, 8
     rotary = RotaryEmbedding(dim, 128, 1e6)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     positions = torch.randint(0, 128, (tokens,), generator=gen)
-    q_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
-    k_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    q_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype) if norm else None  # without: Llama, Qwen2, Mistral
+    k_w = (torch.rand(dim, generator=gen) + 0.5).to(dtype) if norm else None
     slots = torch.randperm(blocks * page, generator=gen)[:tokens]
     k_cache = torch.zeros(blocks, page, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
@@ -350,16 +387,20 @@ def test_query_blocks_cover_every_token_once():
     assert seqs.tolist() == [0, 1, 3, 4, 4] and starts.tolist() == [0, 0, 0, 0, 16]
 
 
-def test_runner_on_the_triton_backend_matches_the_torch_backend(tiny_model_dir):
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny"])
+def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
-    beside them, blocks out of order; greedy tokens equal the torch backend's."""
+    beside them, blocks out of order; greedy tokens equal the torch backend's. For Qwen3 (q/k norms), Llama
+    (none, biases, scaled rope) and Mistral (a sliding window of 24 under prompts of up to 48 tokens)."""
+    from worker_svc.checkpoints.writer import make_model
     from tests.paged_driver import PagedDriver
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
+    model_dir = make_model(preset, tmp_path / preset)
     prompts = [[(11 * i + 3 * j) % 1000 for j in range(9 + 13 * i)] for i in range(4)]
     outs = []
     for attention in ("triton", "torch"):
-        runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=64, limits=Limits(max_model_len=256),
+        runner = ModelRunner(model_dir, RunnerConfig(num_blocks=64, limits=Limits(max_model_len=256),
                                                           attention=attention))
         assert runner.kernels.attention.name == attention
         driver = PagedDriver(runner, chunk=7, shuffle_seed=1)

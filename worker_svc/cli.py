@@ -49,9 +49,15 @@ def _serve(args: argparse.Namespace) -> int:
     use_kernel_cache(args.kernel_cache_dir)
 
     from common import logs
+    from worker_svc.model.config import ModelConfig
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     logs.setup(args.log_format, args.log_level)
+    model_dir = resolve_model(args.model)
+    try:
+        ModelConfig.from_dir(model_dir)  # an architecture or a rope this worker does not serve: say so, and stop
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"splitserve-worker serve: {model_dir}: {e}") from None
     config = RunnerConfig(
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -61,9 +67,9 @@ def _serve(args: argparse.Namespace) -> int:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
 
-        runner = TensorParallelRunner(resolve_model(args.model), config, args.tensor_parallel_size)
+        runner = TensorParallelRunner(model_dir, config, args.tensor_parallel_size)
     else:
-        runner = ModelRunner(resolve_model(args.model), config)
+        runner = ModelRunner(model_dir, config)
     try:
         server = _start(runner, args)
         from worker_svc.runtime.kernel_builds import BUILDS

@@ -70,6 +70,25 @@ def test_fast_backends_match_torch_backend(backend, block_size, case):
         assert paged.steps[prefill_kernel(meta, heads, dim)] == 1
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
+                                     pytest.param("auto", marks=_NEEDS_FA4)])
+@pytest.mark.parametrize("window", [1, 100, 1000])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_backends_with_a_sliding_window_match_torch_backend(backend, window, case):
+    """Mistral's sliding window in every backend, over every step kind (block size 256)."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, block_size, num_blocks = 16, 8, 128, 256, 128
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5,
+                                                                 window=window)
+    ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5, window=window)
+    torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):

@@ -18,9 +18,10 @@ def _make_model(args: argparse.Namespace) -> int:
 
 def _list_presets(args: argparse.Namespace) -> int:
     for name, cfg in PRESETS.items():
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         print(
-            f"{name:20} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
-            f"heads={cfg['num_attention_heads']}/{cfg['num_key_value_heads']} head_dim={cfg['head_dim']} "
+            f"{name:20} {cfg['architectures'][0]:20} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
+            f"heads={cfg['num_attention_heads']}/{cfg['num_key_value_heads']} head_dim={head_dim} "
             f"intermediate={cfg['intermediate_size']} tied={cfg['tie_word_embeddings']} dtype={cfg['dtype']}"
         )
     return 0

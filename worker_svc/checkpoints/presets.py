@@ -1,7 +1,8 @@
-"""Named Qwen3 configurations, as the fields of a Hugging Face `config.json`.
+"""Named model configurations, as the fields of a Hugging Face `config.json`.
 
-The real presets copy the published Qwen/Qwen3-* shapes; the test presets keep Qwen3's vocabulary
-(the real tokenizer needs it) and shrink everything else.
+The real presets copy the published shapes (Qwen/Qwen3-*, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
+mistralai/Mistral-7B-v0.1) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
+written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -60,6 +61,42 @@ def _qwen3(
     }
 
 
+def _other(architecture: str, model_type: str, hidden: int, layers: int, heads: int, kv_heads: int,
+           intermediate: int, tied: bool, max_pos: int, rope_theta: float, dtype: str = "bfloat16",
+           **extra) -> dict:
+    """A Llama-family config (Llama, Mistral, Qwen2) in its published field names."""
+    return {
+        "architectures": [architecture], "model_type": model_type, "attention_dropout": 0.0,
+        "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "hidden_act": "silu", "hidden_size": hidden,
+        "initializer_range": 0.02, "intermediate_size": intermediate, "max_position_embeddings": max_pos,
+        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-05, "rope_theta": rope_theta, "tie_word_embeddings": tied, "dtype": dtype,
+        "torch_dtype": dtype, "use_cache": True, "vocab_size": VOCAB_SIZE, **extra,
+    }
+
+
+_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+def _llama(hidden, layers, heads, kv_heads, intermediate, tied, max_pos=131072, dtype="bfloat16",
+           rope_original=8192, bias=False):
+    rope = _LLAMA3_ROPE | {"original_max_position_embeddings": rope_original}
+    return _other("LlamaForCausalLM", "llama", hidden, layers, heads, kv_heads, intermediate, tied, max_pos,
+                  500000.0, dtype, attention_bias=bias, mlp_bias=bias, rope_scaling=rope, head_dim=hidden // heads)
+
+
+def _qwen2(hidden, layers, heads, kv_heads, intermediate, tied, max_pos=32768, dtype="bfloat16"):
+    return _other("Qwen2ForCausalLM", "qwen2", hidden, layers, heads, kv_heads, intermediate, tied, max_pos,
+                  1000000.0, dtype, rms_norm_eps=1e-06, sliding_window=None, use_sliding_window=False,
+                  max_window_layers=layers)
+
+
+def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
+    return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
@@ -70,6 +107,15 @@ PRESETS: dict[str, dict] = {
     "qwen3-small": _qwen3(128, 4, 4, 2, 32, 256, tied=True, max_pos=1024, dtype="float32"),
     # Heads, KV heads and intermediate size divisible by 2 and 4 for tensor-parallel tests.
     "qwen3-tiny-tp": _qwen3(128, 2, 8, 4, 16, 256, tied=True, max_pos=512, dtype="float32"),
+    "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, tied=False),
+    "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
+    "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
+    "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
+    "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
+    # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
+    "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
+    "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
+    "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
 }
 
 GENERATION_CONFIG: dict = {

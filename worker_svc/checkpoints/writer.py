@@ -1,4 +1,4 @@
-"""Write random-weight Qwen3 checkpoints in the exact Hugging Face layout.
+"""Write random-weight checkpoints (Qwen3, Qwen2, Llama, Mistral) in the exact Hugging Face layout.
 
 Weights are drawn per tensor from a `torch.Generator` seeded by (seed, tensor name), so a tensor's
 values do not depend on sharding or on which other tensors exist, and are streamed shard by shard:
@@ -10,6 +10,7 @@ the input token (see `tests/test_make_model.py`):
   embedding is a small part of the residual stream (with tied weights a large one makes every
   token predict itself);
 - every linear ~ N(0, 1/fan_in), so each block adds O(1) per coordinate to the residual;
+- biases ~ N(0, 0.01);
 - RMSNorm weights ~ U(0.5, 1.5): near 1 but not all equal, so loading the wrong norm shows up;
 - q_norm/k_norm further scaled by QK_NORM_SCALE: sharper attention makes each position depend
   more on its own query, and greedy decoding stops settling into one repeated token;
@@ -56,23 +57,32 @@ def parse_size(size: str | int) -> int:
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter names and shapes in transformers' Qwen3ForCausalLM state_dict order."""
+    """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
+    for Qwen3, q/k/v biases for Qwen2, Llama's attention and MLP biases where its config sets them."""
     h, inter = config["hidden_size"], config["intermediate_size"]
-    hd = config["head_dim"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    kind = config["model_type"]
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "qwen3")
+    qkv_bias = attention_bias or kind == "qwen2"
+    mlp_bias = bool(config.get("mlp_bias")) and kind == "llama"
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        for name, out, bias in (("q_proj", q, qkv_bias), ("k_proj", kv, qkv_bias), ("v_proj", kv, qkv_bias)):
+            shapes.append((p + f"self_attn.{name}.weight", (out, h)))
+            if bias:
+                shapes.append((p + f"self_attn.{name}.bias", (out,)))
+        shapes.append((p + "self_attn.o_proj.weight", (h, q)))
+        if attention_bias:
+            shapes.append((p + "self_attn.o_proj.bias", (h,)))
+        if kind == "qwen3":
+            shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            shapes.append((p + f"mlp.{name}.weight", shape))
+            if mlp_bias:
+                shapes.append((p + f"mlp.{name}.bias", shape[:1]))
         shapes += [
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "self_attn.q_norm.weight", (hd,)),
-            (p + "self_attn.k_norm.weight", (hd,)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
@@ -90,6 +100,8 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
     """The random value of one parameter (see the module docstring for the scaling)."""
     gen = _generator(seed, name)
+    if name.endswith(".bias"):
+        return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
     if len(shape) == 1:
         t = torch.rand(shape, generator=gen) + 0.5
         if name == "model.norm.weight":

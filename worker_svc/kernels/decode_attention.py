@@ -23,6 +23,7 @@ import triton.language as tl
 
 from common.util import cdiv
 
+NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
 
 
@@ -38,7 +39,7 @@ def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale,
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale, window,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -47,8 +48,10 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(SeqUsed + seq)
+    lo = tl.maximum(ctx - window, 0)  # the first key inside the sliding window
+    first_split = lo // SPLIT
     start = split * SPLIT
-    if start >= ctx:
+    if start >= ctx or split < first_split:
         return
     end = tl.minimum(start + SPLIT, ctx)
     h, d, n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
@@ -59,9 +62,9 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
-    for t0 in tl.range(start, end, BLOCK_N):
+    for t0 in tl.range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + n
-        valid = t < end
+        valid = (t < end) & (t >= lo)
         page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
         k_rows = page * stride_kb + offset * stride_kt
         v_rows = page * stride_vb + offset * stride_vt
@@ -77,7 +80,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)
-    if splits == 1:  # the whole context in one split: no partials, no merge
+    if splits - first_split == 1:  # the whole context (window) in one split: no partials, no merge
         tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
         return
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -89,14 +92,14 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     # for the next layer (and graph replay).
     tl.debug_barrier()
     counter = Counters + seq * KV_HEADS + kvh
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - first_split - 1:
         tl.debug_barrier()
         tl.store(counter, 0)
         # the partials are read past L1, which another program's stores did not go through
-        m = tl.load(lse_ptrs, mask=live, other=0.0, cache_modifier=".cg")
-        acc = tl.load(o_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        m = tl.load(lse_ptrs + first_split, mask=live, other=0.0, cache_modifier=".cg")
+        acc = tl.load(o_ptrs + first_split * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
         l = tl.full([BLOCK_H], 1.0, tl.float32)
-        for i in range(1, splits):
+        for i in range(first_split + 1, splits):
             lse = tl.load(lse_ptrs + i, mask=live, other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m, lse)
             a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
@@ -132,12 +135,13 @@ def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> tor
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
-                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
-    folded into the softmax scale, the output times v_scale). Returns q's shape and dtype.
+    folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
+    only. Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
@@ -161,7 +165,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_h = max(16, triton.next_power_of_2(group))
     _split_kernel[(kv_heads, num_splits, batch)](
         q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters,
-        scale * k_scale * 1.4426950408889634, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,

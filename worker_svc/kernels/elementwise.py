@@ -3,7 +3,7 @@ dtype where the references (reference.py) do, so both paths give the same values
 
 - RMSNorm, with the residual add fused;
 - SwiGLU (silu(gate) * up);
-- between the QKV projection and attention, one kernel for per-head RMSNorm of q and k, rotary
+- between the QKV projection and attention, one kernel for per-head RMSNorm of q and k (Qwen3), rotary
   embedding, and the store of k and v into the paged KV cache (eight kernels when compiled separately),
   quantised to fp8 there when the cache is fp8.
 
@@ -35,15 +35,17 @@ def _to_cache(x, dst, scale_inv, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_store(src, dst, W, cos, sin, eps, live, scale_inv, dtype: tl.constexpr, HALF: tl.constexpr):
-    """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W, rotate, store
-    (rounded to the activation `dtype`, then divided by the scale where dst is an fp8 cache)."""
+def _norm_rope_store(src, dst, W, cos, sin, eps, live, scale_inv, dtype: tl.constexpr, HALF: tl.constexpr,
+                     NORM: tl.constexpr):
+    """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W (if NORM), rotate,
+    store (rounded to the activation `dtype`, then divided by the scale where dst is an fp8 cache)."""
     c = tl.arange(0, HALF)
-    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    n1 = _weighted(x1, r, tl.load(W + c)[None, :], dtype).to(tl.float32)
-    n2 = _weighted(x2, r, tl.load(W + HALF + c)[None, :], dtype).to(tl.float32)
+    n1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    n2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / (2 * HALF) + eps)[:, None]
+        n1 = _weighted(n1, r, tl.load(W + c)[None, :], dtype).to(tl.float32)
+        n2 = _weighted(n2, r, tl.load(W + HALF + c)[None, :], dtype).to(tl.float32)
     tl.store(dst, _to_cache(n1 * cos[None, :] - n2 * sin[None, :], dst, scale_inv, dtype), mask=live)
     tl.store(dst + HALF, _to_cache(n2 * cos[None, :] + n1 * sin[None, :], dst, scale_inv, dtype), mask=live)
 
@@ -53,7 +55,7 @@ def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, e
                         stride_qkv, stride_cs, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h,
                         stride_vc_s, stride_vc_h,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dtype = QOut.dtype.element_ty
     pos = tl.load(Pos + t)
@@ -66,37 +68,38 @@ def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, e
     h = tl.arange(0, BLOCK_Q)
     _norm_rope_store(row + h[:, None] * (2 * HALF) + c[None, :],
                      QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :],
-                     QW, cos, sin, eps, (h < HEADS)[:, None], 1.0, dtype, HALF)
+                     QW, cos, sin, eps, (h < HEADS)[:, None], 1.0, dtype, HALF, NORM)
     h = tl.arange(0, BLOCK_KV)
     live = (h < KV_HEADS)[:, None]
     _norm_rope_store(row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :],
                      KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :],
-                     KW, cos, sin, eps, live, k_scale_inv, dtype, HALF)
+                     KW, cos, sin, eps, live, k_scale_inv, dtype, HALF, NORM)
     src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
     dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
     tl.store(dst, _to_cache(tl.load(src, mask=live), dst, v_scale_inv, dtype), mask=live)
     tl.store(dst + HALF, _to_cache(tl.load(src + HALF, mask=live), dst, v_scale_inv, dtype), mask=live)
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
-                       k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * head_dim] straight from the projection. Writes k and v at
     slot_mapping in the caches ([num_blocks, block_size, kv_heads, head_dim]; into fp8 ones as k / k_scale and
-    v / v_scale); returns q [tokens, heads, head_dim]."""
+    v / v_scale); returns q [tokens, heads, head_dim]. Without norm weights, rope and the store only."""
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     for cache in (k_cache, v_cache):  # slots index (block, offset) pairs flattened
         assert cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
     assert qkv.stride(1) == 1 and head_dim % 2 == 0
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    norm = q_weight is not None
     if tokens:
         _qk_norm_rope_store[(tokens,)](
-            qkv, positions, cos_sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale,
+            qkv, positions, cos_sin, q_weight if norm else q, k_weight if norm else q, q, k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale,
             1.0 / v_scale, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(1), v_cache.stride(2), HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
             BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            num_warps=4)
+            NORM=norm, num_warps=4)
     return q
 
 

@@ -21,7 +21,7 @@ from worker_svc.kernels.uploads import upload
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, scale_log2e, v_scale,
+def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, scale_log2e, v_scale, window,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_pt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -45,7 +45,8 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
     last = ctx - q_len + tl.minimum(start + BLOCK_M, q_len)  # one past the block's last query position
-    for t0 in tl.range(0, last, BLOCK_N):
+    first = tl.maximum(ctx - q_len + start - window + 1, 0)  # the first key the block's first query sees
+    for t0 in tl.range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
         t = t0 + n
         valid = t < last
         page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
@@ -53,7 +54,8 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         v_rows = page * stride_vb + offset * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
-        s = tl.where((t[None, :] <= pos[:, None]) & valid[None, :], s, float("-inf"))
+        seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
+        s = tl.where(seen & valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of dead tokens see no key at all
         p = tl.exp2(s - m_safe[:, None])
@@ -67,6 +69,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     tl.store(Out + o_rows[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=live[:, None])
 
 
+NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 BLOCK_M = 64  # query tokens per program: 128 rows of a GQA group of 2, two warpgroups
 
 
@@ -85,10 +88,11 @@ def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> t
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, page_table: torch.Tensor,
                             blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, k_scale: float = 1.0,
-                            v_scale: float = 1.0, block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 8,
+                            v_scale: float = 1.0, window: int | None = None, block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 8,
                             num_stages: int = 2) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache, q's dtype or
-    fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m). Returns q's shape and dtype."""
+    fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m). With a sliding `window`, the
+    query at position p sees keys in (p - window, p]. Returns q's shape and dtype."""
     q = q.contiguous()
     tokens, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -99,8 +103,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if block_seq.numel():
         _prefill_kernel[(block_seq.numel(), kv_heads)](
             q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, block_seq, block_start,
-            scale * k_scale * 1.4426950408889634, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+            scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
             out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE=page,
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=triton.next_power_of_2(block_m * heads // kv_heads),
             num_warps=num_warps, num_stages=num_stages)

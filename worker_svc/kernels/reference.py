@@ -34,10 +34,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k, then rotary embedding (rotate-half layout, as Qwen3)."""
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (where the weights are given: Qwen3), then rotary embedding (rotate-half
+    layout, as Hugging Face's Llama and Qwen)."""
     cos, sin = cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
-    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
+    if q_weight is not None:
+        q, k = _rms(q, q_weight, eps), _rms(k, k_weight, eps)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -61,12 +65,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _put_rows(v_cache, slot_mapping, to_cache(v, v_cache.dtype, v_scale))
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_weight: torch.Tensor,
-                       k_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * head_dim] from the projection. Writes k and v at slot_mapping in
-    the caches (into fp8 ones divided by their scales); returns q [tokens, heads, head_dim], normed and rotated."""
+    the caches (into fp8 ones divided by their scales); returns q [tokens, heads, head_dim], normed (with
+    weights) and rotated."""
     head_dim = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k = qk_norm_rope(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), positions, cos_sin,
@@ -134,11 +139,13 @@ class TorchAttention:
     An fp8 cache is read as the kernels read it: its values in q's dtype, k_scale folded into the softmax
     scale, the output times v_scale.
 
+    With a sliding `window`, query position p attends to keys in (p - window, p].
+
     One loop iteration per sequence, so it is for CPUs, tests and checking the fast backends."""
 
     name = "torch"
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
         out = torch.empty_like(q)
         block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
         start = 0
@@ -147,7 +154,10 @@ class TorchAttention:
             k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0).to(q.dtype)
             v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0).to(q.dtype)
             qpos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            mask = kpos <= qpos[:, None]
+            if window is not None:
+                mask &= kpos > qpos[:, None] - window
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
                                                attn_mask=mask, scale=scale * k_scale)
             out[start:start + n] = o.transpose(0, 1) if v_scale == 1.0 else (o.transpose(0, 1) * v_scale)

@@ -1,6 +1,8 @@
-"""The model's shape, read from a Hugging Face config.json."""
+"""The model's shape, read from a Hugging Face config.json: the fields every architecture of the registry
+(model/registry.py) reads, with the features that tell them apart."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,18 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """Llama 3's frequency-dependent scaling of rotary frequencies (`rope_type: llama3`), or a linear one."""
+    kind: str  # "llama3" or "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,28 +41,52 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: torch.dtype
+    qk_norm: bool = False          # per-head RMSNorm of q and k before rope (Qwen3)
+    qkv_bias: bool = False         # biases on the q, k and v projections (Qwen2, Llama's attention_bias)
+    o_bias: bool = False           # a bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        from worker_svc.model.registry import architecture_of
+
         raw = json.loads((Path(model_dir) / "config.json").read_text())
-        model_type = raw.get("model_type")
-        if model_type != "qwen3":
-            raise ValueError(f"unsupported model_type {model_type!r}: only dense qwen3 is implemented")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}")
+        arch = architecture_of(raw)
+        return dataclasses.replace(arch.config(raw), architecture=arch.__name__)
+
+    @classmethod
+    def common(cls, raw: dict, **features) -> "ModelConfig":
+        """The fields every architecture reads the same way, plus its `features`."""
         heads = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         return cls(
+            architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
+            rope_scaling=_rope_scaling(rope),
+            **features,
         )
+
+
+def _rope_scaling(rope: dict) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return RopeScaling("llama3", rope["factor"], rope.get("low_freq_factor", 1.0),
+                           rope.get("high_freq_factor", 4.0), rope.get("original_max_position_embeddings", 8192))
+    if kind == "linear":
+        return RopeScaling("linear", rope["factor"])
+    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3)")

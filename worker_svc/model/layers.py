@@ -1,10 +1,17 @@
-"""Layers the architectures compose; each calls the kernels its runner selected (worker_svc.kernels)."""
+"""Layers the architectures compose (model/qwen3.py, llama.py, ...); each calls the kernels its runner selected
+(worker_svc.kernels). A dense decoder-only architecture is CausalLM with the features of its ModelConfig."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from worker_svc.kernels import Kernels
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.model.config import ModelConfig, RopeScaling
+from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                       RowParallelLinear, VocabParallelEmbedding)
 
 
 class RMSNorm(nn.Module):
@@ -18,11 +25,136 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """The rotary inverse frequencies, scaled as the checkpoint's rope_scaling says."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, the band between blended
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin table of rotary position embedding, shared by every layer."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                            rope_frequencies(head_dim, theta, scaling))
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+
+class Attention(nn.Module):
+    """Packed QKV projection, (q/k norm,) rope and the KV-cache store in one kernel, paged attention, output
+    projection."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, kernels, bias=cfg.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, kernels,
+                                        bias=cfg.o_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+        self.eps = cfg.rms_norm_eps
+        self.rotary = rotary
+        self.window = cfg.sliding_window
+        self.scale = cfg.head_dim ** -0.5
+        # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q = self.kernels.qk_norm_rope_store(self.qkv_proj(x), positions, self.rotary.cos_sin, q_weight, k_weight,
+                                            self.eps, self.k_cache, self.v_cache, meta.slot_mapping,
+                                            self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+        o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
+                                           self.v_scale, window=self.window)
+        return self.o_proj(o.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, kernels,
+                                                       bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, the residual added inside the next norm."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, kernels)
+        self.mlp = GatedMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    """A dense decoder-only language model in Hugging Face's layout (`model.layers.N...`, `lm_head`). An
+    architecture subclasses it with `config(raw)`: how its config.json reads into a ModelConfig."""
+
+    # checkpoint name fragment -> (our packed parameter fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states of every input token; `compute_logits` takes the rows needed."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)

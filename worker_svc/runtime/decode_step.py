@@ -22,7 +22,7 @@ import torch
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.uploads import TORCH_DTYPES, pack_aligned, pack_into, staging
-from worker_svc.model.qwen3 import Qwen3ForCausalLM
+from worker_svc.model.layers import CausalLM
 from worker_svc.runtime.sampler import SamplingBatch, sample
 
 
@@ -68,7 +68,7 @@ class DecodeBuffers:
 
 
 class DecodeStep:
-    def __init__(self, model: Qwen3ForCausalLM, kernels: Kernels, last_token: torch.Tensor,
+    def __init__(self, model: CausalLM, kernels: Kernels, last_token: torch.Tensor,
                  max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int, block_size: int):
         self.model, self.kernels, self.last_token = model, kernels, last_token
         self.device = last_token.device

@@ -27,7 +27,7 @@ from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
-from worker_svc.model.qwen3 import Qwen3ForCausalLM
+from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
 from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
@@ -104,7 +104,7 @@ class ModelRunner:
 
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
-            self.model = Qwen3ForCausalLM(mc, self.kernels)
+            self.model = ARCHITECTURES[mc.architecture](mc, self.kernels)
         torch.set_default_dtype(torch.float32)
         kv_scales = load_weights(self.model, model_dir)
         if fp8_cache:

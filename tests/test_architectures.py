@@ -1,0 +1,169 @@
+"""Every architecture of the registry (worker_svc/model/registry.py) against transformers, on checkpoints that
+transformers itself writes (`from_config(...).save_pretrained(...)`, random weights, several shards) in shapes the
+project's presets do not use: odd head counts and GQA ratios, untied heads, biases, Llama 3 rope scaling, a
+sliding window shorter than the prompts. fp32 on the CPU: logits within 1e-4, greedy tokens equal to
+`generate` through chunked prefill, prefix reuse and drop/recompute, and through client -> scheduler -> worker."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from client import Client
+from client.launcher import LocalCluster
+from common.limits import Limits
+from common.util import cdiv
+from tests.paged_driver import PagedDriver
+from worker_svc.checkpoints.presets import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
+from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.model.registry import ARCHITECTURES
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+COMMON = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=3, max_position_embeddings=512, bos_token_id=BOS_TOKEN_ID,
+              eos_token_id=EOS_TOKEN_ID, initializer_range=0.25, tie_word_embeddings=False)
+CONFIGS = {
+    "llama": transformers.LlamaConfig(
+        hidden_size=120, intermediate_size=200, num_attention_heads=10, num_key_value_heads=5, attention_bias=True,
+        mlp_bias=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 32}, **COMMON),
+    "llama-tied": transformers.LlamaConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=6, head_dim=24,
+        **(COMMON | {"tie_word_embeddings": True})),
+    "qwen2": transformers.Qwen2Config(
+        hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
+    "mistral": transformers.MistralConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        sliding_window=12, **COMMON),
+    "qwen3": transformers.Qwen3Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
+}
+PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(name, folder, transformers' model) for one architecture, written by transformers in 3 MB shards."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param], dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder, max_shard_size="3MB")
+    write_qwen_tokenizer(folder)
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    return request.param, folder, hf
+
+
+def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 150000) for _ in range(PROMPT_LENS[i % len(PROMPT_LENS)])] for i in range(n)]
+
+
+def _runner(folder, **kw) -> ModelRunner:
+    return ModelRunner(folder, RunnerConfig(device="cpu", dtype="float32", num_blocks=160, block_size=8,
+                                            limits=Limits(max_num_seqs=16, max_model_len=256), **kw))
+
+
+def _generate_hf(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    _, _, hf = checkpoint
+    return [_generate_hf(hf, p, 24) for p in _prompts()]
+
+
+def test_the_registry_serves_the_architecture_transformers_wrote(checkpoint):
+    name, folder, hf = checkpoint
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert arch == type(hf).__name__ and arch in ARCHITECTURES
+    assert type(_runner(folder).model).__name__ == arch
+
+
+def test_logits_match_transformers(checkpoint):
+    _, folder, hf = checkpoint
+    runner, prompts = _runner(folder), _prompts()
+    bs = runner.block_size
+    tables, next_block = [], 0
+    for p in prompts:
+        tables.append(list(range(next_block, next_block + cdiv(len(p), bs))))
+        next_block += len(tables[-1])
+    page = np.zeros((len(prompts), max(map(len, tables))), np.int32)
+    for i, t in enumerate(tables):
+        page[i, :len(t)] = t
+    lens = [len(p) for p in prompts]
+    positions = np.concatenate([np.arange(n) for n in lens])
+    rows = np.repeat(np.arange(len(prompts)), lens)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
+        seqused_k=torch.tensor(lens, dtype=torch.int32), page_table=torch.from_numpy(page),
+        slot_mapping=torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
+        max_seqlen_q=max(lens), query_lens=lens, context_lens=lens)
+    with torch.inference_mode():
+        ours = runner.model.compute_logits(runner.model(torch.tensor(np.concatenate(prompts)),
+                                                        torch.from_numpy(positions), meta))
+        start = 0
+        for p in prompts:
+            torch.testing.assert_close(ours[start:start + len(p)], hf(torch.tensor([p])).logits[0], atol=1e-4,
+                                       rtol=0)
+            start += len(p)
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 7])
+def test_greedy_equals_generate_through_chunks_and_drops(checkpoint, reference, chunk):
+    """Chunks that do not divide the block size; blocks scattered; every third sequence dropped and
+    recomputed twice mid-generation (as a preemption does)."""
+    driver = PagedDriver(_runner(checkpoint[1]), chunk=chunk, shuffle_seed=chunk % 97)
+    seqs = [driver.add(p, 24) for p in _prompts()]
+    for step in range(10):
+        driver.run_step()
+        if step in (3, 7):
+            for s in seqs[step % 3::3]:
+                driver.drop(s)
+    driver.run_all()
+    assert [s.generated for s in seqs] == reference
+
+
+def test_greedy_with_prefix_reuse(checkpoint):
+    """A second sequence over the first one's cached blocks (three of 8 tokens: past the sliding window)."""
+    _, folder, hf = checkpoint
+    driver = PagedDriver(_runner(folder), shuffle_seed=3)
+    first = driver.add(_prompts()[6], 8)  # 40 tokens: five full blocks
+    driver.run_step()
+    extended = first.tokens[:24] + _prompts()[3]
+    second = driver.add(extended, 16, prefix_blocks=first.blocks[:3])
+    driver.run_all()
+    assert second.generated == _generate_hf(hf, extended, 16)
+
+
+def test_greedy_through_the_services(checkpoint, tmp_path):
+    """client -> scheduler -> worker, requests at once (chunked prefill under a small token budget)."""
+    _, folder, hf = checkpoint
+    prompts = _prompts(4, seed=5)
+    limits = ["--max-num-batched-tokens", "32", "--max-model-len", "256"]
+    with LocalCluster(folder, worker_args=["--num-blocks", "96", "--block-size", "8", *limits],
+                      scheduler_args=limits, log_dir=tmp_path) as cluster, Client(cluster.address, timeout=120) as c:
+        outs = [c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts]
+    assert [o[0].token_ids for o in outs] == [_generate_hf(hf, p, 12) for p in prompts]
+
+
+def test_an_unsupported_architecture_is_refused_at_start(tmp_path):
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=1000)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"unsupported architecture GPT2LMHeadModel: this worker serves "
+                                         r"Qwen3ForCausalLM, .*LlamaForCausalLM"):
+        _runner(tmp_path)
+    worker = subprocess.run([sys.executable, "-m", "worker_svc.cli", "serve", "--model", str(tmp_path),
+                             "--device", "cpu", "--port", "0", "--plaintext"], capture_output=True, text=True, timeout=120)
+    assert worker.returncode != 0
+    assert "unsupported architecture GPT2LMHeadModel" in worker.stderr and "Traceback" not in worker.stderr

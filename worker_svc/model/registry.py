@@ -1,0 +1,24 @@
+"""The architectures the worker serves, by the name in config.json's `architectures`."""
+from __future__ import annotations
+
+from worker_svc.model.layers import CausalLM
+from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM
+from worker_svc.model.qwen2 import Qwen2ForCausalLM
+from worker_svc.model.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+
+
+def architecture_of(raw: dict) -> type[CausalLM]:
+    """The model class for a config.json's contents; a clear error for any other architecture."""
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise ValueError(f"unsupported architecture {', '.join(names) or '(config.json names none)'}: this worker "
+                     f"serves {', '.join(ARCHITECTURES)}")
