@@ -5,6 +5,7 @@ sliding window shorter than the prompts. fp32 on the CPU: logits within 1e-4, gr
 `generate` through chunked prefill, prefix reuse and drop/recompute, and through client -> scheduler -> worker."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -44,20 +45,37 @@ CONFIGS = {
         sliding_window=12, **COMMON),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
+    # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
+    "qwen3_moe": transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, **COMMON),
+    "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),
 }
 PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def checkpoint(request, tmp_path_factory):
+def _write(name: str, tmp_path_factory):
     """(name, folder, transformers' model) for one architecture, written by transformers in 3 MB shards."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param], dtype=torch.float32).eval()
-    folder = tmp_path_factory.mktemp(request.param)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder, max_shard_size="3MB")
     write_qwen_tokenizer(folder)
     assert len(list(folder.glob("*.safetensors"))) > 1
-    return request.param, folder, hf
+    return name, folder, hf
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    return _write(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[name for name in CONFIGS if "moe" in name])
+def moe_checkpoint(request, tmp_path_factory):
+    return _write(request.param, tmp_path_factory)
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
@@ -155,6 +173,27 @@ def test_greedy_through_the_services(checkpoint, tmp_path):
                       scheduler_args=limits, log_dir=tmp_path) as cluster, Client(cluster.address, timeout=120) as c:
         outs = [c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts]
     assert [o[0].token_ids for o in outs] == [_generate_hf(hf, p, 12) for p in prompts]
+
+
+def test_every_expert_is_used(moe_checkpoint):
+    """The comparisons above cover every expert of every sparse layer: each is some token's choice."""
+    _, folder, _ = moe_checkpoint
+    from worker_svc.model.moe import SparseMoE
+
+    runner = _runner(folder)
+    chosen: dict[int, set[int]] = {}
+    for i, layer in enumerate(runner.model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            chosen[i] = set()
+            fused = layer.mlp.kernels.fused_moe
+            layer.mlp.kernels = dataclasses.replace(layer.mlp.kernels, fused_moe=lambda *a, _s=chosen[i], _f=fused: (
+                _s.update(a[4].flatten().tolist()), _f(*a))[1])
+    driver = PagedDriver(runner)
+    for p in _prompts():
+        driver.add(p, 4)
+    driver.run_all()
+    experts = runner.model_config.moe.num_experts
+    assert chosen and all(c == set(range(experts)) for c in chosen.values()), chosen
 
 
 def test_an_unsupported_architecture_is_refused_at_start(tmp_path):

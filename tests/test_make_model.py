@@ -36,7 +36,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny"])
 def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
     """Each name and shape the writer emits is one transformers' model of that architecture expects."""
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
@@ -72,6 +72,7 @@ def test_real_presets_have_published_sizes():
         "qwen3-1.7b": (1.72, 1.41),
         "qwen3-4b": (4.02, 3.63),
         "qwen3-8b": (8.19, 6.95),
+        "qwen3-30b-a3b": (30.53, 29.91),  # the card: 30.5B, 29.9B non-embedding
     }
     # The other families keep Qwen's vocabulary (the tokenizer at hand): their non-embedding parameters, from
     # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
@@ -87,7 +88,7 @@ def test_real_presets_have_published_sizes():
         assert round((params - embeddings) / 1e9, 2) == (expected.get(name) or (0, non_embedding_only[name]))[1]
 
 
-CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen2ForCausalLM": transformers.Qwen2Config,
+CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
                   "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}
 
 

@@ -339,6 +339,35 @@ def test_tp2_llama_with_biases_equals_transformers(tmp_path):
         cluster.stop()
 
 
+def test_tp2_moe_with_experts_sharded_equals_transformers(tmp_path):
+    """Qwen3-MoE under TP = 2: each rank holds 4 of the 8 experts of each layer (and only those: its loader
+    skips the others'), computes them for every token, and the all-reduce adds the two halves."""
+    model_dir = make_model("qwen3-moe-tiny", tmp_path / "moe", seed=5)
+    cluster = _cluster(model_dir, 2, tmp_path / "logs")
+    try:
+        assert _describe(cluster.worker_ports[0]).tensor_parallel_size == 2
+        assert _generate_all(cluster.address, _prompts()) == _hf_generate(model_dir, _prompts())
+    finally:
+        cluster.stop()
+
+
+def test_expert_weights_keep_only_this_ranks_experts(monkeypatch):
+    from worker_svc.model.moe import ExpertWeights
+
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(parallel.dist, "get_rank", lambda: 1)
+    w = ExpertWeights(num_experts=4, out_features=3, in_features=2, halves=(0, 1))
+    assert w.weight.shape == (2, 6, 2) and w.first == 2
+    w.weight.data.zero_()
+    for e in range(4):
+        for half in (0, 1):
+            w.weight_loader(w.weight, torch.full((3, 2), 10.0 * e + half), (e, half))
+    # experts 2 and 3, each its gate half then its up half; experts 0 and 1 skipped
+    assert [w.weight[e, rows].unique().item() for e in (0, 1) for rows in (slice(0, 3), slice(3, 6))] == [
+        20.0, 21.0, 30.0, 31.0]
+
+
 def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):
     """Each rank quantises its own KV heads, as the one rank of TP 1 quantises all of them."""
     from offline.llm import LLM

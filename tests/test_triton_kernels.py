@@ -408,3 +408,38 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
         driver.run_all()
         outs.append([s.generated for s in seqs])
     assert outs[0] == outs[1]
+
+
+# ---- fused mixture of experts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (70, 4, 8, 0, 8), (1, 2, 4, 0, 4),
+                                                             (40, 2, 8, 4, 4), (300, 2, 4, 0, 4)])
+def test_fused_moe_matches_the_loop_over_experts(tokens, top_k, experts, first, local):
+    """Every block size (16 rows up to 1,024 slots, 64 past), a single token, and a rank holding experts
+    4..7 of 8 (tensor parallelism): slots routed elsewhere give zero."""
+    from worker_svc.kernels import moe, reference
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter = 32, 24
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(local, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(local, hidden, inter, generator=gen) / inter ** 0.5
+    scores = torch.randn(tokens, experts, generator=gen).softmax(-1)
+    topk_weights, topk_ids = scores.topk(top_k, dim=-1)
+    ref = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first)
+    out = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if first:
+        assert (ref[(topk_ids < first).all(-1)] == 0).all()
+
+
+def test_moe_align_groups_slots_by_expert_in_whole_blocks():
+    from worker_svc.kernels.moe import align
+
+    topk_ids = torch.tensor([[3, 1], [1, 0], [3, 5]])  # expert 5 is another rank's (this one holds 0..3)
+    slots, block_expert = align(topk_ids, 0, 4, block_m=4)
+    empty = topk_ids.numel()
+    assert slots.numel() == 20  # static: 6 slots and every expert's padding (3 each), in whole blocks
+    blocks = slots.view(-1, 4).tolist()
+    assert blocks[:3] == [[3, empty, empty, empty], [1, 2, empty, empty], [0, 4, empty, empty]]
+    assert block_expert.tolist()[:3] == [0, 1, 3] and set(block_expert.tolist()[3:]) == {-1}
+    assert all(s == empty for row in blocks[3:] for s in row)

@@ -1,6 +1,6 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
-The real presets copy the published shapes (Qwen/Qwen3-*, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
+The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
 mistralai/Mistral-7B-v0.1) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
 written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
 """
@@ -97,6 +97,16 @@ def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=3276
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
 
 
+def _qwen3_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top_k, expert_intermediate,
+               max_pos=40960, dtype="bfloat16"):
+    return _qwen3(hidden, layers, heads, kv_heads, head_dim, intermediate, tied=False, max_pos=max_pos,
+                  dtype=dtype) | {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
+        "num_experts_per_tok": top_k, "moe_intermediate_size": expert_intermediate, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+        "router_aux_loss_coef": 0.001}
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
@@ -113,6 +123,9 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
     # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
+    "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
+                                 dtype="float32"),
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),

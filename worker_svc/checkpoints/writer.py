@@ -1,4 +1,4 @@
-"""Write random-weight checkpoints (Qwen3, Qwen2, Llama, Mistral) in the exact Hugging Face layout.
+"""Write random-weight checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral) in the exact Hugging Face layout.
 
 Weights are drawn per tensor from a `torch.Generator` seeded by (seed, tensor name), so a tensor's
 values do not depend on sharding or on which other tensors exist, and are streamed shard by shard:
@@ -63,9 +63,13 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
-    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "qwen3")
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "qwen3", "qwen3_moe")
     qkv_bias = attention_bias or kind == "qwen2"
     mlp_bias = bool(config.get("mlp_bias")) and kind == "llama"
+    moe_layers = set()
+    if kind == "qwen3_moe":
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -76,8 +80,16 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         shapes.append((p + "self_attn.o_proj.weight", (h, q)))
         if attention_bias:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if kind == "qwen3":
+        if kind in ("qwen3", "qwen3_moe"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if i in moe_layers:
+            e_inter = config["moe_intermediate_size"]
+            shapes.append((p + "mlp.gate.weight", (config["num_experts"], h)))
+            for e in range(config["num_experts"]):
+                for name, shape in (("gate_proj", (e_inter, h)), ("up_proj", (e_inter, h)), ("down_proj", (h, e_inter))):
+                    shapes.append((p + f"mlp.experts.{e}.{name}.weight", shape))
+            shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+            continue
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             shapes.append((p + f"mlp.{name}.weight", shape))
             if mlp_bias:

@@ -1,6 +1,6 @@
 """The worker's kernels, and the one place they are picked: `select(device, attention)` returns the Kernels a
 runner builds its model with. On a CUDA GPU: splitserve's Triton kernels (elementwise.py, gumbel.py,
-skinny_gemm.py) and the attention backend asked for (attention.py); elsewhere the torch references
+skinny_gemm.py, moe.py) and the attention backend asked for (attention.py); elsewhere the torch references
 (reference.py). Triton and flash-attn-4 are imported only when a GPU's kernels are selected."""
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ class Kernels:
     #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]  # (x, weight, bias=None)
+    # (x, w13, w2, topk_weights, topk_ids, first_expert) -> the routed experts' weighted sum (model/moe.py)
+    fused_moe: Callable[..., torch.Tensor]
     # (logits, temperature, seeds, positions) -> tokens: temperature sampling or greedy, no filters
     gumbel_argmax: Callable[..., torch.Tensor]
     sampling_dtype: torch.dtype | None  # what the sampler computes in; None: the logits' own (16-bit on a GPU)
@@ -32,11 +34,11 @@ def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool 
     device = torch.device(device)
     backend = make_attention(attention, device, fp8_cache)
     if device.type == "cuda":
-        from worker_svc.kernels import elementwise, gumbel, skinny_gemm
+        from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 
         return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.qk_norm_rope_store,
-                       skinny_gemm.linear, gumbel.gumbel_argmax, None, backend)
+                       skinny_gemm.linear, moe.fused_moe, gumbel.gumbel_argmax, None, backend)
     from worker_svc.kernels import reference
 
     return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.qk_norm_rope_store,
-                   reference.linear, reference.gumbel_argmax, torch.float32, backend)
+                   reference.linear, reference.fused_moe, reference.gumbel_argmax, torch.float32, backend)

@@ -27,6 +27,16 @@ class RopeScaling:
 
 
 @dataclass(slots=True, frozen=True)
+class MoeConfig:
+    """Routed experts (Qwen3-MoE): each token's top_k of num_experts, on the layers listed."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool    # the top-k routing weights renormalised to sum to 1
+    layers: tuple[int, ...]  # the layers whose MLP is the experts (the others keep a dense MLP)
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -47,6 +57,7 @@ class ModelConfig:
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -103,13 +103,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
+def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
+    """The layer's MLP: routed experts where the config puts them, else the dense gated one."""
+    if cfg.moe is not None and layer in cfg.moe.layers:
+        from worker_svc.model.moe import SparseMoE
+
+        return SparseMoE(cfg, kernels)
+    return GatedMLP(cfg, kernels)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, the residual added inside the next norm."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         self.self_attn = Attention(cfg, rotary, kernels)
-        self.mlp = GatedMLP(cfg, kernels)
+        self.mlp = make_mlp(cfg, layer, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -138,7 +147,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

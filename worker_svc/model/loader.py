@@ -4,6 +4,7 @@ this rank's shard of each tensor."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -59,7 +60,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
                     else:
                         loader(param, tensor, shard_id)
                 loaded.add(f"{name}:{shard_id}")
-    expected = {f"{name}:{shard}" for name in params for shard in _shards_of(name, packed)}
+    expected = {f"{name}:{shard}" for name, param in params.items() for shard in _shards_of(name, param, packed)}
     if tied:
         expected = {e for e in expected if not e.startswith("lm_head.")}
     missing = expected - loaded
@@ -68,14 +69,25 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     return kv_scales
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
 def _our_name(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
-    name = hf_name.removeprefix("model.")
-    for fragment, (target, shard_id) in packed.items():
+    """Our parameter's name and the shard id its loader takes. An expert's tensor (`mlp.experts.3.up_proj`)
+    goes to the layer's one tensor of all experts (`mlp.experts.gate_up_proj`), shard (3, 1)."""
+    name, shard_id = hf_name.removeprefix("model."), None
+    for fragment, (target, shard) in packed.items():
         if f".{fragment}." in name:
-            return name.replace(fragment, target), shard_id
-    return name, None
+            name, shard_id = name.replace(fragment, target), shard
+            break
+    expert = _EXPERT.search(name)
+    if expert:
+        name, shard_id = name[:expert.start()] + ".experts." + name[expert.end():], (int(expert[1]), shard_id)
+    return name, shard_id
 
 
-def _shards_of(name: str, packed: dict[str, tuple[str, object]]) -> list[object]:
+def _shards_of(name: str, param: nn.Parameter, packed: dict[str, tuple[str, object]]) -> list[object]:
+    if hasattr(param, "shard_ids"):  # a parameter that lists its own (the experts')
+        return param.shard_ids
     shards = [shard for target, shard in packed.values() if f".{target}." in name]
     return shards or [None]

@@ -1,0 +1,70 @@
+"""A sparse mixture-of-experts MLP: a router picks each token's top-k experts, whose SwiGLU outputs are summed
+by their routing weights (kernels.fused_moe: grouped GEMMs on a GPU, a loop over experts elsewhere). Under
+tensor parallelism the experts are sharded whole across the ranks (each computes its own experts for every
+token; the all-reduce adds them up), the router is replicated."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from worker_svc.kernels import Kernels
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.parallel import _divide, tp_rank, tp_size
+
+
+class ExpertWeights(nn.Module):
+    """One projection of this rank's experts as one [experts, out, in] tensor. Its loader takes expert e's
+    checkpoint tensor (for gate_up: its half, 0 gate, 1 up) and skips the experts of other ranks."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None):
+        super().__init__()
+        local = _divide(num_experts, tp_size())
+        self.first, self.out = tp_rank() * local, out_features
+        self.weight = nn.Parameter(torch.empty(local, out_features * len(halves or (None,)), in_features),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.shard_ids = [(e, h) for e in range(num_experts) for h in (halves or (None,))]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
+        expert, half = shard_id
+        if not self.first <= expert < self.first + param.shape[0]:
+            return
+        rows = param.data[expert - self.first]
+        if half is not None:
+            rows = rows.narrow(0, half * self.out, self.out)
+        rows.copy_(loaded)
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = ExpertWeights(num_experts, intermediate, hidden, halves=(0, 1))
+        self.down_proj = ExpertWeights(num_experts, hidden, intermediate, halves=None)
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        moe = cfg.moe
+        self.kernels, self.top_k, self.norm_topk_prob = kernels, moe.top_k, moe.norm_topk_prob
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.kernels.linear(x, self.gate.weight)
+        weights, ids = torch.topk(logits.float().softmax(-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        experts = self.experts
+        y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights.to(x.dtype),
+                                   ids, experts.gate_up_proj.first)
+        if tp_size() > 1:
+            dist.all_reduce(y)
+        return y
