@@ -6,6 +6,8 @@ when another ends, its prompt computed in the step it is admitted); a step costs
   of every token it writes, and
 - its FLOPs at the dense bf16 peak: 2 x parameters per token computed, plus attention's 4 x heads x head_dim
   per (query, key) pair it multiplies (causal: half the square for a prompt).
+With routed experts (Qwen3-MoE) a step reads the experts its tokens route to: with T tokens each choosing k of E
+experts uniformly, E (1 - (1 - k/E)^T) of them per layer; a token computes its k experts only.
 No launch, host or scheduling cost counts. The H200 figures are what this machine measures close to (a
 device-to-device copy reaches 4.27 TB/s, the decode attention kernel 3.9-4.2 TB/s), not the datasheet's
 4.8 TB/s, so the floor is one a kernel can reach.
@@ -28,15 +30,37 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    params: int  # every weight the forward pass reads (the embedding counts once, as the tied LM head)
+    params: int  # every weight the forward pass reads but the experts (the embedding once, as the tied LM head)
+    expert_params: int = 0  # one expert's weights, over every layer that has experts
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
         h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-        heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * i
+        heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        d = cfg.get("head_dim") or h // heads
+        attention = h * (heads + 2 * kv) * d + heads * d * h
         embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-        return cls(layers, heads, kv, d, layers * per_layer + embed)
+        experts = cfg.get("num_experts", 0)
+        if not experts:
+            return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [n for n in range(layers) if n not in dense and (n + 1) % cfg.get("decoder_sparse_step", 1) == 0]
+        params = layers * attention + (layers - len(sparse)) * 3 * h * i + len(sparse) * h * experts + embed
+        return cls(layers, heads, kv, d, params, len(sparse) * 3 * h * cfg["moe_intermediate_size"], experts,
+                   cfg["num_experts_per_tok"])
+
+    def weights_read(self, tokens: int) -> float:
+        """Parameters a step of `tokens` tokens reads: the dense ones and the experts routed to."""
+        if not self.num_experts:
+            return self.params
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+        return self.params + touched * self.expert_params
+
+    def active_params(self) -> int:
+        """Parameters one token computes with."""
+        return self.params + self.top_k * self.expert_params
 
     def kv_bytes_per_token(self, kv_element_bytes: float) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_element_bytes
@@ -57,8 +81,8 @@ def floor_seconds(shape: ModelShape, requests: Sequence[tuple[int, int]], *, max
             new.append(queue.pop())
         read = sum(ctx for _, ctx in running)
         tokens = sum(p for p, _ in new) + len(running)
-        step_bytes = shape.params * weight_bytes + (read + tokens) * kv_token
-        step_flops = 2 * shape.params * tokens + attn * (read + sum(p * (p + 1) // 2 for p, _ in new))
+        step_bytes = shape.weights_read(tokens) * weight_bytes + (read + tokens) * kv_token
+        step_flops = 2 * shape.active_params() * tokens + attn * (read + sum(p * (p + 1) // 2 for p, _ in new))
         total += max(step_bytes / bandwidth, step_flops / flops)
         # the prompt's step samples its first token; each decode one more
         running = [(left - 1, ctx + 1) for left, ctx in running if left > 1]

@@ -36,6 +36,10 @@ for b in $benches; do
     accuracy8b) M8=/tmp/qwen3-8b; [ -f $M8/config.json ] || python3 -m worker_svc.cli make-model --preset qwen3-8b --out $M8 >/dev/null
              timeout 500 python3 -m bench fp8-accuracy --model $M8 --num-seqs ${ACC8B_SEQS:-64} --capacity \
                --out $OUT/fp8_accuracy_8b.json 2>&1 | tail -3 ;;
+    llama8b|moe30b)  # the offline workload on another architecture, in-process and through the services, with its floor
+             preset=llama-3.1-8b; layers=""; [ $b = moe30b ] && preset=qwen3-30b-a3b && layers="--num-layers ${MOE_LAYERS:-16}"
+             M2=/tmp/$preset; [ -f $M2/config.json ] || python3 -m worker_svc.cli make-model --preset $preset $layers --out $M2 >/dev/null
+             timeout 560 python3 -m bench.offline --model $M2 ${OFFLINE_ARGS:-} --out $OUT/offline_$b.json 2>&1 | grep -E "^[|]" ;;
     nano_short|nano_offline)  # nano-vLLM beside it (../shared/device/peers, carried as .peers/: its README)
              shape="2048 100 300 100 300 4096 2"; [ $b = nano_offline ] && shape="256 100 1024 100 1024 4096 1"
              (cd .peers/nano-vllm && PYTHONPATH=$PWD/../peers/shim:$PWD:$PYTHONPATH timeout 500 \

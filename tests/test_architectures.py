@@ -45,6 +45,14 @@ CONFIGS = {
         sliding_window=12, **COMMON),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
+    # sliding layers 0 and 2 (window 8, rope base 1e4), a global layer 1 (base 1e6, linear scaling 2)
+    "gemma3": transformers.Gemma3TextConfig(
+        hidden_size=80, intermediate_size=144, num_attention_heads=5, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        final_logit_softcapping=30.0, **(COMMON | {"tie_word_embeddings": True})),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -61,6 +69,10 @@ def _write(name: str, tmp_path_factory):
     """(name, folder, transformers' model) for one architecture, written by transformers in 3 MB shards."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32).eval()
+    with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(-0.5, 0.5).add_(0.0 if "gemma" in name else 1.0)
     folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder, max_shard_size="3MB")
     write_qwen_tokenizer(folder)

@@ -132,6 +132,20 @@ def test_floor_of_the_offline_workload_is_the_figure_the_project_quotes() -> Non
     assert floor_tokens_per_s(shape, many, max_num_seqs=64) < floor_tokens_per_s(shape, many, max_num_seqs=512)
 
 
+def test_floor_of_a_moe_reads_the_experts_its_tokens_route_to() -> None:
+    """Qwen3-30B-A3B: 3.3B parameters active per token (as published), a one-token step reads its 8 experts of
+    each layer, a large step all 128."""
+    from bench.floor import ModelShape
+    from worker_svc.checkpoints.presets import get_preset
+
+    shape = ModelShape.from_config(get_preset("qwen3-30b-a3b"))
+    dense = shape.params
+    assert abs(shape.active_params() / 1e9 - 3.3) < 0.1
+    assert shape.weights_read(1) == dense + 8 * shape.expert_params
+    assert abs(shape.weights_read(100_000) - (dense + 128 * shape.expert_params)) < 1
+    assert round((dense + 128 * shape.expert_params) / 1e9, 2) == 30.53  # every weight, as written
+
+
 @pytest.mark.parametrize("gateway", [False, True], ids=["grpc", "gateway"])
 def test_scale(tmp_path: Path, gateway: bool) -> None:
     from bench import scale

@@ -36,7 +36,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
 def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
     """Each name and shape the writer emits is one transformers' model of that architecture expects."""
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
@@ -77,7 +77,7 @@ def test_real_presets_have_published_sizes():
     # The other families keep Qwen's vocabulary (the tokenizer at hand): their non-embedding parameters, from
     # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
     # Qwen2.5 151,936)
-    non_embedding_only = {"llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36,
+    non_embedding_only = {"gemma-3-1b": 0.70, "llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36,
                           "mistral-7b": 6.98}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
@@ -89,7 +89,8 @@ def test_real_presets_have_published_sizes():
 
 
 CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}
+                  "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
+                  "Gemma3ForCausalLM": transformers.Gemma3TextConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):
@@ -97,7 +98,8 @@ def test_presets_load_as_their_architectures_configs(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config))
         loaded = transformers.AutoConfig.from_pretrained(tmp_path)
         assert isinstance(loaded, CONFIG_CLASSES[config["architectures"][0]]), name
-        assert loaded.rope_parameters["rope_theta"] == config["rope_theta"]
+        rope = loaded.rope_parameters.get("full_attention", loaded.rope_parameters)  # Gemma 3: one per layer type
+        assert rope["rope_theta"] == config["rope_theta"]
         assert loaded.vocab_size == 151936
         assert str(loaded.dtype) == f"torch.{config['dtype']}"
     tp = PRESETS["qwen3-tiny-tp"]
@@ -231,3 +233,15 @@ def test_greedy_generation_is_varied(tiny_model):
     for row in generated.tolist():
         assert len(set(row)) >= 16, row
     assert len({tuple(row) for row in generated.tolist()}) == len(generated)
+
+
+def test_num_layers_keeps_the_first_layers_of_the_presets_shape(tmp_path):
+    """make-model --num-layers: a model too large for the disk, cut to its first layers (bench on the GPU)."""
+    out = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "worker_svc.cli", "make-model", "--preset", "gemma3-tiny", "--out", str(out),
+           "--num-layers", "3"]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=300)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["hidden_size"] == PRESETS["gemma3-tiny"]["hidden_size"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert len(model.model.layers) == 3 and not any(info.values())

@@ -36,6 +36,32 @@ def test_noise_is_a_function_of_seed_position_and_token():
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
+def test_noise_stays_inside_the_unit_interval_at_the_hashs_extremes():
+    """The largest hash must not round to u = 1.0 (infinite Gumbel noise: a token drawn whatever its logit)."""
+    from worker_svc.kernels.reference import unit_interval
+
+    u = unit_interval(torch.tensor([0, 1, (1 << 32) - 1, (1 << 32) - 512, (1 << 31)]))
+    assert ((u > 0) & (u < 1)).all() and torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_token_far_ahead_is_drawn_every_time(use_kernel):
+    """151,936 tokens with one 1,000 nats ahead: 300 rows of random seeds all draw it (the noise used to reach
+    1.0 for one token in 2^24, which sent ~0.9 % of draws over this vocabulary to a uniformly random token)."""
+    rows, vocab = 300 if not use_kernel else 60, 151936
+    logits = torch.zeros(rows, vocab)
+    logits[:, 1234] = 1000.0
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(0))
+    batch = _batch(rows, seeds=seeds)
+    if use_kernel:
+        from worker_svc.kernels.gumbel import gumbel_argmax
+
+        tokens = gumbel_argmax(logits, batch.temperature, batch.seeds, batch.positions)
+    else:
+        tokens = sample(logits, batch, CPU).token_ids
+    assert (tokens == 1234).all()
+
+
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 4000

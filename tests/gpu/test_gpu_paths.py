@@ -363,3 +363,19 @@ def test_fused_moe_matches_the_loop_and_replays_in_a_cuda_graph(tokens):
     graph.replay()
     ref2 = reference.fused_moe(x2.float(), w13.float(), w2.float(), weights2.float(), ids2)
     torch.testing.assert_close(out.float(), ref2, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 4)])  # Gemma 3 1B and 4B: head_dim 256
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_backend_at_head_dim_256_with_a_window_matches_torch_backend(heads, kv_heads, case):
+    gen = torch.Generator().manual_seed(3)
+    dim, block_size, num_blocks = 256, 256, 128
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    for window in (None, 512):
+        fast = make_attention("triton", torch.device("cuda")).forward(q, k_cache, v_cache, meta, 0.0625, window=window)
+        ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, 0.0625, window=window)
+        torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)

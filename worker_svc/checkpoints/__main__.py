@@ -12,7 +12,8 @@ from worker_svc.checkpoints.presets import PRESETS
 def _make_model(args: argparse.Namespace) -> int:
     from worker_svc.checkpoints.writer import make_model  # torch import only for this subcommand
 
-    print(make_model(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size, dtype=args.dtype))
+    print(make_model(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                     num_layers=args.num_layers))
     return 0
 
 
@@ -36,12 +37,14 @@ def _ensure_model(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """The checkpoint commands, as subcommands of `sub` (this module's parser, and splitserve-worker's)."""
-    p = sub.add_parser("make-model", help="write a random-weight Qwen3 checkpoint in Hugging Face layout")
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset in Hugging Face layout")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MB, 1GiB (default 2GB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the preset's")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only this many layers, each of the preset's shape (a model too large for the disk)")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("list-presets", help="list the named model configurations")

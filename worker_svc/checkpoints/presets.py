@@ -1,7 +1,7 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
-mistralai/Mistral-7B-v0.1) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
+mistralai/Mistral-7B-v0.1, google/gemma-3-1b-pt) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
 written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
 """
 
@@ -107,6 +107,14 @@ def _qwen3_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts,
         "router_aux_loss_coef": 0.001}
 
 
+def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max_pos=32768, dtype="bfloat16"):
+    return _other("Gemma3ForCausalLM", "gemma3_text", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
+                  1000000.0, dtype, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-06,
+                  rope_local_base_freq=10000.0, rope_scaling=None, query_pre_attn_scalar=head_dim,
+                  sliding_window=window, sliding_window_pattern=6, final_logit_softcapping=None,
+                  attn_logit_softcapping=None, attention_bias=False)
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
@@ -126,6 +134,9 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
                                  dtype="float32"),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 256, 6912, window=512),
+    # layers 0-4 sliding (window 16), layer 5 global, 6-7 sliding
+    "gemma3-tiny": _gemma3(96, 8, 3, 1, 32, 160, window=16, max_pos=512, dtype="float32"),
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),

@@ -1,4 +1,5 @@
-"""Write random-weight checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral) in the exact Hugging Face layout.
+"""Write random-weight checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3) in the exact Hugging Face
+layout.
 
 Weights are drawn per tensor from a `torch.Generator` seeded by (seed, tensor name), so a tensor's
 values do not depend on sharding or on which other tensors exist, and are streamed shard by shard:
@@ -80,7 +81,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         shapes.append((p + "self_attn.o_proj.weight", (h, q)))
         if attention_bias:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if kind in ("qwen3", "qwen3_moe"):
+        if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         if i in moe_layers:
             e_inter = config["moe_intermediate_size"]
@@ -98,6 +99,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
+        if kind == "gemma3_text":
+            shapes += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (config["vocab_size"], h)))
@@ -109,11 +112,14 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
+                norm_offset: float = 0.0) -> torch.Tensor:
     """The random value of one parameter (see the module docstring for the scaling)."""
     gen = _generator(seed, name)
     if name.endswith(".bias"):
         return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+    if len(shape) == 1 and norm_offset:  # Gemma's (1 + w) norms: the same weights less the 1
+        return (init_tensor(name, shape, seed, torch.float32) - norm_offset).to(dtype)
     if len(shape) == 1:
         t = torch.rand(shape, generator=gen) + 0.5
         if name == "model.norm.weight":
@@ -165,12 +171,20 @@ def make_model(
     seed: int = 0,
     max_shard_size: str | int = "2GB",
     dtype: str | None = None,
+    num_layers: int | None = None,
 ) -> Path:
     """Write config, generation config, safetensors weights and tokenizer files of `preset` into `out`.
 
-    `dtype` defaults to the preset's (float32 for test presets, bfloat16 for real ones).
+    `dtype` defaults to the preset's (float32 for test presets, bfloat16 for real ones); `num_layers` keeps the
+    first layers only (each of the preset's shape).
     """
     config = get_preset(preset)
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+        for key in ("layer_types", "mlp_only_layers"):
+            if config.get(key):
+                config[key] = config[key][:num_layers] if key == "layer_types" else [
+                    i for i in config[key] if i < num_layers]
     dtype = dtype or config["dtype"]
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
@@ -190,7 +204,8 @@ def make_model(
 
     weight_map = {}
     for file, names in zip(files, shards):
-        tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype) for name in names}
+        offset = 1.0 if config["model_type"] == "gemma3_text" else 0.0
+        tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype, offset) for name in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del tensors  # free this shard before drawing the next one

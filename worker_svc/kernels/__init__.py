@@ -18,6 +18,7 @@ class Kernels:
     # (x, weight, eps, residual=None) -> norm(x), or (norm(x + residual), x + residual)
     rms_norm: Callable
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # GeGLU, tanh approximation
     # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads,
     #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
@@ -36,9 +37,11 @@ def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool 
     if device.type == "cuda":
         from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 
-        return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.qk_norm_rope_store,
-                       skinny_gemm.linear, moe.fused_moe, gumbel.gumbel_argmax, None, backend)
+        return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.gelu_and_mul,
+                       elementwise.qk_norm_rope_store, skinny_gemm.linear, moe.fused_moe, gumbel.gumbel_argmax,
+                       None, backend)
     from worker_svc.kernels import reference
 
-    return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.qk_norm_rope_store,
-                   reference.linear, reference.fused_moe, reference.gumbel_argmax, torch.float32, backend)
+    return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.gelu_and_mul,
+                   reference.qk_norm_rope_store, reference.linear, reference.fused_moe, reference.gumbel_argmax,
+                   torch.float32, backend)

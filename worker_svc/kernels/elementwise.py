@@ -2,7 +2,7 @@
 dtype where the references (reference.py) do, so both paths give the same values:
 
 - RMSNorm, with the residual add fused;
-- SwiGLU (silu(gate) * up);
+- SwiGLU (silu(gate) * up) and GeGLU (gelu(gate) * up, tanh approximation);
 - between the QKV projection and attention, one kernel for per-head RMSNorm of q and k (Qwen3), rotary
   embedding, and the store of k and v into the paged KV cache (eight kernels when compiled separately),
   quantised to fp8 there when the cache is fp8.
@@ -135,24 +135,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _silu_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = col * BLOCK + tl.arange(0, BLOCK)
     live = c < N
     gate = tl.load(X + row * stride_x + c, mask=live, other=0.0)
     up = tl.load(X + row * stride_x + N + c, mask=live, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded, as F.silu's output is
+    if GELU:  # tanh approximation, tanh from exp of a non-positive argument (no overflow)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = tl.exp(-2.0 * tl.abs(y))
+        tanh = (1.0 - t) / (1.0 + t)
+        act = 0.5 * g * (1.0 + tl.where(y >= 0, tanh, -tanh))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype)  # rounded, as F.silu's and F.gelu's outputs are
     tl.store(Out + row * stride_o + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=live)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [rows, 2 * n], gate then up. Returns silu(gate) * up, [rows, n]."""
+def _gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     assert x.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows:
-        _silu_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
-                                                      num_warps=4)
+        _act_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
+                                                     GELU=gelu, num_warps=4)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * n], gate then up. Returns silu(gate) * up, [rows, n]."""
+    return _gated(x, False)
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, 2 * n], gate then up. Returns gelu(gate) * up (tanh approximation: GeGLU, Gemma), [rows, n]."""
+    return _gated(x, True)

@@ -57,8 +57,12 @@ def _gumbel_argmax(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_ptr, id
         mask = offs < vocab
         x = tl.load(logits_ptr + row * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
         h = _mix32(key ^ (offs.to(tl.uint32) * 0x9E3779B9))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        v = x * inv_t - noise_scale * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1), exactly: see uniform_noise
+        # -log2(u) near u = 1 from w = 1 - u (exact) by its series: lg2.approx's absolute error there exceeds
+        # the value, and a 0 would make the noise infinite
+        w = ((8388607 - (h >> 9)).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        neg_log2_u = tl.where(w < 0.0009765625, w * (1.0 + 0.5 * w) * 1.4426950408889634, -_log2(u, FAST_LOG))
+        v = x * inv_t - noise_scale * _log2(neg_log2_u, FAST_LOG)
         better = v > best
         best = tl.where(better, v, best)
         best_idx = tl.where(better, offs, best_idx)

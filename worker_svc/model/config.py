@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # --kv-cache-dtype: `auto` keeps K and V in the model's dtype; `fp8` stores e4m3 values with a scale per layer
 # and tensor (half the bytes: about twice the blocks in the same memory, outputs no longer bit-identical)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP: SwiGLU, GeGLU
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +59,19 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
     moe: MoeConfig | None = None
+    hidden_act: str = "silu"       # the gated MLP's: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
+    # Gemma 3: a window per layer (None: global), local layers' own rope, (1 + w) norms, norms around the
+    # attention and the MLP outputs too, embeddings times sqrt(hidden), its own attention scale, logit softcap
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -72,6 +86,9 @@ class ModelConfig:
         """The fields every architecture reads the same way, plus its `features`."""
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(ACTIVATIONS)})")
         return cls(
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
@@ -83,15 +100,16 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            hidden_act=act,
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=rope_scaling(rope),
             **features,
         )
 
 
-def _rope_scaling(rope: dict) -> RopeScaling | None:
+def rope_scaling(rope: dict) -> RopeScaling | None:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None

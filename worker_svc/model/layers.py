@@ -15,10 +15,14 @@ from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHea
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, kernels: Kernels):
+    """weight * x / rms(x). With an offset (Gemma's (1 + w) norms), the checkpoint's w is loaded as offset + w."""
+
+    def __init__(self, size: int, eps: float, kernels: Kernels, offset: float = 0.0):
         super().__init__()
         self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        if offset:
+            self.weight.weight_loader = lambda param, w: param.data.copy_(w.float() + offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
@@ -55,10 +59,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Packed QKV projection, (q/k norm,) rope and the KV-cache store in one kernel, paged attention, output
-    projection."""
+    """Packed QKV projection, (q/k norm,) rope and the KV-cache store in one kernel, paged attention (over the
+    layer's window, if any), output projection."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
@@ -69,12 +73,12 @@ class Attention(nn.Module):
                                         bias=cfg.o_bias)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset)
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
-        self.window = cfg.sliding_window
-        self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.window_of(layer)
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
@@ -90,17 +94,17 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+    """down(act(gate(x)) * up(x)), gate and up in one matmul; act silu (SwiGLU) or gelu (GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
-        self.kernels = kernels
+        self.act_and_mul = kernels.silu_and_mul if cfg.hidden_act == "silu" else kernels.gelu_and_mul
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, kernels,
                                                        bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
@@ -113,14 +117,19 @@ def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, the residual added inside the next norm."""
+    """Pre-norm attention and MLP, the residual added inside the next norm. With sandwich norms (Gemma) the
+    attention's and the MLP's outputs are normed too before they join the residual stream (post_attention_layernorm
+    then norms the attention output, and pre_feedforward_layernorm the MLP's input)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, kernels)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)  # noqa: E731
+        self.self_attn = Attention(cfg, layer, rotary, kernels)
         self.mlp = make_mlp(cfg, layer, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -128,8 +137,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class CausalLM(nn.Module):
@@ -146,9 +158,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        local = rotary  # the windowed layers' own rope (Gemma 3), where the config gives one
+        if cfg.local_rope_theta is not None:
+            local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local if cfg.window_of(i) else rotary, kernels)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -160,10 +176,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states of every input token; `compute_logits` takes the rows needed."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)  # rounded to the dtype, as Gemma's
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(hidden, out)
+        logits = self.lm_head(hidden, out)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap, out=logits).mul_(cap)
+        return logits

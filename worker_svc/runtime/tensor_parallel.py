@@ -63,6 +63,8 @@ def check_shapes(mc, size: int) -> None:
                                               ("intermediate size", mc.intermediate_size)) if n % size]
     if kv % size and size % kv:
         problems.append(f"KV heads {kv} (neither divisible by it nor dividing it)")
+    if mc.moe is not None and mc.moe.num_experts % size:
+        problems.append(f"experts {mc.moe.num_experts} (each rank holds whole experts)")
     if problems:
         raise ValueError(f"the model does not split over tensor-parallel size {size}: {', '.join(problems)}")
 

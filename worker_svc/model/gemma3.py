@@ -1,0 +1,39 @@
+"""Gemma 3 text (google/gemma-3-1b-it; the text model of the larger ones): interleaved sliding-window and global
+layers, each kind with its own rope base (global layers' scaling from rope_scaling), (1 + w) RMSNorms, q/k norms,
+norms around the attention and MLP outputs, embeddings scaled by sqrt(hidden), GeGLU, query_pre_attn_scalar."""
+from __future__ import annotations
+
+import dataclasses
+
+from worker_svc.model.config import ModelConfig, rope_scaling
+from worker_svc.model.layers import CausalLM
+
+
+class Gemma3ForCausalLM(CausalLM):
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if raw.get(unsupported):
+                raise ValueError(f"Gemma 3 with {unsupported} is not supported")
+        layers = raw["num_hidden_layers"]
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(layers)]
+        rope = raw.get("rope_parameters") or {}
+        if "full_attention" in rope:  # transformers 5's layout: one rope per layer type
+            full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+            theta, local_theta, scaling = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4), rope_scaling(full)
+            if rope_scaling(local) is not None:
+                raise ValueError("a scaled rope on Gemma 3's sliding-window layers is not supported")
+        else:  # the published configs: rope_theta and rope_scaling for global layers, rope_local_base_freq
+            theta, local_theta = raw.get("rope_theta", 1e6), raw.get("rope_local_base_freq", 1e4)
+            scaling = rope_scaling(raw.get("rope_scaling") or {})
+        bias = bool(raw.get("attention_bias"))
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        cfg = ModelConfig.common(
+            raw, qk_norm=True, qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norms=True,
+            layer_windows=tuple(raw.get("sliding_window") if t == "sliding_attention" else None for t in types),
+            local_rope_theta=local_theta, embed_scale=raw["hidden_size"] ** 0.5,
+            attention_scale=raw.get("query_pre_attn_scalar", head_dim) ** -0.5,
+            final_logit_softcapping=raw.get("final_logit_softcapping"))
+        return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
