@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -19,11 +18,9 @@ import transformers
 from client import Client
 from client.launcher import LocalCluster
 from common.limits import Limits
-from common.util import cdiv
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import PagedDriver, prefill_logits, run_with_drops
 from worker_svc.checkpoints.presets import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
-from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
@@ -123,30 +120,9 @@ def test_the_registry_serves_the_architecture_transformers_wrote(checkpoint):
 def test_logits_match_transformers(checkpoint):
     _, folder, hf = checkpoint
     runner, prompts = _runner(folder), _prompts()
-    bs = runner.block_size
-    tables, next_block = [], 0
-    for p in prompts:
-        tables.append(list(range(next_block, next_block + cdiv(len(p), bs))))
-        next_block += len(tables[-1])
-    page = np.zeros((len(prompts), max(map(len, tables))), np.int32)
-    for i, t in enumerate(tables):
-        page[i, :len(t)] = t
-    lens = [len(p) for p in prompts]
-    positions = np.concatenate([np.arange(n) for n in lens])
-    rows = np.repeat(np.arange(len(prompts)), lens)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
-        seqused_k=torch.tensor(lens, dtype=torch.int32), page_table=torch.from_numpy(page),
-        slot_mapping=torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
-        max_seqlen_q=max(lens), query_lens=lens, context_lens=lens)
     with torch.inference_mode():
-        ours = runner.model.compute_logits(runner.model(torch.tensor(np.concatenate(prompts)),
-                                                        torch.from_numpy(positions), meta))
-        start = 0
-        for p in prompts:
-            torch.testing.assert_close(ours[start:start + len(p)], hf(torch.tensor([p])).logits[0], atol=1e-4,
-                                       rtol=0)
-            start += len(p)
+        for p, ours in zip(prompts, prefill_logits(runner, prompts)):
+            torch.testing.assert_close(ours, hf(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("chunk", [1 << 30, 7])
@@ -155,12 +131,7 @@ def test_greedy_equals_generate_through_chunks_and_drops(checkpoint, reference, 
     recomputed twice mid-generation (as a preemption does)."""
     driver = PagedDriver(_runner(checkpoint[1]), chunk=chunk, shuffle_seed=chunk % 97)
     seqs = [driver.add(p, 24) for p in _prompts()]
-    for step in range(10):
-        driver.run_step()
-        if step in (3, 7):
-            for s in seqs[step % 3::3]:
-                driver.drop(s)
-    driver.run_all()
+    run_with_drops(driver, seqs, drop_at=(3, 7))
     assert [s.generated for s in seqs] == reference
 
 

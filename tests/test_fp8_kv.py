@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,12 +20,10 @@ from safetensors.torch import load_file, save_file
 from client import Client
 from client.launcher import LocalCluster
 from common.limits import Limits
-from common.util import cdiv
 from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import PagedDriver, prefill_logits
 from worker_svc.kernels import attention, reference
-from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,23 +48,7 @@ def _prompts(lens=LENS, seed=0) -> list[list[int]]:
 
 def _logits(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor:
     """Every position's logits of one prefill over the sequences (each token reads the cache it was written to)."""
-    bs, tables, used = runner.block_size, [], 0
-    for p in seqs:
-        tables.append(list(range(used, used + cdiv(len(p), bs))))
-        used += len(tables[-1])
-    page = np.zeros((len(seqs), max(map(len, tables))), np.int32)
-    for i, t in enumerate(tables):
-        page[i, :len(t)] = t
-    lens = [len(p) for p in seqs]
-    positions = np.concatenate([np.arange(n) for n in lens])
-    rows = np.repeat(np.arange(len(seqs)), lens)
-    meta = AttentionMetadata(torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
-                             torch.tensor(lens, dtype=torch.int32), torch.from_numpy(page),
-                             torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
-                             max(lens), lens, lens)
-    with torch.inference_mode():
-        return runner.model.compute_logits(runner.model(torch.tensor(np.concatenate(seqs)),
-                                                        torch.from_numpy(positions), meta))
+    return torch.cat(prefill_logits(runner, seqs))
 
 
 def _e4m3_in_full_precision(runner: ModelRunner) -> None:

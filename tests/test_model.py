@@ -10,10 +10,8 @@ import torch
 import transformers
 
 from common.limits import Limits
-from common.util import cdiv
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import PagedDriver, prefill_logits, run_with_drops
 from worker_svc.checkpoints.writer import make_model
-from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.uploads import pack_aligned
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
@@ -51,32 +49,9 @@ def test_logits_match_transformers(checkpoints, kind):
     model_dir = checkpoints[kind]
     runner, hf = _runner(model_dir), _hf(model_dir)
     prompts = _prompts()
-    bs = runner.block_size
-    tables, next_block = [], 0
-    for p in prompts:
-        n = cdiv(len(p), bs)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    width = max(map(len, tables))
-    page = np.zeros((len(prompts), width), np.int32)
-    for i, t in enumerate(tables):
-        page[i, :len(t)] = t
-    positions = np.concatenate([np.arange(len(p)) for p in prompts])
-    rows = np.repeat(np.arange(len(prompts)), [len(p) for p in prompts])
-    lens = [len(p) for p in prompts]
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
-        seqused_k=torch.tensor(lens, dtype=torch.int32), page_table=torch.from_numpy(page),
-        slot_mapping=torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
-        max_seqlen_q=max(lens), query_lens=lens, context_lens=lens)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(np.concatenate(prompts)), torch.from_numpy(positions), meta)
-        ours = runner.model.compute_logits(hidden)
-        start = 0
-        for p in prompts:
-            ref = hf(torch.tensor([p])).logits[0]
-            torch.testing.assert_close(ours[start:start + len(p)], ref, atol=1e-4, rtol=0)
-            start += len(p)
+        for p, ours in zip(prompts, prefill_logits(runner, prompts)):
+            torch.testing.assert_close(ours, hf(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +124,7 @@ def test_greedy_after_drop_and_recompute(checkpoints, reference):
     """Sequences whose blocks are dropped mid-generation recompute from prompt plus generated tokens."""
     driver = PagedDriver(_runner(checkpoints["tied"]), chunk=11, shuffle_seed=5)
     seqs = [driver.add(p, 32) for p in _prompts()]
-    for step in range(12):
-        driver.run_step()
-        if step in (4, 9):
-            for s in seqs[step % 3::3]:
-                driver.drop(s)
-    driver.run_all()
+    run_with_drops(driver, seqs, drop_at=(4, 9))
     assert [s.generated for s in seqs] == reference
 
 

@@ -327,22 +327,13 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
     assert [o.token_ids for o in tp1] == got
 
 
-def test_tp2_llama_with_biases_equals_transformers(tmp_path):
-    """A dense newcomer under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the
-    row-parallel bias added once after the all-reduce), no q/k norms, scaled rope; 6 heads over 2 KV heads."""
-    model_dir = make_model("llama-tiny", tmp_path / "llama", seed=4)
-    cluster = _cluster(model_dir, 2, tmp_path / "logs")
-    try:
-        assert _describe(cluster.worker_ports[0]).tensor_parallel_size == 2
-        assert _generate_all(cluster.address, _prompts()) == _hf_generate(model_dir, _prompts())
-    finally:
-        cluster.stop()
-
-
-def test_tp2_moe_with_experts_sharded_equals_transformers(tmp_path):
-    """Qwen3-MoE under TP = 2: each rank holds 4 of the 8 experts of each layer (and only those: its loader
-    skips the others'), computes them for every token, and the all-reduce adds the two halves."""
-    model_dir = make_model("qwen3-moe-tiny", tmp_path / "moe", seed=5)
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny"])
+def test_tp2_newcomers_equal_transformers(preset, tmp_path):
+    """Under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the row-parallel bias added
+    once after the all-reduce), no q/k norms, scaled rope, 6 heads over 2 KV heads; Qwen3-MoE with each rank
+    holding 4 of the 8 experts of each layer (and only those), computing them for every token, the all-reduce
+    adding the two halves."""
+    model_dir = make_model(preset, tmp_path / preset, seed=4)
     cluster = _cluster(model_dir, 2, tmp_path / "logs")
     try:
         assert _describe(cluster.worker_ports[0]).tensor_parallel_size == 2
