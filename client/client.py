@@ -77,6 +77,7 @@ class GenerateParams(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     seed: int | None
+    logit_bias: dict[int, float] | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
@@ -104,6 +105,7 @@ def build_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     seed: int | None = None,
+    logit_bias: dict[int, float] | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
@@ -134,6 +136,8 @@ def build_request(
     for name, value in sampling.items():
         if value is not None:
             setattr(request.sampling, name, value)
+    if logit_bias:
+        request.sampling.logit_bias.update(logit_bias)
 
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens

@@ -137,9 +137,21 @@ class _Job:
         return len(self.prompts) * self.n
 
 
+def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as strings (JSON keys) -> bias; the scheduler checks ranges."""
+    if not body.logit_bias:
+        return None
+    try:
+        bias = {int(token): value for token, value in body.logit_bias.items()}
+    except ValueError:
+        raise invalid("logit_bias", "logit_bias keys must be token ids") from None
+    if not all(0 <= t < INT32 for t in bias):
+        raise invalid("logit_bias", "logit_bias keys must be token ids")
+    return bias
+
+
 def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.logit_bias:
-        raise invalid("logit_bias", "logit_bias is not supported", "unsupported_parameter")
+    _logit_bias(body)
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
@@ -160,7 +172,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
     return dict(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop or None,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0,
         skip_special_tokens=body.skip_special_tokens)

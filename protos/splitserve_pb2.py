@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/splitserve.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaa\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x17\n\nmin_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xb4\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0b \x01(\rH\x04\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x12\n\x10ModelInfoRequest\"\xc2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bnum_workers\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12,\n\x07workers\x18\x08 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\"\xdf\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\"r\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x08\n\x06prompt\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf3\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.splitserve.v1.ModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/splitserve.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaa\x01\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x12\n\x10_enable_thinking\"\xc6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x17\n\nmin_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xb4\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0b \x01(\rH\x04\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x12\n\x10ModelInfoRequest\"\xc2\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bnum_workers\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12,\n\x07workers\x18\x08 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\"\xdf\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\"r\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.ChatPromptH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x08\n\x06prompt\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf3\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.splitserve.v1.ModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2296
-  _globals['_FINISHREASON']._serialized_end=2416
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2412
+  _globals['_FINISHREASON']._serialized_end=2532
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_CHATMESSAGE']._serialized_start=67
@@ -40,29 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATPROMPT']._serialized_start=114
   _globals['_CHATPROMPT']._serialized_end=284
   _globals['_SAMPLINGPARAMS']._serialized_start=287
-  _globals['_SAMPLINGPARAMS']._serialized_end=625
-  _globals['_STOPPINGCRITERIA']._serialized_start=628
-  _globals['_STOPPINGCRITERIA']._serialized_end=784
-  _globals['_GENERATEREQUEST']._serialized_start=787
-  _globals['_GENERATEREQUEST']._serialized_end=1223
-  _globals['_TOPLOGPROB']._serialized_start=1225
-  _globals['_TOPLOGPROB']._serialized_end=1272
-  _globals['_TOKENLOGPROB']._serialized_start=1274
-  _globals['_TOKENLOGPROB']._serialized_end=1345
-  _globals['_USAGE']._serialized_start=1347
-  _globals['_USAGE']._serialized_end=1434
-  _globals['_GENERATERESPONSE']._serialized_start=1437
-  _globals['_GENERATERESPONSE']._serialized_end=1680
-  _globals['_MODELINFOREQUEST']._serialized_start=1682
-  _globals['_MODELINFOREQUEST']._serialized_end=1700
-  _globals['_MODELINFO']._serialized_start=1703
-  _globals['_MODELINFO']._serialized_end=1897
-  _globals['_WORKERSTATUS']._serialized_start=1900
-  _globals['_WORKERSTATUS']._serialized_end=2123
-  _globals['_TOKENIZEREQUEST']._serialized_start=2125
-  _globals['_TOKENIZEREQUEST']._serialized_end=2239
-  _globals['_TOKENIZERESPONSE']._serialized_start=2241
-  _globals['_TOKENIZERESPONSE']._serialized_end=2294
-  _globals['_GENERATION']._serialized_start=2419
-  _globals['_GENERATION']._serialized_end=2662
+  _globals['_SAMPLINGPARAMS']._serialized_end=741
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=572
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=620
+  _globals['_STOPPINGCRITERIA']._serialized_start=744
+  _globals['_STOPPINGCRITERIA']._serialized_end=900
+  _globals['_GENERATEREQUEST']._serialized_start=903
+  _globals['_GENERATEREQUEST']._serialized_end=1339
+  _globals['_TOPLOGPROB']._serialized_start=1341
+  _globals['_TOPLOGPROB']._serialized_end=1388
+  _globals['_TOKENLOGPROB']._serialized_start=1390
+  _globals['_TOKENLOGPROB']._serialized_end=1461
+  _globals['_USAGE']._serialized_start=1463
+  _globals['_USAGE']._serialized_end=1550
+  _globals['_GENERATERESPONSE']._serialized_start=1553
+  _globals['_GENERATERESPONSE']._serialized_end=1796
+  _globals['_MODELINFOREQUEST']._serialized_start=1798
+  _globals['_MODELINFOREQUEST']._serialized_end=1816
+  _globals['_MODELINFO']._serialized_start=1819
+  _globals['_MODELINFO']._serialized_end=2013
+  _globals['_WORKERSTATUS']._serialized_start=2016
+  _globals['_WORKERSTATUS']._serialized_end=2239
+  _globals['_TOKENIZEREQUEST']._serialized_start=2241
+  _globals['_TOKENIZEREQUEST']._serialized_end=2355
+  _globals['_TOKENIZERESPONSE']._serialized_start=2357
+  _globals['_TOKENIZERESPONSE']._serialized_end=2410
+  _globals['_GENERATION']._serialized_start=2535
+  _globals['_GENERATION']._serialized_end=2778
 # @@protoc_insertion_point(module_scope)

@@ -504,7 +504,8 @@ def _params(p: SamplingParams) -> dict:
     return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "seed": p.seed, "stop_token_ids": p.stop_token_ids,
-            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "min_tokens": p.min_tokens}
+            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "min_tokens": p.min_tokens,
+            "logit_bias": p.logit_bias}
 
 
 def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,

@@ -53,6 +53,8 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
     params.validate()
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
         raise InvalidParam("stop_token_ids", f"must lie in [0, {vocab_size}), got {max(params.stop_token_ids)}")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidParam("logit_bias", f"keys must lie in [0, {vocab_size}), got {max(params.logit_bias)}")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, field: str) -> None:
@@ -151,7 +153,8 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         repetition_penalty=opt(s, "repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
-        logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True))
+        logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
+        logit_bias=dict(s.logit_bias))
     try:
         check_params(params, vocab_size)
     except InvalidParam as e:

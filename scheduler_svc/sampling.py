@@ -13,6 +13,7 @@ SEED_LIMIT = 1 << 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI: 300)
 MAX_LOGPROBS = 20  # top alternatives per token
 _seed_source = random.SystemRandom()
 
@@ -42,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none, 0 = the sampled token's, n = also the top n
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
@@ -84,6 +86,13 @@ class SamplingParams:
             raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParam("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if not (isinstance(token, int) and token >= 0):
+                raise InvalidParam("logit_bias", f"keys must be non-negative token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails
+                raise InvalidParam("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
 
     def resolved_seed(self) -> int:
         """The user's seed, or a fresh random 64-bit one."""
@@ -102,4 +111,5 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
+            logit_bias=self.logit_bias,
         )

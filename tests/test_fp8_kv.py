@@ -94,7 +94,13 @@ def test_fp8_logits_stay_within_the_stated_bounds_of_a_full_precision_cache(tiny
     assert float(kl.mean()) < MAX_MEAN_KL and float(agreement) > MIN_ARGMAX_AGREEMENT, (kl.mean(), agreement)
 
 
-def test_prefix_hits_and_recompute_give_the_tokens_of_a_plain_run(tiny_model_dir):
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
+def test_prefix_hits_and_recompute_give_the_tokens_of_a_plain_run(preset, tiny_model_dir, tmp_path):
+    """Every architecture over an fp8 cache (Mistral's and Gemma's windows, Qwen3-MoE's experts included)."""
+    from worker_svc.checkpoints.writer import make_model
+
+    if preset != "qwen3-tiny":
+        tiny_model_dir = make_model(preset, tmp_path / preset)
     prompts = _prompts([40, 17, 33, 9], seed=3)
     plain = PagedDriver(_runner(tiny_model_dir))
     seqs = [plain.add(p, 24) for p in prompts]

@@ -343,6 +343,17 @@ def test_stop_seed_and_extensions(oai, grpc_client):
     assert a == b == c.text
 
 
+def test_logit_bias_reaches_the_sampler(oai, grpc_client):
+    """OpenAI's logit_bias (token ids as JSON strings) gives gRPC's logit_bias tokens, on both endpoints."""
+    (free,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0)
+    bias = {free.token_ids[0]: -100.0, 40: 3.0}
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0, logit_bias=bias)
+    assert ref.token_ids[0] != free.token_ids[0]
+    out = oai.completions.create(model="", prompt=PROMPT, max_tokens=6, temperature=0,
+                                 logit_bias={str(t): b for t, b in bias.items()})
+    assert out.choices[0].text == ref.text
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 
 
@@ -357,6 +368,9 @@ def test_stop_seed_and_extensions(oai, grpc_client):
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),  # the scheduler's check
+    ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

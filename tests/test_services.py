@@ -149,6 +149,29 @@ def test_model_info_reports_every_worker(client, cluster):
 # --- correctness ---------------------------------------------------------------------------------------------
 
 
+def test_logit_bias_is_transformers_sequence_bias(client, cluster, hf):
+    """Greedy with logit_bias equals transformers' generate with the same single-token sequence_bias, while an
+    unbiased request in the same batches gets exactly its own tokens."""
+    rng = random.Random(3)
+    prompts = [random_ids(rng, n) for n in (5, 23)]
+    free, own = hf_greedy(hf, prompts[1], 12), hf_greedy(hf, prompts[0], 12)
+    bias = {own[0]: -30.0, own[3]: -5.0, 1234: 4.0, 151000: 7.5}
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                          pad_token_id=0, sequence_bias={(t,): b for t, b in bias.items()})
+    want = out[0, len(prompts[0]):].tolist()
+    assert want != own  # the bias changes the output
+
+    async def main():
+        async with AsyncClient(cluster.address, timeout=WAIT_S * 4) as ac:
+            return await asyncio.gather(
+                ac.complete(token_ids=prompts[0], max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=bias),
+                ac.complete(token_ids=prompts[1], max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    (biased,), (unbiased,) = run(main())
+    assert biased.token_ids == want and unbiased.token_ids == free
+
+
 def test_concurrent_greedy_equals_transformers(client, cluster, hf, tok):
     """8 prompts (text and token ids, up to 3 blocks long) sent at once, spread over both workers,
     pipelining on: token for token what transformers' generate gives on the same checkpoint."""

@@ -56,6 +56,8 @@ def req(**fields) -> pb.GenerateRequest:
             msg = getattr(r, part)
             if isinstance(value, list):
                 getattr(msg, field).extend(value)
+            elif isinstance(value, dict):
+                getattr(msg, field).update(value)
             else:
                 setattr(msg, field, value)
         elif name == "prompt":
@@ -138,6 +140,12 @@ CASES = [
     ("too many stop tokens", req(stopping_stop_token_ids=list(range(65))), "stopping.stop_token_ids",
      "at most 64"),
     ("min_tokens above max_tokens", req(stopping_min_tokens=3), "stopping.min_tokens", "must not exceed"),
+    ("logit_bias beyond vocab", req(sampling_logit_bias={VOCAB: 1.0}), "sampling.logit_bias", f"[0, {VOCAB})"),
+    ("negative logit_bias token", req(sampling_logit_bias={-3: 1.0}), "sampling.logit_bias", "non-negative"),
+    ("logit_bias above 100", req(sampling_logit_bias={5: 101.0}), "sampling.logit_bias", "[-100, 100]"),
+    ("NaN logit_bias", req(sampling_logit_bias={5: math.nan}), "sampling.logit_bias", "[-100, 100]"),
+    ("too many logit_bias", req(sampling_logit_bias={t: 1.0 for t in range(1025)}), "sampling.logit_bias",
+     "at most 1024"),
     ("logprobs above cap", req(logprobs=21), "logprobs", "[0, 20]"),
     ("huge logprobs", req(logprobs=2**32 - 1), "logprobs", "[0, 20]"),
     ("n 0", req(n=0), "n", "[1, 16]"),

@@ -64,6 +64,7 @@ class SamplingArrays:
     use_penalty: bool
     all_greedy: bool
     max_logprobs: int
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logit biases: (sample row, token id, value)
 
     def arrays(self) -> list[np.ndarray]:
         return [self.temperature, self.penalty, self.top_k, self.top_p, self.min_p]
@@ -71,7 +72,8 @@ class SamplingArrays:
     @property
     def needs_sampler(self) -> bool:
         """Whether the general sampler must run: the decode step's Gumbel kernel does temperature alone."""
-        return self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
+        return (self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
+                or self.bias is not None)
 
 
 class PersistentBatch:
@@ -98,6 +100,7 @@ class PersistentBatch:
         self.seed = np.zeros(rows, np.int64)
         self.logprobs = np.full(rows, -1, np.int64)
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
         self.next_step = 1
 
     def reset(self, epoch: int) -> None:
@@ -162,6 +165,7 @@ class PersistentBatch:
         state = self.seqs.pop(seq_id)
         row = state.row
         self.holders[self.block_table[row, :self.num_table_blocks[row]]] -= 1  # a table never holds a block twice
+        self.logit_bias.pop(row, None)
         self.free_rows.append(row)
 
     def _add(self, new: pb.NewSequence, dropped: list[int]) -> SeqState:
@@ -192,6 +196,9 @@ class PersistentBatch:
         self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
         self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & _SEED_MASK, p.logprobs
         self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
+        if p.logit_bias:
+            self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
+                                    np.fromiter(p.logit_bias.values(), np.float32))
         return state
 
     def _append_blocks(self, plan: pb.StepPlan, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -253,7 +260,17 @@ class PersistentBatch:
                               use_min_p=bool((min_p > 0).any()),
                               use_penalty=penalties and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any()),
                               all_greedy=bool((temperature == 0).all()),
-                              max_logprobs=int(self.logprobs[rows].max(initial=-1)))
+                              max_logprobs=int(self.logprobs[rows].max(initial=-1)), bias=self._bias(rows))
+
+    def _bias(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The logit biases of the sampling rows `rows`, as (index into rows, token id, bias) columns."""
+        if not self.logit_bias:
+            return None
+        found = [(i, self.logit_bias[r]) for i, r in enumerate(rows.tolist()) if r in self.logit_bias]
+        if not found:
+            return None
+        return (np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in found]),
+                np.concatenate([ids for _, (ids, _) in found]), np.concatenate([v for _, (_, v) in found]))
 
     def has_penalty(self, row: int) -> bool:
         rep, pres, freq = self.penalty[row]

@@ -350,8 +350,11 @@ class ModelRunner:
                 rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
         """params_t: the device copies of params.arrays()."""
         temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
-        if params.use_penalty or params.max_logprobs >= 0:
+        if params.use_penalty or params.max_logprobs >= 0 or params.bias is not None:
             logits = logits.float()
+        if params.bias is not None:  # OpenAI's logit_bias: before penalties and filters
+            row, token, value = upload(list(params.bias), self.device)
+            logits = logits.index_put((row, token), value, accumulate=True)
         if params.use_penalty:
             penalty_t = penalty_t.view(-1, 3)
             logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
