@@ -79,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
-                min_tokens=args.min_tokens, logprobs=args.logprobs, n=args.n, priority=args.priority,
+                min_tokens=args.min_tokens, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, n=args.n,
+                priority=args.priority,
             )
         except ValueError as e:  # e.g. a number out of its protobuf field's range
             raise _UsageError(str(e)) from None
@@ -243,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--n", type=_non_negative_int, help="completions of the prompt")
     p.add_argument("--logprobs", type=_non_negative_int, metavar="N", help="logprobs of the sampled token and top N")
+    p.add_argument("--prompt-logprobs", type=_non_negative_int, metavar="N",
+                   help="logprobs of the prompt's tokens (after the first) and the top N, in --json output")
     p.add_argument("--priority", type=int, default=0, help="larger is more urgent")
     p.add_argument("--json", action="store_true", help="one JSON object per delta, then one per completion")
     p.set_defaults(func=_generate)

@@ -49,6 +49,7 @@ class Delta:
     finish_reason: str | None = None  # None until the completion's last delta: "stop", "length" or "abort"
     stop_reason: str | None = None  # the stop string or token that ended it, if any
     usage: Usage | None = None  # on the completion's last delta
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1..
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class Completion:
     stop_reason: str | None
     usage: Usage | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (the first has no context)
 
 
 class GenerateParams(TypedDict, total=False):
@@ -78,6 +80,7 @@ class GenerateParams(TypedDict, total=False):
     frequency_penalty: float | None
     seed: int | None
     logit_bias: dict[int, float] | None
+    prompt_logprobs: int | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
@@ -106,6 +109,7 @@ def build_request(
     frequency_penalty: float | None = None,
     seed: int | None = None,
     logit_bias: dict[int, float] | None = None,
+    prompt_logprobs: int | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
@@ -152,6 +156,8 @@ def build_request(
 
     if logprobs is not None:
         request.logprobs = logprobs
+    if prompt_logprobs is not None:
+        request.prompt_logprobs = prompt_logprobs
     if n is not None:
         request.n = n
     if skip_special_tokens is not None:
@@ -180,18 +186,29 @@ def _tokenize_request(
     return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking))
 
 
+def _logprobs(entries) -> list[TokenLogprob]:
+    return [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in entries]
+
+
 def _delta(response: pb.GenerateResponse) -> Delta:
+    if response.prompt_logprobs:  # a completion's first message, when it asked
+        delta = _delta_fields(response)
+        delta.prompt_logprobs = _logprobs(response.prompt_logprobs)
+        return delta
+    return _delta_fields(response)
+
+
+def _delta_fields(response: pb.GenerateResponse) -> Delta:
     # Positional, and the optional fields looked at only when present: this runs for every streamed token.
     logprobs = response.logprobs
     if response.finish_reason:
         usage = response.usage
         return Delta(response.index, list(response.token_ids), response.text,
-                     [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in logprobs] if logprobs else None,
+                     _logprobs(logprobs) if logprobs else None,
                      _FINISH_REASONS[response.finish_reason], response.stop_reason or None,
                      Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
                      if response.HasField("usage") else None)
-    return Delta(response.index, list(response.token_ids), response.text,
-                 [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in logprobs] if logprobs else None)
+    return Delta(response.index, list(response.token_ids), response.text, _logprobs(logprobs) if logprobs else None)
 
 
 @dataclass(slots=True)
@@ -215,6 +232,7 @@ class CompletionCollector:
             stop_reason=last.stop_reason,
             usage=last.usage,
             logprobs=[lp for lps in with_logprobs for lp in lps] if with_logprobs else None,
+            prompt_logprobs=deltas[0].prompt_logprobs,
         )
 
     def completions(self) -> list[Completion]:

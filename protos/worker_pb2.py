@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14splitserve.worker.v1\"\xbe\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12G\n\nlogit_bias\x18\n \x03(\x0b\x32\x33.splitserve.worker.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xca\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.splitserve.worker.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe7\x01\n\x08StepPlan\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x33\n\x08new_seqs\x18\x03 \x03(\x0b\x32!.splitserve.worker.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x06 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\x05\x12\x14\n\x0c\x66inished_ids\x18\x08 \x03(\x04\x12\x15\n\rpreempted_ids\x18\t \x03(\x04\"\x91\x01\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nforward_ms\x18\x07 \x01(\x02\"\x8e\x01\n\x0f\x44\x65scribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\"\xbb\x02\n\x10\x44\x65scribeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t2\xb4\x01\n\x06Worker\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12O\n\x07\x45xecute\x12\x1e.splitserve.worker.v1.StepPlan\x1a .splitserve.worker.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14splitserve.worker.v1\"\xf0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12G\n\nlogit_bias\x18\n \x03(\x0b\x32\x33.splitserve.worker.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x00\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"\xca\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.splitserve.worker.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe7\x01\n\x08StepPlan\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x33\n\x08new_seqs\x18\x03 \x03(\x0b\x32!.splitserve.worker.v1.NewSequence\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x06 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\x05\x12\x14\n\x0c\x66inished_ids\x18\x08 \x03(\x04\x12\x15\n\rpreempted_ids\x18\t \x03(\x04\"\xab\x02\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nforward_ms\x18\x07 \x01(\x02\x12\x16\n\x0eprompt_seq_ids\x18\x08 \x03(\x04\x12\x15\n\rprompt_starts\x18\t \x03(\r\x12\x15\n\rprompt_counts\x18\n \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x03(\x02\x12\x1c\n\x14prompt_top_token_ids\x18\x0c \x03(\x05\x12\x1b\n\x13prompt_top_logprobs\x18\r \x03(\x02\"\x8e\x01\n\x0f\x44\x65scribeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\"\xbb\x02\n\x10\x44\x65scribeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t2\xb4\x01\n\x06Worker\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12O\n\x07\x45xecute\x12\x1e.splitserve.worker.v1.StepPlan\x1a .splitserve.worker.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=364
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=316
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=364
-  _globals['_NEWSEQUENCE']._serialized_start=367
-  _globals['_NEWSEQUENCE']._serialized_end=569
-  _globals['_STEPPLAN']._serialized_start=572
-  _globals['_STEPPLAN']._serialized_end=803
-  _globals['_STEPRESULT']._serialized_start=806
-  _globals['_STEPRESULT']._serialized_end=951
-  _globals['_DESCRIBEREQUEST']._serialized_start=954
-  _globals['_DESCRIBEREQUEST']._serialized_end=1096
-  _globals['_DESCRIBERESPONSE']._serialized_start=1099
-  _globals['_DESCRIBERESPONSE']._serialized_end=1414
-  _globals['_WORKER']._serialized_start=1417
-  _globals['_WORKER']._serialized_end=1597
+  _globals['_SAMPLINGPARAMS']._serialized_end=414
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=346
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=394
+  _globals['_NEWSEQUENCE']._serialized_start=417
+  _globals['_NEWSEQUENCE']._serialized_end=619
+  _globals['_STEPPLAN']._serialized_start=622
+  _globals['_STEPPLAN']._serialized_end=853
+  _globals['_STEPRESULT']._serialized_start=856
+  _globals['_STEPRESULT']._serialized_end=1155
+  _globals['_DESCRIBEREQUEST']._serialized_start=1158
+  _globals['_DESCRIBEREQUEST']._serialized_end=1300
+  _globals['_DESCRIBERESPONSE']._serialized_start=1303
+  _globals['_DESCRIBERESPONSE']._serialized_end=1618
+  _globals['_WORKER']._serialized_start=1621
+  _globals['_WORKER']._serialized_end=1801
 # @@protoc_insertion_point(module_scope)

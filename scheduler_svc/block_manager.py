@@ -56,8 +56,8 @@ class BlockManager:
         """Cached blocks holding the longest prefix of seq's tokens, never its last token.
 
         Takes no references: pair with acquire()."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or (seq.sampling is not None and seq.sampling.HasField("prompt_logprobs")):
+            return []  # a request scoring its prompt computes all of it
         limit = (len(seq.token_ids) - 1) // self.block_size
         return self._match(seq.token_ids, extend_hashes(seq.token_ids, self.block_size, seq.block_hashes, limit),
                            limit)

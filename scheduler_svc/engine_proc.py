@@ -57,7 +57,8 @@ class _Outputs:
     keys: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finished: list[list] = field(default_factory=list)  # [index, finish reason]
-    first: list[list] = field(default_factory=list)  # [index, prompt tokens the prefix cache served]
+    # [index, prompt tokens the prefix cache served, prompt logprobs as [token, logprob, top] or None]
+    first: list[list] = field(default_factory=list)
     logprobs: list | None = None  # per output: None, or (logprob, [(token id, logprob) of the top n])
 
 
@@ -251,7 +252,9 @@ class EngineGroup:
             o.keys.append(owned.key)
             o.tokens.append(seq.token_ids[-1])
             if len(seq.token_ids) == seq.num_sent_tokens + 1:  # its first token of this incarnation
-                o.first.append([i, seq.num_cached_tokens or 0])
+                prompt = None if seq.prompt_logprobs is None else [
+                    [lp.token_id, lp.logprob, lp.top] for lp in seq.prompt_logprobs]
+                o.first.append([i, seq.num_cached_tokens or 0, prompt])
             if seq.logprobs:  # asked for, and the worker gave them (a simulated worker gives none)
                 if o.logprobs is None:
                     o.logprobs = [None] * i

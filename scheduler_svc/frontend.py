@@ -106,6 +106,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated so far
     group: GroupView | None = None  # where it runs now
     ack: asyncio.Future | None = None  # while its engine has not answered its add
+    prompt_logprobs: list[TokenLogprob] | None = None  # from its engine, until its first output carries them
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -223,10 +224,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         keys, tokens = ipc.unints(message[5]), ipc.unints(message[6], "i")
         finished, first, logprobs = dict(message[7]), message[8], message[9]
         completions = self.completions
-        for i, cached in first:
+        for i, cached, prompt in first:
             c = completions.get(keys[i])
             if c is not None and c.text.cached_tokens is None:
                 c.text.cached_tokens = cached
+            if c is not None and prompt is not None and not c.tokens:
+                c.prompt_logprobs = [TokenLogprob(t, v, [tuple(x) for x in top] if top else None)
+                                     for t, v, top in prompt]
         for i, key in enumerate(keys):
             c = completions.get(key)
             if c is None or c.group is None or c.group.group_id != gid:
@@ -239,6 +243,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 lp = TokenLogprob(token, value, [tuple(t) for t in top] if top else None)
             c.tokens.append(token)
             out, stop_string = c.text.output(token, reason, lp)
+            if c.prompt_logprobs is not None:
+                out.prompt_logprobs, c.prompt_logprobs = c.prompt_logprobs, None
             if stop_string and reason is None:  # it still runs at its engine
                 self._to_engine(c.group.info.engine, ["stop", self.index, key, gid])
             if out.finished:
@@ -505,7 +511,7 @@ def _params(p: SamplingParams) -> dict:
             "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "seed": p.seed, "stop_token_ids": p.stop_token_ids,
             "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "min_tokens": p.min_tokens,
-            "logit_bias": p.logit_bias}
+            "logit_bias": p.logit_bias, "prompt_logprobs": p.prompt_logprobs}
 
 
 def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
@@ -544,6 +550,9 @@ def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateRe
         for lp in out.logprobs or ():
             r.logprobs.add(logprob=lp.logprob,
                            top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        for lp in out.prompt_logprobs or ():
+            r.prompt_logprobs.add(logprob=lp.logprob,
+                                  top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
     last = outs[-1]  # a completion's final output is its last
     if last.finished:
         r.finish_reason = FINISH.get(last.finish_reason, api.FINISH_REASON_STOP)

@@ -23,6 +23,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
     usage: Usage | None = None  # on the final output
     stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a completion's first output, when asked for
 
 
 class OutputState:

@@ -25,7 +25,7 @@ MIN_PROMPT_BYTES = 64 << 10
 # SamplingParams field -> its path in the public GenerateRequest, for error messages.
 PROTO_FIELD = {"max_tokens": "stopping.max_tokens", "min_tokens": "stopping.min_tokens", "stop": "stopping.stop",
                "stop_token_ids": "stopping.stop_token_ids", "logprobs": "logprobs",
-               "skip_special_tokens": "skip_special_tokens"}
+               "skip_special_tokens": "skip_special_tokens", "prompt_logprobs": "prompt_logprobs"}
 
 
 class InvalidRequest(ValueError):
@@ -154,7 +154,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias))
+        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None))
     try:
         check_params(params, vocab_size)
     except InvalidParam as e:

@@ -44,6 +44,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
@@ -82,6 +83,8 @@ class SamplingParams:
             raise InvalidParam("stop_token_ids", "must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"None (off) or in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"None (off) or in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         if self.min_tokens < 0:
             raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -112,4 +115,5 @@ class SamplingParams:
             seed=self.seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
             logit_bias=self.logit_bias,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -127,6 +127,10 @@ class Scheduler:
             seq.logprobs = None
         elif seq.logprobs is None:
             seq.logprobs = []
+        if params.prompt_logprobs is None:
+            seq.prompt_logprobs = None
+        elif seq.prompt_logprobs is None:
+            seq.prompt_logprobs = []
         seq.arrival = self._arrivals - cfg.priority_aging * seq.priority
         self._arrivals += 1
         seq.status = WAITING
@@ -462,7 +466,29 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is RUNNING]
         if len(result.logprobs):
             self._add_logprobs(step, sampling, accepted, result)
+        if len(result.prompt_seq_ids):
+            self._add_prompt_logprobs(result)
         return accepted
+
+    def _add_prompt_logprobs(self, result: worker_pb2.StepResult) -> None:
+        """Appends the prompt positions the worker scored to seq.prompt_logprobs, in order; a position already
+        there (scored again after a preemption) is skipped."""
+        at = top_at = 0
+        for seq_id, start, count in zip(result.prompt_seq_ids, result.prompt_starts, result.prompt_counts):
+            seq = self._seqs.get(seq_id)
+            n_top = max(seq.sampling.prompt_logprobs, 0) if seq is not None else 0
+            if seq is not None and seq.prompt_logprobs is not None:
+                have = len(seq.prompt_logprobs)
+                for k in range(max(have - start, 0), count):
+                    if start + k != len(seq.prompt_logprobs):
+                        break  # a gap: never expected, the chunks come in order
+                    j = top_at + k * n_top
+                    top = list(zip(result.prompt_top_token_ids[j:j + n_top],
+                                   result.prompt_top_logprobs[j:j + n_top])) if n_top else None
+                    seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[start + k + 1],
+                                                            result.prompt_logprobs[at + k], top))
+            at += count
+            top_at += count * n_top
 
     @staticmethod
     def _add_logprobs(step: int, sampling: list[Sequence], accepted: list[Sequence],

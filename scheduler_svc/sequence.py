@@ -50,6 +50,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (usage)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. when asked for (worker-scored)
     # Resolved by the scheduler at admission.
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
     max_len: int = 0  # total length at which it stops: prompt + max_tokens, capped by the model length

@@ -281,7 +281,8 @@ def test_cli_json_lines(address: str, fake: FakeGeneration, capsys):
     assert [line["text"] for line in lines[:3]] == ["H", "i", ""]
     assert lines[-1] == {"type": "completion", "index": 0, "text": "Hi", "token_ids": [72, 105],
                          "finish_reason": "stop", "stop_reason": "eos", "logprobs": None,
-                         "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_prompt_tokens": 1}}
+                         "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_prompt_tokens": 1},
+                         "prompt_logprobs": None}
     request = next(r for r in reversed(fake.requests.values()) if r.WhichOneof("prompt") == "chat")
     assert request.chat.messages[0].role == "user" and request.chat.HasField("enable_thinking")
     assert request.sampling.HasField("temperature") and request.sampling.seed == 7

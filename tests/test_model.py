@@ -189,3 +189,47 @@ def test_kernel_builds_are_counted_by_phase_through_the_cute_compilers_forms():
     builds.serving_from_now(False)
     builds.count("another warm-up")
     assert (builds.warm_up, builds.serving) == (2, 2)
+
+
+def test_prompt_logprobs_are_scored_chunk_by_chunk(checkpoints):
+    """The worker scores each prompt chunk's positions (prompt_logprobs), a chunk of 7 at a time beside other
+    sequences, and again after a drop and recompute; every value equals transformers' log-softmax."""
+    from protos import worker_pb2 as pb
+
+    model_dir = checkpoints["tied"]
+    runner, hf = _runner(model_dir), _hf(model_dir)
+    results: list[pb.StepResult] = []
+    execute = runner.execute
+
+    def spy(plan):
+        pending = execute(plan)
+        result = pending.result
+        pending.result = lambda: results.append(result()) or results[-1]
+        return pending
+
+    runner.execute = spy
+    driver = PagedDriver(runner, chunk=7, shuffle_seed=4)
+    asked = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1, prompt_logprobs=2)
+    prompts = _prompts(3, seed=11)
+    scored = driver.add(prompts[0] + prompts[1], 4, params=asked)
+    driver.add(prompts[2], 4)
+    driver.run_step()
+    driver.drop(scored)
+    driver.run_all()
+    prompt = scored.tokens[:scored.prompt_len]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    seen: dict[int, list[float]] = {}
+    for res in results:
+        at = 0
+        for sid, start, count in zip(res.prompt_seq_ids, res.prompt_starts, res.prompt_counts):
+            assert sid == scored.seq_id
+            for k in range(count):
+                seen.setdefault(start + k, []).append(res.prompt_logprobs[at + k])
+                top = res.prompt_top_token_ids[2 * (at + k):2 * (at + k) + 2]
+                assert list(top) == ref[start + k].topk(2).indices.tolist()
+            at += count
+    assert sorted(seen) == list(range(len(prompt) - 1))
+    assert any(len(v) == 2 for v in seen.values())  # the first chunk, scored again after the drop
+    for p, values in seen.items():
+        assert all(abs(v - ref[p, prompt[p + 1]].item()) < 1e-4 for v in values)

@@ -342,6 +342,32 @@ def test_logprobs_are_parsed_across_discarded_sequences():
         assert lp.top == [(tok, fake_logprob(tok))]
 
 
+def test_prompt_logprobs_are_appended_once_in_order_and_skip_the_prefix_cache():
+    """Scores come per chunk; after a preemption the worker scores the prompt again: positions already held are
+    skipped. A request asking for them is never served from the prefix cache (its cached part goes unscored)."""
+    sched, worker = make()
+    d = Driver(sched, worker, 2)
+    warm = seq(1, range(1, 12), max_tokens=2)
+    sched.add(warm)
+    d.run()
+    a = seq(2, range(1, 12), max_tokens=2, prompt_logprobs=1)
+    sched.add(a)
+    assert sched.block_manager.match_prefix(a) == [] and sched.block_manager.match_prefix(seq(3, range(1, 12)))
+
+    def result(start: int, count: int, base: float) -> worker_pb2.StepResult:
+        values = [base + k for k in range(count)]
+        return worker_pb2.StepResult(prompt_seq_ids=[2], prompt_starts=[start], prompt_counts=[count],
+                                     prompt_logprobs=values, prompt_top_token_ids=[7] * count,
+                                     prompt_top_logprobs=values)
+
+    sched._add_prompt_logprobs(result(0, 3, 0.0))
+    sched._add_prompt_logprobs(result(3, 4, 3.0))
+    sched._add_prompt_logprobs(result(0, 10, 100.0))  # recomputed from the start after a preemption
+    assert [lp.token_id for lp in a.prompt_logprobs] == list(range(2, 12))
+    assert [lp.logprob for lp in a.prompt_logprobs] == [0, 1, 2, 3, 4, 5, 6, 107, 108, 109]
+    assert a.prompt_logprobs[0].top == [(7, 0.0)]
+
+
 def test_admission_limits():
     sched, _ = make(num_blocks=4, block_size=4, max_model_len=32, max_waiting=2)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -512,3 +512,25 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
         client.complete(**kwargs)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(client, cluster, hf):
+    """prompt_logprobs through client -> scheduler -> worker: every prompt token after the first, with its top 3,
+    equal to transformers' log-softmax within 1e-4, for a long prompt and for one whose prefix another request
+    just cached (computed again: the cache is not used for it). Chunks: test_model's worker test."""
+    rng = random.Random(21)
+    shared = random_ids(rng, 48)
+    first = client.complete(token_ids=shared + random_ids(rng, 5), max_tokens=2, temperature=0.0)
+    assert first[0].prompt_logprobs is None  # not asked
+    for prompt in (random_ids(rng, 300), shared + random_ids(rng, 9)):
+        (c,) = client.complete(token_ids=prompt, max_tokens=2, temperature=0.0, prompt_logprobs=3)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert len(c.prompt_logprobs) == len(prompt) - 1
+        for p, (value, top) in enumerate(c.prompt_logprobs):
+            assert abs(value - ref[p, prompt[p + 1]].item()) < 1e-4
+            best = ref[p].topk(3)
+            assert [t for t, _ in top] == best.indices.tolist()
+            assert max(abs(lp - want) for (_, lp), want in zip(top, best.values.tolist())) < 1e-4
+        assert c.usage.cached_prompt_tokens == 0
+    wait_for("all blocks free", lambda: all_idle(client))

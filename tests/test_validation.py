@@ -147,6 +147,7 @@ CASES = [
     ("too many logit_bias", req(sampling_logit_bias={t: 1.0 for t in range(1025)}), "sampling.logit_bias",
      "at most 1024"),
     ("logprobs above cap", req(logprobs=21), "logprobs", "[0, 20]"),
+    ("prompt_logprobs above cap", req(prompt_logprobs=21), "prompt_logprobs", "[0, 20]"),
     ("huge logprobs", req(logprobs=2**32 - 1), "logprobs", "[0, 20]"),
     ("n 0", req(n=0), "n", "[1, 16]"),
     ("n above cap", req(n=17), "n", "[1, 16]"),

@@ -99,6 +99,7 @@ class PersistentBatch:
         self.min_p = np.zeros(rows, np.float32)
         self.seed = np.zeros(rows, np.int64)
         self.logprobs = np.full(rows, -1, np.int64)
+        self.prompt_logprobs = np.full(rows, -1, np.int64)  # -1: the row's prompt is not scored
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
         self.next_step = 1
@@ -196,6 +197,7 @@ class PersistentBatch:
         self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
         self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & _SEED_MASK, p.logprobs
         self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
+        self.prompt_logprobs[row] = p.prompt_logprobs if p.HasField("prompt_logprobs") else -1
         if p.logit_bias:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))

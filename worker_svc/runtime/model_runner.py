@@ -48,21 +48,58 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
 
 
+PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """The prompt positions a step scored (rows that asked for prompt logprobs): per sequence its first
+    position, count and top-n; per position the next prompt token's logprob and the top n (best first)."""
+    seq_ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    tops: list[int]
+    logprobs: torch.Tensor             # float32 [positions]
+    top_logprobs: torch.Tensor | None  # float32 [positions, max top]
+    top_ids: torch.Tensor | None
+
+    def to_host(self) -> None:
+        for name in ("logprobs", "top_logprobs", "top_ids"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to("cpu", non_blocking=True))
+
+    def write(self, res: pb.StepResult) -> None:
+        res.prompt_seq_ids.extend(self.seq_ids)
+        res.prompt_starts.extend(self.starts)
+        res.prompt_counts.extend(self.counts)
+        res.prompt_logprobs.extend(self.logprobs.tolist())
+        at = 0
+        for count, n in zip(self.counts, self.tops):
+            if n > 0:
+                res.prompt_top_token_ids.extend(self.top_ids[at:at + count, :n].flatten().tolist())
+                res.prompt_top_logprobs.extend(self.top_logprobs[at:at + count, :n].flatten().tolist())
+            at += count
+
+
 class PendingStep:
     """A launched step; `result()` waits for its sampled ids (the step's one host sync)."""
 
     def __init__(self, step: int, seq_ids: list[int], out: SamplerOutput | None,
-                 logprob_counts: list[int], started: float):
+                 logprob_counts: list[int], started: float, prompt: PromptScores | None = None):
         self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
+        self.prompt = prompt
+        if prompt is not None:
+            prompt.to_host()
         self.host: list[torch.Tensor | None] = []
         self.event = None
         if out is not None:
             tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
             # copy=True: on a CPU, token_ids may be the decode step's static buffer, which the next step reuses
             self.host = [t.to("cpu", non_blocking=True, copy=True) if t is not None else None for t in tensors]
-            if out.token_ids.is_cuda:
-                self.event = torch.cuda.Event()
-                self.event.record()
+        if (out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda):
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def result(self) -> pb.StepResult:
         if self.event is not None:
@@ -77,6 +114,8 @@ class PendingStep:
                     if n > 0:
                         res.top_token_ids.extend(top_ids[i, :n].tolist())
                         res.top_logprobs.extend(top_logprobs[i, :n].tolist())
+        if self.prompt is not None:
+            self.prompt.write(res)
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
 
@@ -298,12 +337,44 @@ class ModelRunner:
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
                                  context_lens=(c + n).tolist())
         hidden = self.model(ids_t, pos_t, meta)
+        prompt = self._score_prompts(step, cu, hidden)
         if not len(sample_at):
-            return PendingStep(plan.step, [], None, [], started)
+            return PendingStep(plan.step, [], None, [], started, prompt)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
         out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t)
         self.last_token[rows_t] = out.token_ids
-        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started)
+        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started, prompt)
+
+    def _score_prompts(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PromptScores | None:
+        """Logprobs of the prompt tokens after each prompt position this step computed, for the rows that
+        asked; the LM head runs over those positions only, a slice at a time."""
+        asked = self.batch.prompt_logprobs[step.rows]
+        if (asked < 0).all():
+            return None
+        c, n = step.num_computed, step.num_scheduled
+        seqs, starts, counts, tops, at, targets = [], [], [], [], [], []
+        for i in np.flatnonzero(asked >= 0):
+            state = step.states[i]
+            end = min(int(c[i] + n[i]), state.prompt_len - 1)  # positions whose next token is a prompt token
+            if end <= c[i]:
+                continue
+            seqs.append(int(step.seq_ids[i]))
+            starts.append(int(c[i]))
+            counts.append(end - int(c[i]))
+            tops.append(int(asked[i]))
+            at.append(np.arange(cu[i], cu[i] + counts[-1]))
+            targets.append(np.asarray(state.token_ids[c[i] + 1:end + 1], np.int64))
+        if not seqs:
+            return None
+        at_t, target_t = upload([np.concatenate(at), np.concatenate(targets)], self.device)
+        k = max(tops)
+        parts = []
+        for lo in range(0, len(at_t), PROMPT_SCORE_SLICE):
+            lp = self.model.compute_logits(hidden[at_t[lo:lo + PROMPT_SCORE_SLICE]]).float().log_softmax(-1)
+            parts.append((lp.gather(-1, target_t[lo:lo + PROMPT_SCORE_SLICE, None]).squeeze(-1),
+                          *(lp.topk(k, dim=-1) if k > 0 else (None, None))))
+        cat = lambda j: torch.cat([p[j] for p in parts]) if k > 0 or j == 0 else None  # noqa: E731
+        return PromptScores(seqs, starts, counts, tops, cat(0), cat(1), cat(2))
 
     def _start_penalties(self, state) -> None:
         """A new sequence with a penalty: its row's token statistics, from the tokens sent."""
@@ -340,11 +411,11 @@ class ModelRunner:
         return self._pending(step.step, step.seq_ids, rows, v.rows, out, started)
 
     def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
-                 started: float) -> PendingStep:
+                 started: float, prompt: PromptScores | None = None) -> PendingStep:
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
         counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
-        return PendingStep(step, ids.tolist(), out, counts, started)
+        return PendingStep(step, ids.tolist(), out, counts, started, prompt)
 
     def _sample(self, logits: torch.Tensor, params: SamplingArrays, params_t: list[torch.Tensor],
                 rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
