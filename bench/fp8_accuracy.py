@@ -24,7 +24,7 @@ from common.util import cdiv
 from offline.llm import LLM
 from scheduler_svc.sampling import SamplingParams
 from worker_svc.checkpoints.writer import make_model
-from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.attention import prefill_metadata
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 
@@ -32,15 +32,9 @@ from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 def log_probs(runner: ModelRunner, seq: list[int], start: int) -> torch.Tensor:
     """Log-probabilities (float32) of the next token at positions start-1 .. len(seq)-2: one prefill of the
     whole sequence, its K and V written to and read back from the runner's cache."""
-    device, bs = runner.device, runner.block_size
     n = len(seq)
-    page = torch.arange(cdiv(n, bs), dtype=torch.int32, device=device).view(1, -1)
-    positions = torch.arange(n, device=device)
-    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-                             seqused_k=torch.tensor([n], dtype=torch.int32, device=device), page_table=page,
-                             slot_mapping=page[0, positions // bs].long() * bs + positions % bs,
-                             max_seqlen_q=n, query_lens=[n], context_lens=[n])
-    hidden = runner.model(torch.tensor(seq, device=device), positions, meta)
+    positions, meta = prefill_metadata([n], runner.block_size, runner.device)
+    hidden = runner.model(torch.tensor(seq, device=runner.device), positions, meta)
     return runner.model.compute_logits(hidden[start - 1:n - 1]).float().log_softmax(-1)
 
 

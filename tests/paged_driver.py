@@ -10,7 +10,7 @@ import torch
 
 from common.util import cdiv
 from protos import worker_pb2 as pb
-from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.attention import prefill_metadata
 from worker_svc.runtime.model_runner import ModelRunner
 
 GREEDY = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1)
@@ -110,24 +110,10 @@ class PagedDriver:
 def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Every position's logits of each prompt, from one prefill step of all of them straight through the model
     (blocks in order from 0): what compares with transformers' logits of each prompt alone."""
-    bs = runner.block_size
-    tables, next_block = [], 0
-    for p in prompts:
-        tables.append(list(range(next_block, next_block + cdiv(len(p), bs))))
-        next_block += len(tables[-1])
-    page = np.zeros((len(prompts), max(map(len, tables))), np.int32)
-    for i, t in enumerate(tables):
-        page[i, :len(t)] = t
     lens = [len(p) for p in prompts]
-    positions = np.concatenate([np.arange(n) for n in lens])
-    rows = np.repeat(np.arange(len(prompts)), lens)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
-        seqused_k=torch.tensor(lens, dtype=torch.int32), page_table=torch.from_numpy(page),
-        slot_mapping=torch.from_numpy(page[rows, positions // bs].astype(np.int64) * bs + positions % bs),
-        max_seqlen_q=max(lens), query_lens=lens, context_lens=lens)
+    positions, meta = prefill_metadata(lens, runner.block_size, runner.device)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(np.concatenate(prompts)), torch.from_numpy(positions), meta)
+        hidden = runner.model(torch.tensor(np.concatenate(prompts)), positions, meta)
         return list(runner.model.compute_logits(hidden).split(lens))
 
 

@@ -19,7 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from common.util import cdiv
 
 NAMES = ("auto", "triton", "flash_attn", "torch")
 
@@ -33,6 +36,28 @@ class AttentionMetadata:
     max_seqlen_q: int
     query_lens: list[int]       # host copies, for backends that loop on the host
     context_lens: list[int]
+
+
+def prefill_metadata(query_lens: list[int], block_size: int, device: torch.device | str,
+                     cached: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The positions and metadata of one step in which sequence i runs query_lens[i] new tokens after `cached`
+    tokens already in its blocks, the sequences on consecutive blocks from block 0 (warm-up, scoring, tests)."""
+    ctx = [cached + n for n in query_lens]
+    counts = [cdiv(c, block_size) for c in ctx]
+    page = np.zeros((len(ctx), max(counts)), np.int32)
+    first = 0
+    for i, k in enumerate(counts):
+        page[i, :k] = np.arange(first, first + k)
+        first += k
+    positions = np.concatenate([np.arange(cached, c) for c in ctx])
+    rows = np.repeat(np.arange(len(ctx)), query_lens)
+    slots = page[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32, device=device),
+        seqused_k=torch.tensor(ctx, dtype=torch.int32, device=device), page_table=torch.from_numpy(page).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device), max_seqlen_q=max(query_lens), query_lens=list(query_lens),
+        context_lens=ctx)
+    return torch.from_numpy(positions).to(device), meta
 
 
 class AttentionBackend(Protocol):

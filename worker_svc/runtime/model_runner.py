@@ -22,7 +22,7 @@ from common.util import cdiv
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc import kernels
-from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import load_weights
@@ -249,7 +249,7 @@ class ModelRunner:
                     lens = [q_len] * seqs
                     if mixed:
                         lens[0] = 1  # a decode beside the chunks
-                    logits = self._warm_up_step(lens, per_seq)
+                    logits = self._warm_up_step(lens)
         if hasattr(attention, "forced"):
             attention.forced = None
             attention.steps = dict.fromkeys(attention.steps, 0)
@@ -259,20 +259,11 @@ class ModelRunner:
                                      all_greedy=False, max_logprobs=-1), self.kernels)
         torch.cuda.synchronize()
 
-    def _warm_up_step(self, lens: list[int], per_seq: int) -> torch.Tensor:
+    def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
         """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""
-        bs, seqs = self.block_size, len(lens)
-        ctx = [n + 1 for n in lens]
-        page = torch.arange(seqs * per_seq, dtype=torch.int32, device=self.device).view(seqs, per_seq)
-        positions = torch.cat([torch.arange(1, n + 1) for n in lens]).to(self.device)
-        seq_of = torch.repeat_interleave(torch.arange(seqs), torch.tensor(lens)).to(self.device)
-        slots = page[seq_of, positions // bs].long() * bs + positions % bs
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(self.device)
-        seqused = torch.tensor(ctx, dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=seqused, page_table=page, slot_mapping=slots,
-                                 max_seqlen_q=max(lens), query_lens=lens, context_lens=ctx)
+        positions, meta = prefill_metadata(lens, self.block_size, self.device, cached=1)
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
-        return self.model.compute_logits(hidden[cu[1:] - 1])
+        return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:] - 1])
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         limits = self.limits
@@ -368,13 +359,16 @@ class ModelRunner:
             return None
         at_t, target_t = upload([np.concatenate(at), np.concatenate(targets)], self.device)
         k = max(tops)
-        parts = []
+        values, top_values, top_ids = [], [], []
         for lo in range(0, len(at_t), PROMPT_SCORE_SLICE):
             lp = self.model.compute_logits(hidden[at_t[lo:lo + PROMPT_SCORE_SLICE]]).float().log_softmax(-1)
-            parts.append((lp.gather(-1, target_t[lo:lo + PROMPT_SCORE_SLICE, None]).squeeze(-1),
-                          *(lp.topk(k, dim=-1) if k > 0 else (None, None))))
-        cat = lambda j: torch.cat([p[j] for p in parts]) if k > 0 or j == 0 else None  # noqa: E731
-        return PromptScores(seqs, starts, counts, tops, cat(0), cat(1), cat(2))
+            values.append(lp.gather(-1, target_t[lo:lo + PROMPT_SCORE_SLICE, None]).squeeze(-1))
+            if k > 0:
+                best = lp.topk(k, dim=-1)
+                top_values.append(best.values)
+                top_ids.append(best.indices)
+        return PromptScores(seqs, starts, counts, tops, torch.cat(values),
+                            torch.cat(top_values) if k > 0 else None, torch.cat(top_ids) if k > 0 else None)
 
     def _start_penalties(self, state) -> None:
         """A new sequence with a penalty: its row's token statistics, from the tokens sent."""
