@@ -313,9 +313,11 @@ def test_fused_store_quantises_into_an_fp8_cache_as_the_reference():
 
 
 def test_fp8_cache_runner_on_the_gpu_matches_the_torch_backend(tmp_path):
-    """The whole worker over an fp8 cache (triton backend, CUDA graphs) against the torch backend with the
-    same cache dtype, on the same GPU."""
-    from tests.paged_driver import PagedDriver
+    """The whole worker over an fp8 cache on the GPU: its prefill logits (triton kernels, fused fp8 store)
+    against the torch backend's over the same cache dtype, and its captured decode steps against the same steps
+    uncaptured. Greedy tokens of a random model are no test of kernels that round differently (its top logits
+    tie within bf16's rounding), so the kernels are compared on logits and the graphs on tokens."""
+    from tests.paged_driver import PagedDriver, prefill_logits
     from worker_svc.checkpoints.writer import make_model
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
@@ -323,17 +325,21 @@ def test_fp8_cache_runner_on_the_gpu_matches_the_torch_backend(tmp_path):
     cfg = dict(device="cuda", num_blocks=512, block_size=16, kv_cache_dtype="fp8",
                limits=Limits(max_num_seqs=64, max_model_len=1024))
     fast = ModelRunner(model_dir, RunnerConfig(**cfg))
-    slow = ModelRunner(model_dir, RunnerConfig(**cfg, attention="torch", cuda_graphs=False))
     assert fast.kernels.attention.name == "triton" and fast.decode.graphs
     assert fast.describe().kv_cache_dtype == "float8_e4m3fn"
     prompts = [[(7 * i + j) % 5000 for j in range(5 + 11 * i)] for i in range(13)]
+    slow = ModelRunner(model_dir, RunnerConfig(**cfg, attention="torch", cuda_graphs=False))
+    for a, b in zip(prefill_logits(fast, prompts), prefill_logits(slow, prompts)):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+    del slow
+    eager = ModelRunner(model_dir, RunnerConfig(**cfg, cuda_graphs=False))
     outs = []
-    for runner in (fast, slow):
+    for runner in (fast, eager):
         driver = PagedDriver(runner, chunk=32)
         seqs = [driver.add(p, 24) for p in prompts]
         driver.run_all()
         outs.append([s.generated for s in seqs])
-    assert sum(a == b for a, b in zip(*outs)) >= 11, outs  # bf16 kernels vs the reference may flip near-ties
+    assert sum(a == b for a, b in zip(*outs)) >= 12, outs  # bf16 padded vs unpadded matmuls may flip a near-tie
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 256, 4096])

@@ -18,12 +18,12 @@ from client import Client  # noqa: E402
 from client.launcher import LocalCluster, free_port  # noqa: E402
 from tests.sim_cluster import scrape  # noqa: E402
 
-LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "2048"]
+LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "1024"]  # the model's
 
 
 def _traffic(address: str) -> None:
     rng = random.Random(0)
-    lens = [1, 2, 15, 16, 17, 100, 255, 256, 257, 1000, 1999, 2040]
+    lens = [1, 2, 15, 16, 17, 100, 255, 256, 257, 600, 1000, 1015]
     shared = [rng.randrange(0, 10000) for _ in range(700)]
     requests = [([rng.randrange(0, 10000) for _ in range(n)], 8) for n in lens]
     requests += [(shared + [rng.randrange(0, 10000) for _ in range(n)], 4) for n in (1, 30, 300)]  # prefix hits

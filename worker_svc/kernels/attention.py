@@ -104,16 +104,17 @@ class TritonPrefill:
 
         self._kernel = prefill_attention
         self._blocks: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._blocks_of: AttentionMetadata | None = None  # the step whose query blocks _blocks lists
+        self._blocks_of: tuple[AttentionMetadata, int] | None = None  # the step and block_m _blocks lists
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                  v_scale: float, window: int | None) -> torch.Tensor:
         kernel = self._kernel
-        if self._blocks_of is not meta:
-            self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, kernel.BLOCK_M, q.device), meta
+        block_m = kernel.block_m_for(q.shape[1] // k_cache.shape[2], q.shape[2])
+        if self._blocks_of is None or self._blocks_of[0] is not meta or self._blocks_of[1] != block_m:
+            self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, block_m, q.device), (meta, block_m)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                               meta.page_table, self._blocks, scale, k_scale=k_scale, v_scale=v_scale,
-                                              window=window)
+                                              window=window, block_m=block_m)
 
 
 class FlashAttnPrefill:

@@ -71,6 +71,13 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 BLOCK_M = 64  # query tokens per program: 128 rows of a GQA group of 2, two warpgroups
+MAX_TILE = 256 * 128  # rows x head_dim of one program: Q and two stages of K and V in shared memory, acc in registers
+
+
+def block_m_for(group: int, head_dim: int) -> int:
+    """Query tokens per program for a GQA group and head size: BLOCK_M, fewer where its rows would not fit
+    (head_dim 256 with a group of 4, groups of 7 or 8)."""
+    return max(1, min(BLOCK_M, min(256, MAX_TILE // head_dim) // group))
 
 
 def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,16 +95,18 @@ def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> t
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, page_table: torch.Tensor,
                             blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, k_scale: float = 1.0,
-                            v_scale: float = 1.0, window: int | None = None, block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 8,
-                            num_stages: int = 2) -> torch.Tensor:
+                            v_scale: float = 1.0, window: int | None = None, block_m: int | None = None, block_n: int = 64,
+                            num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache, q's dtype or
-    fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m). With a sliding `window`, the
+    fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m), block_m by default
+    block_m_for(the GQA group, head_dim). With a sliding `window`, the
     query at position p sees keys in (p - window, p]. Returns q's shape and dtype."""
     q = q.contiguous()
     tokens, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if page % block_n and block_n % page:
         raise ValueError(f"block size {page} and tile {block_n} must divide one another")
+    block_m = block_m or block_m_for(heads // kv_heads, head_dim)
     out = torch.empty_like(q)
     block_seq, block_start = blocks
     if block_seq.numel():
