@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU measurement in one go, on the lent H200 (see ../shared/device/README.md):
 #   call 1 (carry .fa4/a):        mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/
-#   call 2 (carry .fa4/b, .whl, .peers for nano_*):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
+#   call 2 (carry .fa4/b, .whl, .peers for nano_*; CHECKS: a pytest -k expression for checks):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
 # Installs the wheels brought along, writes the Qwen3-0.6B-shaped checkpoint once, runs the GPU checks
 # and the benchmarks (each warms up first), and writes results under $OUT (default bench/results).
 set -uo pipefail
@@ -16,7 +16,7 @@ benches=${*:-checks offline latency online prefix}
 for b in $benches; do
   echo "=== $b ==="
   case $b in
-    checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:-} > $OUT/checks.txt 2>&1
+    checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:+-k "$CHECKS"} > $OUT/checks.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
     profile) timeout 400 python3 -m bench runner-step --block-sizes 256 --batches "${PROFILE_BATCHES:-1,32,256}" --graphs-only \
