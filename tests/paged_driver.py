@@ -113,7 +113,7 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.
     lens = [len(p) for p in prompts]
     positions, meta = prefill_metadata(lens, runner.block_size, runner.device)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(np.concatenate(prompts)), positions, meta)
+        hidden = runner.model(torch.tensor(np.concatenate(prompts), device=runner.device), positions, meta)
         return list(runner.model.compute_logits(hidden).split(lens))
 
 
