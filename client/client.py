@@ -8,6 +8,7 @@ server abort the request.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_GRAMMAR: "grammar",
 }
 # Health states worth polling through while a server starts.
 _NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -50,6 +52,7 @@ class Delta:
     stop_reason: str | None = None  # the stop string or token that ended it, if any
     usage: Usage | None = None  # on the completion's last delta
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1..
+    prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs: every prompt token
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class Completion:
     usage: Usage | None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (the first has no context)
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the prompt as the scheduler encoded it
 
 
 class GenerateParams(TypedDict, total=False):
@@ -81,6 +85,7 @@ class GenerateParams(TypedDict, total=False):
     seed: int | None
     logit_bias: dict[int, float] | None
     prompt_logprobs: int | None
+    structured: dict[str, Any] | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
@@ -110,6 +115,7 @@ def build_request(
     seed: int | None = None,
     logit_bias: dict[int, float] | None = None,
     prompt_logprobs: int | None = None,
+    structured: dict[str, Any] | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
@@ -121,7 +127,10 @@ def build_request(
     stream_interval: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest."""
+    """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
+
+    structured: the output's constraint, one of {"json_schema": a schema (dict or JSON text)},
+    {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority)
@@ -158,6 +167,8 @@ def build_request(
         request.logprobs = logprobs
     if prompt_logprobs is not None:
         request.prompt_logprobs = prompt_logprobs
+    if structured is not None:
+        request.structured.CopyFrom(structured_output(structured))
     if n is not None:
         request.n = n
     if skip_special_tokens is not None:
@@ -165,6 +176,21 @@ def build_request(
     if stream_interval is not None:
         request.stream_interval = stream_interval
     return request
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
+    """{kind: value} with exactly one of STRUCTURED_KINDS, as the request's StructuredOutput."""
+    if len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise ValueError(f"structured takes exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(spec)}")
+    (kind, value), = spec.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(value)))
+    return pb.StructuredOutput(**{kind: value})
 
 
 def _chat_prompt(messages: list[dict[str, str]], enable_thinking: bool | None) -> pb.ChatPrompt:
@@ -191,9 +217,10 @@ def _logprobs(entries) -> list[TokenLogprob]:
 
 
 def _delta(response: pb.GenerateResponse) -> Delta:
-    if response.prompt_logprobs:  # a completion's first message, when it asked
+    if response.prompt_token_ids:  # a completion's first message, when it asked for prompt logprobs
         delta = _delta_fields(response)
         delta.prompt_logprobs = _logprobs(response.prompt_logprobs)
+        delta.prompt_token_ids = list(response.prompt_token_ids)
         return delta
     return _delta_fields(response)
 
@@ -233,6 +260,7 @@ class CompletionCollector:
             usage=last.usage,
             logprobs=[lp for lps in with_logprobs for lp in lps] if with_logprobs else None,
             prompt_logprobs=deltas[0].prompt_logprobs,
+            prompt_token_ids=deltas[0].prompt_token_ids,
         )
 
     def completions(self) -> list[Completion]:

@@ -78,10 +78,12 @@ class IncrementalDetokenizer:
 
     def next(self, token_id: int, finish_reason: str | None, check_stop: bool) -> tuple[str, str | None, str | None]:
         """One new token of a sequence and how the scheduler left it: (text delta, finish reason, stop reason).
-        A stop token (reason "stop") is no part of the text; a stop string found here finishes it with reason
+        A stop token (reason "stop") is no part of the text, nor the EOS that ends a dead grammar ("grammar"); a stop string found here finishes it with reason
         "stop" whatever the scheduler said (its caller tells the scheduler); the end flushes what is held."""
         if finish_reason == "stop":
             return self.flush(), "stop", str(token_id)
+        if finish_reason == "grammar":  # an EOS the worker sampled where the grammar allowed no token
+            return self.flush(), "grammar", None
         text, stopped = self.add(token_id, check_stop)
         if stopped:
             return text, "stop", self.stop_string

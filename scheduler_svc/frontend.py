@@ -43,7 +43,8 @@ from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger("splitserve.scheduler")
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT}
+FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT,
+          "grammar": api.FINISH_REASON_GRAMMAR}
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
@@ -245,6 +246,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             out, stop_string = c.text.output(token, reason, lp)
             if c.prompt_logprobs is not None:
                 out.prompt_logprobs, c.prompt_logprobs = c.prompt_logprobs, None
+                out.prompt_token_ids = c.prompt_ids
             if stop_string and reason is None:  # it still runs at its engine
                 self._to_engine(c.group.info.engine, ["stop", self.index, key, gid])
             if out.finished:
@@ -299,7 +301,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         group.routed(len(tokens))
         params = c.params
         self._to_engine(group.info.engine, [
-            "add", self.index, c.key, group.group_id, len(c.prompt_ids), ipc.ints(tokens, "i"), _params(params),
+            "add", self.index, c.key, group.group_id, len(c.prompt_ids), ipc.ints(tokens, "i"), params.engine_fields(),
             c.priority, force, ipc.ints(hashes.of(group.info.block_size), "Q")])
         try:
             return await c.ack
@@ -506,14 +508,6 @@ async def _write(context, response: api.GenerateResponse) -> bool:
         return False
 
 
-def _params(p: SamplingParams) -> dict:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-            "min_p": p.min_p, "repetition_penalty": p.repetition_penalty, "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty, "seed": p.seed, "stop_token_ids": p.stop_token_ids,
-            "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "min_tokens": p.min_tokens,
-            "logit_bias": p.logit_bias, "prompt_logprobs": p.prompt_logprobs}
-
-
 def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
           interval: int) -> api.GenerateResponse | None:
     """Joins `response` to what its completion holds back; returns the message to send once it holds
@@ -553,6 +547,8 @@ def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateRe
         for lp in out.prompt_logprobs or ():
             r.prompt_logprobs.add(logprob=lp.logprob,
                                   top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        if out.prompt_token_ids:
+            r.prompt_token_ids.extend(out.prompt_token_ids)
     last = outs[-1]  # a completion's final output is its last
     if last.finished:
         r.finish_reason = FINISH.get(last.finish_reason, api.FINISH_REASON_STOP)

@@ -19,17 +19,18 @@ class RequestOutput:
     token_ids: list[int]  # new since the previous output
     text: str  # new text since the previous output
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "grammar" (structured output dead)
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when asked for
     usage: Usage | None = None  # on the final output
     stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
     prompt_logprobs: list[TokenLogprob] | None = None  # on a completion's first output, when asked for
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the prompt's every token id
 
 
 class OutputState:
     """One request's text so far. `cached_tokens`: its prompt tokens the prefix cache served at its first
     admission, set by the caller once known."""
-    __slots__ = ("request_id", "detokenizer", "prompt_len", "min_len", "num_output", "cached_tokens")
+    __slots__ = ("request_id", "detokenizer", "prompt_len", "min_len", "num_output", "cached_tokens", "scoring")
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, token_ids: list[int], prompt_len: int,
                  params: SamplingParams):
@@ -40,11 +41,18 @@ class OutputState:
         self.min_len = prompt_len + params.min_tokens  # stop strings count from this total length
         self.num_output = len(token_ids) - prompt_len
         self.cached_tokens: int | None = None
+        # max_tokens 0 (with prompt_logprobs): the prompt is scored and nothing generated. The engine runs it as
+        # max_tokens 1, and the one token sampled at the prompt's end is dropped here.
+        self.scoring = params.max_tokens == 0
 
     def output(self, token_id: int, finish_reason: str | None,
                logprob: TokenLogprob | None = None) -> tuple[RequestOutput, bool]:
         """The output of one new token, given how the engine left the sequence, and whether a stop string
         ended it here (the engine must then be told: a stop string is found only here)."""
+        if self.scoring:  # the token sampled at the prompt's end finished it: none of it is output
+            out = RequestOutput(self.request_id, [], "", True, "length")
+            out.usage = self.usage()
+            return out, False
         self.num_output += 1
         text, reason, stop_reason = self.detokenizer.next(token_id, finish_reason,
                                                           self.prompt_len + self.num_output >= self.min_len)

@@ -10,6 +10,7 @@ import xxhash
 
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import InvalidParam, SamplingParams
+from scheduler_svc.structured import InvalidStructured, grammar_of
 from scheduler_svc.tokenizer import ModelTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -25,7 +26,8 @@ MIN_PROMPT_BYTES = 64 << 10
 # SamplingParams field -> its path in the public GenerateRequest, for error messages.
 PROTO_FIELD = {"max_tokens": "stopping.max_tokens", "min_tokens": "stopping.min_tokens", "stop": "stopping.stop",
                "stop_token_ids": "stopping.stop_token_ids", "logprobs": "logprobs",
-               "skip_special_tokens": "skip_special_tokens", "prompt_logprobs": "prompt_logprobs"}
+               "skip_special_tokens": "skip_special_tokens", "prompt_logprobs": "prompt_logprobs",
+               "ignore_eos": "stopping.ignore_eos"}
 
 
 class InvalidRequest(ValueError):
@@ -156,7 +158,11 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
         logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None))
     try:
+        if req.HasField("structured"):
+            params.grammar = grammar_of(req.structured)
         check_params(params, vocab_size)
+    except InvalidStructured as e:
+        raise InvalidRequest(f"{e.field} {e.detail}") from None
     except InvalidParam as e:
         raise InvalidRequest(f"{PROTO_FIELD.get(e.field, 'sampling.' + e.field)} {e.detail}") from None
     ids = prompt_ids(req, tokenizer, vocab_size, max_model_len)

@@ -15,6 +15,10 @@ MAX_STOP_STRING_LEN = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI: 300)
 MAX_LOGPROBS = 20  # top alternatives per token
+# What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
+ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
+                 "prompt_logprobs", "grammar")
 _seed_source = random.SystemRandom()
 
 
@@ -28,7 +32,7 @@ class InvalidParam(ValueError):
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None: until the model length
+    max_tokens: int | None = 16  # None: until the model length; 0 (with prompt_logprobs only): score the prompt
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # -1 or 0 = off
@@ -45,14 +49,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
+    grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
         def bad(name: str, allowed: str, value: object) -> InvalidParam:
             return InvalidParam(name, f"must be {allowed}, got {value!r}")
 
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "at least 1", self.max_tokens)
+        if self.max_tokens is not None and self.max_tokens < 1 and not (
+                self.max_tokens == 0 and self.prompt_logprobs is not None):
+            raise bad("max_tokens", "at least 1 (0 only with prompt_logprobs: scoring the prompt)", self.max_tokens)
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise bad("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         if not 0.0 < self.top_p <= 1.0:  # NaN fails every comparison
@@ -89,6 +95,10 @@ class SamplingParams:
             raise bad("min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParam("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidParam("ignore_eos", "cannot be set with structured output: it ends where its grammar does")
+        if self.grammar is not None and self.min_tokens:
+            raise InvalidParam("min_tokens", "cannot be set with structured output: it ends where its grammar does")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidParam("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
@@ -96,6 +106,10 @@ class SamplingParams:
                 raise InvalidParam("logit_bias", f"keys must be non-negative token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails
                 raise InvalidParam("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
+
+    def engine_fields(self) -> dict:
+        """ENGINE_FIELDS, for the message that hands the request to its engine process."""
+        return {name: getattr(self, name) for name in ENGINE_FIELDS}
 
     def resolved_seed(self) -> int:
         """The user's seed, or a fresh random 64-bit one."""
@@ -116,4 +130,5 @@ class SamplingParams:
             logprobs=-1 if self.logprobs is None else self.logprobs,
             logit_bias=self.logit_bias,
             prompt_logprobs=self.prompt_logprobs,
+            grammar=self.grammar or "",
         )

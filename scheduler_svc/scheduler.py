@@ -107,6 +107,10 @@ class Scheduler:
         params = seq.params
         p = seq.prompt_len
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - p
+        if max_new == 0 and params.prompt_logprobs is not None:
+            # Scoring a prompt (max_tokens 0): run as max_tokens 1. The token sampled with the prompt's last chunk
+            # finishes it ("length") in that same step, no decode is scheduled, and OutputState drops the token.
+            max_new = 1
         if max_new < 1 or p + max_new > self.max_model_len or n >= p + max_new:
             raise ValueError(
                 f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.max_model_len})"
@@ -429,7 +433,8 @@ class Scheduler:
 
         Returns the sequences that received a token: each has just appended exactly one
         (token_ids[-1]), with its logprob appended to seq.logprobs when asked for, and
-        finish_reason set when it stopped ("stop" or "length"); its blocks are then already free.
+        finish_reason set when it stopped ("stop", "length", or "grammar" where the worker found its structured
+        output's grammar dead); its blocks are then already free.
         Stop tokens and lengths are decided here; stop strings by the caller, through stop().
         """
         if not self._in_flight:
@@ -446,6 +451,7 @@ class Scheduler:
         finish = self._finish
         accepted: list[Sequence] = []
         num_finished = 0
+        dead = set(result.grammar_dead_ids)  # structured outputs that no token could continue
         for seq, tok in zip(sampling, result.token_ids):
             if step < seq.start_step:
                 continue  # finished, aborted or preempted since: stale
@@ -456,7 +462,10 @@ class Scheduler:
             # Its last block is complete once known and computed: the later of the two commits it.
             if n % bs == 0 and caching and seq.num_computed_tokens >= n:
                 commit(seq)
-            if tok in seq.stop_ids and n >= seq.min_len:
+            if dead and seq.seq_id in dead:
+                finish(seq, "grammar", False)
+                num_finished += 1
+            elif tok in seq.stop_ids and n >= seq.min_len:
                 finish(seq, "stop", False)
                 num_finished += 1
             elif n >= seq.max_len:

@@ -48,7 +48,7 @@ class Sequence:
     # The step that (re)sent it as new: results of earlier steps are stale. NEVER while not running.
     start_step: int = NEVER
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (usage)
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "grammar" (structured output dead)
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. when asked for (worker-scored)
     # Resolved by the scheduler at admission.

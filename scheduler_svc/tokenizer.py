@@ -14,6 +14,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from common.model_files import eos_token_ids, read_json
+
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -71,10 +73,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "...", ...} in older tokenizer configs
         return value.get("content")
@@ -87,15 +85,10 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found")
     tokenizer = Tokenizer.from_file(str(path))
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    tok_config = read_json(model_dir / "tokenizer_config.json")
     special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(tok_config.get(k))) is not None}
 
-    eos: list[int] = []
-    for cfg in (_read_json(model_dir / "generation_config.json"), _read_json(model_dir / "config.json")):
-        ids = cfg.get("eos_token_id")
-        for i in ids if isinstance(ids, list) else [ids] if ids is not None else []:
-            if i not in eos:
-                eos.append(i)
+    eos = eos_token_ids(model_dir)
     if not eos and "eos_token" in special:
         eos_id = tokenizer.token_to_id(special["eos_token"])
         if eos_id is not None:

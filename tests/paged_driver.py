@@ -96,7 +96,7 @@ class PagedDriver:
             if self.done(s) and s.on_worker:
                 plan.finished_ids.append(s.seq_id)
                 s.on_worker = False
-        result = self.runner.execute(plan).result()
+        result = self.last_result = self.runner.execute(plan).result()
         out = dict(zip(result.seq_ids, result.token_ids))
         for seq_id, token in out.items():
             self.seqs[seq_id].tokens.append(token)

@@ -65,6 +65,7 @@ class SamplingArrays:
     all_greedy: bool
     max_logprobs: int
     bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logit biases: (sample row, token id, value)
+    constrained: np.ndarray | None = None  # which sampling rows follow a grammar (structured output)
 
     def arrays(self) -> list[np.ndarray]:
         return [self.temperature, self.penalty, self.top_k, self.top_p, self.min_p]
@@ -73,7 +74,7 @@ class SamplingArrays:
     def needs_sampler(self) -> bool:
         """Whether the general sampler must run: the decode step's Gumbel kernel does temperature alone."""
         return (self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
-                or self.bias is not None)
+                or self.bias is not None or self.constrained is not None)
 
 
 class PersistentBatch:
@@ -102,6 +103,7 @@ class PersistentBatch:
         self.prompt_logprobs = np.full(rows, -1, np.int64)  # -1: the row's prompt is not scored
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
+        self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
         self.next_step = 1
 
     def reset(self, epoch: int) -> None:
@@ -167,6 +169,7 @@ class PersistentBatch:
         row = state.row
         self.holders[self.block_table[row, :self.num_table_blocks[row]]] -= 1  # a table never holds a block twice
         self.logit_bias.pop(row, None)
+        self.grammar.pop(row, None)
         self.free_rows.append(row)
 
     def _add(self, new: pb.NewSequence, dropped: list[int]) -> SeqState:
@@ -201,6 +204,8 @@ class PersistentBatch:
         if p.logit_bias:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))
+        if p.grammar:
+            self.grammar[row] = p.grammar
         return state
 
     def _append_blocks(self, plan: pb.StepPlan, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -262,7 +267,8 @@ class PersistentBatch:
                               use_min_p=bool((min_p > 0).any()),
                               use_penalty=penalties and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any()),
                               all_greedy=bool((temperature == 0).all()),
-                              max_logprobs=int(self.logprobs[rows].max(initial=-1)), bias=self._bias(rows))
+                              max_logprobs=int(self.logprobs[rows].max(initial=-1)), bias=self._bias(rows),
+                              constrained=self._constrained(rows))
 
     def _bias(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The logit biases of the sampling rows `rows`, as (index into rows, token id, bias) columns."""
@@ -273,6 +279,12 @@ class PersistentBatch:
             return None
         return (np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in found]),
                 np.concatenate([ids for _, (ids, _) in found]), np.concatenate([v for _, (_, v) in found]))
+
+    def _constrained(self, rows: np.ndarray) -> np.ndarray | None:
+        if not self.grammar:
+            return None
+        index = np.flatnonzero(np.fromiter((r in self.grammar for r in rows.tolist()), bool, len(rows)))
+        return index if len(index) else None
 
     def has_penalty(self, row: int) -> bool:
         rep, pres, freq = self.penalty[row]

@@ -29,6 +29,7 @@ from worker_svc.model.loader import load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
+from worker_svc.runtime.grammar import Grammars, StepMasks
 from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
@@ -89,6 +90,7 @@ class PendingStep:
                  logprob_counts: list[int], started: float, prompt: PromptScores | None = None):
         self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
         self.prompt = prompt
+        self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
         if prompt is not None:
             prompt.to_host()
         self.host: list[torch.Tensor | None] = []
@@ -116,6 +118,7 @@ class PendingStep:
                         res.top_logprobs.extend(top_logprobs[i, :n].tolist())
         if self.prompt is not None:
             self.prompt.write(res)
+        res.grammar_dead_ids.extend(self.grammar_dead)
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
 
@@ -163,6 +166,7 @@ class ModelRunner:
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
+        self.grammars = Grammars(model_dir, mc.vocab_size, self.device)
         self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
                                  scratch_block=self.num_blocks, block_size=self.block_size)
         if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch":
@@ -287,6 +291,7 @@ class ModelRunner:
         """Forgets every sequence and starts a new epoch (the scheduler that drove us is gone); a
         tensor-parallel follower takes its leader's."""
         self.batch.reset(random.getrandbits(63) if epoch is None else epoch)
+        self.grammars.reset()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -296,6 +301,8 @@ class ModelRunner:
         step = self.batch.apply(plan)
         for state in step.new:
             self._start_penalties(state)
+            if state.row in self.batch.grammar:
+                self.grammars.start(state.row, self.batch.grammar[state.row], state.token_ids[state.prompt_len:])
         rows, n, c = step.rows, step.num_scheduled, step.num_computed
         if not len(rows):
             return PendingStep(plan.step, [], None, [], started)
@@ -332,9 +339,10 @@ class ModelRunner:
         if not len(sample_at):
             return PendingStep(plan.step, [], None, [], started, prompt)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
-        out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t)
+        masks = self._masks(params, sample_rows)
+        out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t, masks)
         self.last_token[rows_t] = out.token_ids
-        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started, prompt)
+        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started, prompt, masks)
 
     def _score_prompts(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PromptScores | None:
         """Logprobs of the prompt tokens after each prompt position this step computed, for the rows that
@@ -396,26 +404,37 @@ class ModelRunner:
             seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.batch.seed[rows],
             page_table=table), all_greedy=params.all_greedy)
         v = b.inputs
+        masks = None
         if params.needs_sampler:
+            masks = self._masks(params, rows)
             out = self._sample(b.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
-                               v.seeds)
+                               v.seeds, masks)
             self.last_token[v.rows] = out.token_ids
         else:
             out = SamplerOutput(b.tokens, None, None, None)
-        return self._pending(step.step, step.seq_ids, rows, v.rows, out, started)
+        return self._pending(step.step, step.seq_ids, rows, v.rows, out, started, masks=masks)
 
     def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
-                 started: float, prompt: PromptScores | None = None) -> PendingStep:
+                 started: float, prompt: PromptScores | None = None, masks: StepMasks | None = None) -> PendingStep:
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
         counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
-        return PendingStep(step, ids.tolist(), out, counts, started, prompt)
+        pending = PendingStep(step, ids.tolist(), out, counts, started, prompt)
+        if masks is not None:
+            self.grammars.sampled(pending.host, pending.event, masks)
+            pending.grammar_dead = ids[masks.host_index[masks.dead]].tolist()
+        return pending
+
+    def _masks(self, params: SamplingArrays, rows: np.ndarray) -> StepMasks | None:
+        """The grammar masks of the sampling rows that follow one (structured output), else None."""
+        return None if params.constrained is None else self.grammars.masks(rows, params.constrained)
 
     def _sample(self, logits: torch.Tensor, params: SamplingArrays, params_t: list[torch.Tensor],
-                rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor) -> SamplerOutput:
+                rows_t: torch.Tensor, positions: torch.Tensor, seeds: torch.Tensor,
+                masks: StepMasks | None = None) -> SamplerOutput:
         """params_t: the device copies of params.arrays()."""
         temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
-        if params.use_penalty or params.max_logprobs >= 0 or params.bias is not None:
+        if params.use_penalty or params.max_logprobs >= 0 or params.bias is not None or masks is not None:
             logits = logits.float()
         if params.bias is not None:  # OpenAI's logit_bias: before penalties and filters
             row, token, value = upload(list(params.bias), self.device)
@@ -423,6 +442,8 @@ class ModelRunner:
         if params.use_penalty:
             penalty_t = penalty_t.view(-1, 3)
             logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
+        if masks is not None:  # last: a disallowed token stays at -inf whatever its bias or penalty
+            masks.apply(logits)
         return sample(logits, SamplingBatch(
             temperature=temperature_t, seeds=seeds, positions=positions, top_k=top_k_t if params.use_k else None,
             top_p=top_p_t if params.use_p else None, min_p=min_p_t if params.use_min_p else None,

@@ -1,0 +1,23 @@
+"""What a checkpoint's own files say that both the scheduler and the worker read: its EOS token ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The file's JSON object, or {} where the checkpoint has no such file."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """generation_config.json's eos_token_id (one or a list), then config.json's, in order and each once."""
+    model_dir = Path(model_dir)
+    eos: list[int] = []
+    for cfg in (read_json(model_dir / "generation_config.json"), read_json(model_dir / "config.json")):
+        ids = cfg.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids] if ids is not None else []:
+            if i not in eos:
+                eos.append(i)
+    return eos

@@ -1,0 +1,76 @@
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, context-free grammar)
+compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence.
+
+The worker holds a matcher per sequence and masks the logits of each step it samples (worker_svc/runtime/
+grammar.py): it has every sampled token first, while the scheduler learns one only a pipeline depth later, so
+masks made here would stall each constrained row by that depth or cross the wire as ~19 KB per row per step.
+llguidance rather than xgrammar: it needs no torch (the scheduler never imports it) and builds masks lazily
+from the grammar, with no compile step to cache or bound (validation of a large schema takes about a ms).
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import llguidance
+
+from protos import splitserve_pb2 as api
+
+MAX_SPEC_BYTES = 256 << 10  # a schema, regex or grammar; larger ones are refused before compiling
+MAX_CHOICES = 1024
+# JSON as its compact canonical form: no free whitespace between tokens, which a model may otherwise
+# emit without end (every whitespace token stays allowed).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class InvalidStructured(ValueError):
+    """A constraint that does not compile: `field` names it (structured.json_schema, ...), `detail` why."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+
+def grammar_of(structured: api.StructuredOutput) -> str:
+    """The llguidance grammar of a public StructuredOutput, or InvalidStructured naming its field."""
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise InvalidStructured("structured", "must set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        if not structured.json_object:
+            raise InvalidStructured("structured.json_object", "must be true when it is the constraint")
+        return compile_grammar("json_schema", '{"type": "object"}')
+    if kind == "choice":
+        choices = list(structured.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
+            raise InvalidStructured("structured.choice.choices", f"must hold 1 to {MAX_CHOICES} non-empty strings")
+        return compile_grammar("choice", json.dumps(choices))
+    return compile_grammar(kind, getattr(structured, kind))
+
+
+@functools.lru_cache(maxsize=256)
+def compile_grammar(kind: str, spec: str) -> str:
+    """kind: json_schema, choice (a JSON list), regex or grammar (Lark or GBNF). The same spec twice compiles
+    once (the cache), and an invalid one raises InvalidStructured every time (exceptions are not cached, but
+    refusing is as cheap as compiling)."""
+    field = f"structured.{kind}"
+    if len(spec.encode()) > MAX_SPEC_BYTES:
+        raise InvalidStructured(field, f"must be at most {MAX_SPEC_BYTES} bytes")
+    if not spec.strip():
+        raise InvalidStructured(field, "must not be empty")
+    try:
+        if kind == "json_schema":
+            schema = json.loads(spec)
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidStructured(field, "must be a JSON object (a schema)")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        else:
+            grammar = llguidance.grammar_from(kind, spec)
+    except json.JSONDecodeError as e:
+        raise InvalidStructured(field, f"must be valid JSON: {e}") from None
+    except ValueError as e:
+        raise InvalidStructured(field, f"does not compile: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidStructured(field, f"does not compile: {error.strip()}")
+    return grammar

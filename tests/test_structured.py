@@ -1,0 +1,170 @@
+"""Structured outputs through real processes (client -> scheduler -> worker, CPU): a random-weight model writes
+what only the constraint can make valid (regex, choice, JSON schema, Lark grammar), at temperature > 0 over
+many seeds, pipelined beside free requests that keep exactly their tokens; bad constraints are refused naming
+their field; a grammar that no token can continue ends its request with finish reason "grammar". The worker's
+side alone (masks fed through preemption) is tested on a ModelRunner at the end."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import grpc
+import jsonschema
+import pytest
+
+from client import AsyncClient, Client
+from client.launcher import LocalCluster
+from tests import sim_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER_ARGS = ["--num-blocks", "256", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "inner": {"type": "object", "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 5}},
+                  "required": ["level"], "additionalProperties": False},
+    },
+    "required": ["colour", "count", "ok", "tags", "inner"],
+    "additionalProperties": False,
+}
+EMAIL = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, num_workers=1, worker_args=WORKER_ARGS, scheduler_args=sim_cluster.TREE_ARGS,
+                     log_dir=tmp_path_factory.mktemp("structured-logs")).start(timeout=240)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.address, timeout=120) as c:
+        yield c
+
+
+def _gather(address: str, requests: list[dict]) -> list:
+    async def main():
+        async with AsyncClient(address, timeout=120) as c:
+            return [cs[0] for cs in await asyncio.gather(*(c.complete(**r) for r in requests))]
+    return asyncio.run(main())
+
+
+def test_regex_choice_schema_and_grammar_hold_at_temperature_for_every_seed(cluster):
+    lark = 'start: greeting " " name "!"\ngreeting: "hello" | "hi"\nname: /[A-Z][a-z]{1,6}/'
+    requests = []
+    for seed in range(12):
+        base = dict(prompt=f"Request {seed}:", temperature=0.9, seed=seed, max_tokens=80)
+        requests += [dict(base, structured={"regex": EMAIL}), dict(base, structured={"choice": ["yes", "no", "maybe"]}),
+                     dict(base, structured={"json_schema": SCHEMA}), dict(base, structured={"grammar": lark})]
+    outs = _gather(cluster.address, requests)
+    for r, out in zip(requests, outs):
+        kind, spec = next(iter(r["structured"].items()))
+        assert out.finish_reason == "stop", (r, out.text)
+        if kind == "regex":
+            assert re.fullmatch(EMAIL, out.text), out.text
+        elif kind == "choice":
+            assert out.text in spec
+        elif kind == "json_schema":
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        else:
+            assert re.fullmatch(r"(hello|hi) [A-Z][a-z]{1,6}!", out.text), out.text
+
+
+def test_json_object_is_an_object(client):
+    for seed in range(4):
+        out, = client.complete("JSON:", structured={"json_object": True}, temperature=0.7, seed=seed, max_tokens=400)
+        if out.finish_reason == "stop":  # a random model may fill the object beyond max_tokens
+            assert isinstance(json.loads(out.text), dict), out.text
+        else:
+            assert out.finish_reason == "length" and out.text.startswith("{")
+
+
+def test_free_requests_beside_constrained_ones_keep_their_greedy_tokens(cluster, client):
+    free = [dict(prompt=f"Story number {i} begins", temperature=0.0, max_tokens=24, ignore_eos=True) for i in range(6)]
+    alone = [client.complete(**r)[0].token_ids for r in free]
+    constrained = [dict(prompt=f"Mail {i}:", temperature=0.8, seed=i, max_tokens=40, structured={"regex": EMAIL})
+                   for i in range(10)]
+    mixed = _gather(cluster.address, [x for pair in zip(free + free[:4], constrained) for x in pair])
+    assert [o.token_ids for o in mixed[0::2][:6]] == alone
+    assert all(re.fullmatch(EMAIL, o.text) for o in mixed[1::2])
+
+
+@pytest.mark.parametrize("structured,field", [
+    ({"regex": "a(b"}, "structured.regex"),
+    ({"json_schema": "{not json"}, "structured.json_schema"),
+    ({"json_schema": {"type": "integer", "minimum": 5, "maximum": 2}}, "structured.json_schema"),
+    ({"grammar": "start: undefined_rule"}, "structured.grammar"),
+    ({"choice": []}, "structured.choice.choices"),
+    ({"json_object": False}, "structured.json_object"),
+])
+def test_a_constraint_that_does_not_compile_is_invalid_argument_naming_its_field(client, structured, field):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("x", structured=structured, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field), e.value.details()
+
+
+@pytest.mark.parametrize("extra,field", [({"ignore_eos": True}, "stopping.ignore_eos"),
+                                          ({"min_tokens": 2}, "stopping.min_tokens")])
+def test_structured_output_refuses_what_would_run_past_its_grammar(client, extra, field):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("x", structured={"regex": "a+"}, max_tokens=4, **extra)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(client):
+    out, = client.complete("x", structured={"regex": "[a-z]{50,60}"}, max_tokens=5, temperature=0.5, seed=1)
+    assert out.finish_reason == "length" and len(out.token_ids) == 5 and re.fullmatch("[a-z]+", out.text)
+
+
+def test_the_same_schema_compiles_once():
+    from scheduler_svc import structured
+
+    structured.compile_grammar.cache_clear()
+    spec = json.dumps(SCHEMA)
+    for _ in range(3):
+        structured.compile_grammar("json_schema", spec)
+    info = structured.compile_grammar.cache_info()
+    assert info.misses == 1 and info.hits == 2
+
+
+# ---- the worker alone ------------------------------------------------------------------------------
+def test_worker_masks_survive_preemption_and_a_dead_grammar_forces_eos(tiny_model_dir):
+    """Rows resent after a drop (their generated tokens fed to a fresh matcher) still follow the grammar; a
+    matcher put into an error state makes its row sample an EOS and the step report it."""
+    import llguidance
+
+    from protos import worker_pb2 as pb
+    from common.model_files import eos_token_ids
+    from scheduler_svc.structured import compile_grammar
+    from tests.paged_driver import PagedDriver, run_with_drops
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=128, block_size=16))
+    grammar = compile_grammar("regex", "[a-z]{20,30}")
+    params = [pb.SamplingParams(temperature=0.8, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=s,
+                                grammar=grammar) for s in range(6)]
+    driver = PagedDriver(runner, chunk=8)
+    seqs = [driver.add([1 + s, 2, 3, 4, 5], 16, p) for s, p in enumerate(params)]
+    run_with_drops(driver, seqs, drop_at=(3, 7))
+    eos = set(eos_token_ids(tiny_model_dir))
+    tok = llguidance.LLTokenizer((tiny_model_dir / "tokenizer.json").read_text(), n_vocab=runner.model_config.vocab_size)
+    for s in seqs:  # the driver runs past EOS: once the grammar is complete, only EOS may follow
+        text_ids = [t for t in s.generated if t not in eos]
+        assert s.generated[:len(text_ids)] == text_ids, s.generated
+        assert re.fullmatch("[a-z]+", tok.decode_str(text_ids)), s.generated
+
+    dead = driver.add([9, 9, 9], 8, params[0])
+    driver.run_step(only={dead.seq_id})  # its prompt and first token
+    runner.grammars._matchers[runner.batch.seqs[dead.seq_id].row].consume_token(0)  # "!" is no [a-z]
+    out = driver.run_step(only={dead.seq_id})
+    assert list(driver.last_result.grammar_dead_ids) == [dead.seq_id]
+    assert out[dead.seq_id] in eos
