@@ -1,0 +1,231 @@
+"""Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
+(like vLLM's flag of that name). One parser so far, `hermes`.
+
+The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
+more blocks
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+(the whitespace around the JSON is optional). The rules, the same for whole answers and streams (`parse`
+is one `feed` of the whole text and a `finish`):
+- a block is a call when its JSON is one object with a non-empty string "name" and an "arguments" object
+  ("parameters" is accepted for it; so is a JSON string holding an object; no arguments at all means {});
+  `ToolCall.arguments` is that object as `json.dumps(obj, ensure_ascii=False)`;
+- any other block stays in the content, as its raw text with the tags: no text is lost;
+- a block left open at the end (cut by max_tokens) is a call when its text parses completely as above,
+  else content;
+- `</tool_call>` inside a JSON string of the block (`{"arguments": {"code": "print('</tool_call>')"}}`)
+  does not end the block: while the block's text is a JSON object still open, the tag counts only outside
+  its strings. (A block whose string never closes therefore runs to the end of the answer and, not
+  parsing, is content.) Text that does not start with `{` ends at the first `</tool_call>`;
+- content is the text outside the calls. The text between two calls, before the first or after the last
+  is one piece; a piece of whitespace only is dropped (streams do not send the newlines between calls);
+  `parse` also strips the content's ends, a stream sends the other whitespace as it comes.
+A stream sends content as soon as it cannot be the start of `<tool_call>`, and a call when its block
+closes (or at `finish`).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+# How a block's text is scanned for its closing tag: not yet started, inside a JSON object, or plain text.
+_BEFORE, _JSON, _PLAIN = 0, 1, 2
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """Either content text to stream, or a complete call and its 0-based index among the answer's calls."""
+
+    content: str = ""
+    call: ToolCall | None = None
+    index: int | None = None
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")  # json.loads would take NaN and Infinity
+
+
+def _loads(text: str) -> object:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _as_call(block: str) -> ToolCall | None:
+    """The call a block's inner text holds, or None when it is not one."""
+    try:
+        obj = _loads(block)
+        if not isinstance(obj, dict):
+            return None
+        name = obj.get("name")
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = _loads(args)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(name, str) or not name or not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+def _held_back(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may become the tag)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesParser:
+    """Splits one answer into content and tool calls: `parse` for a whole answer, `feed`/`finish` for
+    its deltas (one parser per answer)."""
+
+    def __init__(self) -> None:
+        self._text = ""  # outside a block: text held back (a possible start of OPEN)
+        self._blank = ""  # whitespace starting the current piece, sent only if the piece turns out not blank
+        self._piece_started = False  # the current piece has sent content
+        self._in_block = False
+        self._block = ""  # inside a block: its text after OPEN
+        self._scan = 0  # how far `_block` has been scanned for CLOSE
+        self._mode, self._depth, self._in_str, self._escape = _BEFORE, 0, False, False
+        self._calls = 0
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, stripped, "" if none; the calls in order) of a whole answer. Leaves this parser's
+        stream alone."""
+        stream = type(self)()
+        events = stream.feed(text) + stream.finish()
+        content = "".join(e.content for e in events).strip()
+        return content, [e.call for e in events if e.call is not None]
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        rest = delta
+        while rest:
+            rest = self._feed_block(rest, events) if self._in_block else self._feed_text(rest, events)
+        return events
+
+    def finish(self) -> list[StreamEvent]:
+        """What is still held, at the end of the answer."""
+        events: list[StreamEvent] = []
+        if self._in_block:
+            self._end_block(self._block, OPEN + self._block, events)
+        else:
+            self._content(self._text, events)
+            self._text = ""
+        return events
+
+    def _feed_text(self, delta: str, events: list[StreamEvent]) -> str:
+        """Takes text outside a block; returns what follows an OPEN it reaches (to be fed to the block)."""
+        text = self._text + delta
+        start = text.find(OPEN)
+        if start >= 0:
+            self._content(text[:start], events)
+            self._text = ""
+            self._open_block()
+            return text[start + len(OPEN):]
+        keep = _held_back(text, OPEN)
+        self._content(text[:len(text) - keep], events)
+        self._text = text[len(text) - keep:]
+        return ""
+
+    def _feed_block(self, delta: str, events: list[StreamEvent]) -> str:
+        """Takes text inside a block; returns what follows its CLOSE, if it closes."""
+        self._block += delta
+        end = self._find_close()
+        if end < 0:
+            return ""
+        block, after = self._block[:end], self._block[end + len(CLOSE):]
+        self._end_block(block, OPEN + block + CLOSE, events)
+        return after
+
+    def _open_block(self) -> None:
+        self._in_block, self._block, self._scan = True, "", 0
+        self._mode, self._depth, self._in_str, self._escape = _BEFORE, 0, False, False
+
+    def _find_close(self) -> int:
+        """Where CLOSE starts in the block (outside the strings of a JSON object), or -1 as yet."""
+        block = self._block
+        while self._scan < len(block):
+            i = self._scan
+            c = block[i]
+            if c == "<" and not self._in_str:
+                if block.startswith(CLOSE, i):
+                    return i
+                if CLOSE.startswith(block[i:]):  # the tag may be arriving: wait for the next delta
+                    return -1
+            self._lex(c)
+            self._scan += 1
+        return -1
+
+    def _lex(self, c: str) -> None:
+        """Follows a JSON object's strings and nesting, just far enough to know where its strings are."""
+        if self._mode == _BEFORE:
+            if c == "{":
+                self._mode, self._depth = _JSON, 1
+            elif not c.isspace():
+                self._mode = _PLAIN
+        elif self._mode == _JSON:
+            if self._in_str:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_str = False
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._mode = _PLAIN
+
+    def _end_block(self, block: str, raw: str, events: list[StreamEvent]) -> None:
+        self._in_block, self._block, self._scan = False, "", 0
+        call = _as_call(block)
+        if call is None:
+            self._content(raw, events)
+            return
+        events.append(StreamEvent(call=call, index=self._calls))
+        self._calls += 1
+        self._blank, self._piece_started = "", False  # a new piece; a blank one before the call is dropped
+
+    def _content(self, text: str, events: list[StreamEvent]) -> None:
+        """Sends content text, holding the whitespace that starts a piece until the piece has more."""
+        if not text:
+            return
+        if not self._piece_started:
+            text = self._blank + text
+            if text.isspace():
+                self._blank = text
+                return
+            self._blank, self._piece_started = "", True
+        events.append(StreamEvent(content=text))
+
+
+PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser}
+
+
+def make_parser(name: str) -> HermesParser:
+    """A new parser (one per answer) of the `--tool-call-parser` name."""
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None

@@ -1,0 +1,282 @@
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3) tool-call parser, on whole answers and streams."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gateway.tool_parsers import CLOSE, OPEN, PARSERS, HermesParser, StreamEvent, ToolCall, make_parser, new_call_id
+
+
+def block(obj: object, pad: str = "\n") -> str:
+    return f"{OPEN}{pad}{json.dumps(obj, ensure_ascii=False)}{pad}{CLOSE}"
+
+
+def calls_of(text: str) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in HermesParser().parse(text)[1]]
+
+
+def content_of(text: str) -> str:
+    return HermesParser().parse(text)[0]
+
+
+def stream(chunks: list[str]) -> tuple[str, list[ToolCall], list[StreamEvent]]:
+    """(the content events joined, the calls, all events) of an answer fed in these chunks."""
+    parser = HermesParser()
+    events = [e for chunk in chunks for e in parser.feed(chunk)] + parser.finish()
+    return "".join(e.content for e in events), [e.call for e in events if e.call], events
+
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+TIME = {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}
+
+
+# ---- whole answers --------------------------------------------------------------------------------------
+
+
+def test_plain_text():
+    assert HermesParser().parse("  The sky is blue.\n") == ("The sky is blue.", [])
+    assert HermesParser().parse("") == ("", [])
+    assert HermesParser().parse("a < b and </tool_call> alone") == ("a < b and </tool_call> alone", [])
+
+
+def test_one_call():
+    content, calls = HermesParser().parse(block(WEATHER))
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", calls[0].id)
+
+
+def test_whitespace_around_the_json_is_optional():
+    for pad in ("", " ", "\n\n", "\t "):
+        assert calls_of(block(WEATHER, pad)) == [("get_weather", WEATHER["arguments"])]
+
+
+def test_two_parallel_calls():
+    content, calls = HermesParser().parse(block(WEATHER) + "\n" + block(TIME) + "\n")
+    assert content == ""
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert calls[0].id != calls[1].id
+
+
+def test_content_before_a_call():
+    text = "Let me check the weather.\n\n" + block(WEATHER)
+    assert HermesParser().parse(text)[0] == "Let me check the weather."
+    assert calls_of(text) == [("get_weather", WEATHER["arguments"])]
+
+
+def test_content_between_and_after_calls_is_kept():
+    text = "First.\n" + block(WEATHER) + "\nThen.\n" + block(TIME) + "\nDone."
+    assert content_of(text) == "First.\n\nThen.\n\nDone."
+    assert len(calls_of(text)) == 2
+
+
+def test_closing_tag_inside_a_json_string():
+    """The tag inside a string of the call's JSON does not end the block; outside a string it does."""
+    obj = {"name": "write", "arguments": {"code": 'print("</tool_call>")', "nested": {"list": [1, {"x": "}"}]}}}
+    text = block(obj) + "after"
+    assert calls_of(text) == [("write", obj["arguments"])]
+    assert content_of(text) == "after"
+    escaped = '<tool_call>{"name": "w", "arguments": {"s": "a\\"</tool_call>\\\\"}}</tool_call>'
+    assert calls_of(escaped) == [("w", {"s": 'a"</tool_call>\\'})]
+
+
+def test_closing_tag_outside_strings_ends_a_truncated_object():
+    text = '<tool_call>{"name": "f", "arguments": {</tool_call> ok ' + block(TIME)
+    assert content_of(text) == '<tool_call>{"name": "f", "arguments": {</tool_call> ok'
+    assert [name for name, _ in calls_of(text)] == ["get_time"]
+
+
+def test_string_never_closed_runs_to_the_end_as_content():
+    text = '<tool_call>{"name": "f, </tool_call>\n' + block(TIME)
+    assert HermesParser().parse(text) == (text.strip(), [])
+
+
+@pytest.mark.parametrize("inner", [
+    '{"name": "f", "arguments": {"a": 1}',  # truncated JSON
+    "not json at all",
+    '{"arguments": {"a": 1}}',  # no name
+    '{"name": 3, "arguments": {}}',  # name not a string
+    '{"name": "", "arguments": {}}',
+    '{"name": "f", "arguments": [1, 2]}',  # arguments not an object
+    '{"name": "f", "arguments": null}',
+    '{"name": "f", "arguments": "[1, 2]"}',  # a string, but not of an object
+    '{"name": "f", "arguments": "{broken"}',
+    '{"name": "f", "arguments": {"x": NaN}}',  # not JSON
+    '[{"name": "f", "arguments": {}}]',
+    '{"name": "f", "arguments": {}} trailing',
+    "",
+])
+def test_invalid_block_stays_content(inner):
+    text = f"Before.\n{OPEN}\n{inner}\n{CLOSE}\nAfter."
+    assert HermesParser().parse(text) == (text, [])
+    assert stream([text])[0] == text
+
+
+def test_invalid_block_next_to_a_valid_one():
+    bad = f"{OPEN}oops{CLOSE}"
+    text = block(WEATHER) + "\n" + bad + "\n" + block(TIME)
+    assert content_of(text) == bad
+    assert [name for name, _ in calls_of(text)] == ["get_weather", "get_time"]
+
+
+def test_unterminated_block_with_complete_json_is_a_call():
+    text = "Checking.\n" + OPEN + "\n" + json.dumps(WEATHER) + "\n"
+    assert HermesParser().parse(text)[0] == "Checking."
+    assert calls_of(text) == [("get_weather", WEATHER["arguments"])]
+
+
+def test_unterminated_garbage_stays_content():
+    text = "Checking.\n" + OPEN + '\n{"name": "get_weather", "argum'
+    assert HermesParser().parse(text) == (text, [])
+    assert content_of(block(WEATHER) + "\n" + OPEN) == OPEN
+    assert calls_of(block(WEATHER) + "\n" + OPEN) == [("get_weather", WEATHER["arguments"])]
+
+
+def test_arguments_as_a_json_string():
+    text = block({"name": "f", "arguments": json.dumps({"a": [1, 2], "b": "x"})})
+    assert HermesParser().parse(text)[1][0].arguments == '{"a": [1, 2], "b": "x"}'
+
+
+def test_parameters_alias_and_no_arguments():
+    assert calls_of(block({"name": "f", "parameters": {"a": 1}})) == [("f", {"a": 1})]
+    assert calls_of(block({"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}})) == [("f", {"a": 1})]
+    assert HermesParser().parse(block({"name": "now"}))[1][0].arguments == "{}"
+
+
+def test_unicode():
+    obj = {"name": "météo", "arguments": {"ville": "Zürich", "note": "☀️ 晴れ", "emoji": "🙂"}}
+    content, calls = HermesParser().parse("Voilà 🙂\n" + block(obj))
+    assert content == "Voilà 🙂"
+    assert calls[0].name == "météo"
+    assert calls[0].arguments == '{"ville": "Zürich", "note": "☀️ 晴れ", "emoji": "🙂"}'  # not \u-escaped
+
+
+# ---- streaming ------------------------------------------------------------------------------------------
+
+
+def test_stream_sends_text_at_once_and_holds_only_a_possible_tag():
+    parser = HermesParser()
+    assert parser.feed("Hello <to") == [StreamEvent(content="Hello ")]
+    assert parser.feed("ol") == []
+    assert parser.feed("s>") == [StreamEvent(content="<tools>")]
+    assert parser.feed("<tool_call>") == []
+    assert parser.feed(json.dumps(WEATHER)) == []
+    events = parser.feed("</tool_call>")
+    assert len(events) == 1 and events[0].index == 0 and events[0].call.name == "get_weather"
+    assert parser.finish() == []
+
+
+def test_stream_holds_a_partial_tag_until_finish():
+    parser = HermesParser()
+    assert parser.feed("x <tool_ca") == [StreamEvent(content="x ")]
+    assert parser.finish() == [StreamEvent(content="<tool_ca")]
+
+
+def test_stream_drops_whitespace_between_and_after_calls():
+    chunks = ["\n", OPEN, json.dumps(WEATHER), CLOSE, "\n", "\n", OPEN, json.dumps(TIME), CLOSE, "\n  ", "\n"]
+    content, calls, events = stream(chunks)
+    assert content == ""
+    assert [e.index for e in events] == [0, 1]
+
+
+def test_stream_sends_whitespace_that_leads_to_text():
+    content, calls, _ = stream([block(WEATHER), "\n", "\n", "Done", "."])
+    assert content == "\n\nDone."
+    assert len(calls) == 1
+
+
+def test_stream_invalid_block_is_sent_whole_when_it_closes():
+    parser = HermesParser()
+    assert parser.feed("<tool_call>{oops") == []
+    assert parser.feed("}</tool_call>") == [StreamEvent(content="<tool_call>{oops}</tool_call>")]
+
+
+def test_parse_leaves_the_stream_alone():
+    parser = HermesParser()
+    assert parser.feed("Hi <tool") == [StreamEvent(content="Hi ")]
+    assert parser.parse(block(TIME))[1][0].name == "get_time"
+    assert parser.feed("_call>" + json.dumps(WEATHER) + CLOSE)[0].index == 0
+
+
+# ---- streams split anywhere give parse()'s answer -------------------------------------------------------
+
+FRAGMENTS = [
+    OPEN, CLOSE, "<tool", "_call>", "</tool", "<", ">", "\n", " ", "\n\n", "Hi", "é🙂", "{", "}", '"', "\\", "[",
+    json.dumps(WEATHER), json.dumps(TIME), '{"name": "f", "arguments": {"s": "</tool_call>"}}',
+    '{"name": "g", "parameters": "{\\"k\\": [1, {}]}"}', '{"name": "h", "arguments": [1]}', '{"name": "f",',
+    block(WEATHER), block(TIME, ""), block(TIME, " "), OPEN + json.dumps(WEATHER), OPEN + "\n" + json.dumps(TIME),
+]
+
+texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=14).map("".join)
+
+
+@st.composite
+def split_texts(draw) -> tuple[str, list[str]]:
+    text = draw(texts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    return text, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@settings(deadline=None, max_examples=200)
+@given(split_texts())
+def test_any_split_streams_as_parse(case):
+    text, chunks = case
+    content, calls, events = stream(chunks)
+    whole_content, whole_calls, _ = stream([text])
+    assert content == whole_content
+    parsed_content, parsed_calls = HermesParser().parse(text)
+    assert content.strip() == parsed_content
+    key = [(c.name, c.arguments) for c in calls]
+    assert key == [(c.name, c.arguments) for c in whole_calls] == [(c.name, c.arguments) for c in parsed_calls]
+    assert [e.index for e in events if e.call] == list(range(len(calls)))
+    assert all((e.call is None) != (e.content == "") for e in events)  # one or the other, never empty
+    if not calls:  # no text is lost: without calls the content is the text (unless it is all blank)
+        assert content == ("" if text.isspace() else text)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.lists(st.sampled_from(["a", " ", '"', "\\", "\n", "<", "é", "🙂", "\\u00e9", CLOSE, OPEN]), max_size=4)
+    .map("".join),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+pieces = st.lists(st.sampled_from(["a", "é", " ", "\n", "<", "<tool", "<tool_call", "_call>", CLOSE, "{", '"']),
+                  max_size=5).map("".join)
+answer_calls = st.tuples(st.text(min_size=1, max_size=5), st.dictionaries(st.text(max_size=4), json_values, max_size=3))
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(pieces, answer_calls), max_size=4), pieces, st.sampled_from(["", "\n", " \n "]), st.data())
+def test_written_calls_are_read_back(items, last, pad, data):
+    text = "".join(p + block({"name": n, "arguments": a}, pad) for p, (n, a) in items) + last
+    content_pieces = [p for p, _ in items] + [last]
+    assume(not any(OPEN in p for p in content_pieces))  # content cannot hold the tag: it would open a block
+    expected_content = "".join(p for p in content_pieces if not p.isspace()).strip()
+    expected_calls = [(n, json.dumps(a, ensure_ascii=False)) for _, (n, a) in items]
+    assert HermesParser().parse(text)[0] == expected_content
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    content, calls, _ = stream([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    assert content.strip() == expected_content
+    assert [(c.name, c.arguments) for c in calls] == expected_calls
+
+
+# ---- the registry ---------------------------------------------------------------------------------------
+
+
+def test_make_parser():
+    assert isinstance(make_parser("hermes"), HermesParser)
+    assert make_parser("hermes") is not make_parser("hermes")
+    assert set(PARSERS) == {"hermes"}
+    with pytest.raises(ValueError, match="hermes"):
+        make_parser("mistral")
+
+
+def test_new_call_id():
+    ids = {new_call_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
