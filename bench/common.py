@@ -266,3 +266,21 @@ def redraw_tokens(reqs: list, seed: int) -> list:
 
     rng = random.Random(seed)
     return [Request([rng.randint(0, 10000) for _ in r.prompt_ids], r.max_tokens) for r in reqs]
+
+
+# A JSON schema whose output a random-weight model keeps writing until max_tokens (one free string: its closing
+# quote is one token of ~150k): a constrained request at the workload's lengths, for what masking costs.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+                     "additionalProperties": False}
+
+
+def constraint(on: bool, in_process: bool = False) -> dict:
+    """The keyword arguments of a request constrained by STRUCTURED_SCHEMA (a client's, or in_process
+    SamplingParams'), or of a free one (which ignores EOS, as the workloads do)."""
+    if not on:
+        return {"ignore_eos": True}
+    if in_process:
+        from scheduler_svc.structured import compile_grammar
+
+        return {"grammar": compile_grammar("json_schema", json.dumps(STRUCTURED_SCHEMA)), "ignore_eos": False}
+    return {"structured": {"json_schema": STRUCTURED_SCHEMA}, "ignore_eos": False}

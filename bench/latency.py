@@ -35,7 +35,8 @@ async def _services(address: str, args: argparse.Namespace) -> list[common.Trace
             await common.stream(client, [1, 2, 3], 16, temperature=0.0, ignore_eos=True)
         todo = prompts(args)
         for i in trange(len(todo), desc="grpc services", dynamic_ncols=True):
-            traces.append(await common.stream(client, todo[i], args.output_len, temperature=0.0, ignore_eos=True))
+            traces.append(await common.stream(client, todo[i], args.output_len, temperature=0.0,
+                                              **common.constraint(args.structured)))
     return traces
 
 
@@ -44,11 +45,12 @@ def run_services(model: Path, args: argparse.Namespace) -> list[common.Trace]:
         return asyncio.run(_services(address, args))
 
 
-def _engine_trace(engine, prompt: list[int], max_tokens: int) -> common.Trace:
+def _engine_trace(engine, prompt: list[int], max_tokens: int, structured: bool = False) -> common.Trace:
     from scheduler_svc.sampling import SamplingParams
 
     trace = common.Trace(time.perf_counter())
-    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                              **common.constraint(structured, in_process=True)))
     while engine.has_unfinished():
         for out in engine.step():
             if out.token_ids:
@@ -64,7 +66,7 @@ def run_in_process(model: Path, args: argparse.Namespace) -> list[common.Trace]:
         for _ in range(args.warmup):
             _engine_trace(llm.engine, [1, 2, 3], 16)
         todo = prompts(args)
-        return [_engine_trace(llm.engine, todo[i], args.output_len)
+        return [_engine_trace(llm.engine, todo[i], args.output_len, args.structured)
                 for i in trange(len(todo), desc="in-process", dynamic_ncols=True)]
 
 
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5, help="requests, one after another")
     ap.add_argument("--warmup", type=int, default=2, help="16-token requests before measuring")
+    ap.add_argument("--structured", action="store_true",
+                    help="constrain every measured request by a JSON schema (bench/common.py STRUCTURED_SCHEMA)")
     return ap
 
 

@@ -69,35 +69,45 @@ def run_in_process(args: argparse.Namespace, model, runs: list[list[Request]]) -
     with common.in_process_llm(args, model) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # the engine's first step
         for reqs in runs:
-            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens) for r in reqs]
+            params = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens,
+                                     **common.constraint(constrained(i, args.structured), in_process=True))
+                      for i, r in enumerate(reqs)]
             trace = llm.engine.step_observer = StepTrace()
             start = time.perf_counter()
             outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
             elapsed = time.perf_counter() - start
-            assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
+            tokens = sum(len(o.token_ids) for o in outs)
+            assert args.structured or tokens == sum(r.max_tokens for r in reqs)
             print("decode step ms by batch size:", trace.by_batch(start), flush=True)
-            timings.append((elapsed, trace.summary(start)))
+            timings.append((elapsed, {"output_tokens": tokens, **trace.summary(start)}))
     return timings
 
 
-async def _through_services(address: str, reqs: list[Request], stream_interval: int) -> float:
+def constrained(i: int, share: float) -> bool:
+    """Whether request i of a workload is constrained, `share` of them spread evenly."""
+    return int((i + 1) * share) > int(i * share)
+
+
+async def _through_services(address: str, reqs: list[Request], stream_interval: int,
+                            share: float = 0.0) -> tuple[float, int]:
     from client import AsyncClient
 
     async with AsyncClient(address) as client:
         await client.complete(token_ids=[1, 2, 3], max_tokens=8)  # warm-up
 
-        async def one(r: Request) -> int:
+        async def one(i: int, r: Request) -> int:
             n = 0
             async for delta in client.generate(token_ids=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.6,
-                                               ignore_eos=True, stream_interval=stream_interval):
+                                               stream_interval=stream_interval,
+                                               **common.constraint(constrained(i, share))):
                 n += len(delta.token_ids)
             return n
 
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(r) for r in reqs))
+        counts = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         elapsed = time.perf_counter() - start
-    assert sum(counts) == sum(r.max_tokens for r in reqs), (sum(counts), sum(r.max_tokens for r in reqs))
-    return elapsed
+    assert share or sum(counts) == sum(r.max_tokens for r in reqs), (sum(counts), sum(r.max_tokens for r in reqs))
+    return elapsed, sum(counts)
 
 
 def workload(args: argparse.Namespace) -> list[Request]:
@@ -118,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--stream-intervals", default="1,0",
                     help="services passes, by tokens per message (the request's stream_interval; 0: one message "
                          "per completion, as a batch client asks)")
+    ap.add_argument("--structured", type=float, default=0.0, metavar="SHARE",
+                    help="share of requests constrained by a JSON schema (bench/common.py STRUCTURED_SCHEMA; "
+                         "they may end before max_tokens, so tokens are counted)")
     args = ap.parse_args(argv)
     reqs = workload(args)
     total = sum(r.max_tokens for r in reqs)
@@ -128,10 +141,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     with common.model_dir(args) as model:
         floor = _floor(args, model, reqs)
 
-        def row(path: str, run: int, seconds: float, **extra) -> dict:
-            rate = total / seconds
+        def row(path: str, run: int, seconds: float, output_tokens: int = total, **extra) -> dict:
+            rate = output_tokens / seconds
+            if args.structured:
+                path += f", {args.structured:.0%} constrained"
             return {"path": common.path_label(args, path), "run": run, "seconds": round(seconds, 2),
-                    "output_tokens": total, "tokens_per_s": round(rate), "floor_tokens_per_s": round(floor),
+                    "output_tokens": output_tokens, "tokens_per_s": round(rate), "floor_tokens_per_s": round(floor),
                     "pct_of_floor": round(100 * rate / floor, 1), **extra}
 
         if args.mode in ("in-process", "both"):
@@ -143,10 +158,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 k = 0
                 for run in range(1, args.runs + 1):
                     for interval in (int(i) for i in args.stream_intervals.split(",")):
-                        t = asyncio.run(_through_services(address, passes[k], interval))
+                        t, tokens = asyncio.run(_through_services(address, passes[k], interval, args.structured))
                         k += 1
                         label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
-                        rows.append(row(label, run, t))
+                        rows.append(row(label, run, t, tokens))
                         print(rows[-1], flush=True)
     common.save("bench.offline", argv, args.out, "offline", args, rows)
 

@@ -72,7 +72,8 @@ class GenerateParams(TypedDict, total=False):
     """Keyword arguments of `generate()` / `complete()`; mirrors `build_request`."""
 
     token_ids: list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
     enable_thinking: bool | None
     max_tokens: int | None
     temperature: float | None
@@ -102,7 +103,8 @@ def build_request(
     prompt: str | None = None,
     *,
     token_ids: list[int] | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     enable_thinking: bool | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
@@ -139,9 +141,9 @@ def build_request(
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     if messages is not None:
-        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking))
-    elif enable_thinking is not None:
-        raise ValueError("enable_thinking applies to chat messages only")
+        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools))
+    elif enable_thinking is not None or tools:
+        raise ValueError("enable_thinking and tools apply to chat messages only")
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -193,15 +195,31 @@ def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
     return pb.StructuredOutput(**{kind: value})
 
 
-def _chat_prompt(messages: list[dict[str, str]], enable_thinking: bool | None) -> pb.ChatPrompt:
-    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+def _chat_prompt(messages: list[dict[str, Any]], enable_thinking: bool | None,
+                 tools: list[dict[str, Any]] | None = None) -> pb.ChatPrompt:
+    """Messages in OpenAI's shape: content (None for an assistant's tool calls), tool_calls
+    ([{"id", "function": {"name", "arguments": JSON text or dict}}]), tool_call_id (a tool's answer)."""
+    chat = pb.ChatPrompt(messages=[_chat_message(m) for m in messages],
+                         tools=[json.dumps(t) for t in tools or ()])
     if enable_thinking is not None:
         chat.enable_thinking = enable_thinking
     return chat
 
 
+def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
+    calls = []
+    for c in m.get("tool_calls") or ():
+        f = c.get("function", c)
+        args = f.get("arguments", {})
+        calls.append(pb.ToolCall(id=c.get("id", ""), name=f["name"],
+                                 arguments=args if isinstance(args, str) else json.dumps(args)))
+    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                          tool_call_id=m.get("tool_call_id") or "")
+
+
 def _tokenize_request(
-    text: str | None, messages: list[dict[str, str]] | None, enable_thinking: bool | None
+    text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
@@ -209,7 +227,7 @@ def _tokenize_request(
         if enable_thinking is not None:
             raise ValueError("enable_thinking applies to chat messages only")
         return pb.TokenizeRequest(text=text)
-    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking))
+    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools))
 
 
 def _logprobs(entries) -> list[TokenLogprob]:
@@ -365,9 +383,10 @@ class Client(_Connection):
         info = self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._deadline(timeout), metadata=self.metadata)
         return _model_info_dict(info)
 
-    def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None, *,
-                 enable_thinking: bool | None = None, timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking)
+    def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
+                 enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
+                 timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking, tools)
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 
@@ -437,9 +456,10 @@ class AsyncClient(_Connection):
                                              metadata=self.metadata)
         return _model_info_dict(info)
 
-    async def tokenize(self, text: str | None = None, messages: list[dict[str, str]] | None = None, *,
-                       enable_thinking: bool | None = None, timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking)
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
+                       enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
+                       timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking, tools)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 

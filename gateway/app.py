@@ -36,7 +36,9 @@ from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningStream, split_reasoning
+from gateway.structured import structured_of
 from gateway.tokens import TokenRenderer
+from gateway.tools import ToolPlan, ToolStream, plan_tools, with_tool_calls
 
 log = logging.getLogger("splitserve.gateway")
 T = TypeVar("T")
@@ -55,6 +57,7 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the scheduler's model name
     tokenizer: str | None = None  # checkpoint folder or tokenizer.json, for logprob token strings
     reasoning_parser: str | None = None  # "qwen3": thinking apart, as reasoning_content
+    tool_call_parser: str = "hermes"  # how "auto" tool choice finds the model's calls (gateway/tool_parsers.py)
     request_timeout: float | None = None  # gRPC deadline of a generation, seconds (504 past it)
     allowed_origins: tuple[str, ...] = ()  # CORS
     rpc_timeout: float = 10.0  # model info, tokenize, health
@@ -131,6 +134,7 @@ class _Job:
     n: int
     param_names: dict[str, str] = field(default_factory=dict)  # OpenAI names of ambiguous fields
     failed: bool = False  # a stream failed after its start (no usage chunk then)
+    tools: ToolPlan | None = None  # a chat request with tools
 
     @property
     def num_choices(self) -> int:
@@ -175,10 +179,18 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0,
-        skip_special_tokens=body.skip_special_tokens)
+        skip_special_tokens=body.skip_special_tokens, structured=_structured(body))
 
 
-def completion_job(body: CompletionRequest) -> _Job:
+def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
+    found = structured_of(body)
+    return None if found is None else found[1]
+
+
+def completion_job(body: CompletionRequest, tokens: TokenRenderer | None = None) -> _Job:
+    """With echo, each prompt's "echo" is the text its choices start with (a token-id prompt decoded by `tokens`, the
+    gateway's tokenizer), and with logprobs too the prompt is scored (prompt_logprobs): its tokens' logprobs come
+    before the completion's, as OpenAI's do. max_tokens 0 (with echo only) scores the prompt, generating nothing."""
     _common_checks(body)
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
@@ -202,19 +214,47 @@ def completion_job(body: CompletionRequest) -> _Job:
             raise invalid(f"prompt[{i}]" if len(prompts) > 1 else "prompt", "a token-id prompt must not be empty")
         if ids is not None and not all(0 <= t < INT32 for t in ids):
             raise invalid("prompt", "prompt token ids must be >= 0")
+    if body.max_tokens == 0 and not body.echo:
+        raise invalid("max_tokens", "max_tokens 0 is only allowed with echo: true (the prompt alone, scored)")
     if body.echo:
-        if any("token_ids" in p for p in prompts):
-            raise invalid("echo", "echo needs text prompts", "unsupported_parameter")
-        if body.logprobs is not None:
-            raise invalid("echo", "echo together with logprobs is not supported", "unsupported_parameter")
+        for p in prompts:
+            if "token_ids" not in p:
+                p["echo"] = p["prompt"]
+            elif (text := tokens.decode(p["token_ids"]) if tokens is not None else None) is not None:
+                p["echo"] = text
+            else:
+                raise invalid("echo", "echo of a token-id prompt needs the gateway's --tokenizer (to decode it)",
+                              "unsupported_parameter")
     # max_tokens unset: the scheduler's default, 16, which is OpenAI's for completions.
-    return _Job(prompts, _sampling(body, body.max_tokens, body.logprobs), n)
+    params = _sampling(body, body.max_tokens, body.logprobs)
+    if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+        # Scoring the prompt: max_tokens 0 needs it even without logprobs (then none are returned).
+        params["prompt_logprobs"] = body.logprobs or 0
+    return _Job(prompts, params, n)
+
+
+def _tool_calls(i: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as the client takes them; arguments must be a JSON object's text."""
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"messages[{i}].tool_calls[{j}].function", "a tool call needs function.name")
+        args = fn.get("arguments", "{}")
+        try:
+            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments", "arguments must be a JSON object")
+        out.append({"id": c.get("id") or "", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def _message_text(i: int, message) -> str:
     content = message.content
     if content is None:
-        if message.role == "assistant":
+        if message.role == "assistant" or message.tool_calls:
             return ""
         raise invalid(f"messages[{i}].content", "content must be a string or a list of text parts")
     if isinstance(content, str):
@@ -230,11 +270,13 @@ def _message_text(i: int, message) -> str:
 
 async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
     _common_checks(body)
-    if (body.tools or body.functions) and body.tool_choice != "none":
-        raise invalid("tools", "tool calling is not supported", "unsupported_parameter")
-    fmt = (body.response_format or {}).get("type")
-    if fmt not in (None, "text"):
-        raise invalid("response_format", f"response_format {fmt!r} is not supported", "unsupported_parameter")
+    if body.functions:
+        raise invalid("functions", "functions (deprecated by OpenAI) is not supported: use tools",
+                      "unsupported_parameter")
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if plan is not None and plan.structured is not None and structured_of(body) is not None:
+        raise invalid("tool_choice", f"tool_choice {plan.mode!r} constrains the output, as does "
+                                     f"{structured_of(body)[0]}; give one")
     if not body.messages:
         raise invalid("messages", "messages must not be empty")
     messages = []
@@ -243,7 +285,12 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"role must be one of {sorted(CHAT_ROLES | set(ROLE_ALIASES))}, "
                                                  f"got {m.role!r}")
-        messages.append({"role": role, "content": _message_text(i, m)})
+        message = {"role": role, "content": _message_text(i, m)}
+        if m.tool_calls:
+            message["tool_calls"] = _tool_calls(i, m.tool_calls)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     kwargs = body.chat_template_kwargs or {}
     enable_thinking = kwargs.get("enable_thinking")
     if enable_thinking is not None and not isinstance(enable_thinking, bool):
@@ -254,13 +301,19 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
     max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     names = {"prompt_param": "messages", "max_tokens_param": max_name, "logprobs_param": "top_logprobs"}
+    constraint = structured_of(body)
+    if plan is not None and plan.structured is not None:
+        names["structured_param"] = "tool_choice"
+    elif constraint is not None:
+        names["structured_param"] = constraint[0]
+    tools = plan.tools if plan is not None else None
     if max_tokens is not None:
-        prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking}
+        prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools}
     else:
         # OpenAI's default for chat: up to the model's length. That needs the prompt's length, so the
         # template is applied once, by the scheduler's Tokenize, and the ids are sent.
         try:
-            ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking,
+            ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking, tools=tools,
                                                 timeout=backend.config.rpc_timeout)
             limit = await backend.token_limit()
         except grpc.RpcError as e:
@@ -269,7 +322,10 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
             raise invalid("messages", f"the prompt has {len(ids)} tokens; this model takes at most {limit - 1}")
         max_tokens = limit - len(ids)
         prompt = {"token_ids": ids}
-    return _Job([prompt], _sampling(body, max_tokens, logprobs), body.n or 1, names)
+    params = _sampling(body, max_tokens, logprobs)
+    if plan is not None and plan.structured is not None:
+        params["structured"] = plan.structured
+    return _Job([prompt], params, body.n or 1, names, tools=plan)
 
 
 # ---- running the streams ---------------------------------------------------------------------------
@@ -283,7 +339,7 @@ def _open(backend: Backend, job: _Job, request_id: str, stream: bool) -> list[As
         try:
             streams.append(backend.client.generate(
                 prompt.get("prompt"), token_ids=prompt.get("token_ids"), messages=prompt.get("messages"),
-                enable_thinking=prompt.get("enable_thinking"), request_id=rid,
+                enable_thinking=prompt.get("enable_thinking"), tools=prompt.get("tools"), request_id=rid,
                 timeout=backend.config.request_timeout, stream_interval=None if stream else 0, **job.params))
         except (ValueError, TypeError) as e:  # a value the proto cannot hold
             raise invalid(None, str(e)) from None
@@ -448,6 +504,21 @@ def _completion_logprobs(tokens: TokenRenderer, token_ids: list[int], logprobs, 
     return out, offset
 
 
+def _echo_logprobs(tokens: TokenRenderer, prompt_ids: list[int], prompt_logprobs) -> tuple[dict[str, Any], int]:
+    """The prompt's part of an echoed completion's logprobs, and the text offset after it: the first token has
+    no context, so its logprob and its alternatives are null."""
+    if len(prompt_logprobs or ()) != len(prompt_ids) - 1:
+        raise RuntimeError(f"{len(prompt_logprobs or ())} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
+    first, _ = tokens.render(prompt_ids[0])
+    rest, offset = _completion_logprobs(tokens, prompt_ids[1:], prompt_logprobs, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
+
+
+def _joined_logprobs(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
+    return {key: first[key] + then[key] for key in first}
+
+
 def _chat_logprobs(tokens: TokenRenderer, token_ids: list[int], logprobs) -> list[dict[str, Any]]:
     content = []
     for token_id, (logprob, top) in zip(token_ids, logprobs):
@@ -476,6 +547,8 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt logprobs (an echoed completion's)
+    prompt_logprobs: list | None = None
 
 
 async def _collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta] | None, job: _Job
@@ -489,6 +562,8 @@ async def _collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta
         c.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             c.logprobs.extend(delta.logprobs)
+        if delta.prompt_token_ids is not None:
+            c.prompt_token_ids, c.prompt_logprobs = delta.prompt_token_ids, delta.prompt_logprobs
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
         usage.add(prompt_index, delta)
@@ -606,7 +681,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
-        job = completion_job(body)
+        job = completion_job(body, backend.tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await _run(request, backend, job, rid, model, body, chat=False)
 
@@ -651,16 +726,23 @@ async def _run(request: Request, backend: Backend, job: _Job, rid: str, model: s
         include_reasoning = getattr(body, "include_reasoning", True) is not False
         for c in choices:
             message = chat_message("".join(c.text), backend.config.reasoning_parser, include_reasoning)
+            finish = c.finish_reason
+            if job.tools is not None:
+                message, finish = with_tool_calls(message, finish, job.tools, backend.config.tool_call_parser)
             logprobs = {"content": _chat_logprobs(tokens, c.token_ids, c.logprobs)} if c.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
         result = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
                   "usage": usage.body(), "system_fingerprint": None}
     else:
         out = []
         for c in choices:
-            prefix = job.prompts[c.index // job.n].get("prompt", "") if body.echo else ""
-            logprobs = _completion_logprobs(tokens, c.token_ids, c.logprobs, 0)[0] if c.logprobs else None
+            prefix = job.prompts[c.index // job.n].get("echo", "")
+            if body.echo and body.logprobs is not None and c.prompt_token_ids:
+                logprobs, offset = _echo_logprobs(tokens, c.prompt_token_ids, c.prompt_logprobs)
+                logprobs = _joined_logprobs(logprobs, _completion_logprobs(tokens, c.token_ids, c.logprobs, offset)[0])
+            else:
+                logprobs = _completion_logprobs(tokens, c.token_ids, c.logprobs, 0)[0] if c.logprobs else None
             out.append({"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         result = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
@@ -680,13 +762,17 @@ async def _completion_events(it, first, job: _Job, backend: Backend, rid: str, m
         usage.add(prompt_index, delta)
         index = prompt_index * job.n + delta.index
         text = delta.text
-        if body.echo and not started[index]:
-            text = job.prompts[prompt_index].get("prompt", "") + text
-        started[index] = True
         logprobs = None
+        if body.echo and not started[index]:  # the first chunk of a choice: the prompt, and its logprobs
+            text = job.prompts[prompt_index].get("echo", "") + text
+            if body.logprobs is not None and delta.prompt_token_ids:
+                logprobs, offsets[index] = _echo_logprobs(backend.tokens, delta.prompt_token_ids,
+                                                          delta.prompt_logprobs)
+        started[index] = True
         if delta.logprobs:
-            logprobs, offsets[index] = _completion_logprobs(backend.tokens, delta.token_ids, delta.logprobs,
-                                                            offsets[index])
+            generated, offsets[index] = _completion_logprobs(backend.tokens, delta.token_ids, delta.logprobs,
+                                                             offsets[index])
+            logprobs = generated if logprobs is None else _joined_logprobs(logprobs, generated)
         if not text and logprobs is None and delta.finish_reason is None:
             return None
         return chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
@@ -704,6 +790,8 @@ async def _chat_events(it, first, job: _Job, backend: Backend, rid: str, model: 
     usage = _Usage()
     parsers = [ReasoningStream() for _ in range(job.num_choices)] if backend.config.reasoning_parser else None
     include_reasoning = body.include_reasoning is not False
+    tools = [ToolStream(job.tools, backend.config.tool_call_parser) for _ in range(job.num_choices)] \
+        if job.tools is not None else None
 
     chunk = _chunker(rid, "chat.completion.chunk", created, model, include_usage)
 
@@ -723,12 +811,21 @@ async def _chat_events(it, first, job: _Job, backend: Backend, rid: str, model: 
                 message["reasoning_content"] = thought
             if content:
                 message["content"] = content
+        finish = delta.finish_reason
+        if tools is not None:
+            content, calls = tools[index].feed(message.pop("content", ""), finish is not None)
+            if content:
+                message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            if finish == "stop" and tools[index].called:
+                finish = "tool_calls"
         logprobs = {"content": _chat_logprobs(backend.tokens, delta.token_ids, delta.logprobs)} \
             if delta.logprobs else None
-        if not message and logprobs is None and delta.finish_reason is None:
+        if not message and logprobs is None and finish is None:
             return None
         return chunk([{"index": index, "delta": message, "logprobs": logprobs,
-                       "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+                       "finish_reason": finish, "stop_reason": delta.stop_reason}])
 
     for index in range(job.num_choices):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

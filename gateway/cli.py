@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from client.channel import add_security_arguments, security_from_args
 from common.util import available_cpus
 from gateway.reasoning import REASONING_PARSERS
+from gateway.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: `token_id:N`)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="return a Qwen3 answer's <think> part apart, as reasoning_content")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default="hermes",
+                   help="how tool_choice auto finds the calls a model writes (hermes: Qwen2.5 / Qwen3 <tool_call> "
+                        "JSON blocks; default)")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",
                    help="deadline of one generation; past it the answer is 504 (default: none)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
@@ -95,7 +99,8 @@ def load(argv: Sequence[str]) -> tuple[argparse.Namespace, "GatewayConfig"]:
     config = GatewayConfig(scheduler=args.scheduler, scheduler_security=scheduler_security, api_keys=keys,
                            served_model_names=tuple(args.served_model_name),
                            tokenizer=args.tokenizer, reasoning_parser=args.reasoning_parser,
-                           request_timeout=args.request_timeout, allowed_origins=tuple(args.allowed_origin))
+                           tool_call_parser=args.tool_call_parser, request_timeout=args.request_timeout,
+                           allowed_origins=tuple(args.allowed_origin))
     return args, config
 
 

@@ -58,7 +58,7 @@ _HEAD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 def openai_param(message: str, *, prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
-                 logprobs_param: str = "logprobs") -> str | None:
+                 logprobs_param: str = "logprobs", structured_param: str = "response_format") -> str | None:
     """The OpenAI request field a scheduler INVALID_ARGUMENT message is about, or None."""
     if re.search(r"\bmax_tokens\b", message):  # "stopping.max_tokens: ...", "prompt (9 tokens) + max_tokens (..."
         return max_tokens_param
@@ -68,6 +68,8 @@ def openai_param(message: str, *, prompt_param: str = "prompt", max_tokens_param
     head = m.group(0).rstrip(".")
     if head.startswith("prompt"):
         return prompt_param
+    if head.startswith("structured"):
+        return structured_param
     name = head.split(".")[-1] if head.startswith(("sampling.", "stopping.")) else head
     if name == "logprobs":
         return logprobs_param

@@ -47,11 +47,19 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = None
     priority: int | None = 0
+    # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):
     # A string, a list of strings, a list of token ids, or a list of lists of token ids.
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt alone (scored with logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)
@@ -69,6 +77,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls: {"id", "type", "function": {...}}
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -81,4 +91,4 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True

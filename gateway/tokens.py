@@ -42,6 +42,13 @@ class TokenRenderer:
             self._cache[token_id] = out
         return out
 
+    def decode(self, token_ids: list[int]) -> str | None:
+        """The text of some token ids, special tokens included (an echoed token-id prompt); None without a
+        tokenizer."""
+        if self._tokenizer is None:
+            return None
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def _raw_bytes(self, token_id: int) -> bytes | None:
         assert self._tokenizer is not None
         if token_id in self._added:

@@ -4,6 +4,7 @@ field. Everything is checked here, before anything is allocated, and the seed is
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import xxhash
@@ -112,22 +113,53 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
                 raise InvalidRequest(f"prompt.chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, "
                                      f"got {m.role[:32]!r}")
         if max_bytes:
-            check_text_size("".join(m.content for m in chat.messages), "prompt.chat.messages[].content (in all)",
-                            max_bytes)
+            check_text_size("".join(m.content + "".join(c.arguments for c in m.tool_calls) for m in chat.messages),
+                            "prompt.chat.messages[].content (in all)", max_bytes)
+            check_text_size("".join(chat.tools), "prompt.chat.tools (in all)", max_bytes)
         kwargs = {}
         if chat.HasField("enable_thinking"):
             kwargs["enable_thinking"] = chat.enable_thinking
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in chat.messages],
+                [_chat_message(i, m) for i, m in enumerate(chat.messages)], tools=_tools(chat) or None,
                 add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt")
                 else True, **kwargs)
+        except InvalidRequest:
+            raise
         except Exception as e:  # the template's own checks (raise_exception) or a rendering error
             raise InvalidRequest(f"prompt.chat.messages: the chat template refused them: {e}") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequest(f"prompt.{kind} must encode to at least one token")
     return ids
+
+
+def _json_object(text: str, field: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{field} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{field} must be a JSON object")
+    return value
+
+
+def _tools(chat: api.ChatPrompt) -> list[dict]:
+    return [_json_object(t, f"prompt.chat.tools[{i}]") for i, t in enumerate(chat.tools)]
+
+
+def _chat_message(i: int, m: api.ChatMessage) -> dict:
+    """A message as chat templates read it (OpenAI's shape: tool calls with parsed arguments)."""
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name,
+                          "arguments": _json_object(c.arguments, f"prompt.chat.messages[{i}].tool_calls[{j}].arguments")}}
+            for j, c in enumerate(m.tool_calls)]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,

@@ -179,3 +179,16 @@ def test_fp8_accuracy(tmp_path: Path) -> None:
     (row,) = _load(out, "fp8_accuracy", "bench.fp8_accuracy")["results"]
     assert row["tokens"] == 2 * 12
     assert 0 < row["mean_kl"] <= row["max_kl"] and 0 < row["greedy_agreement"] <= 1
+
+
+def test_offline_with_constrained_requests_counts_what_they_wrote(model: Path, tmp_path: Path) -> None:
+    """--structured: a share of the requests under a JSON schema (they may end early, so tokens are counted)."""
+    from bench.__main__ import main
+
+    out = tmp_path / "offline.json"
+    main(["offline", "--model", str(model), *SIM, "--num-seqs", "4", "--max-input", "100", "--max-output", "100",
+          "--structured", "0.5", "--stream-intervals", "0", "--out", str(out)])
+    doc = _load(out, "offline", "bench.offline")
+    assert [r["path"] for r in doc["results"]] == ["in-process, 50% constrained (simulated worker)",
+                                                  "grpc services, stream_interval 0, 50% constrained (simulated worker)"]
+    assert all(0 < r["output_tokens"] <= 4 * 100 for r in doc["results"])

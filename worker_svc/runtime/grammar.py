@@ -10,6 +10,7 @@ with finish reason "grammar".
 """
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
+from common.byte_level import char_to_byte
 from common.model_files import eos_token_ids
 from worker_svc.kernels.uploads import upload
 
@@ -40,6 +43,39 @@ class StepMasks:
         logits[self.index] = logits[self.index].masked_fill(~allowed, float("-inf"))
 
 
+class _Vocabulary:
+    """A byte-level BPE checkpoint's tokens as llguidance takes them (its TokenizerWrapper's interface): each
+    token's bytes, and as special only the added tokens the checkpoint marks special. (Read from tokenizer.json
+    directly, llguidance counts every added token special, so text such as Qwen's `<tool_call>`, an added
+    token marked not special, could never be written.) Ids past the tokenizer's vocabulary (the model's padding)
+    are special too: no grammar reaches them."""
+
+    def __init__(self, model_dir: Path, vocab_size: int):
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+        to_byte = char_to_byte()
+        tokens = [b""] * vocab_size
+        special = set(range(vocab_size))
+        for text, i in spec["model"]["vocab"].items():
+            if i < vocab_size:
+                tokens[i] = bytes(to_byte[c] for c in text)
+                special.discard(i)
+        for added in spec.get("added_tokens", ()):
+            i = added["id"]
+            if i < vocab_size:
+                tokens[i] = added["content"].encode()
+                if not added.get("special", True):
+                    special.discard(i)
+        for i in special:
+            tokens[i] = tokens[i] or f"<[{i}]>".encode()
+        self.tokens, self.special_token_ids = tokens, sorted(special)
+        eos = eos_token_ids(model_dir)
+        self.eos_token_id, self.bos_token_id = eos[0], None
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
 class Grammars:
     """Matchers of the rows whose sequences carry a grammar, and the sampled tokens still to feed them."""
 
@@ -54,9 +90,8 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use (about a second for a 150k vocabulary), from the checkpoint's tokenizer.json."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer((self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                                     n_vocab=self.vocab_size,
-                                                     eos_token=eos_token_ids(self.model_dir) or None)
+            self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+                _Vocabulary(self.model_dir, self.vocab_size)))
         return self._tokenizer
 
     def start(self, row: int, grammar: str, generated: list[int]) -> None:

@@ -1,0 +1,215 @@
+"""Structured outputs and tool calling through the gateway, driven by the official `openai` package against real
+processes (a scheduler over one CPU worker serving qwen3-tiny, random weights): only the constraint can make its
+outputs valid, so valid ones prove it. Hermes-style calls under tool_choice "auto" are forced with a choice
+constraint (the parser is tested on text, not on luck); the parser itself: tests/test_tool_parsers.py."""
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum
+
+import httpx
+import jsonschema
+import pytest
+import transformers
+from pydantic import BaseModel, ConfigDict, Field
+
+from client import Client
+from client.launcher import LocalCluster
+from tests.test_gateway import Gateway
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER_ARGS = ["--num-blocks", "256", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+MESSAGES = [{"role": "user", "content": "Describe the item."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}},
+                                       "required": ["utc"], "additionalProperties": False}}}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+TWO_CALLS = 'Let me check.\n' + CALL_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>'
+
+
+class Colour(str, Enum):
+    red = "red"
+    green = "green"
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a schema that allows more keys lets a random model write them
+    size: int = Field(ge=1, le=99)
+    spare: bool
+
+
+class Item(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    colour: Colour
+    count: int = Field(ge=0, le=500)
+    parts: list[Part] = Field(min_length=1, max_length=2)
+    inner: Part
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, worker_args=WORKER_ARGS, log_dir=tmp_path_factory.mktemp("gws-cluster"))
+    c.start(timeout=240)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, tiny_model_dir, tmp_path_factory):
+    g = Gateway(cluster.address, tmp_path_factory.mktemp("gws") / "gateway.log", "--tokenizer", str(tiny_model_dir))
+    g.wait_healthy()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    return gateway.openai()
+
+
+def test_parse_with_a_pydantic_model_returns_the_object_for_every_seed(oai):
+    for seed in range(20):
+        completion = oai.chat.completions.parse(model="model", messages=MESSAGES, response_format=Item, temperature=0.8,
+                                                seed=seed, max_tokens=200)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Item), choice.message.content
+
+
+def test_a_streamed_json_schema_answer_concatenates_to_valid_json(oai):
+    schema = Item.model_json_schema()
+    stream = oai.chat.completions.create(
+        model="model", messages=MESSAGES, temperature=0.7, seed=3, max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # it streamed
+    Item.model_validate(json.loads(text))
+
+
+def test_json_object_is_an_object_on_chat_and_completions(oai, tiny_model_dir):
+    # A random model almost never closes a free key (a quote among ~150k tokens); `}` made likely by a bias
+    # closes the object at once, and only the constraint keeps the bias from writing `}}}}`.
+    close = transformers.AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("}")
+    chat = oai.chat.completions.create(model="model", messages=MESSAGES, response_format={"type": "json_object"},
+                                       logit_bias={str(close): 30}, max_tokens=20, temperature=0.5, seed=1)
+    assert json.loads(chat.choices[0].message.content) == {}
+    text = oai.completions.create(model="model", prompt="JSON:", max_tokens=20, logit_bias={str(close): 30},
+                                  extra_body={"response_format": {"type": "json_object"}}).choices[0].text
+    assert json.loads(text) == {}
+
+
+def test_vllm_structured_outputs_and_guided_fields_constrain_completions(oai):
+    for body, check in [({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, r"[0-9]{3}-[a-z]{2}"),
+                        ({"guided_regex": "(ab)+c"}, r"(ab)+c"),
+                        ({"guided_choice": ["left", "right"]}, r"left|right"),
+                        ({"structured_outputs": {"choice": ["up", "down"]}}, r"up|down")]:
+        out = oai.completions.create(model="model", prompt="Answer:", max_tokens=30, temperature=0.9, seed=2,
+                                     extra_body=body).choices[0]
+        assert out.finish_reason == "stop" and re.fullmatch(check, out.text), (body, out.text)
+
+
+def test_tool_choice_required_and_named_give_schema_valid_arguments(oai):
+    # One call per answer: a random model rarely ends an unbounded array of calls within max_tokens.
+    for seed in range(6):
+        required = oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                               tool_choice="required", parallel_tool_calls=False, temperature=0.8,
+                                               seed=seed, max_tokens=120)
+        choice = required.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            fn = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]
+            jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+            assert call.id.startswith("call_") and call.type == "function"
+        named = oai.chat.completions.create(
+            model="model", messages=MESSAGES, tools=[WEATHER, CLOCK], temperature=0.8, seed=seed, max_tokens=60,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        choice = named.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
+
+
+def test_required_without_parallel_calls_makes_one_call_and_streams_it(oai):
+    stream = oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0.8, seed=4, max_tokens=80,
+                                         stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("get_weather", "get_time")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_parses_the_models_hermes_call_whole_and_streamed(oai):
+    force = {"structured_outputs": {"choice": [CALL_TEXT]}}
+    whole = oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER], max_tokens=80,
+                                        extra_body=force).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo", "unit": "C"}
+    chunks = [c for c in oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER], max_tokens=80,
+                                                     stream=True, extra_body=force) if c.choices]
+    streamed = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    free = oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=80, extra_body=force).choices[0]
+    assert free.finish_reason == "stop" and free.message.content == CALL_TEXT and not free.message.tool_calls
+
+
+def test_tool_messages_render_as_transformers_renders_them(cluster, tiny_model_dir):
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"}]
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf_messages = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in messages]
+    expected = list(hf.apply_chat_template(hf_messages, tools=[WEATHER, CLOCK], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+    with Client(cluster.address, timeout=60) as c:
+        assert c.tokenize(messages=messages, tools=[WEATHER, CLOCK]) == expected
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+])
+def test_constraints_that_cannot_work_are_400_naming_the_field(gateway, body, param):
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "model", "messages": MESSAGES, "max_tokens": 4,
+                                                                 **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_parallel_calls_come_back_in_order_with_the_content_before_them(oai):
+    force = {"structured_outputs": {"choice": [TWO_CALLS]}}
+    whole = oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=120,
+                                        extra_body=force).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"}), ("get_time", {"utc": True})]
+    assert len({c.id for c in whole.message.tool_calls}) == 2
+    chunks = [c for c in oai.chat.completions.create(model="model", messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                                     max_tokens=120, stream=True, extra_body=force) if c.choices]
+    streamed = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(t.index, t.function.name) for t in streamed] == [(0, "get_weather"), (1, "get_time")]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me check."
