@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from client.channel import ChannelSecurity
 from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.structured import structured_of
 from gateway.tokens import TokenRenderer
@@ -155,6 +155,8 @@ def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, fl
 
 
 def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
+    for name in body.unsupported_fields():
+        raise invalid(name, f"{name} is not supported by this server", "unsupported_parameter")
     _logit_bias(body)
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
@@ -292,6 +294,9 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     kwargs = body.chat_template_kwargs or {}
+    for key in sorted(set(kwargs) - {"enable_thinking"}):
+        raise invalid(f"chat_template_kwargs.{key}", "only chat_template_kwargs.enable_thinking is supported",
+                      "unsupported_parameter")
     enable_thinking = kwargs.get("enable_thinking")
     if enable_thinking is not None and not isinstance(enable_thinking, bool):
         raise invalid("chat_template_kwargs.enable_thinking", "enable_thinking must be true or false")
@@ -578,15 +583,18 @@ async def _collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta
 # ---- the application -------------------------------------------------------------------------------
 
 
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # behind the API keys; /health stays open, for probes
+
+
 class _APIKeys:
-    """Bearer-token check of every /v1 route (health stays open, for probes)."""
+    """Bearer-token check of the PROTECTED routes."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]):
         self.app = app
         self.keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             token = token.strip()
@@ -676,6 +684,46 @@ def create_app(config: GatewayConfig) -> FastAPI:
                  "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
                 for name in await backend.model_names()]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        backend = backend_of(request)
+        name = await backend.resolve_model(model_id)
+        info = await backend.model_info()
+        return JSONResponse({"id": name, "object": "model", "created": backend.created, "owned_by": "splitserve",
+                             "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call)."""
+        backend = backend_of(request)
+        await backend.resolve_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("prompt", "give exactly one of prompt or messages")
+        try:
+            if body.messages is not None:
+                messages = [{"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(i, m)}
+                            for i, m in enumerate(body.messages)]
+                ids = await backend.client.tokenize(messages=messages, timeout=backend.config.rpc_timeout)
+            else:
+                ids = await backend.client.tokenize(body.prompt, timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e, prompt_param="messages" if body.messages is not None else "prompt") from None
+        info = await backend.model_info()
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        backend = backend_of(request)
+        await backend.resolve_model(body.model)
+        info = await backend.model_info()
+        if not all(0 <= t < info["vocab_size"] for t in body.tokens):
+            raise invalid("tokens", f"token ids must lie in [0, {info['vocab_size']})")
+        text = backend.tokens.decode(body.tokens)
+        if text is None:
+            raise APIError(501, "detokenize needs the gateway's --tokenizer", "server_error", "tokens",
+                           "not_implemented")
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

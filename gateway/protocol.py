@@ -2,8 +2,9 @@
 
 Types and simple ranges are checked here (a failure is a 400 naming the field); what needs the model
 (token ids in the vocabulary, lengths against max_model_len, the KV capacity) is checked by the
-scheduler, whose INVALID_ARGUMENT comes back as a 400 naming the field too. Unknown fields are
-ignored, as vLLM does.
+scheduler, whose INVALID_ARGUMENT comes back as a 400 naming the field too. A field the gateway does not
+implement is a 400 naming it (`unsupported_fields`), not silently ignored: a client asking for behaviour it would
+not get is told so; only ACCEPTED_EXTRAS, which concern OpenAI's platform and not the answer, pass unread.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Fields OpenAI clients send that change nothing in an answer (storage, billing tier, tags).
+ACCEPTED_EXTRAS = frozenset({"metadata", "store", "service_tier"})
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20)
 SEED_LIMIT = 1 << 64
 
@@ -23,7 +26,11 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    def unsupported_fields(self) -> list[str]:
+        """The request's fields this gateway neither implements nor may ignore."""
+        return sorted(set(self.model_extra or ()) - ACCEPTED_EXTRAS)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -92,3 +99,17 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     parallel_tool_calls: bool | None = True
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt or chat messages (rendered by the model's template)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

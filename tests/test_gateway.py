@@ -216,6 +216,8 @@ def test_api_key_required(gateway):
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
     assert httpx.get(f"{gateway.url}/v1/models", timeout=10).status_code == 401
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(f"{gateway.url}{path}", json=body, timeout=10).status_code == 401
     with gateway.openai("wrong-key") as bad, pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1)
 

@@ -213,3 +213,43 @@ def test_parallel_calls_come_back_in_order_with_the_content_before_them(oai):
     streamed = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
     assert [(t.index, t.function.name) for t in streamed] == [(0, "get_weather"), (1, "get_time")]
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me check."
+
+
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "prompt_logprobs"),
+                                        ("/v1/chat/completions", "continue_final_message"),
+                                        ("/v1/chat/completions", "reasoning_effort"),
+                                        ("/v1/completions", "best_of_n_made_up"),
+                                        ("/v1/chat/completions", "chat_template_kwargs.add_vision_id")])
+def test_a_field_the_gateway_does_not_implement_is_400_naming_it(gateway, path, field):
+    body = {"model": "model", "max_tokens": 2, **({"messages": MESSAGES} if "chat" in path else {"prompt": "x"})}
+    if "." in field:
+        body["chat_template_kwargs"] = {field.split(".")[1]: True}
+    else:
+        body[field] = True
+    r = httpx.post(f"{gateway.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_fields_about_openais_platform_alone_pass(gateway):
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": "model", "messages": MESSAGES, "max_tokens": 2, "metadata": {"k": "v"}, "store": False,
+        "service_tier": "auto"})
+    assert r.status_code == 200, r.text
+
+
+def test_models_retrieve_tokenize_and_detokenize(gateway, oai, cluster):
+    assert oai.models.retrieve("model").id == "model"
+    assert httpx.get(f"{gateway.url}/v1/models/nope", timeout=30).status_code == 404
+    with Client(cluster.address, timeout=60) as c:
+        ids = c.tokenize("Hello there")
+        chat_ids = c.tokenize(messages=MESSAGES)
+    r = httpx.post(f"{gateway.url}/tokenize", json={"model": "model", "prompt": "Hello there"}, timeout=30).json()
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
+    r = httpx.post(f"{gateway.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    assert r["tokens"] == chat_ids
+    assert httpx.post(f"{gateway.url}/detokenize", json={"tokens": ids}, timeout=30).json() == {"prompt": "Hello there"}
+    bad = httpx.post(f"{gateway.url}/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{gateway.url}/tokenize", json={"prompt": "x", "messages": MESSAGES}, timeout=30)
+    assert both.status_code == 400
