@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import grpc
 from client.channel import add_security_arguments, security_from_args
 from client.client import GENERATION_SERVICE, Client, CompletionCollector, Delta
 from client.launcher import LocalCluster
+from common.cli_help import use_everywhere
 
 DEFAULT_ADDRESS = os.environ.get("SPLITSERVE_ADDRESS", "127.0.0.1:50051")
 DEFAULT_PRESET = "qwen3-small"
@@ -29,6 +31,22 @@ READY_TIMEOUT_S = 180.0
 
 class _UsageError(Exception):
     """A command line that cannot be sent; reported like a gRPC error, without a traceback."""
+
+
+def _this_command() -> str:
+    """How to run this CLI again from the user's shell: `splitserve` where it is on PATH, else its full path
+    (a virtual environment's bin/ is often not on PATH), else through Python."""
+    if shutil.which("splitserve"):
+        return "splitserve"
+    me = Path(sys.argv[0])
+    return str(me.resolve()) if me.name == "splitserve" else f"{sys.executable} -m client.cli"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -65,6 +83,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise _UsageError("--chat needs a PROMPT, not --token-ids")
     if args.no_thinking and not args.chat:
         raise _UsageError("--no-thinking applies to --chat only")
+    if args.max_tokens == 0 and args.prompt_logprobs is None:
+        raise _UsageError("--max-tokens 0 needs --prompt-logprobs (it scores the prompt, generating nothing)")
     if args.chat:
         prompt = {"messages": [{"role": "user", "content": args.prompt}],
                   "enable_thinking": False if args.no_thinking else None}
@@ -137,7 +157,14 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _health(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        status = client.health(args.service)
+        try:
+            status = client.health(args.service)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            print(f"error: the server has no health service {args.service!r} (it serves \"\" for the whole "
+                  f"server and {GENERATION_SERVICE!r})", file=sys.stderr)
+            return 2
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -195,7 +222,7 @@ def _up(args: argparse.Namespace) -> int:
                 _sample(client)
         print(f"serving at {cluster.address} (worker at 127.0.0.1:{cluster.worker_ports[0]}); Ctrl-C stops",
               flush=True)
-        print(f'try: splitserve generate --address {cluster.address} "Hello"', flush=True)
+        print(f'try: {_this_command()} generate --address {cluster.address} "Hello"', flush=True)
         while (dead := cluster.exited()) is None:
             time.sleep(0.5)
         print(f"error: the {dead.name} exited with code {dead.popen.returncode}; last lines of {dead.log_path}:\n"
@@ -225,24 +252,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_arguments(common)
 
     p = sub.add_parser("generate", parents=[common], help="stream a generation")
-    p.add_argument("prompt", nargs="?", metavar="PROMPT")
+    p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text (or give --token-ids)")
     p.add_argument("--token-ids", type=_token_ids, metavar="1,2,3", help="prompt as token ids instead of text")
     p.add_argument("--chat", action="store_true", help="send PROMPT as one user message through the chat template")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: Qwen3's enable_thinking=False")
-    p.add_argument("--max-tokens", type=_non_negative_int)
-    p.add_argument("--min-tokens", type=_non_negative_int)
-    p.add_argument("--temperature", type=float, help="0 = greedy")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--presence-penalty", type=float)
-    p.add_argument("--frequency-penalty", type=float)
-    p.add_argument("--seed", type=_non_negative_int)
+    p.add_argument("--max-tokens", type=_non_negative_int,
+                   help="most tokens to generate (default 16, capped by the model length; 0 only with "
+                        "--prompt-logprobs: score the prompt alone)")
+    p.add_argument("--min-tokens", type=_non_negative_int, help="tokens before EOS may end it (default 0)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens with this much "
+                                               "probability (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0 = off)")
+    p.add_argument("--min-p", type=float, help="drop tokens below this share of the top token's probability "
+                                               "(default 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens of the prompt and output "
+                                                            "(default 1.0 = off)")
+    p.add_argument("--presence-penalty", type=float, help="in [-2, 2]: subtracted once from tokens already "
+                                                          "generated (default 0)")
+    p.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: subtracted per earlier occurrence in "
+                                                           "the output (default 0)")
+    p.add_argument("--seed", type=_non_negative_int, help="reproducible sampling (default: random)")
     p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, metavar="ID", help="stop token (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--n", type=_non_negative_int, help="completions of the prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past EOS, to --max-tokens")
+    p.add_argument("--n", type=_positive_int, help="completions of the prompt (default 1)")
     p.add_argument("--logprobs", type=_non_negative_int, metavar="N", help="logprobs of the sampled token and top N")
     p.add_argument("--prompt-logprobs", type=_non_negative_int, metavar="N",
                    help="logprobs of the prompt's tokens (after the first) and the top N, in --json output")
@@ -254,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
-    p.add_argument("text", metavar="TEXT")
+    p.add_argument("text", metavar="TEXT", help="the text to tokenize")
     p.set_defaults(func=_tokenize)
 
     p = sub.add_parser("health", parents=[common], help="print the serving status; exit 0 when SERVING")
@@ -268,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="worker device (default: the worker's)")
     p.add_argument("--no-sample", action="store_true", help="skip the sample generation")
     p.set_defaults(func=_up)
-    return parser
+    return use_everywhere(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

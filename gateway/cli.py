@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from client.channel import add_security_arguments, security_from_args
+from common.cli_help import use_everywhere
 from common.util import available_cpus
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_parsers import PARSERS
@@ -67,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow browser calls (CORS) from this origin; `*` for any; repeat for several")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests get to finish (default 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="of the gateway's log on stderr")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    return p
+    return use_everywhere(p)
 
 
 def read_api_keys(keys: Sequence[str], files: Sequence[Path], env: str | None = None) -> frozenset[str]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits, logs, security
+from common.cli_help import use_everywhere
 from scheduler_svc.config import SchedulerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -28,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, type=Path, help="checkpoint folder (tokenizer and config are read)")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                    help="a worker group's leader; repeat for several (or none: workers register themselves)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1", help="listen address of the public gRPC API (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, default=50051, help="port of the public gRPC API")
     g = p.add_argument_group("the process tree")
     g.add_argument("--frontends", type=int, default=0,
                    help="front-end processes serving the public API on the one port (0: half the cores, 1 to 8; "
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SchedulerConfig()
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                    help="queued requests per group before refusing")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV blocks of a shared prompt prefix")
     p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_registration_arguments(g)
     security.add_api_key_arguments(p)
     logs.add_arguments(p)
-    return p
+    return use_everywhere(p)
 
 
 def watch_config(args: argparse.Namespace):

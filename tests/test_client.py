@@ -282,7 +282,7 @@ def test_cli_json_lines(address: str, fake: FakeGeneration, capsys):
     assert lines[-1] == {"type": "completion", "index": 0, "text": "Hi", "token_ids": [72, 105],
                          "finish_reason": "stop", "stop_reason": "eos", "logprobs": None,
                          "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_prompt_tokens": 1},
-                         "prompt_logprobs": None}
+                         "prompt_logprobs": None, "prompt_token_ids": None}
     request = next(r for r in reversed(fake.requests.values()) if r.WhichOneof("prompt") == "chat")
     assert request.chat.messages[0].role == "user" and request.chat.HasField("enable_thinking")
     assert request.sampling.HasField("temperature") and request.sampling.seed == 7
@@ -298,6 +298,11 @@ def test_cli_errors_exit_2_without_traceback(address: str, capsys):
     assert capsys.readouterr().err == "error: give exactly one of PROMPT or --token-ids\n"
     assert main(["info", "--address", "127.0.0.1:1", "--timeout", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
+    assert main(["generate", "--address", address, "--max-tokens", "0", "Hi"]) == 2
+    assert "--max-tokens 0 needs --prompt-logprobs" in capsys.readouterr().err
+    assert main(["health", "--address", address, "--service", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "no health service 'foo'" in err and "Traceback" not in err
 
 
 def test_cli_info_tokenize_health(address: str, capsys):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits
+from common.cli_help import use_everywhere
 from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
 from worker_svc.checkpoints.presets import PRESETS
 
@@ -209,14 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the worker gRPC service")
     p.add_argument("--model", required=True, help="checkpoint folder, or a preset name (written once)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--host", default="127.0.0.1", help="listen address of the worker's gRPC service")
+    p.add_argument("--port", type=int, default=50061, help="port of the worker's gRPC service")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--block-size", type=int, help="tokens per KV block; default 256 on a GPU, 16 on a CPU")
     p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory this worker may use in all (weights, activations, KV, graphs)")
     limits.add_arguments(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_NAMES,
                    help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "
                         f"worker loads them instead of compiling (default: ${KERNEL_CACHE_ENV}; without it Triton's "
                         "~/.triton/cache and flash-attn-4 in memory only)")
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly, not as CUDA graphs")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
                         "this process is rank 0 and spawns the others")
@@ -240,20 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="run a simulated worker: same protocol, no model, GPU-like step times")
     p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--host", default="127.0.0.1", help="listen address of the worker's gRPC service")
+    p.add_argument("--port", type=int, default=50061, help="port of the worker's gRPC service")
+    p.add_argument("--block-size", type=int, default=256, help="tokens per (simulated) KV block")
+    p.add_argument("--num-blocks", type=int, default=4096, help="(simulated) KV blocks reported at handshake")
     limits.add_arguments(p, limits.Limits(max_num_seqs=512, max_num_batched_tokens=16384))
     from worker_svc.runtime.simulated import StepCost  # protobuf only, no torch
 
     cost = StepCost()
-    p.add_argument("--base-ms", type=float, default=cost.base_ms)
-    p.add_argument("--per-token-us", type=float, default=cost.per_token_us)
-    p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns)
+    p.add_argument("--base-ms", type=float, default=cost.base_ms, help="a step's fixed time, ms")
+    p.add_argument("--per-token-us", type=float, default=cost.per_token_us, help="a step's time per token run, us")
+    p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns,
+                   help="a step's time per context token its decodes read, ns")
     _add_service_arguments(p)
     p.set_defaults(func=_simulate)
-    return parser
+    return use_everywhere(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

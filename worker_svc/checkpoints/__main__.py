@@ -38,9 +38,9 @@ def _ensure_model(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """The checkpoint commands, as subcommands of `sub` (this module's parser, and splitserve-worker's)."""
     p = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset in Hugging Face layout")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the architecture and shapes to write")
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the random weights")
     p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MB, 1GiB (default 2GB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the preset's")
     p.add_argument("--num-layers", type=int, default=None,
@@ -51,8 +51,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_list_presets)
 
     p = sub.add_parser("ensure-model", help="write a preset's checkpoint into the cache once; print its folder")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the architecture and shapes to write")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights")
     p.set_defaults(func=_ensure_model)
 
 
