@@ -449,6 +449,10 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         commit = self.block_manager.commit
         finish = self._finish
+        if len(result.prompt_seq_ids):
+            # First: a sequence that finishes at the token sampled after its prompt's last chunk (max_tokens 0 or
+            # 1, a stop token) leaves _seqs below, and that chunk's prompt logprobs come in this same result.
+            self._add_prompt_logprobs(result)
         accepted: list[Sequence] = []
         num_finished = 0
         dead = set(result.grammar_dead_ids)  # structured outputs that no token could continue
@@ -475,8 +479,6 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is RUNNING]
         if len(result.logprobs):
             self._add_logprobs(step, sampling, accepted, result)
-        if len(result.prompt_seq_ids):
-            self._add_prompt_logprobs(result)
         return accepted
 
     def _add_prompt_logprobs(self, result: worker_pb2.StepResult) -> None:
