@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from client.channel import ChannelSecurity
 from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
+from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.structured import structured_of
@@ -630,6 +631,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(HTTPMetrics, routes=app.router.routes)  # outermost: refused requests count too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -675,6 +677,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             status = e.code().name
         code = 200 if status == "SERVING" else 503
         return JSONResponse({"status": "ok" if code == 200 else "unavailable", "scheduler": status}, code)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, media_type = exposition()
+        return Response(content, media_type=media_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

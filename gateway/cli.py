@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,6 +108,9 @@ def load(argv: Sequence[str]) -> tuple[argparse.Namespace, "GatewayConfig"]:
     return args, config
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
+
+
 def app_from_env() -> "FastAPI":
     """uvicorn's app factory, called in each HTTP worker process: the app of the command line in $ARGV_ENV."""
     from gateway.app import create_app
@@ -117,6 +122,11 @@ def app_from_env() -> "FastAPI":
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The HTTP workers' metrics meet in one folder (gateway/metrics.py), fresh for each start; set before
+    # prometheus_client is first imported, which reads it then.
+    metrics_dir = None
+    if not os.environ.get(MULTIPROC_ENV):
+        metrics_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="splitserve-gateway-metrics-")
     args, _ = load(argv)  # a bad command line fails here, before any worker process starts
     import uvicorn
 
@@ -127,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
                 log_level=args.log_level, access_log=not args.no_access_log,
                 timeout_graceful_shutdown=args.shutdown_timeout)
+    if metrics_dir:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 

@@ -222,6 +222,33 @@ def test_api_key_required(gateway):
         bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1)
 
 
+def test_metrics_count_every_request_over_all_http_workers(gateway):
+    """/metrics (open, as vLLM's) adds up the HTTP worker processes: the counts after a burst of requests are
+    the same whichever worker answers the scrape, and they grew by exactly the requests made."""
+    def counts() -> dict:
+        return sim_cluster.scrape(gateway.port)
+
+    route = "/v1/models/{model_id:path}"
+    before = counts()
+    for _ in range(6):
+        assert httpx.get(f"{gateway.url}/v1/models/{'x' * 3}", headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=10).status_code == 404
+    for _ in range(4):
+        assert _post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key=None).status_code == 401
+    assert _post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    scrapes = [counts() for _ in range(2 * HTTP_WORKERS)]  # several scrapes: more than one worker answers
+    name = "splitserve:gateway_http_requests_total"
+    for after in scrapes:
+        def grew(**labels) -> float:
+            return sim_cluster.sample(after, name, **labels) - sim_cluster.sample(before, name, **labels)
+        assert grew(route=route, method="GET", status="404") == 6
+        assert grew(route="/v1/completions", method="POST", status="401") == 4
+        assert grew(route="/v1/completions", method="POST", status="200") == 1
+        assert sim_cluster.sample(after, "splitserve:gateway_http_requests_in_flight", route="/v1/completions") == 0
+        assert sim_cluster.sample(after, "splitserve:gateway_http_request_duration_seconds_count",
+                                  route="/v1/completions") >= 5
+
+
 # ---- completions and chat through the openai package -------------------------------------------------
 
 
