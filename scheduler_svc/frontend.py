@@ -347,6 +347,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         metrics, itl = self.metrics, self.metrics.itl
         streamed = [0] * parsed.n
         last_sent = [0.0] * parsed.n
+        first_at = [0.0] * parsed.n  # when each completion's first token came
         reasons: list[str | None] = [None] * parsed.n
         first_token = True
         held_back: dict[int, api.GenerateResponse] = {}  # per completion, what stream_interval holds back
@@ -379,9 +380,15 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                         reasons[i] = reason = _REASON[response.finish_reason]
                         self._finished[reason].inc()
                         metrics.prompt_tokens.inc(u.prompt_tokens)
+                        metrics.prefix_queries.inc(u.prompt_tokens)
                         metrics.cached_prompt_tokens.inc(u.cached_prompt_tokens)
+                        metrics.request_prompt_tokens.observe(u.prompt_tokens)
+                        metrics.request_generation_tokens.observe(u.completion_tokens)
+                        if u.completion_tokens:  # first to last token: 0 where both came in this message
+                            metrics.decode_time.observe(time.perf_counter() - first_at[i] if first_at[i] else 0.0)
                     if response.token_ids:
                         now = time.perf_counter()
+                        first_at[i] = first_at[i] or now
                         if first_token:
                             first_token = False
                             metrics.ttft.observe(now - started)

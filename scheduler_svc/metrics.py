@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,21 +20,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
 
 SIZE_BUCKETS = tuple(2 ** i for i in range(6, 24, 2))
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)  # vLLM's
 # Plan and result sizes cost a ByteSize() each, a walk of the message: measured on one step in
 # SIZE_SAMPLE_EVERY, so the histograms are a sample of the steps.
 SIZE_SAMPLE_EVERY = 16
 
 
 class StepObserver:
-    """Called by one engine thread around each step (engine_core.py): worker step time from every result, plan
-    and result sizes from a sample of them."""
-    __slots__ = ("_step", "_plan", "_result", "_plans", "_results")
+    """Called by one engine thread around each step (engine_core.py): worker step time from every result, the
+    tokens of every plan, plan and result sizes from a sample of them."""
+    __slots__ = ("_step", "_tokens", "_plan", "_result", "_plans", "_results")
 
-    def __init__(self, step: FastHistogram, plan: FastHistogram, result: FastHistogram):
-        self._step, self._plan, self._result = step, plan, result
+    def __init__(self, step: FastHistogram, tokens: FastHistogram, plan: FastHistogram, result: FastHistogram):
+        self._step, self._tokens, self._plan, self._result = step, tokens, plan, result
         self._plans = self._results = 0
 
     def plan(self, plan) -> None:
+        self._tokens.observe(sum(plan.num_scheduled_tokens) + sum(s.num_scheduled_tokens for s in plan.new_seqs))
         self._plans += 1
         if self._plans % SIZE_SAMPLE_EVERY == 0:
             self._plan.observe(plan.ByteSize())
@@ -63,6 +65,16 @@ class FrontendMetrics:
         self.generation_tokens = Counter("splitserve:generation_tokens", "Generated tokens", registry=r)
         self.cached_prompt_tokens = Counter("splitserve:prefix_cache_hits",
                                             "Prompt tokens served from the prefix cache", registry=r)
+        self.prefix_queries = Counter("splitserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.request_prompt_tokens = Histogram("splitserve:request_prompt_tokens", "Prompt tokens per completion",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("splitserve:request_generation_tokens",
+                                                   "Generated tokens per completion", buckets=TOKEN_BUCKETS,
+                                                   registry=r)
+        self.decode_time = Histogram("splitserve:request_decode_time_seconds",
+                                     "Time from a completion's first token to its last", buckets=LATENCY_BUCKETS,
+                                     registry=r)
         self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         # Written by the event loop thread only, once per stream message (per completion).
@@ -84,6 +96,8 @@ class EngineMetrics:
         self.registry = r = CollectorRegistry()
         self.step = FastHistogramFamily("splitserve:step_duration_seconds",
                                         "Worker step time, as the worker reports it", ("worker",), LATENCY_BUCKETS, r)
+        self.iteration_tokens = FastHistogramFamily("splitserve:iteration_tokens_total", "Tokens per step",
+                                                    ("worker",), TOKEN_BUCKETS, r)
         self.plan_bytes = FastHistogramFamily("splitserve:plan_size_bytes",
                                               f"Serialized StepPlan size (one step in {SIZE_SAMPLE_EVERY})",
                                               ("worker",), SIZE_BUCKETS, r)
@@ -94,7 +108,8 @@ class EngineMetrics:
 
     def step_observer(self, worker: str) -> StepObserver:
         """For the engine thread of one worker group (its only writer)."""
-        return StepObserver(self.step.labels(worker), self.plan_bytes.labels(worker), self.result_bytes.labels(worker))
+        return StepObserver(self.step.labels(worker), self.iteration_tokens.labels(worker),
+                            self.plan_bytes.labels(worker), self.result_bytes.labels(worker))
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
@@ -114,7 +129,7 @@ class _GroupCollector:
         free = GaugeMetricFamily("splitserve:kv_blocks_free", "KV blocks free (cached ones included)",
                                  labels=["worker"])
         usage = GaugeMetricFamily("splitserve:kv_cache_usage_perc", "Share of KV blocks in use", labels=["worker"])
-        preempt = GaugeMetricFamily("splitserve:num_preemptions", "Preemptions so far", labels=["worker"])
+        preempt = CounterMetricFamily("splitserve:num_preemptions", "Preemptions so far", labels=["worker"])
         hit = GaugeMetricFamily("splitserve:prefix_cache_hit_rate",
                                 "Admitted tokens served from the prefix cache, as a share", labels=["worker"])
         alive = GaugeMetricFamily("splitserve:worker_alive", "1 while the worker group serves", labels=["worker"])

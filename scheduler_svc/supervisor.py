@@ -41,10 +41,13 @@ import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, start_http_server
+
+from common.exposition import with_labels
 
 from common.util import available_cpus
 from scheduler_svc import ipc
@@ -406,12 +409,13 @@ class Supervisor:
 
     def serve_metrics(self, port: int, host: str) -> None:
         supervisor = self
+        labels = {"model_name": Path(self.args.model).name}  # as the workers name it (their folder's name)
 
         class TreeCollector:
             def collect(self):
                 texts = asyncio.run_coroutine_threadsafe(supervisor.gather_metrics(), supervisor.loop).result(
                     METRICS_TIMEOUT_S * 2)
-                yield from merge(texts)
+                yield from with_labels(merge(texts), labels)
 
         registry = CollectorRegistry()
         registry.register(TreeCollector())

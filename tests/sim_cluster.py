@@ -64,7 +64,9 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def sample(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of the samples of `name` whose labels include `labels` (a service adds model_name to each)."""
+    want = set(labels.items())
+    return sum(v for (n, have), v in samples.items() if n == name and want <= set(have))
 
 
 __all__ = ["WAIT_S", "all_idle", "config_only_model", "free_port", "sample", "scrape", "start_simulated",

@@ -26,7 +26,7 @@ import pytest
 from client import Client
 from client.launcher import PUBLIC_SERVICE, LocalCluster, Process, free_port, health_status
 from tests import sim_cluster
-from tests.sim_cluster import scrape
+from tests.sim_cluster import sample, scrape
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -498,10 +498,10 @@ def test_metrics_of_every_process_add_up_to_what_the_clients_saw(cluster_factory
     served_by = set(re.findall(r"request req-(\d+)-", scheduler_of(c).log_path.read_text()))
     assert served_by == {"0", "1"}, f"front-ends that served: {served_by}"
     samples = scrape(metrics_port)
-    assert samples[("splitserve:request_success_total", (("finished_reason", "length"),))] == 32
-    assert samples[("splitserve:generation_tokens_total", ())] == 32 * 8
-    assert samples[("splitserve:prompt_tokens_total", ())] == sum(len(s.params["token_ids"]) for s in streams)
-    assert samples[("splitserve:time_to_first_token_seconds_count", ())] == 32
+    assert sample(samples, "splitserve:request_success_total", finished_reason="length") == 32
+    assert sample(samples, "splitserve:generation_tokens_total") == 32 * 8
+    assert sample(samples, "splitserve:prompt_tokens_total") == sum(len(s.params["token_ids"]) for s in streams)
+    assert sample(samples, "splitserve:time_to_first_token_seconds_count") == 32
     steps = {labels: v for (name, labels), v in samples.items() if name == "splitserve:step_duration_seconds_count"}
     assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps  # one engine per worker
     alive = {labels: v for (name, labels), v in samples.items() if name == "splitserve:worker_alive"}

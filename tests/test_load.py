@@ -323,8 +323,17 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
     assert sample(after, "splitserve:kv_blocks_free", worker=address) == 4
     assert sample(after, "splitserve:num_requests_running", worker=address) == 0
     assert sample(after, "splitserve:worker_alive", worker=address) == 1
+    # vLLM's families and label: model_name on every series, per-completion token histograms, queries and hits
+    assert all(dict(labels).get("model_name") for (_, labels) in after), "a series without model_name"
+    assert delta("splitserve:prefix_cache_queries_total") == delta("splitserve:prompt_tokens_total")
+    assert delta("splitserve:request_prompt_tokens_count") == len(finished)
+    assert delta("splitserve:request_generation_tokens_sum") == seen_tokens
+    assert delta("splitserve:request_decode_time_seconds_count") == len(finished)
+    assert delta("splitserve:iteration_tokens_total_count", worker=address) >= seen_tokens
+    assert delta("splitserve:num_preemptions_total", worker=address) == 0
 
     worker_after = scrape(slow.worker_metrics_port)
+    assert all(dict(labels).get("model_name") for (_, labels) in worker_after)
     assert sample(worker_after, "splitserve:worker_kv_blocks_total") == 4
     # The worker drops finished sequences when the next plan tells it (none is sent while idle).
     assert sample(worker_after, "splitserve:worker_num_requests_running") <= 1
@@ -332,8 +341,9 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
             - sample(worker_before, "splitserve:worker_step_duration_seconds_count")) >= seen_tokens
     assert any(name == "splitserve:worker_epoch_info" for name, _ in worker_after)
     # a simulated worker builds no GPU kernel: both phases exported, both 0
-    builds = [("splitserve:worker_kernel_builds_total", (("phase", p),)) for p in ("warm_up", "serving")]
-    assert [worker_after[b] for b in builds] == [0, 0]
+    builds = {dict(labels)["phase"]: v for (name, labels), v in worker_after.items()
+              if name == "splitserve:worker_kernel_builds_total"}
+    assert builds == {"warm_up": 0, "serving": 0}
 
     # The per-request log line: one JSON object with the request's fields.
     entry = _log_entry(slow, "metrics-len-2")

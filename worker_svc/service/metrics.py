@@ -12,6 +12,7 @@ import logging
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.exposition import Labelled
 from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
 from worker_svc.runtime.kernel_builds import BUILDS
 
@@ -50,7 +51,9 @@ class WorkerMetrics:
         self.runner.execute = timed_execute
 
     def serve(self, port: int, host: str = "0.0.0.0"):
-        return start_http_server(port, addr=host, registry=self.registry)
+        served = CollectorRegistry()
+        served.register(Labelled(self.registry, {"model_name": self.runner.describe().model}))
+        return start_http_server(port, addr=host, registry=served)
 
 
 def serve_metrics(runner, port: int, host: str = "0.0.0.0") -> WorkerMetrics:
