@@ -17,6 +17,7 @@ from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -25,6 +26,8 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage | None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked (prompt_logprobs)
 
 
 class LLM:
@@ -61,6 +64,8 @@ class LLM:
         order: list[str] = []
         texts: dict[str, list[str]] = {}
         tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         done: dict[str, GenerationOutput] = {}
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
@@ -73,13 +78,18 @@ class LLM:
                     order.append(rid)
                     texts[rid], tokens[rid] = [], []
                 for out in engine.step():
-                    texts[out.request_id].append(out.text)
-                    tokens[out.request_id].extend(out.token_ids)
+                    rid = out.request_id
+                    texts[rid].append(out.text)
+                    tokens[rid].extend(out.token_ids)
+                    if out.logprobs:
+                        logprobs.setdefault(rid, []).extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[rid] = out.prompt_logprobs
                     num_tokens += len(out.token_ids)
                     if out.finished:
-                        rid = out.request_id
                         text = "".join(texts.pop(rid))
-                        done[rid] = GenerationOutput(text, tokens.pop(rid), out.finish_reason, out.usage)
+                        done[rid] = GenerationOutput(text, tokens.pop(rid), out.finish_reason, out.usage,
+                                                     logprobs.pop(rid, None), prompt_logprobs.pop(rid, None))
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}", refresh=False)
         finally:

@@ -144,7 +144,10 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self._by_seq[seq.seq_id].text
         text.cached_tokens = seq.num_cached_tokens
+        first = text.num_output == 0  # its prompt's logprobs, when asked, go with its first output
         out, stop_string = text.output(seq.token_ids[-1], seq.finish_reason, seq.logprobs[-1] if seq.logprobs else None)
+        if first and seq.prompt_logprobs is not None:
+            out.prompt_logprobs, out.prompt_token_ids = seq.prompt_logprobs, seq.token_ids[:seq.prompt_len]
         if stop_string:
             self.core.stop(seq)
         if out.finished:

@@ -152,3 +152,27 @@ def test_text_of_prompts_that_end_inside_a_character(tiny_model_dir, hf):
         for p, o in zip(prompts, outs):
             assert o.token_ids == _hf_generate(hf, p, 16)
             assert o.text == tok.decode(o.token_ids)
+
+
+def test_llm_returns_prompt_and_token_logprobs_as_transformers_computes_them(tiny_model_dir, hf):
+    """The offline API's prompt_logprobs (prompt tokens 1.., top 2) and logprobs of its greedy tokens, through
+    chunked prefill (8 tokens a step), equal transformers' log-softmax; max_tokens 0 scores the prompt alone."""
+    prompts = [p for p in _prompts() if len(p) > 1]
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
+             max_num_batched_tokens=8) as llm:
+        outs = llm.generate(prompts, _greedy(max_tokens=4, logprobs=0, prompt_logprobs=2), use_tqdm=False)
+        scored = llm.generate(prompts[:2], _greedy(max_tokens=0, ignore_eos=False, prompt_logprobs=0),
+                              use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.token_ids
+        with torch.inference_mode():
+            lp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        want = [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+        got = [x.logprob for x in out.prompt_logprobs] + [x.logprob for x in out.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)
+        top = lp[:len(prompt) - 1].topk(2, -1)
+        assert [[t for t, _ in x.top] for x in out.prompt_logprobs] == top.indices.tolist()
+    for out, ref in zip(scored, outs):
+        assert out.token_ids == [] and out.finish_reason == "length"
+        assert [x.logprob for x in out.prompt_logprobs] == pytest.approx([x.logprob for x in ref.prompt_logprobs],
+                                                                         abs=1e-4)
