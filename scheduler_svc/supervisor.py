@@ -45,10 +45,9 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from common.exposition import with_labels
-
+from common.exposition import serve, with_labels
 from common.util import available_cpus
 from scheduler_svc import ipc
 from scheduler_svc.grpc_executor import WorkerUnavailable
@@ -419,7 +418,7 @@ class Supervisor:
 
         registry = CollectorRegistry()
         registry.register(TreeCollector())
-        start_http_server(port, addr=host, registry=registry)
+        serve(registry, port, host)
         log.info("metrics on %s:%d/metrics", host, port, extra={"metrics_port": port})
 
     # ---- life -------------------------------------------------------------------------------------

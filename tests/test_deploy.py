@@ -746,7 +746,7 @@ def _k8s_errors(doc: dict) -> str | None:
     return None
 
 
-CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # not in the Kubernetes schemas: checked by hand
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}  # not in the Kubernetes schemas: checked by hand
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -941,10 +941,16 @@ def test_k8s_topology_matches_the_programs(overlay, monkeypatch):
                         and _selects(monitor["spec"]["selector"]["matchLabels"], d["metadata"]["labels"])]
             assert len(selected) == 1, monitor["metadata"]["name"]
             ports = {p["name"]: p for p in selected[0]["spec"]["ports"]}
+            gateway = selected[0]["metadata"]["name"] == "splitserve-gateway"
             for endpoint in monitor["spec"]["endpoints"]:
-                # The Service port that leads to the container's metrics port, which --metrics-port serves.
-                assert ports[endpoint["port"]]["targetPort"] == "metrics" and endpoint["path"] == "/metrics"
-            assert selected[0]["metadata"]["name"] in {service["metadata"]["name"], headless["metadata"]["name"]}
+                # The Service port that leads to the container's metrics port, which --metrics-port serves (the
+                # gateway's /metrics is on its HTTP port).
+                want = "http" if gateway else "metrics"
+                assert ports[endpoint["port"]]["targetPort"] == want and endpoint["path"] == "/metrics"
+            assert gateway or selected[0]["metadata"]["name"] in {service["metadata"]["name"],
+                                                                  headless["metadata"]["name"]}
+        rule = _find(docs, "PrometheusRule", "splitserve")
+        assert rule["spec"]["groups"] == yaml.safe_load((REPO / "deploy/monitoring/alerts.yml").read_text())["groups"]
     if overlay == "autoscaling":
         hpa = _find(docs, "HorizontalPodAutoscaler", "splitserve-worker")
         target = hpa["spec"]["scaleTargetRef"]

@@ -99,9 +99,10 @@ def test_json_object_is_an_object_on_chat_and_completions(oai, tiny_model_dir):
     # closes the object at once, and only the constraint keeps the bias from writing `}}}}`.
     close = transformers.AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("}")
     chat = oai.chat.completions.create(model="model", messages=MESSAGES, response_format={"type": "json_object"},
-                                       logit_bias={str(close): 30}, max_tokens=20, temperature=0.5, seed=1)
+                                       logit_bias={str(close): 100}, max_tokens=20, temperature=0.5, seed=1)
     assert json.loads(chat.choices[0].message.content) == {}
-    text = oai.completions.create(model="model", prompt="JSON:", max_tokens=20, logit_bias={str(close): 30},
+    text = oai.completions.create(model="model", prompt="JSON:", max_tokens=20, logit_bias={str(close): 100},
+                                  temperature=0.5, seed=1,
                                   extra_body={"response_format": {"type": "json_object"}}).choices[0].text
     assert json.loads(text) == {}
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from common.exposition import Labelled
+from common.exposition import Labelled, serve
 from common.histograms import LATENCY_BUCKETS, FastHistogram, FastHistogramFamily
 from worker_svc.runtime.kernel_builds import BUILDS
 
@@ -53,7 +53,7 @@ class WorkerMetrics:
     def serve(self, port: int, host: str = "0.0.0.0"):
         served = CollectorRegistry()
         served.register(Labelled(self.registry, {"model_name": self.runner.describe().model}))
-        return start_http_server(port, addr=host, registry=served)
+        return serve(served, port, host)
 
 
 def serve_metrics(runner, port: int, host: str = "0.0.0.0") -> WorkerMetrics:
