@@ -26,6 +26,7 @@ import anyio
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -35,7 +36,9 @@ from client.channel import ChannelSecurity
 from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.metrics import HTTPMetrics, exposition
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                              DetokenizeRequest, DetokenizeResponse, ErrorBody, ModelCard, ModelList, TokenizeRequest,
+                              TokenizeResponse)
 from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.structured import structured_of
 from gateway.tokens import TokenRenderer
@@ -177,7 +180,8 @@ def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               logprobs: int | None) -> dict[str, Any]:
     return dict(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        max_tokens=max_tokens, temperature=body.temperature,
+        top_p=None if body.top_p is None else max(body.top_p, MIN_TOP_P), top_k=body.top_k,
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
@@ -584,6 +588,14 @@ async def _collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta
 # ---- the application -------------------------------------------------------------------------------
 
 
+# A top_p the schema allows (> 0) but float32 would round to 0 (a subnormal): it keeps only the top token either way.
+MIN_TOP_P = 1e-30
+# The error answers every route may give, for the OpenAPI document (the bodies are OpenAI's).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what} for status, what in (
+        (400, "an invalid or unsupported field, named in error.param"), (401, "a missing or wrong API key"),
+        (404, "an unknown model"), (429, "overloaded: retry after Retry-After"),
+        (503, "the scheduler, or every worker, unavailable"), (504, "past the request timeout"))}
 PROTECTED = ("/v1", "/tokenize", "/detokenize")  # behind the API keys; /health stays open, for probes
 
 
@@ -667,7 +679,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def backend_of(request: Request) -> Backend:
         return request.app.state.backend
 
-    @app.get("/health")
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, less the 422 bodies it promises: every invalid request is a 400 in OpenAI's shape."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+                    if path in ("/v1/completions", "/v1/chat/completions"):  # with stream: true
+                        operation["responses"]["200"]["content"]["text/event-stream"] = {
+                            "schema": {"type": "string", "description": "server-sent events of chunks, then "
+                                                                        "data: [DONE]"}}
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.get("/health", responses={503: {"model": ErrorBody, "description": "the scheduler is not serving"}})
     async def health(request: Request) -> JSONResponse:
         """200 while the scheduler's Generation service is SERVING (a worker is connected), else 503."""
         backend = backend_of(request)
@@ -683,7 +713,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         content, media_type = exposition()
         return Response(content, media_type=media_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(request: Request) -> JSONResponse:
         backend = backend_of(request)
         info = await backend.model_info()
@@ -692,7 +722,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 for name in await backend.model_names()]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str, request: Request) -> JSONResponse:
         backend = backend_of(request)
         name = await backend.resolve_model(model_id)
@@ -700,7 +730,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"id": name, "object": "model", "created": backend.created, "owned_by": "splitserve",
                              "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]})
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call)."""
         backend = backend_of(request)
@@ -719,7 +749,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = await backend.model_info()
         return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         backend = backend_of(request)
         await backend.resolve_model(body.model)
@@ -732,7 +762,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            "not_implemented")
         return JSONResponse({"prompt": text})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
@@ -740,7 +770,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await _run(request, backend, job, rid, model, body, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)

@@ -89,7 +89,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -113,3 +113,95 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+# ---- response bodies, for the OpenAPI document (answers are built as dicts; these describe them) --------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, for every 4xx and 5xx."""
+    error: ErrorDetail
+
+
+class UsageBody(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None  # stop, length, abort, grammar
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole answer of /v1/completions (with stream: server-sent events of text_completion chunks)."""
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageBody
+    system_fingerprint: str | None = None
+
+
+class ChatChoiceMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None  # stop, length, tool_calls, abort, grammar
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole answer of /v1/chat/completions (with stream: server-sent events of chat.completion.chunk)."""
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

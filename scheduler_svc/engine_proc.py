@@ -254,7 +254,7 @@ class EngineGroup:
             if len(seq.token_ids) == seq.num_sent_tokens + 1:  # its first token of this incarnation
                 prompt = None if seq.prompt_logprobs is None else [
                     [lp.token_id, lp.logprob, lp.top] for lp in seq.prompt_logprobs]
-                o.first.append([i, seq.num_cached_tokens or 0, prompt])
+                o.first.append([i, seq.num_cached_tokens or 0, prompt, seq.scheduled_at])
             if seq.logprobs:  # asked for, and the worker gave them (a simulated worker gives none)
                 if o.logprobs is None:
                     o.logprobs = [None] * i

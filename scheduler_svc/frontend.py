@@ -108,6 +108,7 @@ class Completion:
     group: GroupView | None = None  # where it runs now
     ack: asyncio.Future | None = None  # while its engine has not answered its add
     prompt_logprobs: list[TokenLogprob] | None = None  # from its engine, until its first output carries them
+    scheduled_at: float | None = None  # time.monotonic() its engine first admitted it (every process's clock)
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -225,10 +226,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         keys, tokens = ipc.unints(message[5]), ipc.unints(message[6], "i")
         finished, first, logprobs = dict(message[7]), message[8], message[9]
         completions = self.completions
-        for i, cached, prompt in first:
+        for i, cached, prompt, scheduled_at in first:
             c = completions.get(keys[i])
             if c is not None and c.text.cached_tokens is None:
-                c.text.cached_tokens = cached
+                c.text.cached_tokens, c.scheduled_at = cached, scheduled_at
             if c is not None and prompt is not None and not c.tokens:
                 c.prompt_logprobs = [TokenLogprob(t, v, [tuple(x) for x in top] if top else None)
                                      for t, v, top in prompt]
@@ -315,7 +316,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         await context.abort(code, message)
 
     async def Generate(self, request: api.GenerateRequest, context: grpc.aio.ServicerContext):
-        started = time.perf_counter()
+        started, arrived = time.perf_counter(), time.monotonic()
         remaining = context.time_remaining()  # None: no deadline
         deadline = None if remaining is None else started + remaining
         if not self.accepting:
@@ -384,11 +385,17 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                         metrics.cached_prompt_tokens.inc(u.cached_prompt_tokens)
                         metrics.request_prompt_tokens.observe(u.prompt_tokens)
                         metrics.request_generation_tokens.observe(u.completion_tokens)
+                        now = time.monotonic()
                         if u.completion_tokens:  # first to last token: 0 where both came in this message
-                            metrics.decode_time.observe(time.perf_counter() - first_at[i] if first_at[i] else 0.0)
+                            metrics.decode_time.observe(now - first_at[i] if first_at[i] else 0.0)
+                        scheduled = completions[i].scheduled_at
+                        if scheduled is not None:  # vLLM's request phases: queued, then prefill, the whole run
+                            metrics.queue_time.observe(max(0.0, scheduled - arrived))
+                            metrics.prefill_time.observe(max(0.0, (first_at[i] or now) - scheduled))
+                            metrics.inference_time.observe(max(0.0, now - scheduled))
                     if response.token_ids:
                         now = time.perf_counter()
-                        first_at[i] = first_at[i] or now
+                        first_at[i] = first_at[i] or time.monotonic()
                         if first_token:
                             first_token = False
                             metrics.ttft.observe(now - started)

@@ -9,6 +9,7 @@ Histograms written on hot paths (every step of an engine thread, every message o
 one writer thread each, summed up at scrape time."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -72,6 +73,15 @@ class FrontendMetrics:
         self.request_generation_tokens = Histogram("splitserve:request_generation_tokens",
                                                    "Generated tokens per completion", buckets=TOKEN_BUCKETS,
                                                    registry=r)
+        self.queue_time = Histogram("splitserve:request_queue_time_seconds",
+                                    "Time from a completion's arrival to its engine's first admission",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("splitserve:request_prefill_time_seconds",
+                                      "Time from a completion's first admission to its first token",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("splitserve:request_inference_time_seconds",
+                                        "Time from a completion's first admission to its end", buckets=LATENCY_BUCKETS,
+                                        registry=r)
         self.decode_time = Histogram("splitserve:request_decode_time_seconds",
                                      "Time from a completion's first token to its last", buckets=LATENCY_BUCKETS,
                                      registry=r)
@@ -115,12 +125,17 @@ class EngineMetrics:
         return generate_latest(self.registry).decode()
 
 
+DEPARTED_SERIES_S = 600.0  # how long a group that left keeps reporting itself down (alive 0, gauges 0)
+
+
 class _GroupCollector:
     """Queue, KV and cache state of every live group of this engine, read at scrape time (unlocked,
-    approximate reads)."""
+    approximate reads). A group that died or left reports alive 0 and empty gauges for DEPARTED_SERIES_S, so
+    that dashboards and alerts see it go down rather than vanish; its preemption counter keeps its total."""
 
     def __init__(self, groups):
         self._groups = groups
+        self._departed: dict[str, tuple[float, int]] = {}  # address -> (when last seen live, its preemptions)
 
     def collect(self):
         running = GaugeMetricFamily("splitserve:num_requests_running", "Sequences running", labels=["worker"])
@@ -133,7 +148,22 @@ class _GroupCollector:
         hit = GaugeMetricFamily("splitserve:prefix_cache_hit_rate",
                                 "Admitted tokens served from the prefix cache, as a share", labels=["worker"])
         alive = GaugeMetricFamily("splitserve:worker_alive", "1 while the worker group serves", labels=["worker"])
-        for g in list(self._groups()):
+        now = time.monotonic()
+        live = list(self._groups())
+        for g in live:
+            self._departed[g.address] = (now, g.scheduler.num_preemptions)
+        live_addresses = {g.address for g in live}
+        for address, (seen, preemptions) in list(self._departed.items()):
+            if address in live_addresses:
+                continue
+            if now - seen > DEPARTED_SERIES_S:
+                del self._departed[address]
+                continue
+            w = [address]
+            for family in (running, waiting, used, free, usage, hit, alive):
+                family.add_metric(w, 0.0)
+            preempt.add_metric(w, preemptions)
+        for g in live:
             s = g.scheduler
             bm = s.block_manager
             w = [g.address]

@@ -34,6 +34,7 @@ known, so a decode is scheduled for the token still being sampled. Rules that ke
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -339,7 +340,7 @@ class Scheduler:
                 seq.start_step = step
                 seq.status = RUNNING
                 if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = c
+                    seq.num_cached_tokens, seq.scheduled_at = c, time.monotonic()
                 self.num_prefix_hit_tokens += c
                 self.num_admitted_tokens += total
                 if not running or running[-1].arrival < seq.arrival:

@@ -48,6 +48,7 @@ class Sequence:
     # The step that (re)sent it as new: results of earlier steps are stale. NEVER while not running.
     start_step: int = NEVER
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (usage)
+    scheduled_at: float | None = None  # time.monotonic() of its first admission (queue time, in metrics)
     finish_reason: str | None = None  # "stop", "length", "abort" or "grammar" (structured output dead)
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. when asked for (worker-scored)

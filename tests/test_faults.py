@@ -507,6 +507,16 @@ def test_metrics_of_every_process_add_up_to_what_the_clients_saw(cluster_factory
     alive = {labels: v for (name, labels), v in samples.items() if name == "splitserve:worker_alive"}
     assert sorted(alive.values()) == [1.0, 1.0], alive
 
+    # A worker that dies is reported down (alive 0, gauges 0), not dropped from the series.
+    kill(workers_of(c)[0])
+
+    def reported_down() -> bool:
+        now = scrape(metrics_port)
+        alive = sorted(v for (name, _), v in now.items() if name == "splitserve:worker_alive")
+        running = [v for (name, _), v in now.items() if name == "splitserve:num_requests_running"]
+        return alive == [0.0, 1.0] and len(running) == 2
+    wait_for("the dead worker reported down, its series kept", reported_down)
+
 
 def test_the_tree_sizes_itself_to_its_cpus_and_names_its_processes(tiny_model_dir, tmp_path, monkeypatch):
     """No --frontends / --engines: $SPLITSERVE_CPUS (a pod's CPU request) decides, half of it front-ends; one

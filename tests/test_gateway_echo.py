@@ -23,6 +23,7 @@ import transformers
 
 from client import Client
 from client.launcher import LocalCluster
+from common.model_files import eos_token_ids
 from gateway.app import completion_job
 from gateway.errors import APIError
 from gateway.protocol import CompletionRequest
@@ -330,3 +331,67 @@ def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_d
             assert abs(float(ll) - want) < 1e-3
             assert (greedy == "True") == all(int(ref[p - 1].argmax()) == whole[p]
                                              for p in range(len(context), len(whole)))
+
+
+GEN_TASK_YAML = """\
+task: splitserve_local_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+  temperature: 0.0
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def test_lm_eval_local_completions_runs_a_generate_until_task(gateway, hf, tiny_model_dir, tmp_path):
+    """The harness's `generate_until` path (greedy text with a stop string, max_tokens) against the gateway on
+    a local task: an exact_match in [0, 1], and each answer transformers' greedy continuation, cut at the stop."""
+    data = tmp_path / "gen.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "splitserve_local_gen.yaml").write_text(GEN_TASK_YAML.format(data=data))
+    model_args = ",".join([f"model={MODEL}", f"base_url={gateway.url}/v1/completions", f"tokenizer={tiny_model_dir}",
+                           "tokenizer_backend=huggingface", "tokenized_requests=False", "num_concurrent=2",
+                           "max_retries=1", "timeout=60"])
+    out = tmp_path / "results"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+         "--tasks", "splitserve_local_gen", "--include_path", str(tasks), "--output_path", str(out),
+         "--batch_size", "1", "--log_samples"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (results_file,) = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert 0.0 <= results["results"]["splitserve_local_gen"]["exact_match,none"] <= 1.0
+    (samples_file,) = out.rglob("samples_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == len(QUESTIONS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    for sample in samples:
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            greedy = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        eos = set(eos_token_ids(tiny_model_dir))
+        greedy = greedy[:next((i for i, t in enumerate(greedy) if t in eos), len(greedy))]
+        want = tokenizer.decode(greedy, skip_special_tokens=True).split("\n")[0]
+        assert sample["resps"][0][0] == want, (prompt, sample["resps"], want)

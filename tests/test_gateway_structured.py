@@ -254,3 +254,26 @@ def test_models_retrieve_tokenize_and_detokenize(gateway, oai, cluster):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(f"{gateway.url}/tokenize", json={"prompt": "x", "messages": MESSAGES}, timeout=30)
     assert both.status_code == 400
+
+
+def test_the_openapi_document_describes_what_the_gateway_answers(gateway):
+    """No FastAPI 422 bodies (every invalid request is a 400 in OpenAI's shape), each route's 200 body and its
+    error bodies described, and what the schema allows is accepted (a one-message chat, a subnormal top_p)."""
+    doc = httpx.get(f"{gateway.url}/openapi.json", timeout=30).json()
+    assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in json.dumps(doc)
+    schemas = doc["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        op = doc["paths"][path]["post"]
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].startswith("#/components")
+        for status in ("400", "401", "404", "429", "503", "504"):
+            assert op["responses"][status]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorBody"}, (path, status)
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    ok = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                    json={"model": "model", "messages": MESSAGES, "max_tokens": 2, "top_p": 5e-324})
+    assert ok.status_code == 200, ok.text
+    body = ok.json()
+    jsonschema.validate(body, {"$ref": "#/components/schemas/ChatCompletionResponse", "components": doc["components"]})
+    empty = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                       json={"model": "model", "messages": [], "max_tokens": 2})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"

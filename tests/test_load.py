@@ -329,6 +329,10 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
     assert delta("splitserve:request_prompt_tokens_count") == len(finished)
     assert delta("splitserve:request_generation_tokens_sum") == seen_tokens
     assert delta("splitserve:request_decode_time_seconds_count") == len(finished)
+    for phase in ("queue", "prefill", "inference"):  # every completion that ran was admitted once
+        assert delta(f"splitserve:request_{phase}_time_seconds_count") == len(finished), phase
+    # the slow worker's steps: a completion's run takes at least its tokens' steps
+    assert delta("splitserve:request_inference_time_seconds_sum") >= delta("splitserve:request_decode_time_seconds_sum")
     assert delta("splitserve:iteration_tokens_total_count", worker=address) >= seen_tokens
     assert delta("splitserve:num_preemptions_total", worker=address) == 0
 

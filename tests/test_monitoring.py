@@ -81,7 +81,8 @@ def test_a_real_prometheus_evaluates_every_shipped_expression(tmp_path):
     try:
         gateway = Gateway(cluster.address, tmp_path / "gateway.log", "--workers", "2").wait_healthy()
         prom_port = free_port()
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # 2 s: a scrape of the scheduler gathers every process of its tree, which a loaded CI box may not do in 1
+        config = {"global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
                   "scrape_configs": [
                       {"job_name": "splitserve-scheduler", "static_configs": [{"targets": [f"127.0.0.1:{metrics}"]}]},
                       {"job_name": "splitserve-worker", "static_configs": [{"targets": [f"127.0.0.1:{worker_metrics}"]}]},
@@ -108,7 +109,14 @@ def test_a_real_prometheus_evaluates_every_shipped_expression(tmp_path):
             return (value("sum(splitserve:request_success_total)") == 2 * REQUESTS
                     and value('sum(splitserve:gateway_http_requests_total{route="/v1/completions"})') == REQUESTS)
 
-        sim_cluster.wait_for("prometheus sees every finished request", counted, timeout=30, interval=0.5)
+        try:
+            sim_cluster.wait_for("prometheus sees every finished request", counted, timeout=60, interval=0.5)
+        except AssertionError as e:
+            targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/targets",
+                                                        timeout=10).read())["data"]["activeTargets"]
+            raise AssertionError(f"{e}; requests {value('sum(splitserve:request_success_total)')}, gateway "
+                                 f"{value('sum(splitserve:gateway_http_requests_total)')}; targets "
+                                 f"{[(t['labels']['job'], t['health'], t['lastError']) for t in targets]}") from None
         failures = []
         for name, expr in _expressions():
             answer = _query(prom_port, expr)
