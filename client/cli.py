@@ -198,7 +198,9 @@ def _sample(client: Client) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C, SIGTERM and SIGHUP stop it, also where it was started with SIGINT ignored (a background job)
+    previous = {sig: signal.signal(sig, signal.default_int_handler)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     cluster: LocalCluster | None = None
     try:
         model = _resolve_model(args.model)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(400)
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 READY_S = 240.0  # writing the default checkpoint, then two processes importing torch, on 2 cores
-STOP_S = 30.0
+STOP_S = 45.0  # LocalCluster.stop gives the scheduler, then the worker, up to 15 s each before killing them
 
 
 def _children(pid: int) -> set[int]:
