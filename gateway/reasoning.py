@@ -11,18 +11,12 @@ The tags are single tokens of the Qwen3 tokenizer, but a tag split over two delt
 """
 from __future__ import annotations
 
+from gateway.text import held_back
+
 REASONING_PARSERS = ("qwen3",)
 THINK_START, THINK_END = "<think>", "</think>"
 
 _START, _REASONING, _CONTENT = 0, 1, 2
-
-
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may become the tag)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningStream:
@@ -60,7 +54,7 @@ class ReasoningStream:
                     self._buf = self._buf[end + len(THINK_END):]
                     self._state, self._skip_space = _CONTENT, True
                     continue
-                keep = _held_back(self._buf, THINK_END)
+                keep = held_back(self._buf, THINK_END)
                 reasoning += self._buf[:len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep:]
                 break

@@ -32,6 +32,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from gateway.text import held_back
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 # How a block's text is scanned for its closing tag: not yet started, inside a JSON object, or plain text.
@@ -83,14 +85,6 @@ def _as_call(block: str) -> ToolCall | None:
     return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may become the tag)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class HermesParser:
     """Splits one answer into content and tool calls: `parse` for a whole answer, `feed`/`finish` for
     its deltas (one parser per answer)."""
@@ -139,7 +133,7 @@ class HermesParser:
             self._text = ""
             self._open_block()
             return text[start + len(OPEN):]
-        keep = _held_back(text, OPEN)
+        keep = held_back(text, OPEN)
         self._content(text[:len(text) - keep], events)
         self._text = text[len(text) - keep:]
         return ""

@@ -288,16 +288,15 @@ QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
-def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_dir, tmp_path, tokenized):
-    """lm-evaluation-harness's `local-completions` model (echo + logprobs, max_tokens 1) on a 5-question
-    multiple-choice task written here (no download), with token-id prompts (its default) and text prompts: it
-    returns an accuracy in [0, 1], from loglikelihoods equal to transformers' on the same checkpoint."""
-    data = tmp_path / "mc.jsonl"
+def _lm_eval(gateway, tiny_model_dir, tmp_path, task: str, task_yaml: str, tokenized: bool, batch_size: int
+             ) -> tuple[dict, list[dict]]:
+    """Runs lm-eval's local-completions on `task` (its YAML and the QUESTIONS as JSON lines in tmp_path, offline);
+    returns its results and logged samples."""
+    data = tmp_path / f"{task}.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "splitserve_local_mc.yaml").write_text(TASK_YAML.format(data=data))
+    (tasks / f"{task}.yaml").write_text(task_yaml.format(data=data))
     model_args = ",".join([
         f"model={MODEL}", f"base_url={gateway.url}/v1/completions", f"tokenizer={tiny_model_dir}",
         "tokenizer_backend=huggingface", f"tokenized_requests={tokenized}", "num_concurrent=2", "max_retries=1",
@@ -308,17 +307,25 @@ def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_d
            "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
-         "--tasks", "splitserve_local_mc", "--include_path", str(tasks), "--output_path", str(out),
-         "--batch_size", "4", "--log_samples"],  # 4 prompts a request: the gateway scores each
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
+         "--tasks", task, "--include_path", str(tasks), "--output_path", str(out), "--batch_size", str(batch_size),
+         "--log_samples"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (results_file,) = out.rglob("results_*.json")
-    results = json.loads(results_file.read_text())
+    (samples_file,) = out.rglob("samples_*.jsonl")
+    return (json.loads(results_file.read_text()),
+            [json.loads(line) for line in samples_file.read_text().splitlines()])
+
+
+@pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
+def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_dir, tmp_path, tokenized):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs, max_tokens 1) on a 5-question
+    multiple-choice task written here (no download), with token-id prompts (its default) and text prompts: it
+    returns an accuracy in [0, 1], from loglikelihoods equal to transformers' on the same checkpoint."""
+    # 4 prompts a request: the gateway scores each
+    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, "splitserve_local_mc", TASK_YAML, tokenized, 4)
     assert 0.0 <= results["results"]["splitserve_local_mc"]["acc,none"] <= 1.0
     assert results["n-samples"]["splitserve_local_mc"]["effective"] == len(QUESTIONS)
     # Each choice's loglikelihood, as the harness summed it from the echoed logprobs: transformers' own.
-    (samples_file,) = out.rglob("samples_*.jsonl")
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert len(samples) == len(QUESTIONS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     for sample in samples:
@@ -360,29 +367,8 @@ metadata:
 def test_lm_eval_local_completions_runs_a_generate_until_task(gateway, hf, tiny_model_dir, tmp_path):
     """The harness's `generate_until` path (greedy text with a stop string, max_tokens) against the gateway on
     a local task: an exact_match in [0, 1], and each answer transformers' greedy continuation, cut at the stop."""
-    data = tmp_path / "gen.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "splitserve_local_gen.yaml").write_text(GEN_TASK_YAML.format(data=data))
-    model_args = ",".join([f"model={MODEL}", f"base_url={gateway.url}/v1/completions", f"tokenizer={tiny_model_dir}",
-                           "tokenizer_backend=huggingface", "tokenized_requests=False", "num_concurrent=2",
-                           "max_retries=1", "timeout=60"])
-    out = tmp_path / "results"
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
-         "--tasks", "splitserve_local_gen", "--include_path", str(tasks), "--output_path", str(out),
-         "--batch_size", "1", "--log_samples"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    (results_file,) = out.rglob("results_*.json")
-    results = json.loads(results_file.read_text())
+    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, "splitserve_local_gen", GEN_TASK_YAML, False, 1)
     assert 0.0 <= results["results"]["splitserve_local_gen"]["exact_match,none"] <= 1.0
-    (samples_file,) = out.rglob("samples_*.jsonl")
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert len(samples) == len(QUESTIONS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     for sample in samples:
