@@ -127,18 +127,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics_dir = None
     if not os.environ.get(MULTIPROC_ENV):
         metrics_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="splitserve-gateway-metrics-")
-    args, _ = load(argv)  # a bad command line fails here, before any worker process starts
-    import uvicorn
+    try:
+        args, _ = load(argv)  # a bad command line fails here, before any worker process starts
+        import uvicorn
 
-    os.environ[ARGV_ENV] = json.dumps(argv)
-    # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1. With several workers
-    # uvicorn binds the port once and its processes accept from it; it replaces one that dies.
-    uvicorn.run("gateway.cli:app_from_env", factory=True, workers=args.workers or default_workers(available_cpus()),
-                host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
-                log_level=args.log_level, access_log=not args.no_access_log,
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    if metrics_dir:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ[ARGV_ENV] = json.dumps(argv)
+        # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1. With several workers
+        # uvicorn binds the port once and its processes accept from it; it replaces one that dies.
+        uvicorn.run("gateway.cli:app_from_env", factory=True,
+                    workers=args.workers or default_workers(available_cpus()),
+                    host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
+                    log_level=args.log_level, access_log=not args.no_access_log,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    finally:  # a caller in the same process (a test) must not inherit multiprocess mode
+        if metrics_dir:
+            os.environ.pop(MULTIPROC_ENV, None)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 
