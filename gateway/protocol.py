@@ -145,15 +145,20 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
-    """A whole answer of /v1/completions (with stream: server-sent events of text_completion chunks)."""
+class _Answer(BaseModel):
+    """What both endpoints' whole answers carry beside their choices."""
     id: str
-    object: str = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: UsageBody
     system_fingerprint: str | None = None
+
+
+class CompletionResponse(_Answer):
+    """A whole answer of /v1/completions (with stream: server-sent events of text_completion chunks)."""
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatChoiceMessage(BaseModel):
@@ -171,15 +176,10 @@ class ChatChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Answer):
     """A whole answer of /v1/chat/completions (with stream: server-sent events of chat.completion.chunk)."""
-    id: str
     object: str = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: UsageBody
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
