@@ -94,6 +94,16 @@ class Grammars:
                 _Vocabulary(self.model_dir, self.vocab_size)))
         return self._tokenizer
 
+    def warm_up(self) -> None:
+        """Builds the tokenizer and runs one matcher through a JSON schema's first masks now, so that the first
+        constrained request of a serving worker pays neither (about two seconds on a 150k vocabulary)."""
+        grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object", "properties": {"a": {}}}')
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        allowed = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        for token in self.tokenizer.tokenize_str('{"a": 1}'):
+            llguidance.numpy.fill_next_token_bitmask(matcher, allowed, 0)
+            matcher.consume_token(token)
+
     def start(self, row: int, grammar: str, generated: list[int]) -> None:
         """A new sequence in `row`; `generated`: the tokens it sampled before a preemption, fed at once."""
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

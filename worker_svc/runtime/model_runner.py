@@ -167,6 +167,8 @@ class ModelRunner:
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
         self.grammars = Grammars(model_dir, mc.vocab_size, self.device)
+        if self.device.type == "cuda":
+            self.grammars.warm_up()
         self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
                                  scratch_block=self.num_blocks, block_size=self.block_size)
         if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch":
