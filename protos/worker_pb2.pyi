@@ -60,7 +60,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids")
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,10 @@ class StepPlan(_message.Message):
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -79,7 +83,11 @@ class StepPlan(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     finished_ids: _containers.RepeatedScalarFieldContainer[int]
     preempted_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    swap_out_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids")
@@ -128,7 +136,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype")
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +151,7 @@ class DescribeResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     dtype: str
@@ -157,4 +166,5 @@ class DescribeResponse(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_dtype: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...

@@ -1,9 +1,19 @@
-"""Paged KV blocks of one worker group: ref counts, a free list in LRU order and a prefix-cache index.
+"""Paged KV blocks of one worker group: ref counts, a free list in LRU order and a prefix-cache index, over
+two tiers: the GPU's blocks and, when the worker keeps one, a pool of host blocks behind them.
 
 A full block is identified by its chained hash (prefix_hash.py). The index keeps each block's token ids
 and parent hash and a lookup compares them, so a hash collision can never hand out the wrong KV. Freed
 blocks keep their hash and stay hittable until they are reallocated; the free list reuses blocks with no
 hash first, then the least recently freed.
+
+The host tier holds cached full blocks only, so it needs no reference counts: a GPU block that the LRU
+reallocates moves to the host (swap out: copied there before the step that reuses it writes it) unless the
+host holds its hash already, and a lookup continues on the host where the GPU misses (swap in: a fresh GPU
+block that the copy fills before the step reads it). Host blocks are reused in LRU order in turn. A
+preempted sequence's full blocks reach the host this way, when the GPU needs their room and only then, and
+it comes back through its prefix; the partial block at its end is recomputed (fewer than block_size tokens:
+less work than copying a whole block out and back). The copies of a plan are its swap_out / swap_in
+columns (take_swaps()); the worker makes them in plan order, swap-outs first, before the step's forward.
 """
 
 from __future__ import annotations
@@ -17,9 +27,10 @@ from scheduler_svc.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        """With record_events set, hashes entering and leaving the index are appended to `stored` and
-        `removed` for whoever mirrors it (the front-ends' routers); take_events() empties them."""
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
+        """With record_events set, hashes entering and leaving the GPU's index are appended to `stored` and
+        `removed` for whoever mirrors it (the front-ends' routers); take_events() empties them. The host tier
+        caches, so it is on only with prefix caching."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -36,6 +47,11 @@ class BlockManager:
         self.record_events = False
         self.stored: list[int] = []
         self.removed: list[int] = []
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self.swap_out: list[tuple[int, int]] = []  # (GPU block, host block) copies for the next plan
+        self.swap_in: list[tuple[int, int]] = []  # (host block, GPU block)
+        self.num_swapped_out = 0  # blocks, since start
+        self.num_swapped_in = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,9 +69,10 @@ class BlockManager:
         return self._hash[block_id]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of seq's tokens, never its last token.
+        """Cached blocks holding the longest prefix of seq's tokens, never its last token: GPU block ids, and
+        ~id (negative) for a block found on the host only.
 
-        Takes no references: pair with acquire()."""
+        Takes no references: pair with acquire(), which turns host hits into GPU blocks."""
         if not self.enable_prefix_caching or (seq.sampling is not None and seq.sampling.HasField("prompt_logprobs")):
             return []  # a request scoring its prompt computes all of it
         limit = (len(seq.token_ids) - 1) // self.block_size
@@ -72,11 +89,15 @@ class BlockManager:
     def _match(self, token_ids: list[int], hashes: list[int], limit: int) -> list[int]:
         bs = self.block_size
         index = self._index
+        host = self.host
         hits: list[int] = []
         for i in range(limit):
             bid = index.get(hashes[i])
             if bid is None:
-                break
+                hb = host.index.get(hashes[i]) if host is not None else None
+                if hb is None:
+                    break
+                bid = ~hb
             hits.append(bid)
         if hits:
             # Rule out collisions: same parent hash and same token ids, block by block.
@@ -84,22 +105,47 @@ class BlockManager:
             data = block_bytes(token_ids[: len(hits) * bs])
             for i, bid in enumerate(hits):
                 parent = hashes[i - 1] if i else ROOT_HASH
-                if self._parent[bid] != parent or self._data[bid] != data[i * width : (i + 1) * width]:
+                if bid >= 0:
+                    held = self._parent[bid], self._data[bid]
+                else:
+                    held = host.parent[~bid], host.data[~bid]
+                if held != (parent, data[i * width : (i + 1) * width]):
                     return hits[:i]
         return hits
 
-    def num_free_among(self, block_ids: Iterable[int]) -> int:
-        """How many of these blocks are on the free list (acquiring them takes them off it)."""
+    def num_free_among(self, hits: Iterable[int]) -> int:
+        """Free blocks that acquiring these hits takes: GPU hits on the free list, and one per host hit."""
         ref = self._ref
-        return sum(1 for b in block_ids if ref[b] == 0)
+        return sum(1 for b in hits if b < 0 or ref[b] == 0)
 
-    def acquire(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cached blocks (prefix hits)."""
+    def acquire(self, hits: list[int]) -> list[int]:
+        """Take a reference on the blocks of prefix hits (match_prefix); each host hit gets a fresh GPU block
+        that a swap-in fills and that joins the GPU's index. Returns the GPU block ids."""
         ref = self._ref
-        for b in block_ids:
-            if ref[b] == 0:
-                del self._free[b]
-            ref[b] += 1
+        for b in hits:
+            if b >= 0:
+                if ref[b] == 0:
+                    del self._free[b]
+                ref[b] += 1
+        if self.host is None or min(hits, default=0) >= 0:
+            return hits
+        host = self.host
+        on_host = [~b for b in hits if b < 0]
+        host.hold(on_host)  # the allocations of this plan may move GPU blocks out: not into these
+        table = []
+        for b in hits:
+            if b >= 0:
+                table.append(b)
+                continue
+            g = self.allocate_one()
+            hb = ~b
+            h = host.hash[hb]
+            if h not in self._index:
+                self._register(g, h, host.parent[hb], host.data[hb])
+            self.swap_in.append((hb, g))
+            table.append(g)
+        self.num_swapped_in += len(on_host)
+        return table
 
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks, each with one reference; evicts their old hashes."""
@@ -111,6 +157,12 @@ class BlockManager:
         b, _ = self._free.popitem(last=False)  # KeyError when none is free
         h = self._hash[b]
         if h is not None:
+            host = self.host
+            if host is not None:
+                hb = host.keep(h, self._parent[b], self._data[b])
+                if hb is not None:
+                    self.swap_out.append((b, hb))
+                    self.num_swapped_out += 1
             del self._index[h]
             self._hash[b] = None
             self._data[b] = None
@@ -118,6 +170,22 @@ class BlockManager:
                 self.removed.append(h)
         self._ref[b] = 1
         return b
+
+    def _register(self, b: int, h: int, parent: int, data: bytes) -> None:
+        self._index[h] = b
+        self._hash[b] = h
+        self._parent[b] = parent
+        self._data[b] = data
+        if self.record_events:
+            self.stored.append(h)
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-outs, swap-ins) since the last call: the copies the next plan carries."""
+        swaps = self.swap_out, self.swap_in
+        self.swap_out, self.swap_in = [], []
+        if self.host is not None:
+            self.host.plan_done()
+        return swaps
 
     def take_events(self) -> tuple[list[int], list[int]]:
         """(hashes stored, hashes removed) since the last call."""
@@ -206,3 +274,71 @@ class BlockManager:
                 assert h == hash_block(self._data[b], self._parent[b]), f"block {b}: hash does not match its tokens"
         for h, b in self._index.items():
             assert self._hash[b] == h, f"index entry {h:#x} -> {b} is stale"
+        if self.host is not None:
+            self.host.check()
+        assert not self.swap_out and not self.swap_in, "copies left out of the plans"
+
+
+class HostTier:
+    """The host pool's cached blocks: hash index, token ids and parent hash (as the GPU tier's, to verify a
+    hit), and the order they are reused in: blocks without a hash first, then the least recently used. A
+    block that the plan being built reads (a swap-in) or fills (a swap-out) is out of that order until the
+    plan is done, so one plan never copies into a block twice or into one it reads."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.hash: list[int | None] = [None] * num_blocks
+        self.parent = [ROOT_HASH] * num_blocks
+        self.data: list[bytes | None] = [None] * num_blocks
+        self.index: dict[int, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._held: list[int] = []  # blocks the plan being built reads or fills
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.index)
+
+    def keep(self, h: int, parent: int, data: bytes) -> int | None:
+        """The host block that is to receive a GPU block's copy (None: it holds that hash already, or every
+        block is pinned); the reused block's old hash leaves the index."""
+        held = self.index.get(h)
+        if held is not None:
+            if held in self._lru:
+                self._lru.move_to_end(held)
+            return None
+        if not self._lru:
+            return None
+        hb, _ = self._lru.popitem(last=False)
+        old = self.hash[hb]
+        if old is not None:
+            del self.index[old]
+        self.index[h] = hb
+        self.hash[hb], self.parent[hb], self.data[hb] = h, parent, data
+        self._held.append(hb)
+        return hb
+
+    def hold(self, blocks: list[int]) -> None:
+        """Swap-in sources: out of the reuse order until plan_done() (one this plan fills is held already: its
+        swap-out runs first)."""
+        for hb in blocks:
+            if hb in self._lru:
+                del self._lru[hb]
+                self._held.append(hb)
+
+    def plan_done(self) -> None:
+        """The plan carrying the copies is built: their host blocks become the most recently used."""
+        for hb in self._held:
+            self._lru[hb] = None
+        self._held = []
+
+    def check(self) -> None:
+        assert len(self._lru) == self.num_blocks and not self._held, "host blocks held past their plan"
+        for hb in range(self.num_blocks):
+            h = self.hash[hb]
+            if h is None:
+                assert self.data[hb] is None
+            else:
+                assert self.index.get(h) == hb, f"host block {hb}: hash not indexed to it"
+                assert h == hash_block(self.data[hb], self.parent[hb]), f"host block {hb}: hash does not match"
+        for h, hb in self.index.items():
+            assert self.hash[hb] == h

@@ -11,8 +11,10 @@ already partially prefilled continue; then waiting sequences are admitted in arr
 one mixed plan. Prefill chunks get at most `chunk_cap` tokens in that pass so several prompts
 progress side by side; budget left over afterwards goes back to the capped chunks, oldest first.
 KV blocks are allocated chunk by chunk. When a decode needs a block and none is free, the newest
-running sequence is preempted (recompute) and goes back to the waiting queue in arrival order; a
-continuing prefill with no free block preempts newer prefills not scheduled yet, or waits.
+running sequence is preempted and goes back to the waiting queue in arrival order; a continuing prefill
+with no free block preempts newer prefills not scheduled yet, or waits. A preempted sequence resumes
+through the prefix cache: its full blocks are hit where they are, on the GPU or (with a host tier,
+block_manager.py) swapped back in from the host, and the rest is recomputed.
 
 Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
 known, so a decode is scheduled for the token still being sampled. Rules that keep this exact:
@@ -63,13 +65,13 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, eos_token_ids: Iterable[int] = (),
-                 epoch: int = 0):
-        """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks and block_size:
-        the worker's KV cache."""
+                 epoch: int = 0, num_host_blocks: int = 0):
+        """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks, block_size and
+        num_host_blocks: the worker's KV cache and its host pool."""
         if config.limits.max_model_len < 1:
             raise ValueError("max_model_len must be resolved against the worker's before scheduling")
         self.config = config
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
         self.block_size = block_size
         self.max_model_len = config.limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -85,6 +87,7 @@ class Scheduler:
         self._waiting_tokens = 0
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt (and resume) tokens served from the prefix cache
+        self.num_host_hit_tokens = 0  # of those, the ones swapped in from the host tier
         self.num_admitted_tokens = 0  # tokens of every admission, the hit rate's denominator
 
     # --- admission and removal -------------------------------------------------------------------
@@ -170,7 +173,7 @@ class Scheduler:
             self._finish(seq, "stop")
 
     def preempt(self, seq_id: int) -> bool:
-        """Send a running sequence back to the waiting queue; it recomputes when resumed."""
+        """Send a running sequence back to the waiting queue; it resumes through the prefix cache."""
         seq = self.get(seq_id)
         if seq is None or seq.status is not RUNNING:
             return False
@@ -331,9 +334,10 @@ class Scheduler:
                     break
                 waiting.popleft()
                 self._waiting_tokens -= total
-                bm.acquire(hits)
-                hits.extend(bm.allocate(need))
-                seq.block_table = hits
+                on_host = sum(1 for b in hits if b < 0)
+                table = bm.acquire(hits)
+                table.extend(bm.allocate(need))
+                seq.block_table = table
                 seq.num_committed_blocks = c // bs
                 seq.num_computed_tokens = c + n
                 seq.num_sent_tokens = total
@@ -342,6 +346,7 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens, seq.scheduled_at = c, time.monotonic()
                 self.num_prefix_hit_tokens += c
+                self.num_host_hit_tokens += on_host * bs
                 self.num_admitted_tokens += total
                 if not running or running[-1].arrival < seq.arrival:
                     running.append(seq)
@@ -370,7 +375,7 @@ class Scheduler:
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        if not (col_ids or chunks or admitted or self._preempted_ids):
+        if not (col_ids or chunks or admitted or self._preempted_ids or bm.swap_out or bm.swap_in):
             return None
 
         # Result order: new sequences, then the columns (decodes, then continued prefills).
@@ -414,6 +419,14 @@ class Scheduler:
         if self._preempted_ids:
             plan.preempted_ids.extend(self._preempted_ids)
             self._preempted_ids.clear()
+        if bm.swap_out or bm.swap_in:
+            swap_out, swap_in = bm.take_swaps()
+            for g, h in swap_out:
+                plan.swap_out_blocks.append(g)
+                plan.swap_out_host_blocks.append(h)
+            for h, g in swap_in:
+                plan.swap_in_host_blocks.append(h)
+                plan.swap_in_blocks.append(g)
         self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.

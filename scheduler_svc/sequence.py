@@ -14,7 +14,7 @@ NEVER = 1 << 63  # start_step while not running: no result is accepted
 class SequenceStatus(enum.IntEnum):
     WAITING = 0  # never scheduled
     RUNNING = 1  # the worker holds it
-    PREEMPTED = 2  # back in the waiting queue, recomputes on resume
+    PREEMPTED = 2  # back in the waiting queue, resumes through the prefix cache (block_manager.py)
     FINISHED = 3
 
 

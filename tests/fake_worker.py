@@ -7,6 +7,10 @@ holds. On top it checks that every read of KV is what the sequence's prefix wrot
 a hash of the whole prefix up to its position, so a prefix hit on the wrong block, or a block reused while
 still live, shows up as a mismatch.
 
+A host pool of num_host_blocks blocks stands behind the KV blocks: a plan's swaps copy slot contents
+between them before its reads, swap-outs first, and a swap-in into a block another live sequence holds
+is a violation.
+
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
 """
@@ -72,6 +76,7 @@ class FakeWorker:
         epoch: int = 7,
         token_fn: Callable[[int, int], int] | None = None,
         check_kv: bool = True,
+        num_host_blocks: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,6 +86,9 @@ class FakeWorker:
         self.token_fn = token_fn or default_token_fn(vocab_size)
         self.check_kv = check_kv
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.num_host_blocks = num_host_blocks
+        self.host_kv: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
+        self.num_swapped = 0  # blocks copied either way
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
         self.seqs: dict[int, _Tokens] = {}
         self.plans: list[worker_pb2.StepPlan] = []
@@ -92,7 +100,8 @@ class FakeWorker:
 
     def describe(self, request: worker_pb2.DescribeRequest) -> worker_pb2.DescribeResponse:
         self.batch = PersistentBatch(request.max_num_seqs or 1024, self.num_blocks, self.block_size,
-                                     self.max_model_len, request.max_num_batched_tokens, self.epoch)
+                                     self.max_model_len, request.max_num_batched_tokens, self.epoch,
+                                     self.num_host_blocks)
         return worker_pb2.DescribeResponse(
             protocol_version=WORKER_PROTOCOL_VERSION,
             model="fake",
@@ -107,6 +116,7 @@ class FakeWorker:
             device="cpu",
             max_num_seqs=request.max_num_seqs,
             max_num_batched_tokens=request.max_num_batched_tokens,
+            num_host_blocks=self.num_host_blocks,
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -139,6 +149,7 @@ class FakeWorker:
         self.plans.append(plan)
         for sid in (*plan.finished_ids, *plan.preempted_ids):
             del self.seqs[sid]
+        self._swap(plan)
         for ns in plan.new_seqs:
             self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs)
         batch = [(int(sid), self.seqs[int(sid)], self.batch.block_table[row], int(c), int(n))
@@ -169,6 +180,14 @@ class FakeWorker:
                     result.top_logprobs.append(fake_logprob(tok) - r)
         self.results.append(result)
         return result
+
+    def _swap(self, plan: worker_pb2.StepPlan) -> None:
+        """The copies (PersistentBatch.apply checked the columns): swap-outs first."""
+        for g, h in zip(plan.swap_out_blocks, plan.swap_out_host_blocks):
+            self.host_kv[h] = list(self.kv[g])
+        for h, g in zip(plan.swap_in_host_blocks, plan.swap_in_blocks):
+            self.kv[g] = list(self.host_kv[h])
+        self.num_swapped += len(plan.swap_out_blocks) + len(plan.swap_in_blocks)
 
 
 def fake_logprob(token_id: int) -> float:

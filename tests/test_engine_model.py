@@ -50,11 +50,12 @@ def reference(hf) -> list[list[int]]:
     return [_hf_generate(hf, p) for p in _prompts()]
 
 
-def _engine(model_dir, *, num_blocks: int, block_size: int, **config) -> LLMEngine:
+def _engine(model_dir, *, num_blocks: int, block_size: int, kv_offload_bytes: int = 0, **config) -> LLMEngine:
     config.setdefault("max_num_seqs", 8)
     config, _ = config_from_options(config)
     executor = InProcessExecutor.for_model(model_dir, RunnerConfig(device="cpu", dtype="float32", num_blocks=num_blocks,
-                                                                   block_size=block_size, limits=config.limits))
+                                                                   block_size=block_size, limits=config.limits,
+                                                                   kv_offload_bytes=kv_offload_bytes))
     return LLMEngine(model_dir, executor, config)
 
 
@@ -111,6 +112,51 @@ def test_greedy_under_block_pressure_with_preemption(tiny_model_dir, reference, 
         assert sched.num_prefix_hit_tokens > 0
         assert sched.block_manager.num_free_blocks == 16
         assert not sched.running and not sched.waiting
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("depth", [3, 1], ids=["depth3", "serial"])
+def test_greedy_with_a_host_tier_swaps_out_and_back_in(tiny_model_dir, reference, depth):
+    """The same pressure with a host KV pool behind the 16 blocks: the full blocks of preempted sequences move
+    to the host when the GPU needs their room and are swapped back in when their sequence resumes (real
+    copies between the two tensors); every sequence still equals transformers, and both tiers end free."""
+    engine = _engine(tiny_model_dir, num_blocks=16, block_size=4, pipeline_depth=depth, max_num_batched_tokens=16,
+                     long_prefill_token_threshold=6, kv_offload_bytes=32 << 20)
+    try:
+        ids = [engine.add_request(p, _greedy()) for p in _prompts()]
+        done = _run(engine)
+        assert [done[r][0] for r in ids] == reference
+        sched, bm = engine.scheduler, engine.scheduler.block_manager
+        assert sched.num_preemptions > 0 and bm.host is not None
+        assert bm.num_swapped_out > 0 and bm.num_swapped_in > 0 and sched.num_host_hit_tokens > 0
+        assert bm.num_free_blocks == 16
+        bm.check([])  # the host tier's index and reuse order, nothing held past its plan
+    finally:
+        engine.close()
+
+
+def test_a_prefix_evicted_to_the_host_comes_back_from_it(tiny_model_dir, hf):
+    """A finished request's prefix is pushed out of the 12 GPU blocks by unrelated traffic; the same prefix
+    again is served from the host tier (swapped in, not prefilled) and continues as transformers does."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(0, 150000) for _ in range(40)]
+    first, second = prefix + [5, 6], prefix + [rng.randrange(0, 150000) for _ in range(5)]
+    engine = _engine(tiny_model_dir, num_blocks=12, block_size=8, kv_offload_bytes=32 << 20)
+    try:
+        sched, bm = engine.scheduler, engine.scheduler.block_manager
+        engine.add_request(first, _greedy(max_tokens=4))
+        _run(engine)
+        for _ in range(3):  # 3 x 12 blocks of other tokens: every cached GPU block is reused
+            engine.add_request([rng.randrange(0, 150000) for _ in range(80)], _greedy(max_tokens=8))
+            _run(engine)
+        assert bm.num_swapped_out >= 5
+        assert sched.num_host_hit_tokens == 0
+        b = engine.add_request(second, _greedy(max_tokens=12))
+        got = _run(engine)[b]
+        assert got[3].cached_prompt_tokens == 40 and sched.num_host_hit_tokens == 40
+        assert got[0] == _hf_generate(hf, second, 12)
+        assert bm.num_free_blocks == 12
     finally:
         engine.close()
 

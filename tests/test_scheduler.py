@@ -29,6 +29,7 @@ def make(
     max_waiting: int = 100,
     vocab_size: int = 1000,
     token_fn=None,
+    num_host_blocks: int = 0,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
         limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
@@ -36,9 +37,11 @@ def make(
         max_waiting=max_waiting,
         enable_prefix_caching=caching,
     )
-    worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn)
+    worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn,
+                        num_host_blocks=num_host_blocks)
     worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
-    return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch), worker
+    return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch,
+                     num_host_blocks=num_host_blocks), worker
 
 
 def seq(seq_id: int, prompt, **params) -> Sequence:
@@ -405,10 +408,11 @@ PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9,
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random interleavings of add / schedule / result / abort / preempt over tiny pools, with up to
-    two plans in flight. The fake worker checks every plan (block tables, KV content of prefix hits,
-    no write to a block another live sequence holds); every sequence must produce exactly the tokens
-    f(seed, position), and when everything ends every block is free."""
+    """Random interleavings of add / schedule / result / abort / preempt / worker loss over tiny pools, with
+    up to three plans in flight, and a host tier behind the GPU's blocks or none. The fake worker checks every
+    plan (block tables, KV content of prefix hits wherever they came from, no write or swap-in into a block
+    another live sequence holds); every sequence must produce exactly the tokens f(seed, position), and when
+    everything ends every block of both tiers is free."""
 
     @initialize(
         num_blocks=st.integers(4, 20),
@@ -418,9 +422,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         caching=st.sampled_from([True, True, True, False]),
         depth=st.sampled_from([1, 2, 3]),
+        host=st.sampled_from([0, 2, 6, 24, 24]),
     )
-    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth):
-        self.sched, self.worker = make(
+    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth, host):
+        self.shape = dict(
             num_blocks=num_blocks,
             block_size=block_size,
             budget=budget,
@@ -430,7 +435,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             caching=caching,
             max_waiting=8,
             vocab_size=10,  # EOS (0) now and then
+            num_host_blocks=host,
         )
+        self.sched, self.worker = make(**self.shape)
+        self.swapped = self.host_hits = 0
         self.depth = depth
         self.next_id = 1
         self.seqs: dict[int, Sequence] = {}
@@ -492,6 +500,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.sched.running:
             self.sched.preempt(data.draw(st.sampled_from(self.sched.running)).seq_id)
 
+    @rule()
+    def lose_worker(self):
+        """The worker group dies with both its tiers and its steps in flight: every live sequence moves to a
+        fresh group with the tokens it has and recomputes there, and the old group's blocks all come back."""
+        old = self.sched
+        self.swapped += old.block_manager.num_swapped_out + old.block_manager.num_swapped_in
+        self.host_hits += old.num_host_hit_tokens
+        live = sorted(old._seqs.values(), key=lambda s: s.arrival)
+        for s in live:
+            old.abort(s.seq_id)
+        old.check()
+        assert old.block_manager.num_free_blocks == old.block_manager.num_blocks
+        self.sched, self.worker = make(**self.shape)
+        for s in live:
+            moved = Sequence(s.seq_id, list(s.token_ids), s.params, prompt_len=s.prompt_len)
+            self.sched.add(moved, force=True)
+            self.seqs[s.seq_id] = moved
+
     @invariant()
     def consistent(self):
         if hasattr(self, "sched"):
@@ -513,6 +539,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         sched.block_manager.check([])
         assert not sched._seqs
+        bm = sched.block_manager
+        event(f"swapped: {self.swapped + bm.num_swapped_out + bm.num_swapped_in > 0}")
+        event(f"host hits: {self.host_hits + sched.num_host_hit_tokens > 0}")
         event(f"preempted: {sched.num_preemptions > 0}")
         event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
         event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")

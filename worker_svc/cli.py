@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -78,9 +78,10 @@ def _serve(args: argparse.Namespace) -> int:
         BUILDS.serving_from_now()
         info = runner.describe()
         logging.getLogger("splitserve.worker").info(
-            "serving %s on %s:%d: %s %s, KV cache %s, %d blocks of %d, max_model_len %d, attention %s, TP %d, "
-            "epoch %d", info.model, args.host, server.port, info.device, info.dtype, info.kv_cache_dtype,
-            info.num_blocks, info.block_size, info.max_model_len, runner.kernels.attention.name,
+            "serving %s on %s:%d: %s %s, KV cache %s, %d blocks of %d (and %d on the host), max_model_len %d, "
+            "attention %s, TP %d, epoch %d", info.model, args.host, server.port, info.device, info.dtype,
+            info.kv_cache_dtype, info.num_blocks, info.block_size, info.num_host_blocks, info.max_model_len,
+            runner.kernels.attention.name,
             info.tensor_parallel_size, info.epoch)
         _run_until_signal(server, args)
     finally:
@@ -217,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block; default 256 on a GPU, 16 on a CPU")
     p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
+                   help="host (pinned) memory for KV blocks behind the GPU's: preempted sequences and evicted "
+                        "prefixes come back from it instead of being recomputed (0: off)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory this worker may use in all (weights, activations, KV, graphs)")
     limits.add_arguments(p)

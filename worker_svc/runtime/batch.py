@@ -79,9 +79,10 @@ class SamplingArrays:
 
 class PersistentBatch:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_batched_tokens: int = 0, epoch: int = 0):
-        """max_num_batched_tokens 0: no bound on a step's tokens."""
+                 max_num_batched_tokens: int = 0, epoch: int = 0, num_host_blocks: int = 0):
+        """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool."""
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
+        self.num_host_blocks = num_host_blocks
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.epoch = epoch
         rows = max_num_seqs
@@ -128,6 +129,8 @@ class PersistentBatch:
             if seq_id not in self.seqs:
                 raise PlanError(f"step {plan.step}: dropped sequence {seq_id} is not held")
             self._drop(seq_id)
+        if len(plan.swap_out_blocks) or len(plan.swap_in_blocks):
+            self._check_swaps(plan)
         new = [self._add(ns, dropped) for ns in plan.new_seqs]
         k = len(plan.seq_ids)
         if len(plan.num_scheduled_tokens) != k or len(plan.num_new_blocks) != k:
@@ -163,6 +166,23 @@ class PersistentBatch:
         self.num_computed[rows] = end
         self.num_tokens[rows[samples]] = end[samples] + 1
         return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new)
+
+    def _check_swaps(self, plan: pb.StepPlan) -> None:
+        """Swap columns pair up and stay in range, and a swap-in fills only blocks no live sequence holds."""
+        out_g, out_h = np.asarray(plan.swap_out_blocks), np.asarray(plan.swap_out_host_blocks)
+        in_h, in_g = np.asarray(plan.swap_in_host_blocks), np.asarray(plan.swap_in_blocks)
+        if len(out_g) != len(out_h) or len(in_h) != len(in_g):
+            raise PlanError(f"step {plan.step}: swap columns differ in length")
+        for blocks, limit in ((out_g, self.num_blocks), (in_g, self.num_blocks), (out_h, self.num_host_blocks),
+                              (in_h, self.num_host_blocks)):
+            if len(blocks) and not (0 <= blocks.min() and blocks.max() < limit):
+                raise PlanError(f"step {plan.step}: swapped block out of range (GPU {self.num_blocks}, "
+                                f"host {self.num_host_blocks})")
+        if len(np.unique(in_g)) != len(in_g) or len(np.unique(out_h)) != len(out_h):
+            raise PlanError(f"step {plan.step}: a block is filled twice by one plan's swaps")
+        if self.holders[in_g].any():
+            raise PlanError(f"step {plan.step}: swap-in into block {in_g[self.holders[in_g] > 0][0]}, "
+                            "which a live sequence holds")
 
     def _drop(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id)

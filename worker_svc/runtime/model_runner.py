@@ -30,6 +30,7 @@ from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
 from worker_svc.runtime.grammar import Grammars, StepMasks
+from worker_svc.runtime.kv_offload import HostKVPool
 from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
@@ -47,6 +48,7 @@ class RunnerConfig:
     limits: Limits = field(default_factory=Limits)
     attention: str = "auto"
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
+    kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
 
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
@@ -162,7 +164,8 @@ class ModelRunner:
             self._warm_up()
         rows = self.limits.max_num_seqs
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
-                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63))
+                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
+                                     num_host_blocks=self.num_host_blocks)
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -196,6 +199,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        host_blocks = min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
+        self.host_pool = HostKVPool(self.kv_cache, host_blocks) if host_blocks else None
 
     @torch.inference_mode()
     def _profile_num_blocks(self, per_block: int) -> int:
@@ -280,11 +285,15 @@ class ModelRunner:
             epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."))
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks if self.host_pool is not None else 0
 
     def close(self) -> None:
         """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
-        self.model = self.kv_cache = self.decode = self.penalties = self.last_token = None
+        self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.last_token = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -301,6 +310,8 @@ class ModelRunner:
         """Applies the plan and launches its step; on a GPU it returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
+        if self.host_pool is not None:
+            self.host_pool.swap(plan)
         for state in step.new:
             self._start_penalties(state)
             if state.row in self.batch.grammar:
