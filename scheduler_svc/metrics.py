@@ -131,11 +131,18 @@ DEPARTED_SERIES_S = 600.0  # how long a group that left keeps reporting itself d
 class _GroupCollector:
     """Queue, KV and cache state of every live group of this engine, read at scrape time (unlocked,
     approximate reads). A group that died or left reports alive 0 and empty gauges for DEPARTED_SERIES_S, so
-    that dashboards and alerts see it go down rather than vanish; its preemption counter keeps its total."""
+    that dashboards and alerts see it go down rather than vanish; its counters keep their totals."""
 
     def __init__(self, groups):
         self._groups = groups
-        self._departed: dict[str, tuple[float, int]] = {}  # address -> (when last seen live, its preemptions)
+        self._departed: dict[str, tuple[float, tuple[int, ...]]] = {}  # address -> (last seen live, its counters)
+
+    @staticmethod
+    def _counters(s) -> tuple[int, ...]:
+        """Preemptions, blocks swapped out and in, prefix-hit tokens from the GPU and from the host."""
+        bm = s.block_manager
+        return (s.num_preemptions, bm.num_swapped_out, bm.num_swapped_in,
+                s.num_prefix_hit_tokens - s.num_host_hit_tokens, s.num_host_hit_tokens)
 
     def collect(self):
         running = GaugeMetricFamily("splitserve:num_requests_running", "Sequences running", labels=["worker"])
@@ -144,25 +151,44 @@ class _GroupCollector:
         free = GaugeMetricFamily("splitserve:kv_blocks_free", "KV blocks free (cached ones included)",
                                  labels=["worker"])
         usage = GaugeMetricFamily("splitserve:kv_cache_usage_perc", "Share of KV blocks in use", labels=["worker"])
-        preempt = CounterMetricFamily("splitserve:num_preemptions", "Preemptions so far", labels=["worker"])
+        host_used = GaugeMetricFamily("splitserve:kv_host_blocks_used",
+                                      "Host-tier KV blocks holding a cached block", labels=["worker"])
+        host_usage = GaugeMetricFamily("splitserve:kv_host_cache_usage_perc",
+                                       "Share of the host tier's KV blocks holding a cached block", labels=["worker"])
         hit = GaugeMetricFamily("splitserve:prefix_cache_hit_rate",
                                 "Admitted tokens served from the prefix cache, as a share", labels=["worker"])
         alive = GaugeMetricFamily("splitserve:worker_alive", "1 while the worker group serves", labels=["worker"])
+        preempt = CounterMetricFamily("splitserve:num_preemptions", "Preemptions so far", labels=["worker"])
+        swapped_out = CounterMetricFamily("splitserve:kv_blocks_swapped_out",
+                                          "KV blocks copied from the GPU to the host tier", labels=["worker"])
+        swapped_in = CounterMetricFamily("splitserve:kv_blocks_swapped_in",
+                                         "KV blocks copied from the host tier back to the GPU", labels=["worker"])
+        tier_hits = CounterMetricFamily("splitserve:prefix_cache_hit_tokens",
+                                        "Admitted tokens served from the prefix cache, by the tier that held them",
+                                        labels=["worker", "tier"])
+        gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive)
+        counters = (preempt, swapped_out, swapped_in)
+
+        def add_counters(address: str, values: tuple[int, ...]) -> None:
+            for family, value in zip(counters, values):
+                family.add_metric([address], value)
+            tier_hits.add_metric([address, "gpu"], values[3])
+            tier_hits.add_metric([address, "host"], values[4])
+
         now = time.monotonic()
         live = list(self._groups())
         for g in live:
-            self._departed[g.address] = (now, g.scheduler.num_preemptions)
+            self._departed[g.address] = (now, self._counters(g.scheduler))
         live_addresses = {g.address for g in live}
-        for address, (seen, preemptions) in list(self._departed.items()):
+        for address, (seen, values) in list(self._departed.items()):
             if address in live_addresses:
                 continue
             if now - seen > DEPARTED_SERIES_S:
                 del self._departed[address]
                 continue
-            w = [address]
-            for family in (running, waiting, used, free, usage, hit, alive):
-                family.add_metric(w, 0.0)
-            preempt.add_metric(w, preemptions)
+            for family in gauges:
+                family.add_metric([address], 0.0)
+            add_counters(address, values)
         for g in live:
             s = g.scheduler
             bm = s.block_manager
@@ -172,10 +198,13 @@ class _GroupCollector:
             used.add_metric(w, bm.num_blocks - bm.num_free_blocks)
             free.add_metric(w, bm.num_free_blocks)
             usage.add_metric(w, bm.usage)
-            preempt.add_metric(w, s.num_preemptions)
+            host = bm.host
+            host_used.add_metric(w, host.num_cached_blocks if host is not None else 0)
+            host_usage.add_metric(w, host.num_cached_blocks / host.num_blocks if host is not None else 0.0)
             hit.add_metric(w, s.num_prefix_hit_tokens / max(1, s.num_admitted_tokens))
             alive.add_metric(w, 1.0 if g.alive else 0.0)
-        yield from (running, waiting, used, free, usage, preempt, hit, alive)
+            add_counters(g.address, self._counters(s))
+        yield from (*gauges, *counters, tier_hits)
 
 
 def merge(texts: Iterable[str]) -> list[Metric]:
