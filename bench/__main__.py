@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,scale,floor,scheduler-cpu,runner-step,decode-attention,
+"""python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
                  prefill-attention,attention-policy,skinny-gemm,fp8-accuracy,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -21,6 +21,7 @@ MODULES = {
     "online": "bench.online",
     "latency": "bench.latency",
     "prefix": "bench.prefix",
+    "multiturn": "bench.multiturn",
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",

@@ -30,6 +30,8 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the worker's --kv-cache-dtype (not with --simulate)")
+    ap.add_argument("--kv-offload-gib", type=float, default=0.0,
+                    help="the worker's host KV tier, GiB (--kv-offload-gib; not with --simulate)")
     ap.add_argument("--pipeline-depth", type=int, default=SchedulerConfig().pipeline_depth,
                     help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
@@ -71,7 +73,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """Flags of `splitserve-worker serve` (or `simulate`, with --simulate)."""
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
-    return flags if args.simulate else [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype]
+    if args.simulate:
+        return flags
+    return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--kv-offload-gib", str(args.kv_offload_gib)]
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
@@ -120,12 +125,12 @@ def params(args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def cluster(args: argparse.Namespace, model: Path, extra_scheduler_args: Sequence[str] = (),
-            log_lines: int = 8) -> Iterator[str]:
+            log_lines: int = 8, extra_worker_args: Sequence[str] = ()) -> Iterator[str]:
     """A scheduler and one worker (or simulated worker) on loopback; yields the scheduler's address and
     prints the log tails when it stops."""
     from client.launcher import LocalCluster
 
-    with LocalCluster(model, device=args.device, worker_args=worker_args(args),
+    with LocalCluster(model, device=args.device, worker_args=[*worker_args(args), *extra_worker_args],
                       scheduler_args=scheduler_args(args, extra_scheduler_args),
                       worker_command="simulate" if args.simulate else "serve") as c:
         try:
@@ -148,7 +153,7 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
         runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost())
         return LLM(model, executor=InProcessExecutor(runner), **options)
     return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention,
-               kv_cache_dtype=args.kv_cache_dtype, **options)
+               kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)), **options)
 
 
 def replay_ms(graph, replays: int) -> float:

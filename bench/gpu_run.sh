@@ -36,6 +36,9 @@ for b in $benches; do
                --stream-intervals 0 --out $OUT/offline_structured_$share.json 2>&1 | grep -E "^[|]"; done
              for flag in "" --structured; do timeout 150 python3 -m bench latency --model $MODEL --device cuda \
                --mode services --repeats 5 $flag --out $OUT/latency${flag:+_structured}.json 2>&1 | grep -v -i warn | tail -2; done ;;
+    multiturn)  # issue 23: multi-turn chat, the worker's host KV tier off and on (MULTITURN_ARGS: e.g. --conversations 64)
+             timeout 560 python3 -m bench multiturn --model $MODEL --device cuda ${MULTITURN_ARGS:-} \
+               --out $OUT/multiturn.json 2>&1 | grep -E "^[|]|^ratios|failed" ;;
     policy)  timeout 500 python3 -m bench attention-policy --out $OUT/attention_policy.json 2>&1 | grep -E "^[{]|best threshold" ;;
     accuracy) timeout 500 python3 -m bench fp8-accuracy --model $MODEL --capacity --out $OUT/fp8_accuracy.json 2>&1 | tail -3 ;;
     accuracy8b) M8=/tmp/qwen3-8b; [ -f $M8/config.json ] || python3 -m worker_svc.cli make-model --preset qwen3-8b --out $M8 >/dev/null

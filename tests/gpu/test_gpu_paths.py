@@ -387,3 +387,24 @@ def test_triton_backend_at_head_dim_256_with_a_window_matches_torch_backend(head
         fast = make_attention("triton", torch.device("cuda")).forward(q, k_cache, v_cache, meta, 0.0625, window=window)
         ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, 0.0625, window=window)
         torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ---- host KV tier -----------------------------------------------------------------------------------------
+def test_host_pool_copies_whole_blocks_in_plan_order_around_the_steps():
+    """Swap-outs copy a block before work queued after them overwrites it, swap-ins land before work queued
+    after them reads the block, and a plan that empties a block and fills it again gets both in that order."""
+    from worker_svc.runtime.kv_offload import HostKVPool
+
+    cache = torch.randn(2, 3, 9, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    pool = HostKVPool(cache, 4)
+    assert pool.blocks.is_pinned()
+    before = cache.clone()
+    pool.swap(pb.StepPlan(swap_out_blocks=[1, 5, 7], swap_out_host_blocks=[0, 3, 2]))
+    cache.zero_()  # the next step overwrites every block, on the compute stream
+    pool.swap(pb.StepPlan(swap_out_blocks=[8], swap_out_host_blocks=[1],  # out of 8 (zeros), then into it
+                          swap_in_host_blocks=[3, 0, 1], swap_in_blocks=[8, 4, 1]))
+    got = cache.clone()  # queued after the swap-ins
+    torch.cuda.synchronize()
+    assert torch.equal(got[:, :, 8], before[:, :, 5]) and torch.equal(got[:, :, 4], before[:, :, 1])
+    assert not got[:, :, 1].any()  # host block 1 got block 8's zeros before it was read back
+    assert torch.equal(pool.blocks[2].cuda(), before[:, :, 7])

@@ -1,0 +1,222 @@
+"""Multi-turn chat through the services, for the host-memory KV tier (issue 23): C conversations of T turns,
+all running at once, each turn sent when the conversation's previous one finished. A turn appends U fresh
+"user" token ids (seeded, distinct per conversation: conversations share no prefix) to the history, sends the
+whole history as the prompt, streams exactly G tokens (ignore EOS) and appends them to the history.
+
+The GPU's KV pool is cut (the worker's --num-blocks) so that the histories at the end are about 4x what it
+holds: the scheduler evicts a conversation's blocks between its turns. The workload runs twice, each on a
+fresh cluster: with the worker's host tier off, where an evicted history is recomputed, and on
+(--kv-offload-gib), where it can be swapped back in. Per run: TTFT p50/p99 over all turns and p50 over turns
+2.. (those whose history can come from a cache), output tok/s over the wall time, the prompt tokens served
+from cache, and the blocks swapped either way (the scheduler's Prometheus counters) with their bandwidth.
+
+    python -m bench multiturn --preset qwen3-0.6b --device cuda
+    python -m bench multiturn --preset qwen3-tiny --device cpu --block-size 16 --conversations 4 --turns 2 \\
+        --user-tokens 20 --output-tokens 8
+
+No --simulate: the simulated worker keeps no host tier (`splitserve-worker simulate` takes no --kv-offload-gib).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from bench import common
+
+SWAPPED_OUT = "splitserve:kv_blocks_swapped_out_total"
+SWAPPED_IN = "splitserve:kv_blocks_swapped_in_total"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model: Path, kv_cache_dtype: str) -> int:
+    """K and V of one token over every layer, from the checkpoint's config.json."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = 1 if kv_cache_dtype == "fp8" else DTYPE_BYTES[cfg.get("torch_dtype") or cfg["dtype"]]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype
+
+
+def history_tokens(args: argparse.Namespace) -> int:
+    """Tokens of every conversation's history after its last turn."""
+    return args.conversations * args.turns * (args.user_tokens + args.output_tokens)
+
+
+def gpu_blocks(args: argparse.Namespace) -> int:
+    """--gpu-blocks, or a quarter of the final histories; never fewer than one whole conversation needs."""
+    if args.gpu_blocks:
+        return args.gpu_blocks
+    one = math.ceil(args.turns * (args.user_tokens + args.output_tokens) / args.block_size)
+    return max(math.ceil(history_tokens(args) / 4 / args.block_size), one + 1)
+
+
+def offload_gib(args: argparse.Namespace, bytes_per_token: int) -> float:
+    """--kv-offload-gib (the tier-on run's), or room for every history with a quarter to spare."""
+    if args.kv_offload_gib:
+        return args.kv_offload_gib
+    return history_tokens(args) * bytes_per_token * 1.25 / 2**30
+
+
+class _Recorder:
+    """An AsyncClient that keeps the token ids of what it streams: common.stream keeps their counts only,
+    and the next turn's prompt needs them."""
+
+    def __init__(self, client):
+        self.client = client
+        self.token_ids: list[int] = []
+
+    async def generate(self, **kwargs) -> AsyncIterator:
+        async for delta in self.client.generate(**kwargs):
+            self.token_ids += delta.token_ids
+            yield delta
+
+
+async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm) -> list[tuple[int, common.Trace]]:
+    """One conversation's turns in sequence: (turn, trace) per turn sent; it ends at its first failed turn."""
+    rng = random.Random(args.seed * 1_000_003 + c)
+    history: list[int] = []
+    turns = []
+    for turn in range(1, args.turns + 1):
+        history += [rng.randint(0, 10000) for _ in range(args.user_tokens)]
+        recorder = _Recorder(client)
+        trace = await common.stream(recorder, history, args.output_tokens, temperature=args.temperature,
+                                    ignore_eos=True)
+        turns.append((turn, trace))
+        bar.update(1)
+        if trace.error is not None:
+            break
+        history += recorder.token_ids
+    return turns
+
+
+async def run_workload(address: str, args: argparse.Namespace, desc: str) -> tuple[list[tuple[int, common.Trace]],
+                                                                                 float]:
+    from client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        for _ in range(args.warmup):  # a prompt no conversation shares
+            await common.stream(client, [1, 2, 3], 16, temperature=args.temperature, ignore_eos=True)
+        bar = tqdm(total=args.conversations * args.turns, desc=desc, dynamic_ncols=True)
+        start = time.perf_counter()
+        try:
+            done = await asyncio.gather(*(conversation(client, c, args, bar) for c in range(args.conversations)))
+        finally:
+            bar.close()
+        turns = [t for conv in done for t in conv]
+        return turns, max((t.end for _, t in turns), default=start) - start
+
+
+def swapped_blocks(metrics_port: int) -> tuple[float, float]:
+    """The scheduler's swap counters (blocks out, in), summed over workers; 0 where a counter is absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    totals = {SWAPPED_OUT: 0.0, SWAPPED_IN: 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in totals:
+                totals[s.name] += s.value
+    return totals[SWAPPED_OUT], totals[SWAPPED_IN]
+
+
+def summarize(run: str, turns: list[tuple[int, common.Trace]], seconds: float, swapped: tuple[float, float],
+              block_bytes: int, blocks: int, host_gib: float) -> dict:
+    done = [(k, t) for k, t in turns if t.error is None and t.times]
+    ttfts = [t.ttft * 1e3 for _, t in done]
+    later = [t.ttft * 1e3 for k, t in done if k >= 2]
+    usage = [t.usage for _, t in done if t.usage is not None]
+    prompt = sum(u.prompt_tokens for u in usage)
+    cached = sum(u.cached_prompt_tokens for u in usage)
+    out_tokens = sum(t.output_tokens for _, t in done)
+    out, back = swapped
+    return {
+        "run": run,
+        "gpu_blocks": blocks,
+        "host_gib": significant(host_gib),
+        "turns": len(turns),
+        "errors": len(turns) - len(done),
+        "seconds": common.rnd(seconds, 3),
+        "output_tokens_per_s": common.rnd(out_tokens / seconds if seconds > 0 else math.nan, 0),
+        "ttft_p50_ms": common.rnd(common.percentile(ttfts, 50)),
+        "ttft_p99_ms": common.rnd(common.percentile(ttfts, 99)),
+        "ttft_p50_turn2plus_ms": common.rnd(common.percentile(later, 50)),
+        "cached_prompt_share": common.rnd(cached / prompt if prompt else math.nan, 4),
+        "swapped_out_blocks": int(out),
+        "swapped_in_blocks": int(back),
+        "swap_gb_s": significant((out + back) * block_bytes / seconds / 1e9 if seconds > 0 else math.nan),
+    }
+
+
+def significant(x: float) -> float | None:
+    """4 significant digits, not places: on a tiny model the tier is KiB and its swaps KB/s."""
+    return None if math.isnan(x) else float(f"{x:.4g}")
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(ap, out="bench/results/multiturn.json")
+    ap.add_argument("--conversations", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--user-tokens", type=int, default=300, help="new prompt tokens per turn")
+    ap.add_argument("--output-tokens", type=int, default=200, help="generated tokens per turn")
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="the worker's --num-blocks (default: the final histories / 4, in blocks)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--seed", type=int, default=0, help="of the user tokens")
+    ap.add_argument("--warmup", type=int, default=2, help="3-token requests (16 out) before measuring")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    from client.launcher import free_port
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.simulate:
+        ap.error("--simulate: the simulated worker has no host KV tier (no --kv-offload-gib)")
+    if args.turns * (args.user_tokens + args.output_tokens) > args.max_model_len:
+        ap.error(f"a conversation's last turn ends past --max-model-len {args.max_model_len}")
+    blocks = gpu_blocks(args)
+    rows = []
+    with common.model_dir(args) as model:
+        per_token = kv_bytes_per_token(Path(model), args.kv_cache_dtype)
+        for run, gib in (("tier off", 0.0), ("tier on", offload_gib(args, per_token))):
+            worker = ["--num-blocks", str(blocks), "--kv-offload-gib", str(gib)]  # after common's: this one counts
+            metrics_port = free_port()
+            with common.cluster(args, Path(model), ["--metrics-port", str(metrics_port)],
+                                extra_worker_args=worker) as address:
+                turns, seconds = asyncio.run(run_workload(address, args, run))
+                swapped = swapped_blocks(metrics_port)
+            rows.append({"path": "grpc services",
+                         **summarize(run, turns, seconds, swapped, per_token * args.block_size, blocks, gib)})
+            print(rows[-1], flush=True)
+            errors = [t.error for _, t in turns if t.error]
+            if errors:
+                print(f"{len(errors)} turns failed, e.g. {errors[0]}", flush=True)
+    doc = common.save("bench.multiturn", argv, args.out, "multiturn", args, rows)
+    off, on = rows
+    line = (f"ratios: TTFT p50 off/on {ratio(off['ttft_p50_ms'], on['ttft_p50_ms'])}, "
+            f"TTFT p50 turns 2+ off/on {ratio(off['ttft_p50_turn2plus_ms'], on['ttft_p50_turn2plus_ms'])}, "
+            f"output tok/s on/off {ratio(on['output_tokens_per_s'], off['output_tokens_per_s'])}")
+    print(line)
+    with Path(args.out).with_suffix(".md").open("a") as md:
+        md.write(f"\n{line}\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
