@@ -33,6 +33,7 @@ class GroupInfo:
     vocab_size: int
     epoch: int
     kv_cache_dtype: str
+    num_host_blocks: int = 0
     draining: bool = False
 
 

@@ -192,3 +192,19 @@ def test_offline_with_constrained_requests_counts_what_they_wrote(model: Path, t
     assert [r["path"] for r in doc["results"]] == ["in-process, 50% constrained (simulated worker)",
                                                   "grpc services, stream_interval 0, 50% constrained (simulated worker)"]
     assert all(0 < r["output_tokens"] <= 4 * 100 for r in doc["results"])
+
+
+def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path) -> None:
+    """Conversations whose histories outgrow the GPU pool, on a real (tiny) CPU worker: the run with the host
+    tier swaps blocks out and back in (its counters show both), the run without it none."""
+    from bench.__main__ import main
+
+    out = tmp_path / "multiturn.json"
+    main(["multiturn", "--preset", "qwen3-tiny", "--device", "cpu", "--block-size", "16", "--conversations", "8",
+          "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--out", str(out)])
+    off, on = _load(out, "multiturn", "bench.multiturn")["results"]
+    assert (off["run"], on["run"]) == ("tier off", "tier on")
+    assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
+    assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0 and off["host_gib"] == 0
+    assert on["swapped_out_blocks"] > 0 and on["swapped_in_blocks"] > 0 and on["swap_gb_s"] > 0
+    assert on["cached_prompt_share"] > 0  # a swap-in is a prompt served from the host tier
