@@ -28,9 +28,10 @@ from scheduler_svc.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
-        """With record_events set, hashes entering and leaving the GPU's index are appended to `stored` and
-        `removed` for whoever mirrors it (the front-ends' routers); take_events() empties them. The host tier
-        caches, so it is on only with prefix caching."""
+        """With record_events set, hashes the group comes to hold (in either tier) and stops holding (in both)
+        are appended to `stored` and `removed` for whoever mirrors them (the front-ends' routers: a host hit
+        saves a prefill too); take_events() empties them. The host tier caches, so it is on only with prefix
+        caching."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -158,15 +159,17 @@ class BlockManager:
         h = self._hash[b]
         if h is not None:
             host = self.host
+            del self._index[h]
+            self._hash[b] = None
             if host is not None:
-                hb = host.keep(h, self._parent[b], self._data[b])
+                hb, dropped = host.keep(h, self._parent[b], self._data[b])
                 if hb is not None:
                     self.swap_out.append((b, hb))
                     self.num_swapped_out += 1
-            del self._index[h]
-            self._hash[b] = None
+                if dropped is not None and self.record_events and dropped not in self._index:
+                    self.removed.append(dropped)
             self._data[b] = None
-            if self.record_events:
+            if self.record_events and (host is None or h not in host.index):
                 self.removed.append(h)
         self._ref[b] = 1
         return b
@@ -188,14 +191,20 @@ class BlockManager:
         return swaps
 
     def take_events(self) -> tuple[list[int], list[int]]:
-        """(hashes stored, hashes removed) since the last call."""
-        events = self.stored, self.removed
+        """(hashes stored, hashes removed) since the last call, net of each other: a hash that left and came back
+        is only stored, one that came and left only removed, so a mirror may apply the stored ones, then the
+        removed ones."""
+        index, host = self._index, self.host.index if self.host is not None else {}
+        stored = [h for h in self.stored if h in index or h in host]
+        removed = [h for h in self.removed if h not in index and h not in host]
         self.stored, self.removed = [], []
-        return events
+        return stored, removed
 
     def cached_hashes(self) -> list[int]:
-        """Every hash in the index now (a mirror's starting point)."""
-        return list(self._index)
+        """Every hash the group holds now, in either tier (a mirror's starting point)."""
+        if self.host is None:
+            return list(self._index)
+        return [*self._index, *(h for h in self.host.index if h not in self._index)]
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block. Tail blocks are released first, so a sequence's prefix
@@ -298,16 +307,16 @@ class HostTier:
     def num_cached_blocks(self) -> int:
         return len(self.index)
 
-    def keep(self, h: int, parent: int, data: bytes) -> int | None:
-        """The host block that is to receive a GPU block's copy (None: it holds that hash already, or every
-        block is pinned); the reused block's old hash leaves the index."""
+    def keep(self, h: int, parent: int, data: bytes) -> tuple[int | None, int | None]:
+        """(the host block that is to receive a GPU block's copy, the hash that block held and loses). No block
+        when the host holds that hash already or every block is held by the plan being built."""
         held = self.index.get(h)
         if held is not None:
             if held in self._lru:
                 self._lru.move_to_end(held)
-            return None
+            return None, None
         if not self._lru:
-            return None
+            return None, None
         hb, _ = self._lru.popitem(last=False)
         old = self.hash[hb]
         if old is not None:
@@ -315,7 +324,7 @@ class HostTier:
         self.index[h] = hb
         self.hash[hb], self.parent[hb], self.data[hb] = h, parent, data
         self._held.append(hb)
-        return hb
+        return hb, old
 
     def hold(self, blocks: list[int]) -> None:
         """Swap-in sources: out of the reuse order until plan_done() (one this plan fills is held already: its

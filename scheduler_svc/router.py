@@ -85,7 +85,7 @@ class GroupView:
         return self.waiting_tokens + self.pending_tokens, self.running, self.free_blocks
 
     def cached_prefix_tokens(self, hashes: PromptHashes) -> int:
-        """Tokens of the prompt its prefix cache holds (as last reported), never the last one."""
+        """Tokens of the prompt its prefix cache holds in either tier (as last reported), never the last one."""
         bs = self.info.block_size
         of = hashes.of(bs)
         limit = (len(hashes.token_ids) - 1) // bs

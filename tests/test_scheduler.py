@@ -402,6 +402,28 @@ def test_max_num_seqs_bounds_running():
     assert len(d.finished) == 5
 
 
+def test_the_routers_mirror_follows_both_tiers():
+    """Cache events, applied as a front-end's router applies them (stored, then removed), keep its mirror equal
+    to what the group holds in either tier while blocks move to a 2-block host tier and fall out of it."""
+    sched, worker = make(num_blocks=7, block_size=1, budget=3, max_num_seqs=1, max_model_len=40, num_host_blocks=2)
+    bm = sched.block_manager
+    bm.record_events = True
+    mirror: set[int] = set()
+    for i, (prompt, n) in enumerate([(range(1, 7), 1), (range(1, 4), 3), ([*range(1, 7), 1], 1), (range(20, 25), 2)]):
+        sched.add(seq(i + 1, prompt, max_tokens=n))
+    host_hashes_seen: set[int] = set()
+    while (plan := sched.schedule()) is not None:
+        worker.submit(plan)
+        sched.update(worker.receive())
+        stored, removed = bm.take_events()
+        mirror.update(stored)
+        mirror.difference_update(removed)
+        assert mirror == set(bm.cached_hashes())
+        host_hashes_seen |= set(bm.host.index)
+    assert bm.num_swapped_out > bm.host.num_blocks  # host blocks were reused: their old hashes left the group
+    assert len(host_hashes_seen) > bm.host.num_blocks and mirror
+
+
 # --- properties ----------------------------------------------------------------------------------
 
 PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -438,6 +460,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_host_blocks=host,
         )
         self.sched, self.worker = make(**self.shape)
+        self.sched.block_manager.record_events = True
+        self.mirror: set[int] = set()  # what a front-end's router knows of the group's cached blocks
         self.swapped = self.host_hits = 0
         self.depth = depth
         self.next_id = 1
@@ -513,6 +537,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         old.check()
         assert old.block_manager.num_free_blocks == old.block_manager.num_blocks
         self.sched, self.worker = make(**self.shape)
+        self.sched.block_manager.record_events = True
+        self.mirror = set()
         for s in live:
             moved = Sequence(s.seq_id, list(s.token_ids), s.params, prompt_len=s.prompt_len)
             self.sched.add(moved, force=True)
@@ -522,6 +548,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "sched"):
             self.sched.check()
+            bm = self.sched.block_manager
+            stored, removed = bm.take_events()
+            self.mirror.update(stored)
+            self.mirror.difference_update(removed)
+            assert self.mirror == set(bm.cached_hashes()), "the routers' mirror of the cache drifted"
 
     def teardown(self):
         if not hasattr(self, "sched"):
