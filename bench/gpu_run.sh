@@ -36,8 +36,8 @@ for b in $benches; do
                --stream-intervals 0 --out $OUT/offline_structured_$share.json 2>&1 | grep -E "^[|]"; done
              for flag in "" --structured; do timeout 150 python3 -m bench latency --model $MODEL --device cuda \
                --mode services --repeats 5 $flag --out $OUT/latency${flag:+_structured}.json 2>&1 | grep -v -i warn | tail -2; done ;;
-    multiturn)  # issue 23: multi-turn chat, the worker's host KV tier off and on (MULTITURN_ARGS: e.g. --conversations 64)
-             timeout 560 python3 -m bench multiturn --model $MODEL --device cuda ${MULTITURN_ARGS:-} \
+    multiturn)  # issue 23: multi-turn chat, the host KV tier off and on (64 conversations: 128 would pin ~51 GiB)
+             timeout 560 python3 -m bench multiturn --model $MODEL --device cuda ${MULTITURN_ARGS:---conversations 64} \
                --out $OUT/multiturn.json 2>&1 | grep -E "^[|]|^ratios|failed" ;;
     policy)  timeout 500 python3 -m bench attention-policy --out $OUT/attention_policy.json 2>&1 | grep -E "^[{]|best threshold" ;;
     accuracy) timeout 500 python3 -m bench fp8-accuracy --model $MODEL --capacity --out $OUT/fp8_accuracy.json 2>&1 | tail -3 ;;
