@@ -244,7 +244,6 @@ class BlockManager:
         known = len(hashes)
         table = seq.block_table
         index = self._index
-        hash_of, parent_of, data_of = self._hash, self._parent, self._data
         parent = hashes[start - 1] if start else ROOT_HASH
         off = 0
         for i in range(start, end):
@@ -256,13 +255,7 @@ class BlockManager:
                 h = hash_block(block, parent)
                 hashes.append(h)
             if h not in index:  # else the same content is already cached in another block
-                b = table[i]
-                index[h] = b
-                if self.record_events:
-                    self.stored.append(h)
-                hash_of[b] = h
-                parent_of[b] = parent
-                data_of[b] = block
+                self._register(table[i], h, parent, block)
             parent = h
 
     def check(self, tables: Iterable[list[int]]) -> None:
