@@ -89,7 +89,8 @@ def constrained(i: int, share: float) -> bool:
 
 
 async def _through_services(address: str, reqs: list[Request], stream_interval: int,
-                            share: float = 0.0) -> tuple[float, int]:
+                            share: float = 0.0) -> tuple[float, list[int]]:
+    """Seconds for the requests, and each one's output tokens."""
     from client import AsyncClient
 
     async with AsyncClient(address) as client:
@@ -107,7 +108,7 @@ async def _through_services(address: str, reqs: list[Request], stream_interval: 
         counts = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         elapsed = time.perf_counter() - start
     assert share or sum(counts) == sum(r.max_tokens for r in reqs), (sum(counts), sum(r.max_tokens for r in reqs))
-    return elapsed, sum(counts)
+    return elapsed, counts
 
 
 def workload(args: argparse.Namespace) -> list[Request]:
@@ -130,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "per completion, as a batch client asks)")
     ap.add_argument("--structured", type=float, default=0.0, metavar="SHARE",
                     help="share of requests constrained by a JSON schema (bench/common.py STRUCTURED_SCHEMA; "
-                         "they may end before max_tokens, so tokens are counted)")
+                         "they may end before max_tokens, so tokens are counted, and each services pass is "
+                         "followed by the same requests unconstrained, each as long as it ran constrained)")
     args = ap.parse_args(argv)
     reqs = workload(args)
     total = sum(r.max_tokens for r in reqs)
@@ -141,9 +143,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with common.model_dir(args) as model:
         floor = _floor(args, model, reqs)
 
-        def row(path: str, run: int, seconds: float, output_tokens: int = total, **extra) -> dict:
+        def row(path: str, run: int, seconds: float, output_tokens: int = total, constrained: bool = True,
+                **extra) -> dict:
             rate = output_tokens / seconds
-            if args.structured:
+            if args.structured and constrained:
                 path += f", {args.structured:.0%} constrained"
             return {"path": common.path_label(args, path), "run": run, "seconds": round(seconds, 2),
                     "output_tokens": output_tokens, "tokens_per_s": round(rate), "floor_tokens_per_s": round(floor),
@@ -158,11 +161,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 k = 0
                 for run in range(1, args.runs + 1):
                     for interval in (int(i) for i in args.stream_intervals.split(",")):
-                        t, tokens = asyncio.run(_through_services(address, passes[k], interval, args.structured))
-                        k += 1
+                        t, counts = asyncio.run(_through_services(address, passes[k], interval, args.structured))
                         label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
-                        rows.append(row(label, run, t, tokens))
+                        rows.append(row(label, run, t, sum(counts)))
                         print(rows[-1], flush=True)
+                        if args.structured:  # the same work without constraints: each request as long as it ran
+                            same = [Request([20_001 + k, *r.prompt_ids[1:]], max(n, 1))
+                                    for r, n in zip(passes[k], counts)]
+                            t, counts = asyncio.run(_through_services(address, same, interval))
+                            rows.append(row(label + ", free at the constrained lengths", run, t, sum(counts), False))
+                            print(rows[-1], flush=True)
+                        k += 1
     common.save("bench.offline", argv, args.out, "offline", args, rows)
 
 

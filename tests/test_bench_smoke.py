@@ -182,16 +182,20 @@ def test_fp8_accuracy(tmp_path: Path) -> None:
 
 
 def test_offline_with_constrained_requests_counts_what_they_wrote(model: Path, tmp_path: Path) -> None:
-    """--structured: a share of the requests under a JSON schema (they may end early, so tokens are counted)."""
+    """--structured: a share of the requests under a JSON schema (they may end early, so tokens are counted), and
+    the services pass again unconstrained with each request as long as it ran."""
     from bench.__main__ import main
 
     out = tmp_path / "offline.json"
     main(["offline", "--model", str(model), *SIM, "--num-seqs", "4", "--max-input", "100", "--max-output", "100",
           "--structured", "0.5", "--stream-intervals", "0", "--out", str(out)])
     doc = _load(out, "offline", "bench.offline")
-    assert [r["path"] for r in doc["results"]] == ["in-process, 50% constrained (simulated worker)",
-                                                  "grpc services, stream_interval 0, 50% constrained (simulated worker)"]
+    assert [r["path"] for r in doc["results"]] == [
+        "in-process, 50% constrained (simulated worker)",
+        "grpc services, stream_interval 0, 50% constrained (simulated worker)",
+        "grpc services, stream_interval 0, free at the constrained lengths (simulated worker)"]
     assert all(0 < r["output_tokens"] <= 4 * 100 for r in doc["results"])
+    assert doc["results"][1]["output_tokens"] == doc["results"][2]["output_tokens"]
 
 
 def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path) -> None:

@@ -23,7 +23,10 @@ from tokenizers import Tokenizer
 
 from common.byte_level import char_to_byte
 from common.model_files import eos_token_ids
+from common.util import available_cpus
 from worker_svc.kernels.uploads import upload
+
+MASK_THREADS = 16
 
 
 @dataclass(slots=True)
@@ -82,6 +85,9 @@ class Grammars:
     def __init__(self, model_dir: str | Path, vocab_size: int, device: torch.device):
         self.model_dir, self.vocab_size, self.device = Path(model_dir), vocab_size, device
         self._tokenizer: llguidance.LLTokenizer | None = None
+        # The masks of a step's rows are filled on llguidance's own threads: on one core, hundreds of
+        # constrained rows would hold up the step's sampling for longer than its forward takes.
+        self._executor = llguidance.LLExecutor(min(available_cpus(), MASK_THREADS))
         self._matchers: dict[int, llguidance.LLMatcher] = {}  # row -> matcher of the sequence started there
         # (host token ids of a launched step, the event after their copy, which of them, the matchers they feed)
         self._unfed: deque[tuple[list[torch.Tensor | None], object, np.ndarray, list[llguidance.LLMatcher]]] = deque()
@@ -121,14 +127,16 @@ class Grammars:
         self._feed()
         matchers = [self._matchers[int(r)] for r in rows[index]]
         allowed = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        dead = np.zeros(len(matchers), bool)
-        eos = self.tokenizer.eos_token
-        for i, m in enumerate(matchers):
-            llguidance.numpy.fill_next_token_bitmask(m, allowed, i)
-            if m.is_error() or not allowed[i].any():
-                dead[i] = True
-                allowed[i] = 0
-                allowed[i, eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
+        if len(matchers) == 1:  # batch 1: no hand-off to the pool's threads
+            llguidance.numpy.fill_next_token_bitmask(matchers[0], allowed, 0)
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))),
+                                                         allowed)
+        dead = ~allowed.any(axis=1) | np.fromiter((m.is_error() for m in matchers), bool, len(matchers))
+        if dead.any():
+            eos = self.tokenizer.eos_token
+            allowed[dead] = 0
+            allowed[dead, eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
         index_t, allowed_t = upload([index.astype(np.int64), allowed], self.device)
         return StepMasks(index_t, index, allowed_t.view(allowed.shape), matchers, dead)
 
@@ -141,6 +149,4 @@ class Grammars:
             host, event, index, matchers = self._unfed.popleft()
             if event is not None:
                 event.synchronize()
-            tokens = host[0][index].tolist()
-            for m, t in zip(matchers, tokens):
-                m.consume_token(t)
+            llguidance.numpy.consume_token_par(self._executor, list(zip(matchers, host[0][index].tolist())))
