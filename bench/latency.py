@@ -9,7 +9,6 @@ comparison. Per output token after the first: the median, mean and p99 of the ti
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import time
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from tqdm.auto import trange
 
 from bench import common
+from common.util import run_loop
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -42,7 +42,7 @@ async def _services(address: str, args: argparse.Namespace) -> list[common.Trace
 
 def run_services(model: Path, args: argparse.Namespace) -> list[common.Trace]:
     with common.cluster(args, model) as address:
-        return asyncio.run(_services(address, args))
+        return run_loop(_services(address, args))
 
 
 def _engine_trace(engine, prompt: list[int], max_tokens: int, structured: bool = False) -> common.Trace:

@@ -31,6 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from bench import common
+from common.util import run_loop
 
 SWAPPED_OUT = "splitserve:kv_blocks_swapped_out_total"
 SWAPPED_IN = "splitserve:kv_blocks_swapped_in_total"
@@ -199,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             metrics_port = free_port()
             with common.cluster(args, Path(model), ["--metrics-port", str(metrics_port)],
                                 extra_worker_args=worker) as address:
-                turns, seconds = asyncio.run(run_workload(address, args, run))
+                turns, seconds = run_loop(run_workload(address, args, run))
                 swapped = swapped_blocks(metrics_port)
             rows.append({"path": "grpc services",
                          **summarize(run, turns, seconds, swapped, per_token * args.block_size, blocks, gib)})

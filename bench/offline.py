@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from bench import common
 from bench.workload import Request, offline, short
+from common.util import run_loop
 
 
 class StepTrace:
@@ -161,14 +162,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 k = 0
                 for run in range(1, args.runs + 1):
                     for interval in (int(i) for i in args.stream_intervals.split(",")):
-                        t, counts = asyncio.run(_through_services(address, passes[k], interval, args.structured))
+                        t, counts = run_loop(_through_services(address, passes[k], interval, args.structured))
                         label = "grpc services" + ("" if interval == 1 else f", stream_interval {interval}")
                         rows.append(row(label, run, t, sum(counts)))
                         print(rows[-1], flush=True)
                         if args.structured:  # the same work without constraints: each request as long as it ran
                             same = [Request([20_001 + k, *r.prompt_ids[1:]], max(n, 1))
                                     for r, n in zip(passes[k], counts)]
-                            t, counts = asyncio.run(_through_services(address, same, interval))
+                            t, counts = run_loop(_through_services(address, same, interval))
                             rows.append(row(label + ", free at the constrained lengths", run, t, sum(counts), False))
                             print(rows[-1], flush=True)
                         k += 1

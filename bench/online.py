@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from bench import common
 from bench.workload import Request
+from common.util import run_loop
 
 
 async def run_rate(client, reqs: list[Request], rate: float, seed: int, sampling: dict,
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     reqs = common.offline_workload(args.num_requests, args.max_input, args.max_output)
     with common.model_dir(args) as model:
         with common.cluster(args, Path(model)) as address:
-            rows = asyncio.run(run_all(address, reqs, args))
+            rows = run_loop(run_all(address, reqs, args))
     rows = [{"path": common.path_label(args, "grpc services"), **row} for row in rows]
     return common.save("bench.online", argv, args.out, "online", args, rows)
 

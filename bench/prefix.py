@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from bench import common
 from bench.workload import Request, prefix_sharing
+from common.util import run_loop
 
 
 async def _run(address: str, reqs: list[Request], args: argparse.Namespace,
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             if args.caching not in ("both", "on" if caching else "off"):
                 continue
             with common.cluster(args, Path(model), [] if caching else ["--no-prefix-caching"]) as address:
-                traces, seconds = asyncio.run(_run(address, reqs, args, f"prefix caching {'on' if caching else 'off'}"))
+                traces, seconds = run_loop(_run(address, reqs, args, f"prefix caching {'on' if caching else 'off'}"))
             rows.append({"path": common.path_label(args, "grpc services"), **summarize(caching, traces, seconds),
                          "ideal_hit_rate": ideal if caching else 0.0})
             print(rows[-1], flush=True)

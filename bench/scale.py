@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import common
-from common.util import CPUS_ENV, available_cpus
+from common.util import CPUS_ENV, available_cpus, run_loop
 
 STEP_CLOCK = os.sysconf("SC_CLK_TCK")
 
@@ -138,9 +138,9 @@ async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dic
 def _client_process(target: dict, reqs: list, interval: int, results) -> None:
     cpu = time.process_time()
     if "gateway" in target:
-        out = asyncio.run(_gateway_share(target["gateway"], target["model"], reqs, interval))
+        out = run_loop(_gateway_share(target["gateway"], target["model"], reqs, interval))
     else:
-        out = asyncio.run(_grpc_share(target["address"], reqs, interval, target["connections"]))
+        out = run_loop(_grpc_share(target["address"], reqs, interval, target["connections"]))
     out["cpu"] = time.process_time() - cpu
     results.put(out)
 

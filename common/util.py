@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 N = TypeVar("N")
+T = TypeVar("T")
 
 CPUS_ENV = "SPLITSERVE_CPUS"  # cores a process tree may size itself to (a container's CPU request)
 
@@ -24,3 +26,11 @@ def available_cpus() -> int:
         except ValueError:
             raise ValueError(f"${CPUS_ENV} must be a number of cores, got {value!r}") from None
     return max(1, len(os.sched_getaffinity(0)))
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Runs `main` to its end on uvloop, the event loop of every asyncio process of the project: each gRPC
+    message a front-end writes or a client reads costs less CPU there than on asyncio's own loop."""
+    import uvloop
+
+    return uvloop.run(main)

@@ -132,11 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn
 
         os.environ[ARGV_ENV] = json.dumps(argv)
-        # grpc.aio runs on the standard asyncio loop; h11 is uvicorn's pure-Python HTTP/1.1. With several workers
-        # uvicorn binds the port once and its processes accept from it; it replaces one that dies.
+        # uvloop, as every asyncio process of the project (common.util.run_loop); h11 is uvicorn's pure-Python
+        # HTTP/1.1. With several workers uvicorn binds the port once and its processes accept from it; it
+        # replaces one that dies.
         uvicorn.run("gateway.cli:app_from_env", factory=True,
                     workers=args.workers or default_workers(available_cpus()),
-                    host=args.host, port=args.port, loop="asyncio", http="h11", lifespan="on",
+                    host=args.host, port=args.port, loop="uvloop", http="h11", lifespan="on",
                     log_level=args.log_level, access_log=not args.no_access_log,
                     timeout_graceful_shutdown=args.shutdown_timeout)
     finally:  # a caller in the same process (a test) must not inherit multiprocess mode

@@ -12,12 +12,12 @@ may register workers and call the public API: common/security.py and deploy/READ
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits, logs, security
+from common.util import run_loop
 from common.cli_help import use_everywhere
 from scheduler_svc.config import SchedulerConfig
 
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(build_parser(), argv)
     logs.setup(args.log_format, args.log_level)
-    asyncio.run(supervisor.run(args, argv))
+    run_loop(supervisor.run(args, argv))
     return 0
 
 

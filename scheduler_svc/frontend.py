@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, add_port, transport
+from common.util import run_loop
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
@@ -645,4 +646,4 @@ def frontend_main(index: int, run_dir: str, argv: list[str], port: int, parent) 
 
     ipc.become_child(f"frontend {index}", parent)
     args = cli.parse_child_args(argv)
-    asyncio.run(serve(index, run_dir, args, port))
+    run_loop(serve(index, run_dir, args, port))
