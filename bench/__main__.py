@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,fp8-accuracy,all} [flags]
+                 prefill-attention,attention-policy,skinny-gemm,fp8-accuracy,grpc-stream,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -26,10 +26,12 @@ MODULES = {
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
     "skinny-gemm": "bench.skinny_gemm",
+    "moe-kernel": "bench.moe_kernel",
     "prefill-attention": "bench.prefill_attention",
     "attention-policy": "bench.attention_policy",
     "fp8-accuracy": "bench.fp8_accuracy",
     "scale": "bench.scale",
+    "grpc-stream": "bench.grpc_stream",
     "floor": "bench.floor",
 }
 ALL = ("offline", "latency", "online", "prefix")

@@ -212,3 +212,14 @@ def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path) -> None:
     assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0 and off["host_gib"] == 0
     assert on["swapped_out_blocks"] > 0 and on["swapped_in_blocks"] > 0 and on["swap_gb_s"] > 0
     assert on["cached_prompt_share"] > 0  # a swap-in is a prompt served from the host tier
+
+
+def test_grpc_stream_floor_counts_every_message_on_both_loops(tmp_path: Path) -> None:
+    """bench grpc-stream: every message written is read, and both sides' CPU per message is measured."""
+    from bench.__main__ import main
+
+    out = tmp_path / "grpc_stream.json"
+    main(["grpc-stream", "--streams", "8", "--messages", "250", "--repeats", "1", "--out", str(out)])
+    rows = _load(out, "grpc_stream", "bench.grpc_stream")["results"]
+    assert [r["loop"] for r in rows] == ["asyncio", "uvloop"]
+    assert all(r["messages"] == 2000 and r["server_cpu_us_per_message"] > 0 for r in rows)
