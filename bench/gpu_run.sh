@@ -36,9 +36,11 @@ for b in $benches; do
                --stream-intervals 0 --out $OUT/offline_structured_$share.json 2>&1 | grep -E "^[|]"; done
              for flag in "" --structured; do timeout 150 python3 -m bench latency --model $MODEL --device cuda \
                --mode services --repeats 5 $flag --out $OUT/latency${flag:+_structured}.json 2>&1 | grep -v -i warn | tail -2; done ;;
-    multiturn)  # issue 23: multi-turn chat, the host KV tier off and on (64 conversations: 128 would pin ~51 GiB)
-             timeout 560 python3 -m bench multiturn --model $MODEL --device cuda ${MULTITURN_ARGS:---conversations 64} \
-               --out $OUT/multiturn.json 2>&1 | grep -E "^[|]|^ratios|failed" ;;
+    multiturn|multiturn8b)  # issue 23: multi-turn chat, the host KV tier off and on (64 conversations: 128 would pin ~51 GiB)
+             M3=$MODEL; [ $b = multiturn8b ] && M3=/tmp/llama-3.1-8b && { [ -f $M3/config.json ] || python3 -m worker_svc.cli \
+               make-model --preset llama-3.1-8b --out $M3 >/dev/null; }
+             timeout 560 python3 -m bench multiturn --model $M3 --device cuda ${MULTITURN_ARGS:---conversations 64} \
+               --out $OUT/$b.json 2>&1 | grep -E "^[|]|^ratios|failed" ;;
     policy)  timeout 500 python3 -m bench attention-policy --out $OUT/attention_policy.json 2>&1 | grep -E "^[{]|best threshold" ;;
     accuracy) timeout 500 python3 -m bench fp8-accuracy --model $MODEL --capacity --out $OUT/fp8_accuracy.json 2>&1 | tail -3 ;;
     accuracy8b) M8=/tmp/qwen3-8b; [ -f $M8/config.json ] || python3 -m worker_svc.cli make-model --preset qwen3-8b --out $M8 >/dev/null

@@ -60,7 +60,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks")
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class StepPlan(_message.Message):
     SWAP_OUT_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -87,7 +89,9 @@ class StepPlan(_message.Message):
     swap_out_host_blocks: _containers.RepeatedScalarFieldContainer[int]
     swap_in_host_blocks: _containers.RepeatedScalarFieldContainer[int]
     swap_in_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    offload_blocks: _containers.RepeatedScalarFieldContainer[int]
+    offload_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids")

@@ -14,6 +14,12 @@ preempted sequence's full blocks reach the host this way, when the GPU needs the
 it comes back through its prefix; the partial block at its end is recomputed (fewer than block_size tokens:
 less work than copying a whole block out and back). The copies of a plan are its swap_out / swap_in
 columns (take_swaps()); the worker makes them in plan order, swap-outs first, before the step's forward.
+
+A swap-out at reuse stalls the step that reuses the block until the copy is done. So after each plan the
+cached blocks the next allocations will take (the front of the free list) are copied to the host ahead of
+time (offload_ahead(): the plan's offload columns, which the worker copies after the step's forward and off
+its critical path); a block whose hash the host holds then leaves the GPU with no copy. Both tiers hold such
+a block until the GPU reuses it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from scheduler_svc.prefix_hash import ROOT_HASH, block_bytes, extend_hashes, hash_block
 from scheduler_svc.sequence import Sequence
@@ -51,6 +58,7 @@ class BlockManager:
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self.swap_out: list[tuple[int, int]] = []  # (GPU block, host block) copies for the next plan
         self.swap_in: list[tuple[int, int]] = []  # (host block, GPU block)
+        self.offload: list[tuple[int, int]] = []  # (GPU block, host block) copied after the next plan's forward
         self.num_swapped_out = 0  # blocks, since start
         self.num_swapped_in = 0
 
@@ -162,17 +170,37 @@ class BlockManager:
             del self._index[h]
             self._hash[b] = None
             if host is not None:
-                hb, dropped = host.keep(h, self._parent[b], self._data[b])
+                hb = self._to_host(b, h)
                 if hb is not None:
                     self.swap_out.append((b, hb))
-                    self.num_swapped_out += 1
-                if dropped is not None and self.record_events and dropped not in self._index:
-                    self.removed.append(dropped)
             self._data[b] = None
             if self.record_events and (host is None or h not in host.index):
                 self.removed.append(h)
         self._ref[b] = 1
         return b
+
+    def offload_ahead(self, n: int) -> None:
+        """Copies to the host the cached blocks among the next n the GPU will reuse that the host lacks."""
+        host = self.host
+        if host is None:
+            return
+        for b in list(islice(self._free, n)):
+            h = self._hash[b]
+            if h is not None and h not in host.index:
+                hb = self._to_host(b, h)
+                if hb is None:
+                    return  # every host block is held by this plan
+                self.offload.append((b, hb))
+
+    def _to_host(self, b: int, h: int) -> int | None:
+        """The host block that is to receive GPU block b's copy (its hash h), or None when the host holds h
+        already or can take no block now."""
+        hb, dropped = self.host.keep(h, self._parent[b], self._data[b])
+        if hb is not None:
+            self.num_swapped_out += 1
+        if dropped is not None and self.record_events and dropped not in self._index:
+            self.removed.append(dropped)
+        return hb
 
     def _register(self, b: int, h: int, parent: int, data: bytes) -> None:
         self._index[h] = b
@@ -182,10 +210,14 @@ class BlockManager:
         if self.record_events:
             self.stored.append(h)
 
-    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(swap-outs, swap-ins) since the last call: the copies the next plan carries."""
-        swaps = self.swap_out, self.swap_in
-        self.swap_out, self.swap_in = [], []
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.offload)
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-outs, swap-ins, offloads) since the last call: the copies the next plan carries."""
+        swaps = self.swap_out, self.swap_in, self.offload
+        self.swap_out, self.swap_in, self.offload = [], [], []
         if self.host is not None:
             self.host.plan_done()
         return swaps
@@ -278,7 +310,7 @@ class BlockManager:
             assert self._hash[b] == h, f"index entry {h:#x} -> {b} is stale"
         if self.host is not None:
             self.host.check()
-        assert not self.swap_out and not self.swap_in, "copies left out of the plans"
+        assert not self.has_copies, "copies left out of the plans"
 
 
 class HostTier:

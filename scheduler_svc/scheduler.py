@@ -377,6 +377,8 @@ class Scheduler:
 
         if not (col_ids or chunks or admitted or self._preempted_ids or bm.swap_out or bm.swap_in):
             return None
+        # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
+        bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, bs))
 
         # Result order: new sequences, then the columns (decodes, then continued prefills).
         sampling: list[Sequence] = []  # the sequences that sample in this plan
@@ -419,14 +421,17 @@ class Scheduler:
         if self._preempted_ids:
             plan.preempted_ids.extend(self._preempted_ids)
             self._preempted_ids.clear()
-        if bm.swap_out or bm.swap_in:
-            swap_out, swap_in = bm.take_swaps()
+        if bm.has_copies:
+            swap_out, swap_in, offload = bm.take_swaps()
             for g, h in swap_out:
                 plan.swap_out_blocks.append(g)
                 plan.swap_out_host_blocks.append(h)
             for h, g in swap_in:
                 plan.swap_in_host_blocks.append(h)
                 plan.swap_in_blocks.append(g)
+            for g, h in offload:
+                plan.offload_blocks.append(g)
+                plan.offload_host_blocks.append(h)
         self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.

@@ -9,7 +9,7 @@ still live, shows up as a mismatch.
 
 A host pool of num_host_blocks blocks stands behind the KV blocks: a plan's swaps copy slot contents
 between them before its reads, swap-outs first, and a swap-in into a block another live sequence holds
-is a violation.
+is a violation; its offloads copy after its writes.
 
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
@@ -178,6 +178,9 @@ class FakeWorker:
                 for r in range(max(m.logprobs, 0)):
                     result.top_token_ids.append((tok + r) % self.vocab_size)
                     result.top_logprobs.append(fake_logprob(tok) - r)
+        for g, h in zip(plan.offload_blocks, plan.offload_host_blocks):  # after the step's writes
+            self.host_kv[h] = list(self.kv[g])
+        self.num_swapped += len(plan.offload_blocks)
         self.results.append(result)
         return result
 

@@ -573,6 +573,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm = sched.block_manager
         event(f"swapped: {self.swapped + bm.num_swapped_out + bm.num_swapped_in > 0}")
         event(f"host hits: {self.host_hits + sched.num_host_hit_tokens > 0}")
+        event(f"offloaded ahead: {any(len(p.offload_blocks) for p in worker.plans)}")
+        event(f"swapped out at reuse: {any(len(p.swap_out_blocks) for p in worker.plans)}")
         event(f"preempted: {sched.num_preemptions > 0}")
         event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
         event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")

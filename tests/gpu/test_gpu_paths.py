@@ -408,3 +408,25 @@ def test_host_pool_copies_whole_blocks_in_plan_order_around_the_steps():
     assert torch.equal(got[:, :, 8], before[:, :, 5]) and torch.equal(got[:, :, 4], before[:, :, 1])
     assert not got[:, :, 1].any()  # host block 1 got block 8's zeros before it was read back
     assert torch.equal(pool.blocks[2].cuda(), before[:, :, 7])
+
+
+def test_host_pool_offloads_behind_the_forward_and_a_reuse_waits_for_them():
+    """An offload copies what the step queued before it wrote; a later plan that fills that GPU block (a fresh
+    table block, a swap-in) or that host block waits for the copy, and a swap-in from it reads the copy."""
+    from worker_svc.runtime.kv_offload import HostKVPool
+
+    cache = torch.zeros(2, 8, 6, 256, 8, 128, device="cuda", dtype=torch.bfloat16)  # 8 MiB blocks: slow copies
+    pool = HostKVPool(cache, 4)
+    value = torch.randn(cache[:, :, 0].shape, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):  # the "forward": queued work that ends by writing blocks 2 and 3
+        cache[:, :, 5].add_(1.0)
+    cache[:, :, 2].copy_(value)
+    cache[:, :, 3].copy_(value * 2)
+    pool.offload(pb.StepPlan(offload_blocks=[2, 3], offload_host_blocks=[1, 0]))
+    pool.swap(pb.StepPlan(new_block_ids=[2]))  # the next step writes block 2: it waits for the copy out of it
+    cache[:, :, 2].zero_()
+    pool.swap(pb.StepPlan(swap_in_host_blocks=[0], swap_in_blocks=[4]))  # reads host block 0 once it is filled
+    got = cache[:, :, 4].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.blocks[1].cuda(), value) and torch.equal(pool.blocks[0].cuda(), value * 2)
+    assert torch.equal(got, value * 2) and not cache[:, :, 2].any()

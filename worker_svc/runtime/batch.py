@@ -163,6 +163,8 @@ class PersistentBatch:
             raise PlanError(f"step {plan.step}: {total} tokens, more than max_num_batched_tokens "
                             f"{self.max_num_batched_tokens}")
         self._check_writes(ids, rows, c, n)
+        if len(plan.offload_blocks) or len(plan.offload_host_blocks):
+            self._check_offloads(plan)
         self.num_computed[rows] = end
         self.num_tokens[rows[samples]] = end[samples] + 1
         return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new)
@@ -182,6 +184,22 @@ class PersistentBatch:
             raise PlanError(f"step {plan.step}: a block is filled twice by one plan's swaps")
         if self.holders[in_g].any():
             raise PlanError(f"step {plan.step}: swap-in into block {in_g[self.holders[in_g] > 0][0]}, "
+                            "which a live sequence holds")
+
+    def _check_offloads(self, plan: pb.StepPlan) -> None:
+        """Offload columns pair up and stay in range, fill each host block once (with the swap-outs), and copy
+        only blocks no live sequence holds after the plan (the step writes none of them)."""
+        g, h = np.asarray(plan.offload_blocks), np.asarray(plan.offload_host_blocks)
+        if len(g) != len(h):
+            raise PlanError(f"step {plan.step}: offload columns differ in length")
+        if not (0 <= g.min() and g.max() < self.num_blocks and 0 <= h.min() and h.max() < self.num_host_blocks):
+            raise PlanError(f"step {plan.step}: offloaded block out of range (GPU {self.num_blocks}, "
+                            f"host {self.num_host_blocks})")
+        filled = np.concatenate([h, np.asarray(plan.swap_out_host_blocks, h.dtype)])
+        if len(np.unique(g)) != len(g) or len(np.unique(filled)) != len(filled):
+            raise PlanError(f"step {plan.step}: a block is filled twice by one plan's copies")
+        if self.holders[g].any():
+            raise PlanError(f"step {plan.step}: offload of block {g[self.holders[g] > 0][0]}, "
                             "which a live sequence holds")
 
     def _drop(self, seq_id: int) -> None:

@@ -307,11 +307,19 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: pb.StepPlan) -> PendingStep:
-        """Applies the plan and launches its step; on a GPU it returns before the step has run."""
+        """Applies the plan and launches its step, between the plan's swaps and its offloads; on a GPU it
+        returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
-        if self.host_pool is not None:
-            self.host_pool.swap(plan)
+        pool = self.host_pool
+        if pool is not None:
+            pool.swap(plan)
+        pending = self._launch(plan, step, started)
+        if pool is not None:
+            pool.offload(plan)
+        return pending
+
+    def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
         for state in step.new:
             self._start_penalties(state)
             if state.row in self.batch.grammar:
