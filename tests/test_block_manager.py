@@ -95,6 +95,27 @@ def test_freed_blocks_stay_hittable_until_reallocated_lru():
     assert bm.match_prefix(make_seq(range(1, 10))) == full[:1]
 
 
+def test_blocks_about_to_be_reused_are_offloaded_ahead_and_leave_without_a_copy():
+    """offload_ahead copies the cached blocks at the front of the free list to the host (once), GPU hits still
+    take the GPU's copy, and reusing an offloaded block needs no swap-out: its prefix comes back from the host."""
+    bm = BlockManager(4, BS, num_host_blocks=4)
+    a = make_seq(range(1, 10), 1)  # blocks: 2 full + 1 partial
+    prefill(bm, a)
+    full = a.block_table[:2]
+    bm.free(a.block_table)
+    bm.offload_ahead(4)  # the free list's front four: the partial (no hash), a never-used one, then a's two
+    assert sorted(g for g, _ in bm.offload) == sorted(full)
+    swap_out, swap_in, offload = bm.take_swaps()
+    assert not swap_out and not swap_in and len(offload) == 2
+    bm.offload_ahead(4)
+    assert not bm.has_copies  # the host holds both hashes already
+    assert bm.match_prefix(make_seq(range(1, 10))) == full  # the GPU's copy first
+    assert len(bm.allocate(4)) == 4 and not bm.swap_out  # reused with no copy out
+    hits = bm.match_prefix(make_seq(range(1, 10)))
+    assert len(hits) == 2 and all(h < 0 for h in hits)  # found on the host
+    assert bm.num_swapped_out == 2
+
+
 def test_hit_on_free_cached_block_takes_it_off_the_free_list():
     bm = BlockManager(4, BS)
     a = make_seq(range(1, 6), 1)
