@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,fp8-accuracy,grpc-stream,all} [flags]
+                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,all} [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:

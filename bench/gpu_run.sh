@@ -19,6 +19,12 @@ for b in $benches; do
     checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:+-k "$CHECKS"} > $OUT/checks.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
+    moekernel)  # the fused MoE at Qwen3-30B-A3B's expert shapes: its GPU checks, then the tile sweep, which prints
+                # the HOPPER_CONFIGS to paste into worker_svc/kernels/moe.py (also $OUT/moe_kernel_table.py)
+             timeout 150 python3 -m pytest -q -p no:warnings -rf tests/gpu -k moe > $OUT/checks_moe.txt 2>&1
+             grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks_moe.txt | tail -8
+             timeout 330 python3 -m bench moe-kernel ${MOE_KERNEL_ARGS:-} --out $OUT/moe_kernel.json > $OUT/moe_kernel.txt 2>&1
+             grep -E "^built|^[|]|MoeConfig|^HOPPER|^}|^# " $OUT/moe_kernel.txt; tail -3 $OUT/moe_kernel.txt | grep -i error ;;
     profile) timeout 400 python3 -m bench runner-step --block-sizes 256 --batches "${PROFILE_BATCHES:-1,32,256}" --graphs-only \
                --profile --out $OUT/runner_step.json > $OUT/profile.txt 2>&1; grep -E '^[{]|host time|replay alone' $OUT/profile.txt ;;
     pyspy)   # where the worker's time goes on short requests (batch-1 TTFT): py-spy carried to /tmp/py-spy

@@ -12,6 +12,7 @@ import torch
 
 from common.limits import Limits
 from common.util import cdiv
+from tests.moe_cases import align_by_sorting, moe_inputs
 from worker_svc import kernels
 from worker_svc.kernels import elementwise, skinny_gemm
 from worker_svc.kernels.attention import AttentionMetadata
@@ -417,25 +418,87 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
 
 
 # ---- fused mixture of experts ------------------------------------------------------------------------------
+def _table_block_ms() -> list[int]:
+    from worker_svc.kernels import moe
+
+    return sorted({c.block_m for c in moe.HOPPER_CONFIGS.values()} | {16, 64})  # 16 and 64: default_config's
+
+
+@pytest.mark.parametrize("block_m", _table_block_ms())
 @pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (70, 4, 8, 0, 8), (1, 2, 4, 0, 4),
                                                              (40, 2, 8, 4, 4), (300, 2, 4, 0, 4)])
-def test_fused_moe_matches_the_loop_over_experts(tokens, top_k, experts, first, local):
-    """Every block size (16 rows up to 1,024 slots, 64 past), a single token, and a rank holding experts
-    4..7 of 8 (tensor parallelism): slots routed elsewhere give zero."""
+def test_fused_moe_matches_the_loop_over_experts(tokens, top_k, experts, first, local, block_m):
+    """Every block size of the tables, a single token, and a rank holding experts 4..7 of 8 (tensor
+    parallelism): slots routed elsewhere give zero."""
     from worker_svc.kernels import moe, reference
 
-    gen = torch.Generator().manual_seed(tokens)
-    hidden, inter = 32, 24
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(local, 2 * inter, hidden, generator=gen) / hidden ** 0.5
-    w2 = torch.randn(local, hidden, inter, generator=gen) / inter ** 0.5
-    scores = torch.randn(tokens, experts, generator=gen).softmax(-1)
-    topk_weights, topk_ids = scores.topk(top_k, dim=-1)
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(tokens, top_k, experts, local, 32, 24, seed=tokens)
     ref = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first)
-    out = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first)
+    out = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first, moe.MoeConfig(block_m))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if first:
         assert (ref[(topk_ids < first).all(-1)] == 0).all()
+
+
+def test_fused_moe_takes_its_tiles_from_moe_config():
+    from worker_svc.kernels import moe
+
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(9, 2, 4, 4, 32, 24, seed=1)
+    assert moe.moe_config(9, 2, x.device) == moe.default_config(9, 2)
+    chosen = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 0, moe.moe_config(9, 2, x.device))
+    assert torch.equal(moe.fused_moe(x, w13, w2, topk_weights, topk_ids), chosen)
+
+
+def _other_tiles(t):
+    """Tiles that differ from t in every field."""
+    from worker_svc.kernels.moe import Tiles
+
+    return Tiles(128 if t.block_n != 128 else 32, 128 if t.block_k != 128 else 64, 8 if t.num_warps == 4 else 4,
+                 2 if t.num_stages != 2 else 4)
+
+
+def _table_cases() -> list:
+    from worker_svc.kernels.moe import HOPPER_CONFIGS, MoeConfig
+
+    cases = []
+    for key, c in sorted(HOPPER_CONFIGS.items()):
+        cases.append(pytest.param(c, id=f"{key}"))
+        cases.append(pytest.param(MoeConfig(c.block_m, _other_tiles(c.gate_up), _other_tiles(c.down)),
+                                  id=f"{key}-other-tiles"))
+    return cases
+
+
+@pytest.mark.parametrize("config", _table_cases())
+def test_every_moe_table_config_matches_the_loop(config):
+    """Each entry of HOPPER_CONFIGS, and other tiles at its block size, at shapes no smaller than the tiles
+    (none is narrowed): 4 experts, top 2, hidden and intermediate 256, experts past one block of 16 rows."""
+    from worker_svc.kernels import moe, reference
+
+    for t in (config.gate_up, config.down):
+        assert max(t.block_n, t.block_k) <= 256, t  # the widest these shapes keep as they are
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(24, 2, 4, 4, 256, 256, seed=config.block_m)
+    ref = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 0, config), ref,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_moe_tables_serve_every_token_count_by_cuda_graph_batch_sizes():
+    """Keys are CUDA-graph batch sizes (a batch and its graph's padded batch take the same tiles), tiles are
+    powers of two tl.dot takes, and a count takes the entry of the smallest key at or above it."""
+    from worker_svc.kernels import moe
+
+    table = moe.HOPPER_CONFIGS
+    assert all(k in (1, 2, 4, 8) or k % 16 == 0 for k in table)
+    for c in table.values():
+        assert c.block_m in (16, 32, 64, 128)
+        for t in (c.gate_up, c.down):
+            assert all(v >= 16 and v & (v - 1) == 0 for v in (t.block_n, t.block_k)) and t.num_warps in (4, 8)
+    keys = sorted(table)
+    for i, key in enumerate(keys):
+        assert moe.lookup(table, key) is table[key]
+        if i:
+            assert moe.lookup(table, keys[i - 1] + 1) is table[key]
+    assert moe.lookup(table, keys[-1] * 4) is table[keys[-1]]
 
 
 def test_moe_align_groups_slots_by_expert_in_whole_blocks():
@@ -449,3 +512,21 @@ def test_moe_align_groups_slots_by_expert_in_whole_blocks():
     assert blocks[:3] == [[3, empty, empty, empty], [1, 2, empty, empty], [0, 4, empty, empty]]
     assert block_expert.tolist()[:3] == [0, 1, 3] and set(block_expert.tolist()[3:]) == {-1}
     assert all(s == empty for row in blocks[3:] for s in row)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,first,local,block_m", [
+    (1, 8, 128, 0, 128, 16),     # a decode step of one token: 8 of 128 experts, 8 blocks
+    (130, 8, 128, 0, 128, 16),   # slots past the count and scatter kernels' 64-slot chunks
+    (130, 8, 128, 64, 64, 32),   # tensor parallelism: the second half of the experts
+    (37, 3, 10, 0, 10, 128),     # experts not a power of two, a block larger than any expert's share
+    (600, 2, 6, 2, 3, 64),       # more chunks than the offsets kernel's tile of them
+])
+def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first, local, block_m):
+    from worker_svc.kernels.moe import align, num_blocks
+
+    gen = torch.Generator().manual_seed(tokens + first)
+    topk_ids = torch.rand(tokens, experts, generator=gen).argsort(-1)[:, :top_k]
+    slots, block_expert = align(topk_ids, first, local, block_m)
+    assert block_expert.numel() == num_blocks(tokens * top_k, local, block_m) and slots.numel() == block_expert.numel() * block_m
+    ref_slots, ref_blocks = align_by_sorting(topk_ids, first, local, block_m, slots.numel())
+    assert torch.equal(slots, ref_slots) and torch.equal(block_expert, ref_blocks)

@@ -3,11 +3,17 @@
 For each (token, choice) slot the router picked an expert; `align` sorts the slots by expert into blocks of
 BLOCK_M rows of one expert each (padded with an empty slot id), with static shapes and no host sync, so a decode
 step with experts can be captured in a CUDA graph. `_moe_gemm` runs one block against its expert's weights:
-first [tokens' hidden] x gate_up^T, then (after SwiGLU) x down^T times the slot's routing weight; the top-k
-outputs of a token are summed at the end. Experts outside this rank's share (tensor parallelism shards the
-experts) get no slot: their rows stay zero, and the all-reduce adds the other ranks' experts.
+first [tokens' hidden] x gate_up^T, then (after SwiGLU) x down^T times the slot's routing weight; `topk_sum`
+adds the top-k outputs of each token. Experts outside this rank's share (tensor parallelism shards the
+experts) get no slot: their rows are left out of the sum, and the all-reduce adds the other ranks' experts.
+
+The tiles come from `moe_config` (token count -> MoeConfig): a table measured on the H200 by
+`python -m bench moe-kernel`, which prints the table to paste into HOPPER_CONFIGS.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,7 +22,164 @@ import triton.language as tl
 from common.util import cdiv
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """One grouped GEMM's launch: BLOCK_N x BLOCK_K tiles of its weights, num_warps, num_stages."""
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """block_m: rows of a block of one expert (align's, so both GEMMs share it); then each GEMM's tiles."""
+    block_m: int
+    gate_up: Tiles = Tiles()
+    down: Tiles = Tiles()
+
+
+# Hopper: each entry serves the token counts up to its key (a CUDA-graph batch size, so that a batch and the
+# padded batch of its graph take the same tiles); past the last key, the last entry.
+HOPPER_CONFIGS: dict[int, MoeConfig] = {
+    128: MoeConfig(16),
+    16384: MoeConfig(64),
+}
+
+
+def default_config(tokens: int, top_k: int) -> MoeConfig:
+    """Elsewhere (other GPUs, Triton's interpreter): 16-row blocks up to 1,024 slots, 64 past."""
+    return MoeConfig(16 if tokens * top_k <= 1024 else 64)
+
+
+def lookup(table: dict[int, MoeConfig], tokens: int) -> MoeConfig:
+    """The entry of the smallest key >= tokens, else the last."""
+    keys = sorted(table)
+    return table[next((k for k in keys if tokens <= k), keys[-1])]
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def moe_config(tokens: int, top_k: int, device: torch.device) -> MoeConfig:
+    """The tiles fused_moe uses for `tokens` routed tokens on `device`: the one place they are chosen."""
+    if device.type == "cuda" and _is_hopper(device.index if device.index is not None else
+                                             torch.cuda.current_device()):
+        return lookup(HOPPER_CONFIGS, tokens)
+    return default_config(tokens, top_k)
+
+
+def num_blocks(slots: int, num_experts: int, block_m: int) -> int:
+    """The blocks align() lays out: enough for every slot plus a partly filled block per expert, and at
+    most one expert per slot (a decode step of a few tokens reaches only a few experts)."""
+    return cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m)
+
+
+# ---- align: slots grouped by expert (three launches: counts per chunk, offsets, scatter) ----------------
+ALIGN_CHUNK = 64  # slots per program of the count and scatter kernels
+_NO_END = 2 ** 31 - 1
+
+
 @triton.jit
+def _local_expert(TopkIds, s, num_slots, first_expert, num_experts):
+    """The local expert of slots s and whether it is this rank's (and s a slot)."""
+    e = tl.load(TopkIds + s, mask=s < num_slots, other=-1).to(tl.int32) - first_expert
+    return e, (s < num_slots) & (e >= 0) & (e < num_experts)
+
+
+@triton.jit
+def _one_hot(e, local, E_PAD: tl.constexpr):
+    return ((e[:, None] == tl.arange(0, E_PAD)[None, :]) & local[:, None]).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_slots", "first_expert", "num_rows", "rows_per_program"])
+def _align_count(TopkIds, Counts, SortedSlots, num_slots, first_expert, num_experts, num_rows, rows_per_program,
+                 E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """Counts[chunk, e]: the chunk's slots routed to local expert e. Also this program's share of SortedSlots
+    set to the empty id (the scatter, launched after, overwrites the live rows)."""
+    pid = tl.program_id(0)
+    e, local = _local_expert(TopkIds, pid * CHUNK + tl.arange(0, CHUNK), num_slots, first_expert, num_experts)
+    experts = tl.arange(0, E_PAD)
+    tl.store(Counts + pid * num_experts + experts, tl.sum(_one_hot(e, local, E_PAD), 0), mask=experts < num_experts)
+    lo = pid * rows_per_program
+    hi = tl.minimum(lo + rows_per_program, num_rows)
+    for r0 in range(lo, hi, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SortedSlots + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < hi)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _align_offsets(Counts, Bounds, num_chunks, num_experts,
+                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TILE: tl.constexpr):
+    """One program: Counts becomes each chunk's first row within its expert (the earlier chunks' count);
+    Bounds [2, E] each expert's first row and end, experts padded to whole blocks, in order."""
+    experts = tl.arange(0, E_PAD)
+    has = experts < num_experts
+    total = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, num_chunks, TILE):
+        c = c0 + tl.arange(0, TILE)
+        ptrs = Counts + c[:, None] * num_experts + experts[None, :]
+        mask = (c[:, None] < num_chunks) & has[None, :]
+        n = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(n, 0) - n + total[None, :], mask=mask)
+        total += tl.sum(n, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(Bounds + experts, end - padded, mask=has)
+    tl.store(Bounds + num_experts + experts, end, mask=has)
+
+
+@triton.jit(do_not_specialize=["num_slots", "first_expert", "num_blocks", "blocks_per_program"])
+def _align_scatter(TopkIds, Counts, Bounds, SortedSlots, BlockExpert, num_slots, first_expert, num_experts,
+                   num_blocks, blocks_per_program, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                   CHUNK: tl.constexpr, TILE: tl.constexpr, NO_END: tl.constexpr):
+    """Each local slot of the chunk to its row: its expert's first row + the earlier chunks' + the earlier in
+    this chunk. Then this program's share of BlockExpert: each block's expert, -1 past the last."""
+    pid = tl.program_id(0)
+    s = pid * CHUNK + tl.arange(0, CHUNK)
+    e, local = _local_expert(TopkIds, s, num_slots, first_expert, num_experts)
+    hot = _one_hot(e, local, E_PAD)
+    earlier = tl.sum((tl.cumsum(hot, 0) - hot) * hot, 1)
+    row = tl.load(Bounds + e, mask=local, other=0) + tl.load(Counts + pid * num_experts + e, mask=local, other=0)
+    tl.store(SortedSlots + row + earlier, s, mask=local)
+    experts = tl.arange(0, E_PAD)
+    end = tl.load(Bounds + num_experts + experts, mask=experts < num_experts, other=NO_END)
+    lo = pid * blocks_per_program
+    hi = tl.minimum(lo + blocks_per_program, num_blocks)
+    for b0 in range(lo, hi, TILE):
+        b = b0 + tl.arange(0, TILE)
+        # how many experts end at or before the block's first row: its expert (searchsorted, right)
+        owner = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(owner < num_experts, owner, -1), mask=b < hi)
+
+
+def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
+          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot ids sorted by expert in blocks of block_m, in slot order within an expert, padded with the empty
+    id T*top_k; each block's local expert, -1 past the last). Slots routed to experts outside
+    [first_expert, first_expert + num_experts) are left out. Static shapes: num_blocks() blocks."""
+    slots, device = topk_ids.numel(), topk_ids.device
+    blocks = num_blocks(slots, num_experts, block_m)
+    chunks = cdiv(slots, ALIGN_CHUNK)
+    e_pad = triton.next_power_of_2(num_experts)
+    ids = topk_ids.reshape(-1)
+    counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
+    bounds = torch.empty(2, num_experts, dtype=torch.int32, device=device)
+    sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    _align_count[(chunks,)](ids, counts, sorted_slots, slots, first_expert, num_experts, blocks * block_m,
+                            cdiv(blocks * block_m, chunks), E_PAD=e_pad, CHUNK=ALIGN_CHUNK, FILL=1024)
+    _align_offsets[(1,)](counts, bounds, chunks, num_experts, BLOCK_M=block_m, E_PAD=e_pad, TILE=32)
+    _align_scatter[(chunks,)](ids, counts, bounds, sorted_slots, block_expert, slots, first_expert, num_experts,
+                              blocks, cdiv(blocks, chunks), BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
+                              TILE=16, NO_END=_NO_END)
+    return sorted_slots, block_expert
+
+
+# ---- the grouped GEMM ----------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_slots"])
 def _moe_gemm(A, W, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
               stride_am, stride_we, stride_wn, stride_cm,
               A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
@@ -43,61 +206,68 @@ def _moe_gemm(A, W, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
              mask=live[:, None] & (n[None, :] < N))
 
 
-def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
-          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot ids sorted by expert in blocks of block_m, padded with the empty id T*top_k; each block's local
-    expert, -1 past the last). Slots routed to experts outside [first_expert, first_expert + num_experts) are
-    left out. Static shapes: the slots' count plus every expert's padding, rounded up to a block."""
-    slots = topk_ids.numel()
-    device = topk_ids.device
-    key = topk_ids.flatten() - first_expert
-    key = torch.where((key >= 0) & (key < num_experts), key, num_experts)  # elsewhere: sorted last, dropped
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
-        0, key, torch.ones_like(key))[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    start = counts.cumsum(0) - counts
-    sorted_key = key[order]
-    expert = sorted_key.clamp(max=num_experts - 1)
-    dest = padded_end[expert] - padded[expert] + torch.arange(slots, device=device) - start[expert]
-    size = cdiv(slots + num_experts * (block_m - 1), block_m) * block_m
-    dest = torch.where(sorted_key < num_experts, dest, size)  # the dropped land in a spare last entry
-    sorted_slots = torch.full((size + 1,), slots, dtype=torch.int32, device=device)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, size, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_slots[:size], block_expert
+def _tile(size: int, wanted: int) -> int:
+    """A tile no wider than the (power-of-two rounded) dimension, and at least tl.dot's 16."""
+    return min(wanted, max(16, triton.next_power_of_2(size)))
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_slots, block_expert, weights, top_k: int,
-          a_per_slot: bool, block_m: int) -> None:
-    """out[slot] = a[slot or its token] @ w[slot's expert]^T (times the slot's routing weight), for every slot
-    the blocks list; out has a row per slot."""
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
+                 weights: torch.Tensor | None, top_k: int, per_slot: bool, block_m: int, tiles: Tiles) -> torch.Tensor:
+    """[slots, N]: row s = a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T (times weights[s]),
+    for every slot the blocks list; the other rows (another rank's experts) are left unwritten."""
+    slots = a.shape[0] if per_slot else a.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = 64, 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    out = torch.empty(slots, n, dtype=a.dtype, device=a.device)
+    block_n, block_k = _tile(n, tiles.block_n), _tile(k, tiles.block_k)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm[grid](a, w, out, sorted_slots, block_expert, weights, n, k, out.shape[0],
+    _moe_gemm[grid](a, w, out, sorted_slots, block_expert, weights, n, k, slots,
                     a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                    A_PER_SLOT=a_per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, BLOCK_M=block_m,
-                    BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                    A_PER_SLOT=per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, BLOCK_M=block_m,
+                    BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+# ---- the sum over a token's choices ----------------------------------------------------------------------
+@triton.jit(do_not_specialize=["first_expert"])
+def _topk_sum(Y, TopkIds, Out, first_expert, num_experts, hidden,
+              TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = token * TOP_K + j
+        e = tl.load(TopkIds + slot).to(tl.int32) - first_expert
+        width = tl.where((e >= 0) & (e < num_experts), hidden, 0)  # another rank's expert: no row to read
+        acc += tl.load(Y + slot * hidden + h, mask=h < width, other=0.0).to(tl.float32)
+    tl.store(Out + token * hidden + h, acc.to(Out.dtype.element_ty), mask=h < hidden)
+
+
+def topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_experts: int) -> torch.Tensor:
+    """[T, H]: the sum of each token's top_k rows of y ([T * top_k, H]), those of this rank's experts only
+    (the others were never written)."""
+    tokens, top_k = topk_ids.shape
+    hidden = y.shape[1]
+    out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _topk_sum[(tokens, triton.cdiv(hidden, block_h))](y, topk_ids.reshape(-1), out, first_expert, num_experts,
+                                                      hidden, TOP_K=top_k, BLOCK_H=block_h)
+    return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+              topk_ids: torch.Tensor, first_expert: int = 0, config: MoeConfig | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
     (ids global, this rank holding experts first_expert .. first_expert + E - 1). Returns [T, H] in x's dtype:
-    sum over k of weight_k * down(silu(gate(x)) * up(x)) of expert id_k."""
+    sum over k of weight_k * down(silu(gate(x)) * up(x)) of expert id_k. config: moe_config()'s by default."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
     tokens, top_k = topk_ids.shape
-    block_m = 16 if tokens * top_k <= 1024 else 64
-    sorted_slots, block_expert = align(topk_ids, first_expert, w13.shape[0], block_m)
-    slots = tokens * top_k
-    inter = torch.empty(slots, w13.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, sorted_slots, block_expert, None, top_k, False, block_m)
-    act = silu_and_mul(inter)
-    out = torch.zeros(slots, w2.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(act, w2, out, sorted_slots, block_expert, topk_weights.flatten(), top_k, True, block_m)
-    return out.view(tokens, top_k, -1).sum(1)
+    if tokens == 0:
+        return torch.zeros_like(x)
+    config = config or moe_config(tokens, top_k, x.device)
+    experts = w13.shape[0]
+    sorted_slots, block_expert = align(topk_ids, first_expert, experts, config.block_m)
+    inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up)
+    y = grouped_gemm(silu_and_mul(inter), w2, sorted_slots, block_expert, topk_weights.reshape(-1), top_k, True,
+                     config.block_m, config.down)
+    return topk_sum(y, topk_ids, first_expert, experts)

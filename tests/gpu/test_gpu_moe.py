@@ -1,0 +1,75 @@
+"""The fused MoE's tile tables on a CUDA machine (the H200): every HOPPER_CONFIGS entry and the default, at
+Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, 768 per expert) in bf16, against the loop over
+experts at the largest token count of its bucket (also replayed in a CUDA graph for a new batch, up to decode
+sizes); a rank holding half the experts; align() against a stable sort by expert.
+Run: pytest tests/gpu (skipped without a CUDA GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from tests.moe_cases import align_by_sorting, expert_weights, routed_tokens  # noqa: E402
+from worker_svc.kernels import moe, reference  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+GRAPH_TOKENS = 512  # the decode step's CUDA-graph batch sizes (max_num_seqs)
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[torch.Tensor, ...]:
+    """w13 and w2 in bf16, and the same values in float32 for the loop."""
+    w13, w2 = expert_weights(EXPERTS, HIDDEN, INTER, torch.Generator().manual_seed(0), "cuda", torch.bfloat16)
+    return w13, w2, w13.float(), w2.float()
+
+
+def _batch(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return routed_tokens(tokens, TOP_K, EXPERTS, HIDDEN, torch.Generator().manual_seed(seed), "cuda", torch.bfloat16)
+
+
+def _loop(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, w13_f: torch.Tensor,
+          w2_f: torch.Tensor, first: int = 0) -> torch.Tensor:
+    return reference.fused_moe(x.float(), w13_f, w2_f, topk_weights.float(), ids, first)
+
+
+def _cases() -> list:
+    cases = [pytest.param(key, config, id=f"hopper-{key}") for key, config in sorted(moe.HOPPER_CONFIGS.items())]
+    return cases + [pytest.param(t, moe.default_config(t, TOP_K), id=f"default-{t}") for t in (128, 129)]
+
+
+@pytest.mark.parametrize("tokens,config", _cases())
+def test_every_moe_table_config_matches_the_loop(weights, tokens, config):
+    w13, w2, w13_f, w2_f = weights
+    x, topk_weights, ids = _batch(tokens, seed=tokens)
+    out = moe.fused_moe(x, w13, w2, topk_weights, ids, 0, config)
+    torch.testing.assert_close(out.float(), _loop(x, topk_weights, ids, w13_f, w2_f), atol=3e-2, rtol=3e-2)
+    if tokens > GRAPH_TOKENS:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.fused_moe(x, w13, w2, topk_weights, ids, 0, config)
+    x2, weights2, ids2 = _batch(tokens, seed=tokens + 1)
+    x.copy_(x2), topk_weights.copy_(weights2), ids.copy_(ids2)
+    graph.replay()
+    torch.testing.assert_close(replayed.float(), _loop(x2, weights2, ids2, w13_f, w2_f), atol=3e-2, rtol=3e-2)
+
+
+def test_fused_moe_of_a_rank_holding_half_the_experts(weights):
+    """Tensor parallelism: experts 64..127 here, the slots routed to 0..63 left out of the sum."""
+    w13, w2, w13_f, w2_f = weights
+    half = EXPERTS // 2
+    x, topk_weights, ids = _batch(130, seed=5)
+    out = moe.fused_moe(x, w13[half:], w2[half:], topk_weights, ids, half)
+    ref = _loop(x, topk_weights, ids, w13_f[half:], w2_f[half:], half)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("tokens", [1, 130, 4096])
+def test_moe_align_matches_a_stable_sort_by_expert(tokens, block_m):
+    ids = torch.rand(tokens, EXPERTS, generator=torch.Generator().manual_seed(tokens)).argsort(-1)[:, :TOP_K]
+    for first, local in ((0, EXPERTS), (EXPERTS // 2, EXPERTS // 2)):
+        slots, block_expert = moe.align(ids.cuda(), first, local, block_m)
+        ref_slots, ref_blocks = align_by_sorting(ids, first, local, block_m, slots.numel())
+        assert torch.equal(slots.cpu(), ref_slots) and torch.equal(block_expert.cpu(), ref_blocks)
