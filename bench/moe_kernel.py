@@ -6,9 +6,11 @@ random scores, weights normalised), several draws so that successive calls read 
 not L2's copy. fused_moe is timed whole with CUDA events, the median of --reps after a warm-up: replayed in a
 CUDA graph of one call per draw up to --graph-max-tokens (the decode step's sizes), eagerly above.
 The search, one GEMM at a time: for each BLOCK_M (align's, so both GEMMs share it; only those that suit the
-rows per expert), gate_up's tiles with down's from the table, then down's with the best gate_up. Every
-config's output is checked against the loop over experts before it is timed; a mismatch is reported, never
-picked. Before the sweep, worker processes build every candidate kernel into Triton's cache in parallel.
+rows per expert), gate_up's tiles with down's from the table, then down's with the best gate_up; the three
+fastest and the table's config are timed again with 3x the reps, and the fastest of them wins. Every config's
+output is checked against the loop over experts before it is timed; a mismatch is reported, never picked.
+Before the sweep, worker processes build every candidate kernel into Triton's cache in parallel. The sweep
+stops at --budget-s (shared out over the token counts; what it skipped is marked "partial").
 
 Reports per token count the table's config (moe_config: what serves now) and the best found, each as
 microseconds and as the ratio to reading the routed experts' weights (distinct experts x their bytes) at
@@ -95,7 +97,9 @@ def fits(block_m: int, tiles: Tiles, n: int, k: int) -> bool:
     registers, 8 warps only for tiles that give them work, no more stages than K has tiles to prefetch."""
     if tiles.block_n > max(16, 1 << (n - 1).bit_length()) or tiles.block_k > max(16, 1 << (k - 1).bit_length()):
         return False
-    smem = tiles.num_stages * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * 2
+    # Triton keeps num_stages tiles in shared memory where it issues wgmma (64 rows and more), one fewer else
+    buffers = tiles.num_stages if block_m >= 64 else tiles.num_stages - 1
+    smem = buffers * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * 2
     per_thread = block_m * tiles.block_n / (32 * tiles.num_warps)
     return (smem <= SHARED_MEMORY and per_thread <= MAX_ACC_PER_THREAD
             and (tiles.num_warps == 4 or block_m * tiles.block_n >= 2048)
@@ -253,12 +257,15 @@ class Search:
 
     def time(self, config: MoeConfig) -> float | None:
         if config not in self.timed:
-            us, why = checked_us(self.case, config, self.w13, self.w2, self.reps)
-            self.timed[config] = us
-            self.trials.append({"tokens": self.case.tokens, "block_m": config.block_m,
-                                "gate_up": describe(config.gate_up), "down": describe(config.down),
-                                "us": rnd(us, 2) if us is not None else None, **({"error": why} if why else {})})
+            self.retime(config, self.reps)
         return self.timed[config]
+
+    def retime(self, config: MoeConfig, reps: int) -> None:
+        us, why = checked_us(self.case, config, self.w13, self.w2, reps)
+        self.timed[config] = us
+        self.trials.append({"tokens": self.case.tokens, "block_m": config.block_m, "gate_up": describe(config.gate_up),
+                            "down": describe(config.down), "reps": reps, "us": rnd(us, 2) if us is not None else None,
+                            **({"error": why} if why else {})})
 
     def best_of(self, configs: list[MoeConfig]) -> MoeConfig | None:
         """The fastest of configs, timed in order until the deadline (the first is always timed)."""
@@ -274,18 +281,20 @@ class Search:
 
 
 def search(s: Search, table: MoeConfig, shape: Shape, args: argparse.Namespace) -> MoeConfig:
-    """Per BLOCK_M: gate_up's tiles with the table's down, then down's with that best; the fastest overall
-    (the table's config itself among them)."""
-    finalists = [table]
+    """Per BLOCK_M: gate_up's tiles with the table's down, then down's with that best. The three fastest
+    configs and the table's are then timed again with more reps, the fastest of those wins."""
+    s.time(table)
     for m in block_ms(s.case.tokens, shape, args.block_m):
         down = table.down if fits(m, table.down, *shape.nk("down")) else Tiles()
         gate_up = s.best_of([MoeConfig(m, t, down) for t in s.tiles("gate_up", m, shape, args)])
-        if gate_up is None:
-            continue
-        best = s.best_of([replace(gate_up, down=t) for t in s.tiles("down", m, shape, args)])
-        finalists.append(best or gate_up)
-    timed = [(s.time(c), c) for c in finalists]
-    return min(((us, c) for us, c in timed if us is not None), key=lambda p: p[0], default=(None, table))[1]
+        if gate_up is not None:
+            s.best_of([replace(gate_up, down=t) for t in s.tiles("down", m, shape, args)])
+    ranked = sorted((c for c, us in s.timed.items() if us is not None), key=lambda c: s.timed[c])
+    finalists = list(dict.fromkeys([*ranked[:3], *([table] if s.timed[table] is not None else [])]))
+    for c in finalists:
+        s.retime(c, args.reps * 3)
+    timed = [c for c in finalists if s.timed[c] is not None]
+    return min(timed, key=lambda c: s.timed[c]) if timed else table
 
 
 # ---- the cases -----------------------------------------------------------------------------------------
