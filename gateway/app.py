@@ -27,7 +27,8 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -36,10 +37,12 @@ from client.channel import ChannelSecurity
 from client.client import GENERATION_SERVICE, AsyncClient, Delta
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.metrics import HTTPMetrics, exposition
-from gateway.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              DetokenizeRequest, DetokenizeResponse, ErrorBody, ModelCard, ModelList, TokenizeRequest,
-                              TokenizeResponse)
+from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
+                              CompletionChunk, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                              DetokenizeResponse, ErrorBody, HealthBody, ModelCard, ModelList, TokenizeChatRequest,
+                              TokenizeRequest, TokenizeResponse)
 from gateway.reasoning import ReasoningStream, split_reasoning
+from gateway.schemas import event_schema
 from gateway.structured import structured_of
 from gateway.tokens import TokenRenderer
 from gateway.tools import ToolPlan, ToolStream, plan_tools, with_tool_calls
@@ -47,7 +50,6 @@ from gateway.tools import ToolPlan, ToolStream, plan_tools, with_tool_calls
 log = logging.getLogger("splitserve.gateway")
 T = TypeVar("T")
 
-CHAT_ROLES = {"system", "user", "assistant", "tool"}
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 INT32 = 1 << 31
 LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
@@ -181,8 +183,9 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
               logprobs: int | None) -> dict[str, Any]:
     return dict(
         max_tokens=max_tokens, temperature=body.temperature,
-        top_p=None if body.top_p is None else max(body.top_p, MIN_TOP_P), top_k=body.top_k,
-        min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        top_p=None if body.top_p is None else max(body.top_p, MIN_FLOAT32), top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty,
+        repetition_penalty=None if body.repetition_penalty is None else max(body.repetition_penalty, MIN_FLOAT32),
         frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0,
@@ -247,6 +250,8 @@ def _tool_calls(i: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fn = c.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"messages[{i}].tool_calls[{j}].function", "a tool call needs function.name")
+        if not isinstance(c.get("id") or "", str):
+            raise invalid(f"messages[{i}].tool_calls[{j}].id", "a tool call's id is a string")
         args = fn.get("arguments", "{}")
         try:
             ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
@@ -275,6 +280,19 @@ def _message_text(i: int, message) -> str:
     return "\n".join(texts)
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (the same for a chat request and for /tokenize)."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(i, m)}
+        if m.tool_calls:
+            message["tool_calls"] = _tool_calls(i, m.tool_calls)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
 async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
     _common_checks(body)
     if body.functions:
@@ -286,18 +304,7 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> _Job:
                                      f"{structured_of(body)[0]}; give one")
     if not body.messages:
         raise invalid("messages", "messages must not be empty")
-    messages = []
-    for i, m in enumerate(body.messages):
-        role = ROLE_ALIASES.get(m.role, m.role)
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"role must be one of {sorted(CHAT_ROLES | set(ROLE_ALIASES))}, "
-                                                 f"got {m.role!r}")
-        message = {"role": role, "content": _message_text(i, m)}
-        if m.tool_calls:
-            message["tool_calls"] = _tool_calls(i, m.tool_calls)
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        messages.append(message)
+    messages = chat_messages(body.messages)
     kwargs = body.chat_template_kwargs or {}
     for key in sorted(set(kwargs) - {"enable_thinking"}):
         raise invalid(f"chat_template_kwargs.{key}", "only chat_template_kwargs.enable_thinking is supported",
@@ -588,8 +595,9 @@ async def _collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta
 # ---- the application -------------------------------------------------------------------------------
 
 
-# A top_p the schema allows (> 0) but float32 would round to 0 (a subnormal): it keeps only the top token either way.
-MIN_TOP_P = 1e-30
+# For a top_p or repetition_penalty the schema allows (> 0) but float32 would round to 0 (a subnormal): the same
+# answer as the value itself (only the top token kept; logits scaled without bound).
+MIN_FLOAT32 = 1e-30
 # The error answers every route may give, for the OpenAPI document (the bodies are OpenAI's).
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what} for status, what in (
@@ -683,21 +691,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """FastAPI's document, less the 422 bodies it promises: every invalid request is a 400 in OpenAI's shape."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _, chunks = models_json_schema([(CompletionChunk, "validation"), (ChatCompletionChunk, "validation")],
+                                           ref_template="#/components/schemas/{model}")
+            for name, definition in chunks["$defs"].items():
+                components.setdefault(name, definition)
+            chunks_of = {"/v1/completions": "CompletionChunk", "/v1/chat/completions": "ChatCompletionChunk"}
             for path, operations in schema["paths"].items():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-                    if path in ("/v1/completions", "/v1/chat/completions"):  # with stream: true
+                    if path in chunks_of:  # with stream: true
                         operation["responses"]["200"]["content"]["text/event-stream"] = {
-                            "schema": {"type": "string", "description": "server-sent events of chunks, then "
-                                                                        "data: [DONE]"}}
+                            "schema": event_schema(chunks_of[path])}
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi
 
-    @app.get("/health", responses={503: {"model": ErrorBody, "description": "the scheduler is not serving"}})
+    @app.get("/health", response_model=HealthBody,
+             responses={503: {"model": HealthBody, "description": "the scheduler is not serving"}})
     async def health(request: Request) -> JSONResponse:
         """200 while the scheduler's Generation service is SERVING (a worker is connected), else 503."""
         backend = backend_of(request)
@@ -708,7 +722,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         code = 200 if status == "SERVING" else 503
         return JSONResponse({"status": "ok" if code == 200 else "unavailable", "scheduler": status}, code)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
         content, media_type = exposition()
         return Response(content, media_type=media_type)
@@ -735,21 +751,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call)."""
         backend = backend_of(request)
         await backend.resolve_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise invalid("prompt", "give exactly one of prompt or messages")
         try:
-            if body.messages is not None:
-                messages = [{"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(i, m)}
-                            for i, m in enumerate(body.messages)]
-                ids = await backend.client.tokenize(messages=messages, timeout=backend.config.rpc_timeout)
+            if isinstance(body, TokenizeChatRequest):
+                ids = await backend.client.tokenize(messages=chat_messages(body.messages),
+                                                    timeout=backend.config.rpc_timeout)
             else:
                 ids = await backend.client.tokenize(body.prompt, timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
-            raise from_grpc(e, prompt_param="messages" if body.messages is not None else "prompt") from None
+            raise from_grpc(e, prompt_param="messages" if isinstance(body, TokenizeChatRequest) else "prompt") from None
         info = await backend.model_info()
         return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses={
+        **ERRORS, 501: {"model": ErrorBody, "description": "the gateway was started without --tokenizer"}})
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         backend = backend_of(request)
         await backend.resolve_model(body.model)

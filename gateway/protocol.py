@@ -4,18 +4,41 @@ Types and simple ranges are checked here (a failure is a 400 naming the field); 
 (token ids in the vocabulary, lengths against max_model_len, the KV capacity) is checked by the
 scheduler, whose INVALID_ARGUMENT comes back as a 400 naming the field too. A field the gateway does not
 implement is a 400 naming it (`unsupported_fields`), not silently ignored: a client asking for behaviour it would
-not get is told so; only ACCEPTED_EXTRAS, which concern OpenAI's platform and not the answer, pass unread.
+not get is told so; only the fields about OpenAI's platform (metadata, store, service_tier) pass unread.
+
+The OpenAPI document says what is accepted, up to what only the model or another field decides: where the
+gateway checks a field itself with its own message (`doc`), the document states the same rule in JSON Schema.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-# Fields OpenAI clients send that change nothing in an answer (storage, billing tier, tags).
-ACCEPTED_EXTRAS = frozenset({"metadata", "store", "service_tier"})
+from gateway.schemas import (CHOICES, CONTENT_RULE, MAX_TOKENS_0_RULE, RESPONSE_FORMAT, STREAM_OPTIONS_RULE,
+                             STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE, doc)
+from gateway.tools import MAX_TOOLS
+
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20)
 SEED_LIMIT = 1 << 64
+MAX_INT64 = (1 << 63) - 1
+MAX_INT32 = (1 << 31) - 1  # token ids and counts travel as int32
+MAX_FLOAT32 = 3.4028234663852886e38  # sampling parameters travel as float32: a larger one would arrive as inf
+# The scheduler's limits of one request (scheduler_svc/requests.py, sampling.py; a test holds them equal), stated
+# here so that the document carries them.
+MAX_N = 16
+MAX_PRIORITY = 100
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_CHAT_MESSAGES = 256
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer: OpenAI's newer name of system
 
 
 class StreamOptions(BaseModel):
@@ -26,93 +49,128 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    # Other fields are read to be refused by name (unsupported_fields): the document allows none.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False,
+                                                                "allOf": [STREAM_OPTIONS_RULE]})
 
     def unsupported_fields(self) -> list[str]:
         """The request's fields this gateway neither implements nor may ignore."""
-        return sorted(set(self.model_extra or ()) - ACCEPTED_EXTRAS)
+        return sorted(self.model_extra or ())
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_FLOAT32)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop: str | list[str] | None = None
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    # OpenAI documents an int64; any seed the proto's uint64 holds is taken.
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, **doc({"type": "integer", "minimum": 0, "maximum": MAX_INT64}))
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    # Token ids (as JSON keys) -> bias; the keys' check is _logit_bias's.
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, **doc({
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE,
+                                     "maximum": MAX_LOGIT_BIAS_VALUE}}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's platform: accepted, unread.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Extensions (vLLM's names).
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_FLOAT32)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = None
-    priority: int | None = 0
-    # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
+    response_format: dict[str, Any] | None = Field(None, **doc(RESPONSE_FORMAT))
+    structured_outputs: dict[str, Any] | None = Field(None, **doc(STRUCTURED_OUTPUTS))
+    guided_json: dict[str, Any] | NonEmpty | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: list[str] | None = Field(None, **doc(CHOICES))
+    guided_grammar: NonEmpty | None = None
 
 
 class CompletionRequest(_GenerationRequest):
-    # A string, a list of strings, a list of token ids, or a list of lists of token ids.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt alone (scored with logprobs)
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False,
+                                                 "allOf": [STREAM_OPTIONS_RULE, MAX_TOKENS_0_RULE]})
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids; none empty.
+    prompt: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # 0 only with echo: the prompt alone (scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only equal to n
+    suffix: str | None = Field(None, **doc({"type": "string", "maxLength": 0}))  # not supported: empty only
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: str = Field(json_schema_extra={"const": "text"})  # the only kind supported (_message_text)
+    text: str | None = Field(None, **doc({"type": "string"}, nullable=False))
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
+    model_config = ConfigDict(extra="ignore", json_schema_extra=CONTENT_RULE)
+    role: Role
+    content: str | list[ContentPart] | None = None  # None only for an assistant's message, or with tool_calls
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls: {"id", "type", "function": {...}}
+    # An assistant's calls; the arguments' check is _tool_calls's.
+    tool_calls: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "items": TOOL_CALL}))
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False, "allOf": [
+        STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE, TOOL_CHOICE_RULE]})
+    messages: Messages
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, **doc({
+        "type": "object", "properties": {"enable_thinking": {"type": ["boolean", "null"]}},
+        "additionalProperties": False}))
     include_reasoning: bool | None = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))
+    tool_choice: str | dict[str, Any] | None = Field(None, **doc(TOOL_CHOICE))
+    # OpenAI's deprecated form of tools: not supported, so only empty.
+    functions: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": 0}))
     parallel_tool_calls: bool | None = True
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a text prompt or chat messages (rendered by the model's template)."""
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize of a text prompt."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: NonEmpty
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize of chat messages (rendered by the model's template)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: Messages
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    # The ids' check (in the model's vocabulary) is the route's.
+    tokens: list[int] = Field(**doc({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                "maximum": MAX_INT32}}, nullable=False))
 
 
 # ---- response bodies, for the OpenAPI document (answers are built as dicts; these describe them) --------------
@@ -180,6 +238,45 @@ class ChatCompletionResponse(_Answer):
     """A whole answer of /v1/chat/completions (with stream: server-sent events of chat.completion.chunk)."""
     object: str = "chat.completion"
     choices: list[ChatChoice]
+
+
+class _Chunk(BaseModel):
+    """One server-sent event's data in a streamed answer."""
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: UsageBody | None = None  # with stream_options.include_usage: null until the last chunk, which has it
+
+
+class CompletionChunk(_Chunk):
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(_Chunk):
+    object: str = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class HealthBody(BaseModel):
+    status: Literal["ok", "unavailable"]
+    scheduler: str  # the Generation service's health: SERVING, NOT_SERVING, UNAVAILABLE, ...
 
 
 class ModelCard(BaseModel):

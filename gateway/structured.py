@@ -66,4 +66,9 @@ def structured_of(body: Any) -> tuple[str, dict[str, Any]] | None:
         raise invalid(name, "a choice constraint is a list of strings")
     if kind in ("regex", "grammar") and not isinstance(value, str):
         raise invalid(name, f"a {kind} constraint is a string")
+    if kind == "json_schema" and isinstance(value, bool):
+        # JSON Schema's boolean schemas, which llguidance does not take: true admits any JSON value, as {} does.
+        if not value:
+            raise invalid(name, "the JSON schema false admits no output")
+        return name, {"json_schema": {}}
     return found[0]

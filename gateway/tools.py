@@ -84,8 +84,9 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
             array["maxItems"] = 1
         return ToolPlan("required", tools, {"json_schema": array}, schemas=schemas)
     if isinstance(choice, dict) and choice.get("type", "function") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name not in schemas:
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in schemas:
             raise invalid("tool_choice", f"tool_choice names function {name!r}, which is not in tools "
                                          f"({', '.join(schemas)})")
         return ToolPlan("named", tools, {"json_schema": schemas[name]}, name, schemas)

@@ -24,12 +24,15 @@ import time
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from client import Client
 from client.client import build_request
 from client.launcher import LocalCluster, free_port
+from gateway import protocol
+from gateway.app import GatewayConfig, create_app
 from gateway.errors import APIError, from_grpc, openai_param, validation_param
 from gateway.reasoning import ReasoningStream, split_reasoning
 from protos.splitserve_pb2_grpc import GenerationStub
@@ -408,12 +411,36 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client):
     ("/v1/chat/completions", {"messages": MESSAGES, "frequency_penalty": "high"}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "yes"}},
      "chat_template_kwargs.enable_thinking"),
+    # found by tests/test_gateway_schemathesis.py: past float32 (was refused as inf, naming the proto's field)
+    ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "repetition_penalty": 1e39}, "repetition_penalty"),
+    # a tool_choice whose function is not an object (was a 500), a tool call's id that is not a string
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *MESSAGES]},
+     "messages[0].tool_calls[0].id"),
+    # JSON Schema's false (true is any JSON: test_values_the_document_allows_are_taken)
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "a", "schema": False}}},
+     "response_format"),
 ])
 def test_invalid_parameter_is_400_naming_it(gateway, path, body, param):
     r = _post(gateway, path, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_values_the_document_allows_are_taken(gateway):
+    """Found by tests/test_gateway_schemathesis.py: a repetition_penalty float32 rounds to 0 (was refused as not
+    > 0), the largest float32 temperature, JSON Schema's true as a response_format's schema (llguidance refused it),
+    OpenAI's largest seed."""
+    for extra in ({"repetition_penalty": 1e-40}, {"temperature": 3.4e38},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}},
+                  {"seed": (1 << 63) - 1}):
+        r = _post(gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
 
 
 def test_other_client_errors(gateway, oai):
@@ -454,6 +481,109 @@ def test_error_mapping():
     assert openai_param("something else went wrong") is None
     assert validation_param(("body", "messages", 0, "content", "str")) == "messages[0].content"
     assert validation_param(("body", "prompt", "list[list[int]]", 1, 0)) == "prompt[1][0]"
+
+
+# ---- the OpenAPI document -----------------------------------------------------------------------------
+
+
+@functools.cache
+def _document() -> dict:
+    return create_app(GatewayConfig()).openapi()
+
+
+def _document_takes(doc: dict, schema: dict, body) -> bool:
+    return jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body)
+
+
+USER = {"role": "user", "content": "x"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the gateway's own code
+    ("CompletionRequest", {"prompt": "x"}, True),
+    ("CompletionRequest", {"prompt": [[1, 2]], "max_tokens": 0, "echo": True}, True),
+    ("CompletionRequest", {"prompt": "x", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}, True),
+    ("CompletionRequest", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, True),
+    ("CompletionRequest", {"prompt": "x", "nope": 1}, False),
+    ("CompletionRequest", {"prompt": ""}, False),
+    ("CompletionRequest", {"prompt": [[]]}, False),
+    ("CompletionRequest", {"prompt": "x", "max_tokens": 0}, False),
+    ("CompletionRequest", {"prompt": "x", "stream_options": {"include_usage": True}}, False),
+    ("CompletionRequest", {"prompt": "x", "n": protocol.MAX_N + 1}, False),
+    ("CompletionRequest", {"prompt": "x", "stop": ["a"] * (protocol.MAX_STOP_STRINGS + 1)}, False),
+    ("CompletionRequest", {"prompt": "x", "stop": ""}, False),
+    ("CompletionRequest", {"prompt": "x", "logit_bias": {"abc": 1}}, False),
+    ("CompletionRequest", {"prompt": "x", "logit_bias": {"5": 101}}, False),
+    ("CompletionRequest", {"prompt": "x", "priority": 101}, False),
+    ("CompletionRequest", {"prompt": "x", "temperature": 1e39}, False),
+    ("CompletionRequest", {"prompt": "x", "suffix": "s"}, False),
+    ("CompletionRequest", {"prompt": "x", "guided_regex": ""}, False),
+    ("ChatCompletionRequest", {"messages": [USER]}, True),
+    ("ChatCompletionRequest", {"messages": [USER, {"role": "assistant"}]}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}]}]}, True),
+    ("ChatCompletionRequest", {"messages": [USER], "tools": [TOOL], "tool_choice": "required"}, True),
+    ("ChatCompletionRequest", {"messages": [USER], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": True}}}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "wizard", "content": "x"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+    ("ChatCompletionRequest", {"messages": [USER] * (protocol.MAX_CHAT_MESSAGES + 1)}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "top_logprobs": 2}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "tool_choice": "required"}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "tools": [TOOL], "tool_choice": {"function": "f"}}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "functions": [{"name": "f"}]}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "chat_template_kwargs": {"add_vision_id": True}}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "response_format": {"type": "json_schema",
+                                                                      "json_schema": {"name": "a"}}}, False),
+    ("/tokenize", {"prompt": "x"}, True),
+    ("/tokenize", {"messages": [USER]}, True),
+    ("/tokenize", {}, False),
+    ("/tokenize", {"prompt": "x", "messages": [USER]}, False),
+    ("/tokenize", {"prompt": ""}, False),
+]
+
+
+@pytest.mark.parametrize("name, body, taken", SCHEMA_BODIES)
+def test_the_document_states_the_gateways_request_rules(name, body, taken):
+    """Found by tests/test_gateway_schemathesis.py: the document allowed what the gateway refuses (unknown fields,
+    the scheduler's limits, a message without content, both or none of /tokenize's prompt and messages, ...)."""
+    doc = _document()
+    if name.startswith("/"):
+        schema = doc["paths"][name]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    else:
+        schema = {"$ref": f"#/components/schemas/{name}"}
+    assert _document_takes(doc, schema, body) == taken
+
+
+def test_the_document_describes_the_answers():
+    """Found by tests/test_gateway_schemathesis.py: /metrics is text, /health's 503 is its own body (not an error
+    body), /detokenize may be 501, and a stream's events carry chunks (the document said a string)."""
+    doc = _document()
+    paths = doc["paths"]
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    health = paths["/health"]["get"]["responses"]
+    assert health["503"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/HealthBody"}
+    assert _document_takes(doc, health["503"]["content"]["application/json"]["schema"],
+                           {"status": "unavailable", "scheduler": "NOT_SERVING"})
+    assert "501" in paths["/detokenize"]["post"]["responses"]
+    event = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert _document_takes(doc, event, {"data": "[DONE]"})
+    data = event["properties"]["data"]["anyOf"][1]
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    assert _document_takes(doc, data["contentSchema"], chunk)
+    assert not _document_takes(doc, data["contentSchema"], {**chunk, "created": "1"})
+
+
+def test_the_documented_limits_are_the_schedulers():
+    from gateway import schemas
+    from scheduler_svc import requests, sampling, structured
+
+    assert (protocol.MAX_N, protocol.MAX_PRIORITY, protocol.MAX_CHAT_MESSAGES) == (
+        requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES)
+    assert (protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_STRING_LEN, protocol.MAX_STOP_TOKEN_IDS,
+            protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS) == (
+        sampling.MAX_STOP_STRINGS, sampling.MAX_STOP_STRING_LEN, sampling.MAX_STOP_TOKEN_IDS, sampling.MAX_LOGIT_BIAS,
+        sampling.MAX_LOGPROBS)
+    assert schemas.MAX_CHOICES == structured.MAX_CHOICES
 
 
 # ---- Qwen3 reasoning parser -------------------------------------------------------------------------

@@ -256,6 +256,24 @@ def test_models_retrieve_tokenize_and_detokenize(gateway, oai, cluster):
     assert both.status_code == 400
 
 
+def test_tokenize_renders_tool_calls_as_chat_does(gateway, oai):
+    """Found by tests/test_gateway_schemathesis.py: /tokenize dropped the messages' tool_calls and tool_call_id, so
+    its ids were not the chat prompt's."""
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5 C"}]
+    r = httpx.post(f"{gateway.url}/tokenize", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    without_calls = httpx.post(f"{gateway.url}/tokenize", json={"messages": [
+        *MESSAGES, {"role": "assistant", "content": None}, {"role": "tool", "content": "5 C"}]}, timeout=30).json()
+    assert r.json()["count"] > without_calls["count"]
+    chat = oai.chat.completions.create(model="model", messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == r.json()["count"]
+    messages[1]["tool_calls"][0]["id"] = 5  # not a string: 400 naming it (the Tokenize call's TypeError was a 500)
+    bad = httpx.post(f"{gateway.url}/tokenize", json={"messages": messages}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_calls[0].id", bad.text
+
+
 def test_the_openapi_document_describes_what_the_gateway_answers(gateway):
     """No FastAPI 422 bodies (every invalid request is a 400 in OpenAI's shape), each route's 200 body and its
     error bodies described, and what the schema allows is accepted (a one-message chat, a subnormal top_p)."""
