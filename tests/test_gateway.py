@@ -411,7 +411,7 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client):
     ("/v1/chat/completions", {"messages": MESSAGES, "frequency_penalty": "high"}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "yes"}},
      "chat_template_kwargs.enable_thinking"),
-    # found by tests/test_gateway_schemathesis.py: past float32 (was refused as inf, naming the proto's field)
+    # past float32 (the document allowed them; the scheduler refused them as inf)
     ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature"),
     ("/v1/chat/completions", {"messages": MESSAGES, "repetition_penalty": 1e39}, "repetition_penalty"),
     # a tool_choice whose function is not an object (was a 500), a tool call's id that is not a string
@@ -420,7 +420,7 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client):
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
         {"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *MESSAGES]},
      "messages[0].tool_calls[0].id"),
-    # JSON Schema's false (true is any JSON: test_values_the_document_allows_are_taken)
+    # JSON Schema's false, refused by the gateway (true is any JSON: test_values_the_document_allows_are_taken)
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
                                                             "json_schema": {"name": "a", "schema": False}}},
      "response_format"),
