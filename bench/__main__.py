@@ -1,5 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,all} [flags]
+                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,thirdparty,all}
+                 [flags]
 
 `all` runs offline (in-process and services), latency, online and
 prefix with the shared flags, writing the checkpoint once, and prints every results table at the end:
@@ -33,6 +34,7 @@ MODULES = {
     "scale": "bench.scale",
     "grpc-stream": "bench.grpc_stream",
     "floor": "bench.floor",
+    "thirdparty": "bench.thirdparty",
 }
 ALL = ("offline", "latency", "online", "prefix")
 
