@@ -137,10 +137,14 @@ def test_the_same_schema_compiles_once():
 
 
 # ---- the worker alone ------------------------------------------------------------------------------
-def test_worker_masks_survive_preemption_and_a_dead_grammar_forces_eos(tiny_model_dir):
+@pytest.mark.parametrize("parallel_rows", [1, 16], ids=["on-the-pool", "on-the-calling-thread"])
+def test_worker_masks_survive_preemption_and_a_dead_grammar_forces_eos(tiny_model_dir, monkeypatch, parallel_rows):
     """Rows resent after a drop (their generated tokens fed to a fresh matcher) still follow the grammar; a
-    matcher put into an error state makes its row sample an EOS and the step report it."""
+    matcher put into an error state makes its row sample an EOS and the step report it. Masks filled and
+    tokens fed on llguidance's thread pool or on the calling thread alike."""
     import llguidance
+
+    monkeypatch.setattr("worker_svc.runtime.grammar.PARALLEL_ROWS", parallel_rows)
 
     from protos import worker_pb2 as pb
     from common.model_files import eos_token_ids

@@ -27,6 +27,7 @@ from common.util import available_cpus
 from worker_svc.kernels.uploads import upload
 
 MASK_THREADS = 16
+PARALLEL_ROWS = 16  # fewer rows are masked and fed on the calling thread: a hand-off to the pool costs more
 
 
 @dataclass(slots=True)
@@ -127,8 +128,9 @@ class Grammars:
         self._feed()
         matchers = [self._matchers[int(r)] for r in rows[index]]
         allowed = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        if len(matchers) == 1:  # batch 1: no hand-off to the pool's threads
-            llguidance.numpy.fill_next_token_bitmask(matchers[0], allowed, 0)
+        if len(matchers) < PARALLEL_ROWS:
+            for i, m in enumerate(matchers):
+                llguidance.numpy.fill_next_token_bitmask(m, allowed, i)
         else:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))),
                                                          allowed)
@@ -149,4 +151,9 @@ class Grammars:
             host, event, index, matchers = self._unfed.popleft()
             if event is not None:
                 event.synchronize()
-            llguidance.numpy.consume_token_par(self._executor, list(zip(matchers, host[0][index].tolist())))
+            fed = list(zip(matchers, host[0][index].tolist()))
+            if len(fed) < PARALLEL_ROWS:
+                for m, t in fed:
+                    m.consume_token(t)
+            else:
+                llguidance.numpy.consume_token_par(self._executor, fed)
