@@ -501,6 +501,22 @@ def test_moe_tables_serve_every_token_count_by_cuda_graph_batch_sizes():
     assert moe.lookup(table, keys[-1] * 4) is table[keys[-1]]
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("max_tokens,top_k", [(16384, 8), (500, 8), (3000, 2), (1, 4)])
+def test_moe_warm_up_reaches_every_config_a_step_can_use(monkeypatch, hopper, max_tokens, top_k):
+    """The worker's warm-up runs a step of each count warm_up_token_counts gives: together they use every
+    configuration a step of 1 .. max_tokens tokens can, so no MoE kernel is built while serving."""
+    from worker_svc.kernels import moe
+
+    monkeypatch.setattr(moe, "_is_hopper", lambda index: hopper)
+    device = torch.device("cuda", 0)
+    counts = moe.warm_up_token_counts(max_tokens, top_k, device)
+    assert all(1 <= n <= max_tokens for n in counts)
+    reached = {moe.moe_config(n, top_k, device) for n in counts}
+    assert reached == {moe.moe_config(n, top_k, device) for n in range(1, max_tokens + 1)}
+    assert len(reached) == len(counts)
+
+
 def test_moe_align_groups_slots_by_expert_in_whole_blocks():
     from worker_svc.kernels.moe import align
 

@@ -42,8 +42,10 @@ class MoeConfig:
 # Hopper: each entry serves the token counts up to its key (a CUDA-graph batch size, so that a batch and the
 # padded batch of its graph take the same tiles); past the last key, the last entry.
 HOPPER_CONFIGS: dict[int, MoeConfig] = {
-    128: MoeConfig(16),
-    16384: MoeConfig(64),
+    8: MoeConfig(16, Tiles(32, 128, 4, 4), Tiles(64, 64, 4, 5)),
+    176: MoeConfig(16, Tiles(256, 128, 4, 2), Tiles(128, 128, 4, 2)),
+    720: MoeConfig(32, Tiles(128, 128, 4, 2), Tiles(64, 128, 4, 3)),
+    2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
 }
 
 
@@ -69,6 +71,17 @@ def moe_config(tokens: int, top_k: int, device: torch.device) -> MoeConfig:
                                              torch.cuda.current_device()):
         return lookup(HOPPER_CONFIGS, tokens)
     return default_config(tokens, top_k)
+
+
+def warm_up_token_counts(max_tokens: int, top_k: int, device: torch.device) -> list[int]:
+    """A token count up to max_tokens for each configuration moe_config can choose there: a step of each,
+    run before serving, builds every kernel variant a step can hit."""
+    edges = [*HOPPER_CONFIGS, 1024 // top_k]
+    first: dict[MoeConfig, int] = {}
+    for n in sorted({1, max_tokens, *edges, *(e + 1 for e in edges)}):
+        if 1 <= n <= max_tokens:
+            first.setdefault(moe_config(n, top_k, device), n)
+    return sorted(first.values())
 
 
 def num_blocks(slots: int, num_experts: int, block_m: int) -> int:
