@@ -7,6 +7,7 @@ is GPU time. Bandwidth counts the K and V rows read. Checks every kernel against
 python -m bench decode-attention
 python -m bench decode-attention --configs 64:4:3:256,128:8:2:512 --block-size 256
 python -m bench decode-attention --layouts nhd,hnd   # KV cache token-major or head-major within a block
+python -m bench decode-attention --kv-cache-dtype fp8 --configs 128:4:3:512,256:8:3:512   # an e4m3 cache
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--configs", default="64:4:3:256,128:4:3:512",
                     help="Triton configurations block_n:num_warps:num_stages:split, comma-separated")
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8: the Triton kernels read an e4m3 copy of the cache (flash-attn-4 reads no fp8)")
     ap.add_argument("--out", default="bench/results/decode_attention.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention
@@ -120,9 +123,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         gen.manual_seed(cases.index(case))  # both layouts of a case hold the same values
         q, k, v, lens, table, tokens = make_case(batch, lo, hi, args.block_size, heads, kv_heads, head_dim, gen,
                                                  layout)
-        gbytes = tokens * kv_heads * head_dim * 2 * 2 / 1e9
+        fp8 = args.kv_cache_dtype == "fp8"
+        if fp8:  # the reference reads the same rounded values
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        gbytes = tokens * kv_heads * head_dim * 2 * k.element_size() / 1e9
         kernels = {}
-        if flash_attn_varlen_func is not None:
+        if flash_attn_varlen_func is not None and not fp8:
             cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
 
             def fa4(q=q, k=k, v=v, cu=cu, lens=lens, table=table):
@@ -137,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
                 paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
                                        num_warps=w, num_stages=s))
-        reference = reference_attention(q, k, v, lens, table, scale)
+        reference = reference_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), lens, table, scale)
         for name, fn in kernels.items():
             row = {"case": case, "layout": layout, "kernel": name}
             if (out := kernel_output(fn, rows, row)) is None:

@@ -18,7 +18,7 @@ for b in $benches; do
   case $b in
     checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:+-k "$CHECKS"} > $OUT/checks.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
-    kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
+    kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" ${KERNEL_ARGS:-} --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
     moekernel)  # the fused MoE at Qwen3-30B-A3B's expert shapes: its GPU checks, then the tile sweep, which prints
                 # the HOPPER_CONFIGS to paste into worker_svc/kernels/moe.py (also $OUT/moe_kernel_table.py)
              timeout 150 python3 -m pytest -q -p no:warnings -rf tests/gpu -k moe > $OUT/checks_moe.txt 2>&1
