@@ -669,6 +669,21 @@ def test_load_refusal_is_429(slow, slow_gateway):
     wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS)
 
 
+def test_echoed_prompt_logprobs_over_a_simulated_worker(slow_gateway):
+    """The simulated worker makes up a logprob for every token asked (-(1 + t % 8) / 8, its top n the tokens
+    after it), so echo with logprobs answers over it as over a model: the prompt's (the first null), then the
+    completion's, each with its top 2."""
+    r = _post(slow_gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True, "logprobs": 2,
+                                                "ignore_eos": True}, key=None)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    prompt_len = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == prompt_len + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(-8 * v in range(1, 9) for v in lp["token_logprobs"][1:])
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+
+
 def test_disconnect_frees_blocks(slow, slow_gateway):
     """A client that leaves mid-answer (streaming, or not) cancels the gRPC call: the blocks come back
     long before the answer would have ended (300 tokens at 50 ms a step: 15 s)."""

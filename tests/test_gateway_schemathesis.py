@@ -9,8 +9,7 @@ Two kinds of requests per operation, a fixed number of each, derandomized (the s
   against another, the content of a grammar); everything a field's schema can say, the document says.
 - negative (violating it): the checks only; the gateway coerces as pydantic's lax mode does (0 for false), so
   an accepted one is not a failure, a 5xx or an undocumented answer is.
-The cluster's --max-model-len keeps every generation short; the document's bounds are the gateway's own. Not
-sent: what the simulated worker cannot answer (`_simulator_gap`).
+The cluster's --max-model-len keeps every generation short; the document's bounds are the gateway's own.
 """
 from __future__ import annotations
 
@@ -93,14 +92,6 @@ def _refusal(status: int, content: bytes) -> str | None:
     return None if any(re.search(p, message) for p in REFUSALS) else message
 
 
-def _simulator_gap(case) -> bool:
-    """An echoed prompt's logprobs: the simulated worker returns no logprobs, so the prompt's are missing and the
-    gateway answers 500 (tests/test_gateway_echo.py asks them of a real worker)."""
-    body = case.body
-    return (case.operation.path == "/v1/completions" and isinstance(body, dict) and body.get("echo") in (True, 1)
-            and body.get("logprobs") is not None)
-
-
 def _run(operation, mode: GenerationMode, base_url: str) -> tuple[list[Found], dict[int, int]]:
     found: list[Found] = []
     statuses: dict[int, int] = {}
@@ -109,8 +100,6 @@ def _run(operation, mode: GenerationMode, base_url: str) -> tuple[list[Found], d
               suppress_health_check=list(HealthCheck), verbosity=hypothesis.Verbosity.quiet)
     @given(operation.as_strategy(generation_mode=mode))
     def send(case) -> None:
-        if _simulator_gap(case):
-            return
         response = case.call(base_url=base_url, timeout=60)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         try:

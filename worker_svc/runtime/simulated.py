@@ -88,13 +88,48 @@ class SimulatedRunner:
         end = step.num_computed + step.num_scheduled
         rows = np.flatnonzero(step.samples)
         tokens = _mix(self.batch.seed[step.rows][rows].astype(np.uint64), end[rows].astype(np.uint64))
-        result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(),
-                               token_ids=(tokens % np.uint64(self.vocab_size // 2)).tolist())
+        token_ids = (tokens % np.uint64(self.vocab_size // 2)).astype(np.int64)
+        result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(), token_ids=token_ids.tolist())
+        self._logprobs(result, step, rows, token_ids)
         with self._lock:
             start = max(time.monotonic(), self._busy_until)
             self._busy_until = start + self.cost.seconds(step.num_tokens, int(end.sum()))
         result.forward_ms = (self._busy_until - start) * 1e3
         return _SimStep(result, self._busy_until)
+
+
+    def _logprobs(self, result: pb.StepResult, step, sampled: np.ndarray, token_ids: np.ndarray) -> None:
+        """Made-up logprobs where asked (-(1 + t % 8) / 8 for token t; its top n the tokens after it, each one
+        nat less likely), so that every field a client may ask for comes back: the sampled tokens' and the
+        prompt positions' this step computed."""
+        batch = self.batch
+        asked = batch.logprobs[step.rows[sampled]]
+        if (asked >= 0).any():
+            result.logprobs.extend(np.where(asked >= 0, _logprob(token_ids), np.nan).tolist())
+            for t, n in zip(token_ids.tolist(), asked.tolist()):
+                self._top(result.top_token_ids, result.top_logprobs, t, n)
+        for i in np.flatnonzero(batch.prompt_logprobs[step.rows] >= 0):
+            state, c = step.states[i], int(step.num_computed[i])
+            end = min(c + int(step.num_scheduled[i]), state.prompt_len - 1)
+            if end <= c:
+                continue
+            targets = np.asarray(state.token_ids[c + 1:end + 1], np.int64)
+            result.prompt_seq_ids.append(int(step.seq_ids[i]))
+            result.prompt_starts.append(c)
+            result.prompt_counts.append(end - c)
+            result.prompt_logprobs.extend(_logprob(targets).tolist())
+            for t in targets.tolist():
+                self._top(result.prompt_top_token_ids, result.prompt_top_logprobs, t,
+                          int(batch.prompt_logprobs[step.rows[i]]))
+
+    def _top(self, ids, values, token: int, n: int) -> None:
+        for r in range(max(n, 0)):
+            ids.append((token + r) % self.vocab_size)
+            values.append(float(_logprob(np.int64(token))) - r)
+
+
+def _logprob(token_ids: np.ndarray) -> np.ndarray:
+    return -(1 + token_ids % 8) / 8
 
 
 def _mix(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
