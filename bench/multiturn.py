@@ -1,7 +1,8 @@
 """Multi-turn chat through the services, for the host-memory KV tier (issue 23): C conversations of T turns,
-all running at once, each turn sent when the conversation's previous one finished. A turn appends U fresh
-"user" token ids (seeded, distinct per conversation: conversations share no prefix) to the history, sends the
-whole history as the prompt, streams exactly G tokens (ignore EOS) and appends them to the history.
+all running at once, each turn sent when the conversation's previous one finished (or, with --think-time, a
+user's reading and typing later). A turn appends U fresh "user" token ids (seeded, distinct per conversation:
+conversations share no prefix) to the history, sends the whole history as the prompt, streams exactly G tokens
+(ignore EOS) and appends them to the history.
 
 The GPU's KV pool is cut (the worker's --num-blocks) so that the histories at the end are about 4x what it
 holds: the scheduler evicts a conversation's blocks between its turns. The workload runs twice, each on a
@@ -95,6 +96,8 @@ async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm) -> l
         if trace.error is not None:
             break
         history += recorder.token_ids
+        if args.think_time and turn < args.turns:  # the user reads the answer and writes the next turn
+            await asyncio.sleep(rng.expovariate(1 / args.think_time))
     return turns
 
 
@@ -176,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", type=int, default=200, help="generated tokens per turn")
     ap.add_argument("--gpu-blocks", type=int, default=0,
                     help="the worker's --num-blocks (default: the final histories / 4, in blocks)")
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="mean seconds between an answer and the conversation's next turn (exponential, seeded; "
+                         "0: at once, so every conversation is live all the time)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0, help="of the user tokens")
     ap.add_argument("--warmup", type=int, default=2, help="3-token requests (16 out) before measuring")

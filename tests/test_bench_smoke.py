@@ -205,7 +205,7 @@ def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path) -> None:
 
     out = tmp_path / "multiturn.json"
     main(["multiturn", "--preset", "qwen3-tiny", "--device", "cpu", "--block-size", "16", "--conversations", "8",
-          "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--out", str(out)])
+          "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--think-time", "0.01", "--out", str(out)])
     off, on = _load(out, "multiturn", "bench.multiturn")["results"]
     assert (off["run"], on["run"]) == ("tier off", "tier on")
     assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
