@@ -31,7 +31,7 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the worker's --kv-cache-dtype (not with --simulate)")
     ap.add_argument("--kv-offload-gib", type=float, default=0.0,
-                    help="the worker's host KV tier, GiB (--kv-offload-gib; not with --simulate)")
+                    help="the worker's host KV tier, GiB (--kv-offload-gib)")
     ap.add_argument("--pipeline-depth", type=int, default=SchedulerConfig().pipeline_depth,
                     help="steps in flight per worker (the scheduler's --pipeline-depth)")
     if out is not None:
@@ -73,10 +73,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     """Flags of `splitserve-worker serve` (or `simulate`, with --simulate)."""
     flags = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+    flags += ["--kv-offload-gib", str(args.kv_offload_gib)]
     if args.simulate:
         return flags
-    return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype,
-            "--kv-offload-gib", str(args.kv_offload_gib)]
+    return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype]
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
@@ -150,7 +150,8 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
         from offline.executor import InProcessExecutor
         from worker_svc.runtime.simulated import SimulatedRunner, StepCost
 
-        runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost())
+        runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost(),
+                                 int(args.kv_offload_gib * (1 << 30)))
         return LLM(model, executor=InProcessExecutor(runner), **options)
     return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention,
                kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)), **options)

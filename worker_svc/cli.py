@@ -97,7 +97,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     logs.setup(args.log_format, args.log_level)
     runner = SimulatedRunner(args.model, args.num_blocks, args.block_size, args.limits,
-                             StepCost(args.base_ms, args.per_token_us, args.per_context_token_ns))
+                             StepCost(args.base_ms, args.per_token_us, args.per_context_token_ns,
+                                      args.host_copy_gb_s), int(args.kv_offload_gib * (1 << 30)))
     server = _start(runner, args)
     logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, server.port,
                                                 args.num_blocks, args.block_size)
@@ -258,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-token-us", type=float, default=cost.per_token_us, help="a step's time per token run, us")
     p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns,
                    help="a step's time per context token its decodes read, ns")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
+                   help="a (simulated) host KV tier of this many GiB of the model's bfloat16 blocks (0: off)")
+    p.add_argument("--host-copy-gb-s", type=float, default=cost.host_copy_gb_s,
+                   help="a block copy's speed between the GPU and the host tier, GB/s")
     _add_service_arguments(p)
     p.set_defaults(func=_simulate)
     return use_everywhere(parser)

@@ -3,7 +3,9 @@
 It applies each plan through the PersistentBatch the ModelRunner uses (same delta, same checks), samples a
 deterministic token per (seed, position), and answers after the time the GPU would take for the step, from a
 cost model fitted to H200 measurements. The scheduler's overhead and the cost of the split can be measured and
-tuned on a CPU with it.
+tuned on a CPU with it. With a host tier (--kv-offload-gib) it keeps no KV either, but times the copies as the
+real worker makes them: a plan's swaps before its step (which waits for them), its offloads after, on a copy
+engine of their own that later swaps queue behind.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class StepCost:
     base_ms: float = 0.95
     per_token_us: float = 2.7
     per_context_token_ns: float = 30.0
+    host_copy_gb_s: float = 25.0  # one block's copy between the GPU and pinned host memory
 
     def seconds(self, num_tokens: int, context_tokens: int) -> float:
         return (self.base_ms * 1e3 + self.per_token_us * num_tokens + self.per_context_token_ns * 1e-3
@@ -49,7 +52,9 @@ class _SimStep:
 
 
 class SimulatedRunner:
-    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, limits: Limits, cost: StepCost):
+    def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, limits: Limits, cost: StepCost,
+                 kv_offload_bytes: int = 0):
+        """kv_offload_bytes: the host tier's size, in blocks of the model's K and V in bfloat16 (0: none)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model_name = Path(model_dir).name
         self.vocab_size = config["vocab_size"]
@@ -59,9 +64,14 @@ class SimulatedRunner:
         self.cost = cost
         self.worker_id = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        self.block_bytes = 2 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * block_size
+        self.num_host_blocks = kv_offload_bytes // self.block_bytes
         self.batch = PersistentBatch(self.limits.max_num_seqs, num_blocks, block_size, self.limits.max_model_len,
-                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63))
+                                     self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
+                                     num_host_blocks=self.num_host_blocks)
         self._busy_until = 0.0
+        self._copies_until = 0.0  # the copy engine's
 
     @property
     def epoch(self) -> int:
@@ -72,7 +82,7 @@ class SimulatedRunner:
 
     def reset(self) -> None:
         self.batch.reset(random.getrandbits(63))
-        self._busy_until = 0.0
+        self._busy_until = self._copies_until = 0.0
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         limits = self.limits
@@ -81,7 +91,7 @@ class SimulatedRunner:
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=limits.max_model_len,
             tensor_parallel_size=1, epoch=self.epoch, vocab_size=self.vocab_size, worker_id=self.worker_id,
             device="simulated", max_num_seqs=limits.max_num_seqs,
-            max_num_batched_tokens=limits.max_num_batched_tokens)
+            max_num_batched_tokens=limits.max_num_batched_tokens, num_host_blocks=self.num_host_blocks)
 
     def execute(self, plan: pb.StepPlan) -> _SimStep:
         step = self.batch.apply(plan)
@@ -91,9 +101,16 @@ class SimulatedRunner:
         token_ids = (tokens % np.uint64(self.vocab_size // 2)).astype(np.int64)
         result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(), token_ids=token_ids.tolist())
         self._logprobs(result, step, rows, token_ids)
+        block_s = self.block_bytes / (self.cost.host_copy_gb_s * 1e9)
+        swaps = len(plan.swap_out_blocks) + len(plan.swap_in_blocks)
         with self._lock:
             start = max(time.monotonic(), self._busy_until)
+            if swaps:  # behind the copies queued before them; the forward waits for them
+                self._copies_until = start = max(start, self._copies_until) + swaps * block_s
             self._busy_until = start + self.cost.seconds(step.num_tokens, int(end.sum()))
+            if len(plan.offload_blocks):  # behind the forward, off its path
+                self._copies_until = (max(self._busy_until, self._copies_until)
+                                      + len(plan.offload_blocks) * block_s)
         result.forward_ms = (self._busy_until - start) * 1e3
         return _SimStep(result, self._busy_until)
 
