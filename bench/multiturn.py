@@ -31,6 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from bench import common
+from common import model_files
 from common.util import run_loop
 
 SWAPPED_OUT = "splitserve:kv_blocks_swapped_out_total"
@@ -41,9 +42,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def kv_bytes_per_token(model: Path, kv_cache_dtype: str) -> int:
     """K and V of one token over every layer, from the checkpoint's config.json."""
     cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = 1 if kv_cache_dtype == "fp8" else DTYPE_BYTES[cfg.get("torch_dtype") or cfg["dtype"]]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype
+    return model_files.kv_bytes_per_token(
+        cfg, 1 if kv_cache_dtype == "fp8" else DTYPE_BYTES[cfg.get("torch_dtype") or cfg["dtype"]])
 
 
 def history_tokens(args: argparse.Namespace) -> int:

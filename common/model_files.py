@@ -1,4 +1,5 @@
-"""What a checkpoint's own files say that both the scheduler and the worker read: its EOS token ids."""
+"""What a checkpoint's own files say that both the scheduler and the worker read: its EOS token ids, the
+size of a token's K and V."""
 from __future__ import annotations
 
 import json
@@ -21,3 +22,9 @@ def eos_token_ids(model_dir: str | Path) -> list[int]:
             if i not in eos:
                 eos.append(i)
     return eos
+
+
+def kv_bytes_per_token(config: dict[str, Any], element_bytes: int) -> int:
+    """K and V of one token over every layer of a config.json's model, at element_bytes an element."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element_bytes

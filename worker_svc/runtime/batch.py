@@ -175,11 +175,9 @@ class PersistentBatch:
         in_h, in_g = np.asarray(plan.swap_in_host_blocks), np.asarray(plan.swap_in_blocks)
         if len(out_g) != len(out_h) or len(in_h) != len(in_g):
             raise PlanError(f"step {plan.step}: swap columns differ in length")
-        for blocks, limit in ((out_g, self.num_blocks), (in_g, self.num_blocks), (out_h, self.num_host_blocks),
-                              (in_h, self.num_host_blocks)):
-            if len(blocks) and not (0 <= blocks.min() and blocks.max() < limit):
-                raise PlanError(f"step {plan.step}: swapped block out of range (GPU {self.num_blocks}, "
-                                f"host {self.num_host_blocks})")
+        if not self._in_range((out_g, in_g), (out_h, in_h)):
+            raise PlanError(f"step {plan.step}: swapped block out of range (GPU {self.num_blocks}, "
+                            f"host {self.num_host_blocks})")
         if len(np.unique(in_g)) != len(in_g) or len(np.unique(out_h)) != len(out_h):
             raise PlanError(f"step {plan.step}: a block is filled twice by one plan's swaps")
         if self.holders[in_g].any():
@@ -192,7 +190,7 @@ class PersistentBatch:
         g, h = np.asarray(plan.offload_blocks), np.asarray(plan.offload_host_blocks)
         if len(g) != len(h):
             raise PlanError(f"step {plan.step}: offload columns differ in length")
-        if not (0 <= g.min() and g.max() < self.num_blocks and 0 <= h.min() and h.max() < self.num_host_blocks):
+        if not self._in_range((g,), (h,)):
             raise PlanError(f"step {plan.step}: offloaded block out of range (GPU {self.num_blocks}, "
                             f"host {self.num_host_blocks})")
         filled = np.concatenate([h, np.asarray(plan.swap_out_host_blocks, h.dtype)])
@@ -201,6 +199,11 @@ class PersistentBatch:
         if self.holders[g].any():
             raise PlanError(f"step {plan.step}: offload of block {g[self.holders[g] > 0][0]}, "
                             "which a live sequence holds")
+
+    def _in_range(self, gpu: tuple[np.ndarray, ...], host: tuple[np.ndarray, ...]) -> bool:
+        """Whether every id of the copy columns names a GPU block, or a host block, of this worker."""
+        return all(not len(b) or (0 <= b.min() and b.max() < limit)
+                   for blocks, limit in ((gpu, self.num_blocks), (host, self.num_host_blocks)) for b in blocks)
 
     def _drop(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from common.limits import Limits
+from common.model_files import kv_bytes_per_token
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc.runtime.batch import PersistentBatch
@@ -64,8 +65,7 @@ class SimulatedRunner:
         self.cost = cost
         self.worker_id = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        self.block_bytes = 2 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * block_size
+        self.block_bytes = kv_bytes_per_token(config, 2) * block_size
         self.num_host_blocks = kv_offload_bytes // self.block_bytes
         self.batch = PersistentBatch(self.limits.max_num_seqs, num_blocks, block_size, self.limits.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
@@ -113,7 +113,6 @@ class SimulatedRunner:
                                       + len(plan.offload_blocks) * block_s)
         result.forward_ms = (self._busy_until - start) * 1e3
         return _SimStep(result, self._busy_until)
-
 
     def _logprobs(self, result: pb.StepResult, step, sampled: np.ndarray, token_ids: np.ndarray) -> None:
         """Made-up logprobs where asked (-(1 + t % 8) / 8 for token t; its top n the tokens after it, each one
