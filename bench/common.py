@@ -141,6 +141,48 @@ def cluster(args: argparse.Namespace, model: Path, extra_scheduler_args: Sequenc
                     print(f"--- {p.name} log tail ---\n{p.tail(log_lines)}", flush=True)
 
 
+@contextlib.contextmanager
+def gateway(address: str, flags: Sequence[str], log: Path | None = None,
+            timeout: float = 120.0) -> Iterator[tuple[str, int]]:
+    """`splitserve-gateway` with `flags` on a free loopback port in front of the scheduler at `address` (output to
+    `log`, else discarded); yields (its base URL, its pid) once /health answers 200, and stops it on the way out
+    (SIGTERM, then kill)."""
+    import signal
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    from client.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with open(log or "/dev/null", "ab") as out:
+        popen = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--scheduler", address, "--host", "127.0.0.1",
+                                  "--port", url.rsplit(":", 1)[1], "--no-access-log", *flags],
+                                 cwd=Path(__file__).resolve().parents[1], stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if popen.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:] if log else ""
+                raise RuntimeError(f"the gateway did not come up (exit status {popen.poll()})\n{tail}")
+            time.sleep(0.2)
+        yield url, popen.pid
+    finally:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
 def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
     """offline.llm.LLM over the model on --device, or over the simulated worker with --simulate."""
     from offline.llm import LLM

@@ -290,30 +290,9 @@ def _gateway(args: argparse.Namespace, cluster, model: Path):
     if not args.gateway:
         yield {"address": cluster.address, "connections": args.connections}, None
         return
-    import subprocess
-    import sys
-
-    import httpx
-
-    from client.launcher import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--scheduler", cluster.address, "--port", str(port),
-                             "--served-model-name", model.name, "--no-access-log", *shlex.split(args.gateway_args)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not come up (exit status {proc.poll()})")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield {"gateway": f"http://127.0.0.1:{port}", "model": model.name}, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with common.gateway(cluster.address, ["--served-model-name", model.name, *shlex.split(args.gateway_args)]) as (
+            url, pid):
+        yield {"gateway": url, "model": model.name}, pid
 
 
 if __name__ == "__main__":

@@ -15,61 +15,18 @@ venv of its own (it needs no torch):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import shlex
-import signal
 import subprocess
-import sys
 import tempfile
-import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench import common
 from bench.workload import Request
-from client.launcher import free_port
 from common.util import run_loop
-
-REPO = Path(__file__).resolve().parents[1]
-START_S = 120.0
-
-
-@contextlib.contextmanager
-def gateway(address: str, model: Path, workers: int, log: Path) -> Iterator[str]:
-    """`splitserve-gateway` on a free loopback port in front of `address`; yields its base URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "ab") as out:
-        popen = subprocess.Popen([sys.executable, "-m", "gateway.cli", "--scheduler", address, "--host", "127.0.0.1",
-                                  "--port", str(port), "--tokenizer", str(model), "--workers", str(workers),
-                                  "--no-access-log"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    try:
-        deadline = time.monotonic() + START_S
-        while not _healthy(url):
-            if popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not come up:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(30)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def aiperf_command(args: argparse.Namespace, url: str, model: Path, served: str, out: Path) -> list[str]:
@@ -172,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     with common.model_dir(args) as model, tempfile.TemporaryDirectory(prefix="splitserve-gw-") as logs:
         with common.cluster(args, Path(model)) as address:
-            with gateway(address, Path(model), args.gateway_workers, Path(logs) / "gateway.log") as url:
+            with common.gateway(address, ["--tokenizer", str(model), "--workers", str(args.gateway_workers)],
+                                Path(logs) / "gateway.log") as (url, _):
                 with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
                     served = json.load(r)["data"][0]["id"]
                 third, command = run_aiperf(args, url, Path(model), served)
