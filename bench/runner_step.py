@@ -5,6 +5,7 @@ where the step's GPU time goes (torch.profiler, kernels grouped by name) and the
 python -m bench runner-step --preset qwen3-0.6b --batches 256 --context 800 --block-sizes 16,64,128,256
 python -m bench runner-step --block-sizes 256 --batches 1,32,256 --graphs-only --profile
 python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --profile   # a prefill step
+python -m bench runner-step --preset llama-3.1-8b --num-layers 8 --block-sizes 256 --batches 128 --graphs-only --profile
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0,
 class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
-    def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int):
+    def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
+                 kv_cache_dtype: str = "auto"):
         per_seq = cdiv(context + steps + 16, block_size)
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
-            limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
+            kv_cache_dtype=kv_cache_dtype, limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
         per_plan = max(1, 8192 // context)
@@ -144,6 +146,8 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--num-layers", type=int, help="the preset's first N layers only (a large model's step per layer)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--batches", default="256", help="decode batch sizes, comma-separated")
     ap.add_argument("--context", type=int, default=800)
     ap.add_argument("--steps", type=int, default=50)
@@ -156,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16")
+        model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16",
+                               num_layers=args.num_layers)
         for bs in [int(b) for b in args.block_sizes.split(",")]:
             if args.prefill:
                 rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile))
@@ -164,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 continue
             for size in [int(b) for b in args.batches.split(",")]:
                 for graphs in (True,) if args.graphs_only else (True, False):
-                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps)
+                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype)
                     ms = batch.step_ms(args.steps)
                     rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
                                  "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})

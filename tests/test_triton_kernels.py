@@ -324,8 +324,13 @@ def _dequantised(k8: torch.Tensor, v8: torch.Tensor) -> tuple[torch.Tensor, torc
     return k8.float() * K_SCALE, v8.float() * V_SCALE
 
 
+# A 16-bit q takes the kernels' fp16 path over an fp8 cache (dot_in_f16; bf16 is checked on the GPU), float32 its own
+FP8_Q = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+
+
+@pytest.mark.parametrize("dtype,tol", FP8_Q)
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
-def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split):
+def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol):
     lens = [1, split - 1, split + 1, 3 * split + 5]
     dim, heads, kv_heads = 32, 4, 2
     k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
@@ -334,15 +339,18 @@ def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, spli
     seqused = torch.tensor(lens, dtype=torch.int32)
     meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
                              [1] * len(lens), lens)
-    ref = TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5)
-    out = paged_decode_attention(q, k8, v8, seqused, table, dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
-                                 base_split=split, block_n=block_n)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE), ref,
+    ref = TorchAttention().forward(q.to(dtype).float(), *_dequantised(k8, v8), meta, dim ** -0.5)
+    out = paged_decode_attention(q.to(dtype), k8, v8, seqused, table, dim ** -0.5, k_scale=K_SCALE,
+                                 v_scale=V_SCALE, base_split=split, block_n=block_n)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE),
+                               TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_attention_reads_an_fp8_cache_with_its_scales():
+@pytest.mark.parametrize("dtype,tol", FP8_Q)
+def test_prefill_attention_reads_an_fp8_cache_with_its_scales(dtype, tol):
     query_lens, context_lens = [37, 1, 20, 5], [37, 90, 68, 5]
     dim, heads, kv_heads, page = 32, 4, 2, 16
     k, v, table = _paged(context_lens, page, kv_heads, dim, torch.float32)
@@ -351,11 +359,13 @@ def test_prefill_attention_reads_an_fp8_cache_with_its_scales():
     cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
     seqused = torch.tensor(context_lens, dtype=torch.int32)
     meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
-    ref = TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5)
-    out = paged_prefill_attention(q, k8, v8, cu, seqused, table, query_blocks(query_lens, 16, q.device),
+    ref = TorchAttention().forward(q.to(dtype).float(), *_dequantised(k8, v8), meta, dim ** -0.5)
+    out = paged_prefill_attention(q.to(dtype), k8, v8, cu, seqused, table, query_blocks(query_lens, 16, q.device),
                                   dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE, block_m=16, block_n=16)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE), ref,
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE),
+                               TorchAttention().forward(q, *_dequantised(k8, v8), meta, dim ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
