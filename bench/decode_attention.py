@@ -61,7 +61,8 @@ def make_case(batch: int, lo: int, hi: int, page: int, heads: int, kv_heads: int
 
 def reference_attention(q, k, v, lens, table, scale) -> torch.Tensor:
     """The torch backend's output (float32), the same whatever the layout."""
-    from worker_svc.kernels.attention import AttentionMetadata, TorchAttention
+    from worker_svc.kernels.attention import AttentionMetadata
+    from worker_svc.kernels.reference import TorchAttention
 
     n = len(lens)
     meta = AttentionMetadata(cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32), seqused_k=lens, page_table=table,

@@ -35,7 +35,7 @@ class DecodeBatch:
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
                  kv_cache_dtype: str = "auto"):
-        per_seq = cdiv(context + steps + 16, block_size)
+        per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
             kv_cache_dtype=kv_cache_dtype, limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
