@@ -324,7 +324,7 @@ def _dequantised(k8: torch.Tensor, v8: torch.Tensor) -> tuple[torch.Tensor, torc
     return k8.float() * K_SCALE, v8.float() * V_SCALE
 
 
-# A 16-bit q takes the kernels' fp16 path over an fp8 cache (dot_in_f16; bf16 is checked on the GPU), float32 its own
+# q float32 (the CPU models) or 16-bit (fp16 here; bf16, which the interpreter lacks, is checked on the GPU)
 FP8_Q = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 

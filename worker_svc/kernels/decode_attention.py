@@ -43,7 +43,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F16: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -58,8 +58,6 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     live = h < GROUP
     heads = kvh * GROUP + h
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
-    if DOT_F16:
-        q = q.to(tl.float16)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -112,16 +110,6 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
 
 
-def dot_in_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernels take their dot products in fp16 rather than q's dtype: over an fp8 cache under a
-    bf16 (or fp16) q. e4m3 converts to fp16 in one instruction per pair of values and to bf16 in four (through
-    fp16 and fp32), and Hopper issues conversions at a sixteenth of its FMA rate, so converting to bf16 would
-    bind the decode kernel before its reads do. fp16 holds every e4m3 value exactly and a bf16 q's 8-bit
-    mantissa too; only a q element past fp16's range (65,504) would not fit, far beyond what normed
-    activations reach."""
-    return k_cache.element_size() == 1 and q.element_size() == 2
-
-
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
     """Tokens per split: `base`, or more when the page table is so wide that MAX_SPLITS would not cover it."""
     longest = page_table_width * page
@@ -151,8 +139,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
-    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, or fp16 where
-    dot_in_f16 says so; k_scale folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
+    k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
+    folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
     only. Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch)."""
@@ -181,5 +169,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, DOT_F16=dot_in_f16(q, k_cache), num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
     return out

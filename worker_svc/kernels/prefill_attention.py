@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
-from worker_svc.kernels.decode_attention import dot_in_f16, page_of
+from worker_svc.kernels.decode_attention import page_of
 from worker_svc.kernels.uploads import upload
 
 
@@ -25,7 +25,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_pt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, DOT_F16: tl.constexpr):
+                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     blk, kvh = tl.program_id(0), tl.program_id(1)
     seq = tl.load(BlockSeq + blk)
     start = tl.load(BlockStart + blk)
@@ -40,8 +40,6 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     d, n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     q_rows = (q_begin + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(Q + q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
-    if DOT_F16:
-        q = q.to(tl.float16)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -118,5 +116,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
             out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE=page,
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=triton.next_power_of_2(block_m * heads // kv_heads),
-            DOT_F16=dot_in_f16(q, k_cache), num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages)
     return out
