@@ -172,3 +172,55 @@ def test_worker_masks_survive_preemption_and_a_dead_grammar_forces_eos(tiny_mode
     out = driver.run_step(only={dead.seq_id})
     assert list(driver.last_result.grammar_dead_ids) == [dead.seq_id]
     assert out[dead.seq_id] in eos
+
+
+def test_worker_decode_steps_mixing_free_and_constrained_rows(tiny_model_dir):
+    """A decode step samples again only its rows that need more than a temperature: here the constrained ones,
+    interleaved with free rows. The free rows keep the tokens they sample alone; the constrained ones follow their
+    grammar through drops (their matchers fed from the right rows of the step); a dead grammar is reported for
+    its own sequence."""
+    import llguidance
+
+    from common.model_files import eos_token_ids
+    from protos import worker_pb2 as pb
+    from scheduler_svc.structured import compile_grammar
+    from tests.paged_driver import PagedDriver, run_with_drops
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    grammar = compile_grammar("regex", "[a-z]{20,30}")
+
+    def params(seed: int, constrained: bool) -> pb.SamplingParams:
+        return pb.SamplingParams(temperature=0.8, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=seed,
+                                 grammar=grammar if constrained else "")
+
+    def driver() -> PagedDriver:
+        return PagedDriver(ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=128, block_size=16)), chunk=8)
+
+    free = [([7, s, 3], params(100 + s, False)) for s in range(3)]
+    alone = []
+    for prompt, p in free:
+        d = driver()
+        s = d.add(prompt, 16, p)
+        d.run_all()
+        alone.append(s.generated)
+    d = driver()
+    seqs = []
+    for k in range(3):  # free rows first in each pair, so a constrained row's place in the step is not its own
+        seqs.append(d.add(*free[k][:1], 16, free[k][1]))
+        seqs.append(d.add([1 + k, 2, 3, 4, 5], 16, params(k, True)))
+    run_with_drops(d, seqs, drop_at=(3, 7))
+    assert [s.generated for s in seqs[0::2]] == alone
+    eos = set(eos_token_ids(tiny_model_dir))
+    runner = d.runner
+    tok = llguidance.LLTokenizer((tiny_model_dir / "tokenizer.json").read_text(), n_vocab=runner.model_config.vocab_size)
+    for s in seqs[1::2]:
+        text_ids = [t for t in s.generated if t not in eos]
+        assert re.fullmatch("[a-z]+", tok.decode_str(text_ids)), s.generated
+
+    other = d.add([8, 8, 8], 8, params(7, False))
+    dead = d.add([9, 9, 9], 8, params(0, True))
+    d.run_step(only={other.seq_id, dead.seq_id})  # prompts and first tokens
+    runner.grammars._matchers[runner.batch.seqs[dead.seq_id].row].consume_token(0)  # "!" is no [a-z]
+    out = d.run_step(only={other.seq_id, dead.seq_id})
+    assert list(d.last_result.grammar_dead_ids) == [dead.seq_id]
+    assert out[dead.seq_id] in eos

@@ -64,6 +64,7 @@ class SamplingArrays:
     use_penalty: bool
     all_greedy: bool
     max_logprobs: int
+    general: np.ndarray      # bool: rows that need more than a temperature (a filter, a penalty, a bias, a grammar)
     bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logit biases: (sample row, token id, value)
     constrained: np.ndarray | None = None  # which sampling rows follow a grammar (structured output)
 
@@ -73,8 +74,7 @@ class SamplingArrays:
     @property
     def needs_sampler(self) -> bool:
         """Whether the general sampler must run: the decode step's Gumbel kernel does temperature alone."""
-        return (self.use_k or self.use_p or self.use_min_p or self.use_penalty or self.max_logprobs >= 0
-                or self.bias is not None or self.constrained is not None)
+        return self.max_logprobs >= 0 or bool(self.general.any())
 
 
 class PersistentBatch:
@@ -303,13 +303,19 @@ class PersistentBatch:
         use_k = (top_k > 0) & (top_k < vocab_size)
         penalty = self.penalty[rows]
         temperature, top_p, min_p = self.temperature[rows], self.top_p[rows], self.min_p[rows]
+        use_p, use_min_p = top_p < 1, min_p > 0
+        use_penalty = ((penalty[:, 0] != 1) | penalty[:, 1:].any(axis=1)) & penalties
+        bias, constrained = self._bias(rows), self._constrained(rows)
+        general = use_k | use_p | use_min_p | use_penalty
+        for index in (bias[0] if bias is not None else None, constrained):
+            if index is not None:
+                general[index] = True
         return SamplingArrays(temperature=temperature, penalty=penalty, top_k=np.where(use_k, top_k, vocab_size),
-                              top_p=top_p, min_p=min_p, use_k=bool(use_k.any()), use_p=bool((top_p < 1).any()),
-                              use_min_p=bool((min_p > 0).any()),
-                              use_penalty=penalties and bool((penalty[:, 0] != 1).any() or penalty[:, 1:].any()),
+                              top_p=top_p, min_p=min_p, use_k=bool(use_k.any()), use_p=bool(use_p.any()),
+                              use_min_p=bool(use_min_p.any()), use_penalty=bool(use_penalty.any()),
                               all_greedy=bool((temperature == 0).all()),
-                              max_logprobs=int(self.logprobs[rows].max(initial=-1)), bias=self._bias(rows),
-                              constrained=self._constrained(rows))
+                              max_logprobs=int(self.logprobs[rows].max(initial=-1)), general=general, bias=bias,
+                              constrained=constrained)
 
     def _bias(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The logit biases of the sampling rows `rows`, as (index into rows, token id, bias) columns."""

@@ -416,8 +416,9 @@ class ModelRunner:
 
     def _execute_decode(self, step: BatchStep, started: float) -> PendingStep:
         """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);
-        the sampler runs again outside only for what its Gumbel kernel does not do (filters, penalties,
-        logprobs)."""
+        the sampler runs again outside only on the rows that need what its Gumbel kernel does not do (filters,
+        penalties, a bias, a grammar), or on every row where one asks for logprobs. So a free row samples what
+        it samples alone, and a few constrained rows do not cost the whole batch a second sampler."""
         bs = self.block_size
         rows, c = step.rows, step.num_computed
         input_ids = np.full(len(rows), -1, np.int64)
@@ -431,14 +432,23 @@ class ModelRunner:
             seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.batch.seed[rows],
             page_table=table), all_greedy=params.all_greedy)
         v = b.inputs
-        masks = None
-        if params.needs_sampler:
+        masks, out = None, SamplerOutput(b.tokens, None, None, None)
+        if params.max_logprobs >= 0:  # logprobs come for every row of the step: all of them sampled again
             masks = self._masks(params, rows)
             out = self._sample(b.logits, params, upload(params.arrays(), self.device), v.rows, v.positions + 1,
                                v.seeds, masks)
             self.last_token[v.rows] = out.token_ids
-        else:
-            out = SamplerOutput(b.tokens, None, None, None)
+        elif params.general.any():  # only the rows that need more than a temperature
+            some = np.flatnonzero(params.general)
+            sub = self.batch.sampling(rows[some], self.model_config.vocab_size, self.penalties is not None)
+            some_t, *sub_t = upload([some, *sub.arrays()], self.device)
+            masks = self._masks(sub, rows[some])
+            got = self._sample(b.logits[some_t], sub, sub_t, v.rows[some_t], v.positions[some_t] + 1,
+                               v.seeds[some_t], masks)
+            b.tokens[some_t] = got.token_ids
+            self.last_token[v.rows[some_t]] = got.token_ids
+            if masks is not None:  # its rows among the step's, where the tokens are read back
+                masks = dataclasses.replace(masks, host_index=some[masks.host_index])
         return self._pending(step.step, step.seq_ids, rows, v.rows, out, started, masks=masks)
 
     def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
