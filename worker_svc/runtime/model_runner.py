@@ -272,8 +272,9 @@ class ModelRunner:
                 self._warm_up_step([longest] * (n // longest) + ([n % longest] if n % longest else []))
         rows = logits.shape[0]
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        sample(logits, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
-                                     all_greedy=False, max_logprobs=-1), self.kernels)
+        for x in (logits, logits.float()):  # _sample takes float32 logits under a grammar, penalty, bias or logprobs
+            sample(x, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
+                                    all_greedy=False, max_logprobs=-1), self.kernels)
         torch.cuda.synchronize()
 
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
