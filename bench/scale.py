@@ -75,12 +75,13 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int)
     from client import AsyncClient
 
     clients = [AsyncClient(address) for _ in range(connections)]
-    out = {"tokens": 0, "short": 0, "statuses": {}}
+    out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}}
 
     async def one(i: int, r) -> None:
         trace = await common.stream(clients[i % connections], r.prompt_ids, r.max_tokens, ignore_eos=True,
                                     temperature=0.6, stream_interval=interval)
         out["tokens"] += trace.output_tokens
+        out["messages"] += len(trace.counts)
         if trace.error is not None:
             code = trace.error.split(":", 1)[0]
             out["statuses"][code] = out["statuses"].get(code, 0) + 1
@@ -161,7 +162,8 @@ def drive(target: dict, reqs: list, interval: int, procs: int) -> dict:
     for o in outs:
         for code, count in o["statuses"].items():
             statuses[code] = statuses.get(code, 0) + count
-    return {"tokens": sum(o["tokens"] for o in outs), "short": sum(o["short"] for o in outs),
+    return {"tokens": sum(o["tokens"] for o in outs), "messages": sum(o.get("messages", 0) for o in outs),
+            "short": sum(o["short"] for o in outs),
             "statuses": statuses, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
             "client_cpu": [o["cpu"] for o in outs]}
 
@@ -237,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            "client_procs": procs, "output_tokens": tokens, "short_streams": got["short"],
                            "error_statuses": got["statuses"], "seconds": round(seconds, 2),
                            "tokens_per_s": round(tokens / seconds),
+                           "tokens_per_message": round(tokens / max(got["messages"], 1), 2) if got["messages"] else None,
                            "scheduler_cpu_s_per_1k_tokens": round(sum(
                                v for r, v in use["cpu_s_per_1k_tokens"].items() if r in tree), 4)}
                     if work is reqs:
