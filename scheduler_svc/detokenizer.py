@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
             self._undecoded.append(token_id)
-        else:
+        elif self._undecoded:
             self._undecoded.clear()
         if not self._stops:
             return piece or "", False

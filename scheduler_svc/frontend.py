@@ -34,7 +34,7 @@ from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
 from scheduler_svc.metrics import FrontendMetrics
-from scheduler_svc.output import OutputState, RequestOutput
+from scheduler_svc.output import OutputState
 from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
 from scheduler_svc.router import GroupInfo, GroupView, pick_group
@@ -49,7 +49,6 @@ FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "a
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
-FAILED = object()  # put on a client stream whose request cannot continue anywhere: it ends UNAVAILABLE
 # gRPC core cancels incoming calls that wait for the server to take them once more than max_pending_requests
 # (1,000) are pending, with status CANCELLED and no message: a burst of new streams larger than that, on one
 # connection or many, lost the excess. Admission is this service's job (RESOURCE_EXHAUSTED, with a message),
@@ -65,33 +64,53 @@ _REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.I
 
 @dataclass(slots=True)
 class _Stream:
-    """Outputs of one client call (all its n completions), fed by the receive loop. With a stream_interval
-    other than 1 the call's coroutine wakes only when a message may go out (a completion's first token,
-    `interval` tokens held, its end, or its failure): one wake-up per token per call was most of the event
+    """The completions of one client call (all its n) with output not sent yet, fed by the receive loop. With a
+    stream_interval other than 1 the call's coroutine wakes only when a message may go out (a completion's first
+    token, `interval` tokens held, its end, or its failure): one wake-up per token per call was most of the event
     loop's work."""
-    index_of: dict[str, int] = field(default_factory=dict)
     interval: int = 1
-    outputs: list = field(default_factory=list)  # RequestOutputs (or FAILED) not taken yet
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    since_wake: dict[str, int] = field(default_factory=dict)  # tokens per completion since it last woke the call
+    outputs: list[Completion] = field(default_factory=list)  # in the order their output came
+    failed: bool = False  # its request cannot continue anywhere: the call ends UNAVAILABLE
+    due: bool = False  # an output calls for the call to wake
+    waiter: asyncio.Future | None = None  # while the call waits
 
-    def put(self, out: RequestOutput | object) -> None:
-        self.outputs.append(out)
-        if out is FAILED or out.finished or self.interval == 1:
-            self.ready.set()
+    def put(self, c: Completion, count: int, final: bool) -> None:
+        """c has output to send: `count` more tokens, and whether it ended."""
+        if not c.queued:
+            c.queued = True
+            self.outputs.append(c)
+        if final or self.interval == 1:
+            self._wake()
             return
-        first = out.request_id not in self.since_wake
-        count = self.since_wake.get(out.request_id, 0) + len(out.token_ids)
+        first = c.since_wake < 0
+        count += max(c.since_wake, 0)
         due = self.interval and count >= self.interval  # the call sends them all: the count starts over
-        self.since_wake[out.request_id] = 0 if due else count
+        c.since_wake = 0 if due else count
         if first or due:
-            self.ready.set()
+            self._wake()
 
-    async def take(self) -> list:
-        """Every output put since the last take, once one of them calls for it."""
-        await self.ready.wait()
-        self.ready.clear()
+    def fail(self) -> None:
+        self.failed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self.due = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[Completion]:
+        """The completions with output since the last take, once one of them calls for it."""
+        if not self.due:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        self.due = False
         batch, self.outputs = self.outputs, []
+        for c in batch:
+            c.queued = False
         return batch
 
 
@@ -100,6 +119,7 @@ class Completion:
     """One of a request's n completions, as this front-end carries it."""
     key: int  # this front-end's id of it, in its engine's messages
     sub_id: str
+    index: int  # among its request's n
     stream: _Stream
     prompt_ids: list[int]
     params: SamplingParams
@@ -108,8 +128,16 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated so far
     group: GroupView | None = None  # where it runs now
     ack: asyncio.Future | None = None  # while its engine has not answered its add
-    prompt_logprobs: list[TokenLogprob] | None = None  # from its engine, until its first output carries them
+    prompt_logprobs: list[TokenLogprob] | None = None  # from its engine, until its first message carries them
     scheduled_at: float | None = None  # time.monotonic() its engine first admitted it (every process's clock)
+    # Its output not sent yet (what its next message carries), reused from message to message.
+    out_tokens: list[int] = field(default_factory=list)
+    out_text: list[str] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # once it ended
+    stop_reason: str | None = None
+    queued: bool = False  # in its stream's outputs
+    since_wake: int = -1  # tokens since it last woke its call (stream_interval other than 1); -1: none yet
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -236,25 +264,35 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                      for t, v, top in prompt]
         for i, key in enumerate(keys):
             c = completions.get(key)
-            if c is None or c.group is None or c.group.group_id != gid:
+            if c is None or (g := c.group) is None or g.info.group_id != gid:
                 continue  # finished, aborted or moved since
             token = tokens[i]
             reason = finished.get(i)
-            lp = None
-            if logprobs is not None and logprobs[i] is not None:
-                value, top = logprobs[i]
-                lp = TokenLogprob(token, value, [tuple(t) for t in top] if top else None)
-            c.tokens.append(token)
-            out, stop_string = c.text.output(token, reason, lp)
-            if c.prompt_logprobs is not None:
-                out.prompt_logprobs, c.prompt_logprobs = c.prompt_logprobs, None
-                out.prompt_token_ids = c.prompt_ids
-            if stop_string and reason is None:  # it still runs at its engine
-                self._to_engine(c.group.info.engine, ["stop", self.index, key, gid])
-            if out.finished:
+            state = c.text
+            if state.scoring:  # the token sampled at the prompt's end finished it: none of it is output
+                c.finish_reason = "length"
                 del completions[key]
                 c.group = None
-            c.stream.put(out)
+                c.stream.put(c, 0, True)
+                continue
+            c.tokens.append(token)
+            text, reason_now, stop_reason = state.next(token, reason)
+            c.out_tokens.append(token)
+            c.out_text.append(text)
+            if logprobs is not None and logprobs[i] is not None:
+                value, top = logprobs[i]
+                if c.out_logprobs is None:
+                    c.out_logprobs = []
+                c.out_logprobs.append(TokenLogprob(token, value, [tuple(t) for t in top] if top else None))
+            if reason_now is None:
+                c.stream.put(c, 1, False)
+                continue
+            if reason_now == "stop" and reason is None:  # a stop string, and its engine still runs it
+                self._to_engine(g.info.engine, ["stop", self.index, key, gid])
+            c.finish_reason, c.stop_reason = reason_now, stop_reason
+            del completions[key]
+            c.group = None
+            c.stream.put(c, 1, True)
 
     def _group_gone(self, group: GroupView | None, keys: list[int]) -> None:
         """These requests left `group` unfinished (it failed, drained or its engine died): each continues
@@ -280,7 +318,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 log.warning("request %s: no live worker left to continue it", c.sub_id,
                             extra={"request_id": c.sub_id})
                 self.completions.pop(c.key, None)
-                c.stream.put(FAILED)
+                c.stream.fail()
                 return
             group = pick_group(groups, hashes)
             code, text = await self._add(c, group, hashes, force=True)
@@ -334,11 +372,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
         hashes = PromptHashes(parsed.prompt_ids)  # for routing, and the sequences' prefix blocks
         interval = request.stream_interval if request.HasField("stream_interval") else 1
-        stream = _Stream(index_of={s: i for i, s in enumerate(subs)}, interval=interval)
+        stream = _Stream(interval=interval)
         completions = []
         for i, s in enumerate(subs):
             params = parsed.completion_params(i)
-            completions.append(Completion(next(self._keys), s, stream, parsed.prompt_ids, params, parsed.priority,
+            completions.append(Completion(next(self._keys), s, i, stream, parsed.prompt_ids, params, parsed.priority,
                                           OutputState(s, self.tokenizer.tokenizer, parsed.prompt_ids,
                                                       len(parsed.prompt_ids), params)))
             self._streams[s] = stream
@@ -362,17 +400,17 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             started_rest = parsed.n == 1
             while pending:
                 batch = await stream.take()  # all that arrived since: coalesced when the client is slow
-                if FAILED in batch:
+                if stream.failed:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "its worker failed and no other worker is serving; retry the request")
+                responses = [(c.index, len(c.out_tokens), _response(rid, c)) for c in batch]
                 if not started_rest:
                     started_rest = True
                     for c in completions[1:]:
                         await self._submit(c, hashes, context,
                                            prefer=completions[0].group or self.groups_by_address(where))
                         submitted.add(c.sub_id)
-                for response in _responses(rid, batch, stream.index_of):
-                    i = response.index
+                for i, count, response in responses:
                     if response.finish_reason:
                         pending.discard(subs[i])
                         u = response.usage
@@ -394,7 +432,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                             metrics.queue_time.observe(max(0.0, scheduled - arrived))
                             metrics.prefill_time.observe(max(0.0, (first_at[i] or now) - scheduled))
                             metrics.inference_time.observe(max(0.0, now - scheduled))
-                    if response.token_ids:
+                    if count:
                         now = time.perf_counter()
                         first_at[i] = first_at[i] or time.monotonic()
                         if first_token:
@@ -403,7 +441,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                         elif last_sent[i]:
                             itl.observe(now - last_sent[i])
                         last_sent[i] = now
-                        streamed[i] += len(response.token_ids)
+                        streamed[i] += count
                     if interval != 1:
                         response = _hold(held_back, response, interval)
                     if response is not None and not await _write(context, response):
@@ -543,36 +581,30 @@ def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResp
     return None
 
 
-def _responses(rid: str, batch: list[RequestOutput], index_of: dict[str, int]) -> list[api.GenerateResponse]:
-    """One response per completion in the batch, with all its new tokens."""
-    outputs: dict[int, list[RequestOutput]] = {}
-    for out in batch:
-        outputs.setdefault(index_of[out.request_id], []).append(out)
-    return [_response(rid, index, outs) for index, outs in outputs.items()]
-
-
-def _response(rid: str, index: int, outs: list[RequestOutput]) -> api.GenerateResponse:
-    # Joined once: with stream_interval 0 a completion's ~1,000 outputs come in one batch, and appending
-    # each one's text to the message's string field copies (and checks) the whole text every time.
-    r = api.GenerateResponse(request_id=rid, index=index, text="".join(out.text for out in outs),
-                             token_ids=[t for out in outs for t in out.token_ids])
-    for out in outs:
-        for lp in out.logprobs or ():
-            r.logprobs.add(logprob=lp.logprob,
-                           top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
-        for lp in out.prompt_logprobs or ():
+def _response(rid: str, c: Completion) -> api.GenerateResponse:
+    """The message of the output that `c` holds (then sent: it holds none)."""
+    text = c.out_text
+    r = api.GenerateResponse(request_id=rid, index=c.index, text=text[0] if len(text) == 1 else "".join(text),
+                             token_ids=c.out_tokens)
+    c.out_tokens.clear()
+    text.clear()
+    if c.out_logprobs is not None:
+        for lp in c.out_logprobs:
+            r.logprobs.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        c.out_logprobs = None
+    if c.prompt_logprobs is not None:
+        for lp in c.prompt_logprobs:
             r.prompt_logprobs.add(logprob=lp.logprob,
                                   top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
-        if out.prompt_token_ids:
-            r.prompt_token_ids.extend(out.prompt_token_ids)
-    last = outs[-1]  # a completion's final output is its last
-    if last.finished:
-        r.finish_reason = FINISH.get(last.finish_reason, api.FINISH_REASON_STOP)
-        r.stop_reason = last.stop_reason or ""
-        if last.usage is not None:
-            r.usage.prompt_tokens = last.usage.prompt_tokens
-            r.usage.completion_tokens = last.usage.completion_tokens
-            r.usage.cached_prompt_tokens = last.usage.cached_prompt_tokens
+        r.prompt_token_ids.extend(c.prompt_ids)
+        c.prompt_logprobs = None
+    if c.finish_reason is not None:
+        r.finish_reason = FINISH.get(c.finish_reason, api.FINISH_REASON_STOP)
+        r.stop_reason = c.stop_reason or ""
+        usage = c.text.usage()
+        r.usage.prompt_tokens = usage.prompt_tokens
+        r.usage.completion_tokens = usage.completion_tokens
+        r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
     return r
 
 

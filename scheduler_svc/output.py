@@ -53,14 +53,18 @@ class OutputState:
             out = RequestOutput(self.request_id, [], "", True, "length")
             out.usage = self.usage()
             return out, False
-        self.num_output += 1
-        text, reason, stop_reason = self.detokenizer.next(token_id, finish_reason,
-                                                          self.prompt_len + self.num_output >= self.min_len)
+        text, reason, stop_reason = self.next(token_id, finish_reason)
         out = RequestOutput(self.request_id, [token_id], text, reason is not None, reason,
                             None if logprob is None else [logprob], stop_reason=stop_reason)
         if reason is not None:
             out.usage = self.usage()
         return out, reason == "stop" and finish_reason != "stop"
+
+    def next(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None, str | None]:
+        """One new token of a request that does not score its prompt: (text delta, finish reason, stop reason) as
+        IncrementalDetokenizer.next gives them (a stop string found here finishes it whatever finish_reason said)."""
+        self.num_output += 1
+        return self.detokenizer.next(token_id, finish_reason, self.prompt_len + self.num_output >= self.min_len)
 
     def usage(self) -> Usage:
         return Usage(self.prompt_len, self.num_output, self.cached_tokens or 0)
