@@ -12,6 +12,7 @@ last known token, so a decode runs exactly position num_tokens - 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from common.util import cdiv
 from protos import worker_pb2 as pb
 
 _SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
+_row = attrgetter("row")
 
 
 class PlanError(ValueError):
@@ -135,14 +137,15 @@ class PersistentBatch:
         k = len(plan.seq_ids)
         if len(plan.num_scheduled_tokens) != k or len(plan.num_new_blocks) != k:
             raise PlanError("seq_ids, num_scheduled_tokens and num_new_blocks differ in length")
+        id_list = [ns.seq_id for ns in plan.new_seqs] + list(plan.seq_ids)
         try:
-            states = new + [self.seqs[seq_id] for seq_id in plan.seq_ids]
+            states = new + [self.seqs[seq_id] for seq_id in id_list[len(new):]]
         except KeyError as e:
             raise PlanError(f"step {plan.step}: unknown sequence {e.args[0]}") from None
-        ids = np.array([ns.seq_id for ns in plan.new_seqs] + list(plan.seq_ids), np.uint64)
-        if len(np.unique(ids)) != len(ids):
+        if len(set(id_list)) != len(id_list):
             raise PlanError(f"step {plan.step}: a sequence is scheduled twice")
-        rows = np.fromiter((st.row for st in states), np.int64, len(states))
+        ids = np.array(id_list, np.uint64)
+        rows = np.fromiter(map(_row, states), np.int64, len(states))
         n = np.array([ns.num_scheduled_tokens for ns in plan.new_seqs] + list(plan.num_scheduled_tokens), np.int64)
         self._append_blocks(plan, ids[len(new):], rows[len(new):])
         c, sent, known = self.num_computed[rows], self.num_sent[rows], self.num_tokens[rows]
