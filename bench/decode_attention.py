@@ -8,6 +8,8 @@ python -m bench decode-attention
 python -m bench decode-attention --configs 64:4:3:256,128:8:2:512 --block-size 256
 python -m bench decode-attention --layouts nhd,hnd   # KV cache token-major or head-major within a block
 python -m bench decode-attention --kv-cache-dtype fp8 --configs 128:4:3:512,256:8:3:512   # an e4m3 cache
+ncu --clock-control none -k regex:_split_kernel -c 1 --section SpeedOfLight --section WarpStateStats \
+    --section Occupancy python3 -m bench decode-attention --cases 128x900 --configs 128:4:3:512   # its counters
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from bench.record import record
 
 CASES = {  # name: (batch, min context, max context)
     "256x800": (256, 800, 800),
+    "128x900": (128, 900, 900),
     "256x100-2048": (256, 100, 2048),
     "128x100-2048": (128, 100, 2048),
     "64x1500": (64, 1500, 1500),
