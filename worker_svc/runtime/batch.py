@@ -73,11 +73,6 @@ class SamplingArrays:
     def arrays(self) -> list[np.ndarray]:
         return [self.temperature, self.penalty, self.top_k, self.top_p, self.min_p]
 
-    @property
-    def needs_sampler(self) -> bool:
-        """Whether the general sampler must run: the decode step's Gumbel kernel does temperature alone."""
-        return self.max_logprobs >= 0 or bool(self.general.any())
-
 
 class PersistentBatch:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
