@@ -38,7 +38,8 @@ class DecodeBatch:
         per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
-            kv_cache_dtype=kv_cache_dtype, limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
+            kv_cache_dtype=kv_cache_dtype,
+            limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
         per_plan = max(1, 8192 // context)

@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            "client_procs": procs, "output_tokens": tokens, "short_streams": got["short"],
                            "error_statuses": got["statuses"], "seconds": round(seconds, 2),
                            "tokens_per_s": round(tokens / seconds),
-                           "tokens_per_message": round(tokens / max(got["messages"], 1), 2) if got["messages"] else None,
+                           "tokens_per_message": round(tokens / got["messages"], 2) if got["messages"] else None,
                            "scheduler_cpu_s_per_1k_tokens": round(sum(
                                v for r, v in use["cpu_s_per_1k_tokens"].items() if r in tree), 4)}
                     if work is reqs:
