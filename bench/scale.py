@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench import common
@@ -71,10 +71,19 @@ def cpu_use(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, fl
             "busiest_core_share": {r: round(b, 2) for r, b in sorted(busiest.items())}}
 
 
-async def _grpc_share(address: str, reqs: list, interval: int, connections: int) -> dict:
+async def _start_together(ready, go) -> None:
+    """Says this client process is ready and waits for every other one: a process still starting (imports,
+    connections) would stretch the pass by its start-up, which is none of the scheduler's doing."""
+    ready.put(os.getpid())
+    await asyncio.get_running_loop().run_in_executor(None, go.wait)
+
+
+async def _grpc_share(address: str, reqs: list, interval: int, connections: int, ready, go) -> dict:
     from client import AsyncClient
 
     clients = [AsyncClient(address) for _ in range(connections)]
+    await asyncio.gather(*(c.model_info() for c in clients))  # every connection up
+    await _start_together(ready, go)
     out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}}
 
     async def one(i: int, r) -> None:
@@ -88,7 +97,7 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int)
         elif trace.output_tokens != r.max_tokens:
             out["short"] += 1
 
-    out["start"] = time.time()
+    out["start"], out["cpu"] = time.time(), time.process_time()
     await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
     out["end"] = time.time()
     for c in clients:
@@ -96,7 +105,7 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int)
     return out
 
 
-async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dict:
+async def _gateway_share(url: str, model: str, reqs: list, interval: int, ready, go) -> dict:
     import json
 
     import httpx
@@ -104,6 +113,8 @@ async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dic
     out = {"tokens": 0, "short": 0, "statuses": {}}
     limits = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        (await http.get("/v1/models")).raise_for_status()
+        await _start_together(ready, go)
         async def one(r) -> None:
             body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.6,
                     "ignore_eos": True, "stream": interval != 0}
@@ -130,31 +141,38 @@ async def _gateway_share(url: str, model: str, reqs: list, interval: int) -> dic
                 key = type(e).__name__
                 out["statuses"][key] = out["statuses"].get(key, 0) + 1
 
-        out["start"] = time.time()
+        out["start"], out["cpu"] = time.time(), time.process_time()
         await asyncio.gather(*(one(r) for r in reqs))
         out["end"] = time.time()
         return out
 
 
-def _client_process(target: dict, reqs: list, interval: int, results) -> None:
-    cpu = time.process_time()
+def _client_process(target: dict, reqs: list, interval: int, results, ready, go) -> None:
     if "gateway" in target:
-        out = run_loop(_gateway_share(target["gateway"], target["model"], reqs, interval))
+        share = _gateway_share(target["gateway"], target["model"], reqs, interval, ready, go)
     else:
-        out = run_loop(_grpc_share(target["address"], reqs, interval, target["connections"]))
-    out["cpu"] = time.process_time() - cpu
+        share = _grpc_share(target["address"], reqs, interval, target["connections"], ready, go)
+    out = run_loop(share)
+    out["cpu"] = time.process_time() - out["cpu"]
     results.put(out)
 
 
-def drive(target: dict, reqs: list, interval: int, procs: int) -> dict:
-    """Runs the requests from `procs` client processes at once: output tokens, streams that ended early with
-    no error, error statuses by code, and the seconds from the first send to the last end."""
+def drive(target: dict, reqs: list, interval: int, procs: int, at_start: Callable[[], None] | None = None) -> dict:
+    """Runs the requests from `procs` client processes, started together once every one is up and connected
+    (`at_start` is called then): output tokens, streams that ended early with no error, error statuses by code,
+    and the seconds from the first send to the last end."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [reqs[k::procs] for k in range(procs)]
-    workers = [ctx.Process(target=_client_process, args=(target, share, interval, results)) for share in shares]
+    workers = [ctx.Process(target=_client_process, args=(target, share, interval, results, ready, go))
+               for share in shares]
     for w in workers:
         w.start()
+    for _ in workers:
+        ready.get(timeout=300)
+    if at_start is not None:
+        at_start()
+    go.set()
     outs = [results.get(timeout=900) for _ in workers]
     for w in workers:
         w.join()
@@ -176,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument("--stream-intervals", default="1,0")
-    ap.add_argument("--client-procs", type=int, default=0, help="client processes (0: three quarters of the cores, up to 16)")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="client processes (0: three quarters of the cores, up to 16)")
     ap.add_argument("--connections", type=int, default=4, help="gRPC connections per client process")
     ap.add_argument("--scheduler-args", default="", help="extra flags of splitserve-scheduler")
     ap.add_argument("--worker-args", default="", help="extra flags of splitserve-worker simulate")
@@ -226,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     passes.append((1, common.offline_workload(args.burst, 32, 16, seed=7)))
                 for k, (interval, work) in enumerate(passes):
                     run = common.redraw_tokens(work, seed=k + 1)  # no prefix hits between passes
-                    before = process_cpu(roots)
-                    got = drive(target, run, interval, procs)
+                    before: dict[int, tuple[str, float]] = {}
+                    got = drive(target, run, interval, procs, at_start=lambda: before.update(process_cpu(roots)))
                     after = process_cpu(roots)
                     tokens, seconds = got["tokens"], got["seconds"]
                     use = cpu_use(before, after, seconds, tokens)
