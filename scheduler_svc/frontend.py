@@ -49,14 +49,18 @@ FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "a
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
-# gRPC core cancels incoming calls that wait for the server to take them once more than max_pending_requests
-# (1,000) are pending, with status CANCELLED and no message: a burst of new streams larger than that, on one
-# connection or many, lost the excess. Admission is this service's job (RESOURCE_EXHAUSTED, with a message),
-# so the bound is far above any admission bound.
+# gRPC core cancels, with status CANCELLED and no message, incoming calls that wait for the server to take them
+# once more than max_pending_requests (1,000) are pending, and any that waited longer than
+# server_max_unrequested_time_in_server (30 s). A burst of new streams larger than the first lost the excess; a
+# front-end busy streaming takes each new call over several turns of its event loop, so thousands of streams
+# opened at once on a loaded one waited past the second. Admission is this service's job (RESOURCE_EXHAUSTED,
+# with a message) and a client's deadline bounds its wait (DEADLINE_EXCEEDED), so both bounds are far away.
 MAX_PENDING_CALLS = 1 << 17
+MAX_UNTAKEN_S = 7 * 24 * 3600
 PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                          ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                          ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                         ("grpc.server_max_unrequested_time_in_server", MAX_UNTAKEN_S),
                          ("grpc.so_reuseport", 1)]
 # what an engine's refusal of an add means for the client
 _REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.INVALID_ARGUMENT}
