@@ -84,7 +84,7 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int,
     clients = [AsyncClient(address) for _ in range(connections)]
     await asyncio.gather(*(c.model_info() for c in clients))  # every connection up
     await _start_together(ready, go)
-    out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}}
+    out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}, "examples": {}}
 
     async def one(i: int, r) -> None:
         trace = await common.stream(clients[i % connections], r.prompt_ids, r.max_tokens, ignore_eos=True,
@@ -94,6 +94,7 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int,
         if trace.error is not None:
             code = trace.error.split(":", 1)[0]
             out["statuses"][code] = out["statuses"].get(code, 0) + 1
+            out["examples"].setdefault(code, trace.error)
         elif trace.output_tokens != r.max_tokens:
             out["short"] += 1
 
@@ -177,12 +178,15 @@ def drive(target: dict, reqs: list, interval: int, procs: int, at_start: Callabl
     for w in workers:
         w.join()
     statuses: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for o in outs:
         for code, count in o["statuses"].items():
             statuses[code] = statuses.get(code, 0) + count
+        for code, example in o.get("examples", {}).items():
+            examples.setdefault(code, example)
     return {"tokens": sum(o["tokens"] for o in outs), "messages": sum(o.get("messages", 0) for o in outs),
             "short": sum(o["short"] for o in outs),
-            "statuses": statuses, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
+            "statuses": statuses, "examples": examples, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
             "client_cpu": [o["cpu"] for o in outs]}
 
 
@@ -256,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     row = {"workers": n, "stream_interval": interval, "path": "gateway" if args.gateway else "grpc",
                            "pass": "burst" if work is not reqs else "offline", "streams": len(run),
                            "client_procs": procs, "output_tokens": tokens, "short_streams": got["short"],
-                           "error_statuses": got["statuses"], "seconds": round(seconds, 2),
+                           "error_statuses": got["statuses"], "error_examples": got["examples"],
+                           "seconds": round(seconds, 2),
                            "tokens_per_s": round(tokens / seconds),
                            "tokens_per_message": round(tokens / got["messages"], 2) if got["messages"] else None,
                            "scheduler_cpu_s_per_1k_tokens": round(sum(
