@@ -1,5 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,thirdparty,all}
+                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,
+                 thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -33,6 +34,7 @@ MODULES = {
     "fp8-accuracy": "bench.fp8_accuracy",
     "scale": "bench.scale",
     "grpc-stream": "bench.grpc_stream",
+    "grpc-accept": "bench.grpc_accept",
     "floor": "bench.floor",
     "thirdparty": "bench.thirdparty",
 }

@@ -225,3 +225,14 @@ def test_grpc_stream_floor_counts_every_message_on_both_loops(tmp_path: Path) ->
     rows = _load(out, "grpc_stream", "bench.grpc_stream")["results"]
     assert [r["loop"] for r in rows] == ["asyncio", "uvloop"]
     assert all(r["messages"] == 2000 and r["server_cpu_us_per_message"] > 0 for r in rows)
+
+
+def test_grpc_accept_times_every_new_call_under_a_streaming_load(tmp_path: Path) -> None:
+    """bench grpc-accept: every probe call is timed from its send to its handler, while the load is read."""
+    from bench.__main__ import main
+
+    out = tmp_path / "grpc_accept.json"
+    main(["grpc-accept", "--streams", "4", "--new-calls", "6", "--tick", "0.02", "--out", str(out)])
+    (row,) = _load(out, "grpc_accept", "bench.grpc_accept")["results"]
+    assert row["streams"] == 4 and row["new_calls"] == 6 and row["load_messages_per_s"] > 0
+    assert 0 <= row["wait_ms_p50"] <= row["wait_ms_p90"] <= row["wait_ms_max"]
