@@ -1,8 +1,8 @@
 """How long a new call waits for a grpc.aio server that is busy streaming, with no scheduler behind it: the server
 writes one message to each of --streams open calls every --tick seconds (an engine step's tokens), a load client
 reads them, and once the load runs a probe client opens --new-calls calls at once; each reports when its handler
-started against when it was sent. grpc.aio takes one call at a time, over several turns of the server's event loop,
-and each turn of a busy loop writes to every stream with output: the wait grows with the streams a front-end holds.
+started against when it was sent. Once the server is saturated the wait grows with the streams it writes to
+(bench/NOTES.md).
 
     python -m bench grpc-accept [--streams 64,192,512] [--new-calls 256]
 """

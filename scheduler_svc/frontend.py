@@ -52,9 +52,9 @@ CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to 
 # gRPC core cancels, with status CANCELLED and no message, incoming calls that wait for the server to take them
 # once more than max_pending_requests (1,000) are pending, and any that waited longer than
 # server_max_unrequested_time_in_server (30 s). A burst of new streams larger than the first lost the excess; a
-# front-end busy streaming takes each new call over several turns of its event loop, so thousands of streams
-# opened at once on a loaded one waited past the second. Admission is this service's job (RESOURCE_EXHAUSTED,
-# with a message) and a client's deadline bounds its wait (DEADLINE_EXCEEDED), so both bounds are far away.
+# saturated front-end takes new calls slowly (bench grpc-accept), so thousands of streams opened at once on one
+# waited past the second. Admission is this service's job (RESOURCE_EXHAUSTED, with a message) and a client's
+# deadline bounds its wait (DEADLINE_EXCEEDED), so both bounds are far away.
 MAX_PENDING_CALLS = 1 << 17
 MAX_UNTAKEN_S = 7 * 24 * 3600
 PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
