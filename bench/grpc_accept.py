@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from bench import common
 from bench.grpc_stream import METHOD, _loop_runner
+from client.channel import CHANNEL_OPTIONS  # a connection per channel
 
 
 def _server(streams: int, tick: float, ports, delays) -> None:
@@ -70,7 +71,7 @@ async def _calls(port: int, count: int, probe: bool, stop) -> int:
 
     from protos import splitserve_pb2 as api
 
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) for _ in range(4)]
     for channel in channels:
         await channel.channel_ready()
     calls = [c.unary_stream(METHOD, request_serializer=api.GenerateRequest.SerializeToString,
