@@ -19,13 +19,14 @@ from bench.grpc_stream import METHOD, _loop_runner
 from client.channel import CHANNEL_OPTIONS  # a connection per channel
 
 
-def _server(streams: int, tick: float, ports, delays) -> None:
+def _server(streams: int, tick: float, write_slots: int, ports, delays) -> None:
     import grpc
 
     from protos import splitserve_pb2 as api
 
     waiting: list[asyncio.Future] = []
     new: list[float] = []
+    slots = asyncio.Semaphore(write_slots) if write_slots else None
 
     async def generate(request, context) -> None:
         if request.request_id:  # a probe: its send time
@@ -35,7 +36,11 @@ def _server(streams: int, tick: float, ports, delays) -> None:
             tick_done = asyncio.get_running_loop().create_future()
             waiting.append(tick_done)
             await tick_done
-            await context.write(api.GenerateResponse(text="x", token_ids=[1]))
+            if slots is None:
+                await context.write(api.GenerateResponse(text="x", token_ids=[1]))
+            else:
+                async with slots:
+                    await context.write(api.GenerateResponse(text="x", token_ids=[1]))
 
     async def ticker() -> None:
         while True:
@@ -101,10 +106,10 @@ def _client(port: int, count: int, probe: bool, stop, results) -> None:
     results.put(read / (time.perf_counter() - start))
 
 
-def measure(streams: int, new_calls: int, tick: float, warm_s: float = 3.0) -> dict:
+def measure(streams: int, new_calls: int, tick: float, write_slots: int = 0, warm_s: float = 3.0) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ports, delays, results, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_server, args=(streams, tick, ports, delays), daemon=True)
+    server = ctx.Process(target=_server, args=(streams, tick, write_slots, ports, delays), daemon=True)
     server.start()
     try:
         port = ports.get(timeout=60)
@@ -124,7 +129,8 @@ def measure(streams: int, new_calls: int, tick: float, warm_s: float = 3.0) -> d
     finally:
         server.kill()
     got.sort()
-    return {"streams": streams, "new_calls": new_calls, "tick_s": tick, "load_messages_per_s": round(load_rate),
+    return {"streams": streams, "new_calls": new_calls, "tick_s": tick, "write_slots": write_slots,
+            "load_messages_per_s": round(load_rate),
             "wait_ms_p50": round(got[len(got) // 2] * 1e3), "wait_ms_p90": round(got[int(len(got) * 0.9)] * 1e3),
             "wait_ms_max": round(got[-1] * 1e3)}
 
@@ -134,11 +140,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--streams", default="64,192,512", help="open streams the server writes to every tick")
     ap.add_argument("--new-calls", type=int, default=256)
     ap.add_argument("--tick", type=float, default=0.005, help="seconds between the server's rounds of writes")
+    ap.add_argument("--write-slots", type=int, default=0,
+                    help="writes in flight at once over all streams (0: one per stream)")
     ap.add_argument("--out", default="bench/results/grpc_accept.json")
     args = ap.parse_args(argv)
     rows = []
     for streams in common.csv_numbers(args.streams, int):
-        rows.append(measure(streams, args.new_calls, args.tick))
+        rows.append(measure(streams, args.new_calls, args.tick, args.write_slots))
         print(rows[-1], flush=True)
     args.model = "none (no model behind the streams)"
     common.save("bench.grpc_accept", argv, args.out, "grpc_accept", args, rows)
