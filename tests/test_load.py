@@ -570,6 +570,30 @@ def wide(model_dir, tmp_path_factory):
     c.stop()
 
 
+def test_a_client_that_stops_reading_stalls_only_its_own_stream(wide):
+    """A client that stops reading a long stream fills its flow-control window (no BDP probing, large messages:
+    20 top logprobs a token), so the front-end's writes to it wait; streams of other clients still complete
+    meanwhile, and cancelling the stalled call frees its blocks."""
+    from client.client import build_request
+    from protos import splitserve_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(wide.address, options=[("grpc.http2.bdp_probe", 0),
+                                                           ("grpc.use_local_subchannel_pool", 1)])
+    stalled = pb_grpc.GenerationStub(channel).Generate(
+        build_request(token_ids=_wide_prompt(10_000), max_tokens=470, ignore_eos=True, logprobs=20),
+        timeout=WAIT_S * 3)
+    try:
+        next(stalled)  # then no more reads
+        time.sleep(2.0)  # ~64 KB of ~250-byte messages: the window is full well before this
+        outcomes = asyncio.run(_wide_streams(wide.address, 20_000, 64))
+        assert outcomes == [(WIDE_TOKENS, "")] * 64
+    finally:
+        stalled.cancel()
+        channel.close()
+    with Client(wide.address) as c:
+        wait_for("every block free", lambda: all_idle(c))
+
+
 def _untaken_calls(options: list[tuple[str, int]], block_s: float, calls: int = 4) -> list[str]:
     """How streaming calls end that reach a grpc.aio server (with these options) at once while its event loop is
     blocked for block_s, as a busy front-end's is: "OK", or the code and details."""
