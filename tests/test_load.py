@@ -570,25 +570,28 @@ def wide(model_dir, tmp_path_factory):
     c.stop()
 
 
-def test_a_client_that_stops_reading_stalls_only_its_own_stream(wide):
-    """A client that stops reading a long stream fills its flow-control window (no BDP probing, large messages:
-    20 top logprobs a token), so the front-end's writes to it wait; streams of other clients still complete
-    meanwhile, and cancelling the stalled call frees its blocks."""
+def test_a_client_that_stops_reading_stalls_only_its_own_streams(wide):
+    """A client that stops reading 24 long streams (no BDP probing, large messages: 20 top logprobs a token),
+    so that their output backs up into the front-end (checked once: 85 tokens went out in one message when such
+    a stream was read again): streams of other clients still complete meanwhile, and cancelling the stalled
+    calls frees their blocks."""
     from client.client import build_request
     from protos import splitserve_pb2_grpc as pb_grpc
 
     channel = grpc.insecure_channel(wide.address, options=[("grpc.http2.bdp_probe", 0),
                                                            ("grpc.use_local_subchannel_pool", 1)])
-    stalled = pb_grpc.GenerationStub(channel).Generate(
-        build_request(token_ids=_wide_prompt(10_000), max_tokens=470, ignore_eos=True, logprobs=20),
-        timeout=WAIT_S * 3)
+    stub = pb_grpc.GenerationStub(channel)
+    stalled = [stub.Generate(build_request(token_ids=_wide_prompt(10_000 + k), max_tokens=470, ignore_eos=True,
+                                           logprobs=20), timeout=WAIT_S * 3) for k in range(24)]
     try:
-        next(stalled)  # then no more reads
-        time.sleep(2.0)  # ~64 KB of ~250-byte messages: the window is full well before this
+        for call in stalled:
+            next(call)  # then no more reads
+        time.sleep(2.0)  # ~64 KB of ~250-byte messages fill a stream's window well before this
         outcomes = asyncio.run(_wide_streams(wide.address, 20_000, 64))
         assert outcomes == [(WIDE_TOKENS, "")] * 64
     finally:
-        stalled.cancel()
+        for call in stalled:
+            call.cancel()
         channel.close()
     with Client(wide.address) as c:
         wait_for("every block free", lambda: all_idle(c))
