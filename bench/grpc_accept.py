@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import time
 from collections.abc import Sequence
 
 from bench import common
-from bench.grpc_stream import METHOD, _loop_runner
+from bench.grpc_stream import METHOD, _loop_runner, start_server
 from client.channel import CHANNEL_OPTIONS  # a connection per channel
 
 
-def _server(streams: int, tick: float, write_slots: int, ports, delays) -> None:
-    import grpc
-
+def _server(tick: float, write_slots: int, ports, delays) -> None:
     from protos import splitserve_pb2 as api
 
     waiting: list[asyncio.Future] = []
     new: list[float] = []
-    slots = asyncio.Semaphore(write_slots) if write_slots else None
+    slots = asyncio.Semaphore(write_slots) if write_slots else contextlib.nullcontext()
 
     async def generate(request, context) -> None:
         if request.request_id:  # a probe: its send time
@@ -36,11 +35,8 @@ def _server(streams: int, tick: float, write_slots: int, ports, delays) -> None:
             tick_done = asyncio.get_running_loop().create_future()
             waiting.append(tick_done)
             await tick_done
-            if slots is None:
+            async with slots:
                 await context.write(api.GenerateResponse(text="x", token_ids=[1]))
-            else:
-                async with slots:
-                    await context.write(api.GenerateResponse(text="x", token_ids=[1]))
 
     async def ticker() -> None:
         while True:
@@ -51,14 +47,8 @@ def _server(streams: int, tick: float, write_slots: int, ports, delays) -> None:
                     f.set_result(None)
 
     async def serve() -> None:
-        server = grpc.aio.server()
-        handler = grpc.unary_stream_rpc_method_handler(
-            generate, request_deserializer=api.GenerateRequest.FromString,
-            response_serializer=api.GenerateResponse.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("splitserve.v1.Generation",
-                                                                              {"Generate": handler}),))
-        ports.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
+        server, port = await start_server(generate)  # held by this frame until the process is killed
+        ports.put(port)
         asyncio.get_running_loop().create_task(ticker())
         while True:
             await asyncio.sleep(0.05)
@@ -109,7 +99,7 @@ def _client(port: int, count: int, probe: bool, stop, results) -> None:
 def measure(streams: int, new_calls: int, tick: float, write_slots: int = 0, warm_s: float = 3.0) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ports, delays, results, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_server, args=(streams, tick, write_slots, ports, delays), daemon=True)
+    server = ctx.Process(target=_server, args=(tick, write_slots, ports, delays), daemon=True)
     server.start()
     try:
         port = ports.get(timeout=60)

@@ -33,6 +33,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def start_server(generate):
+    """A started grpc.aio server on a free loopback port whose Generate is the server-streaming `generate`
+    (request, context), and that port."""
+    import grpc
+
+    from protos import splitserve_pb2 as api
+
+    server = grpc.aio.server()
+    handler = grpc.unary_stream_rpc_method_handler(
+        generate, request_deserializer=api.GenerateRequest.FromString,
+        response_serializer=api.GenerateResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("splitserve.v1.Generation",
+                                                                          {"Generate": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def _server(loop: str, messages: int, ports) -> None:
     import grpc
 
@@ -43,14 +61,8 @@ def _server(loop: str, messages: int, ports) -> None:
             await context.write(api.GenerateResponse(request_id="r", text="x", token_ids=[i]))
 
     async def serve() -> None:
-        server = grpc.aio.server()
-        handler = grpc.unary_stream_rpc_method_handler(
-            generate, request_deserializer=api.GenerateRequest.FromString,
-            response_serializer=api.GenerateResponse.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("splitserve.v1.Generation",
-                                                                              {"Generate": handler}),))
-        ports.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
+        server, port = await start_server(generate)
+        ports.put(port)
         await server.wait_for_termination()
 
     _loop_runner(loop)(serve())

@@ -186,7 +186,8 @@ def drive(target: dict, reqs: list, interval: int, procs: int, at_start: Callabl
             examples.setdefault(code, example)
     return {"tokens": sum(o["tokens"] for o in outs), "messages": sum(o.get("messages", 0) for o in outs),
             "short": sum(o["short"] for o in outs),
-            "statuses": statuses, "examples": examples, "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
+            "statuses": statuses, "examples": examples,
+            "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
             "client_cpu": [o["cpu"] for o in outs]}
 
 
