@@ -84,12 +84,14 @@ async def _grpc_share(address: str, reqs: list, interval: int, connections: int,
     clients = [AsyncClient(address) for _ in range(connections)]
     await asyncio.gather(*(c.model_info() for c in clients))  # every connection up
     await _start_together(ready, go)
-    out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}, "examples": {}}
+    out = {"tokens": 0, "messages": 0, "short": 0, "statuses": {}, "examples": {}, "ttft": []}
 
     async def one(i: int, r) -> None:
         trace = await common.stream(clients[i % connections], r.prompt_ids, r.max_tokens, ignore_eos=True,
                                     temperature=0.6, stream_interval=interval)
         out["tokens"] += trace.output_tokens
+        if trace.times:
+            out["ttft"].append(trace.ttft)
         out["messages"] += len(trace.counts)
         if trace.error is not None:
             code = trace.error.split(":", 1)[0]
@@ -161,7 +163,8 @@ def _client_process(target: dict, reqs: list, interval: int, results, ready, go)
 def drive(target: dict, reqs: list, interval: int, procs: int, at_start: Callable[[], None] | None = None) -> dict:
     """Runs the requests from `procs` client processes, started together once every one is up and connected
     (`at_start` is called then): output tokens, streams that ended early with no error, error statuses by code,
-    and the seconds from the first send to the last end."""
+    the seconds from the first send to the last end, and the streams' time to first token (gRPC only: where a
+    saturated front-end takes new calls late, the pass waits for them)."""
     ctx = multiprocessing.get_context("spawn")
     results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [reqs[k::procs] for k in range(procs)]
@@ -184,11 +187,17 @@ def drive(target: dict, reqs: list, interval: int, procs: int, at_start: Callabl
             statuses[code] = statuses.get(code, 0) + count
         for code, example in o.get("examples", {}).items():
             examples.setdefault(code, example)
+    ttft = sorted(t for o in outs for t in o.get("ttft", ()))
     return {"tokens": sum(o["tokens"] for o in outs), "messages": sum(o.get("messages", 0) for o in outs),
+            "ttft": {"p50": _quantile(ttft, 0.5), "p90": _quantile(ttft, 0.9), "max": _quantile(ttft, 1.0)},
             "short": sum(o["short"] for o in outs),
             "statuses": statuses, "examples": examples,
             "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
             "client_cpu": [o["cpu"] for o in outs]}
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -265,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            "seconds": round(seconds, 2),
                            "tokens_per_s": round(tokens / seconds),
                            "tokens_per_message": round(tokens / got["messages"], 2) if got["messages"] else None,
+                           "ttft_s": got["ttft"],
                            "scheduler_cpu_s_per_1k_tokens": round(sum(
                                v for r, v in use["cpu_s_per_1k_tokens"].items() if r in tree), 4)}
                     if work is reqs:

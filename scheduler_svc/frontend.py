@@ -41,6 +41,7 @@ from scheduler_svc.router import GroupInfo, GroupView, pick_group
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
+from scheduler_svc.write_slots import WriteSlots
 
 log = logging.getLogger("splitserve.scheduler")
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -49,6 +50,8 @@ FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "a
 _REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
 CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
+WRITE_SLOTS = 32  # writes in flight per front-end (WriteSlots says why)
+WRITE_HOLD_S = 0.1  # a write not completed after this (a client not reading) holds no slot
 # gRPC core cancels, with status CANCELLED and no message, incoming calls that wait for the server to take them
 # once more than max_pending_requests (1,000) are pending, and any that waited longer than
 # server_max_unrequested_time_in_server (30 s). A burst of new streams larger than the first lost the excess; a
@@ -103,14 +106,17 @@ class _Stream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def take(self) -> list[Completion]:
-        """The completions with output since the last take, once one of them calls for it."""
+    async def wait(self) -> None:
+        """Until an output calls for the call to wake."""
         if not self.due:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
+
+    def take(self) -> list[Completion]:
+        """The completions with output since the last take."""
         self.due = False
         batch, self.outputs = self.outputs, []
         for c in batch:
@@ -160,6 +166,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.accepting = True
         self.health = health.aio.HealthServicer()
         self.metrics = FrontendMetrics()
+        self.write_slots = WriteSlots(WRITE_SLOTS, WRITE_HOLD_S)
         self._finished = {r: self.metrics.requests_finished.labels(r) for r in FINISH}
         self.out = ipc.Outboxes(zmq.Context.instance(), run_dir)
         self.server: grpc.aio.Server | None = None
@@ -403,53 +410,47 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             submitted.add(subs[0])
             started_rest = parsed.n == 1
             while pending:
-                batch = await stream.take()  # all that arrived since: coalesced when the client is slow
+                await stream.wait()
                 if stream.failed:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "its worker failed and no other worker is serving; retry the request")
-                responses = [(c.index, len(c.out_tokens), _response(rid, c)) for c in batch]
-                if not started_rest:
-                    started_rest = True
-                    for c in completions[1:]:
-                        await self._submit(c, hashes, context,
-                                           prefer=completions[0].group or self.groups_by_address(where))
-                        submitted.add(c.sub_id)
-                for i, count, response in responses:
-                    if response.finish_reason:
-                        pending.discard(subs[i])
-                        u = response.usage
-                        usage.prompt_tokens = u.prompt_tokens
-                        usage.completion_tokens += u.completion_tokens
-                        usage.cached_prompt_tokens += u.cached_prompt_tokens
-                        reasons[i] = reason = _REASON[response.finish_reason]
-                        self._finished[reason].inc()
-                        metrics.prompt_tokens.inc(u.prompt_tokens)
-                        metrics.prefix_queries.inc(u.prompt_tokens)
-                        metrics.cached_prompt_tokens.inc(u.cached_prompt_tokens)
-                        metrics.request_prompt_tokens.observe(u.prompt_tokens)
-                        metrics.request_generation_tokens.observe(u.completion_tokens)
-                        now = time.monotonic()
-                        if u.completion_tokens:  # first to last token: 0 where both came in this message
-                            metrics.decode_time.observe(now - first_at[i] if first_at[i] else 0.0)
-                        scheduled = completions[i].scheduled_at
-                        if scheduled is not None:  # vLLM's request phases: queued, then prefill, the whole run
-                            metrics.queue_time.observe(max(0.0, scheduled - arrived))
-                            metrics.prefill_time.observe(max(0.0, (first_at[i] or now) - scheduled))
-                            metrics.inference_time.observe(max(0.0, now - scheduled))
-                    if count:
-                        now = time.perf_counter()
-                        first_at[i] = first_at[i] or time.monotonic()
-                        if first_token:
-                            first_token = False
-                            metrics.ttft.observe(now - started)
-                        elif last_sent[i]:
-                            itl.observe(now - last_sent[i])
-                        last_sent[i] = now
-                        streamed[i] += count
-                    if interval != 1:
-                        response = _hold(held_back, response, interval)
-                    if response is not None and not await _write(context, response):
-                        return
+                slot = await self.write_slots.take()  # given back by its hold time at the latest
+                try:
+                    # All that arrived until now, the wait for a slot included: coalesced when the client or the
+                    # front-end is slow.
+                    responses = [(c.index, len(c.out_tokens), _response(rid, c)) for c in stream.take()]
+                    if not started_rest:
+                        started_rest = True
+                        for c in completions[1:]:
+                            await self._submit(c, hashes, context,
+                                               prefer=completions[0].group or self.groups_by_address(where))
+                            submitted.add(c.sub_id)
+                    for i, count, response in responses:
+                        if response.finish_reason:
+                            pending.discard(subs[i])
+                            reasons[i] = _REASON[response.finish_reason]
+                            self._finished[reasons[i]].inc()
+                            u = response.usage
+                            usage.prompt_tokens = u.prompt_tokens
+                            usage.completion_tokens += u.completion_tokens
+                            usage.cached_prompt_tokens += u.cached_prompt_tokens
+                            _observe_end(metrics, u, arrived, first_at[i], completions[i].scheduled_at)
+                        if count:
+                            now = time.perf_counter()
+                            first_at[i] = first_at[i] or time.monotonic()
+                            if first_token:
+                                first_token = False
+                                metrics.ttft.observe(now - started)
+                            elif last_sent[i]:
+                                itl.observe(now - last_sent[i])
+                            last_sent[i] = now
+                            streamed[i] += count
+                        if interval != 1:
+                            response = _hold(held_back, response, interval)
+                        if response is not None and not await _write(context, response):
+                            return
+                finally:
+                    slot.give_back()
         finally:
             for c in completions:
                 self._streams.pop(c.sub_id, None)
@@ -564,6 +565,24 @@ async def _write(context, response: api.GenerateResponse) -> bool:
         log.debug("a write failed as the call ended: %r", e)
         await asyncio.sleep(CLOSE_NOTICE_S)
         return False
+
+
+def _observe_end(metrics: FrontendMetrics, usage: api.Usage, arrived: float, first_at: float,
+                 scheduled: float | None) -> None:
+    """A completion's end in the metrics: its tokens, and vLLM's request phases (queued, then prefill, the whole
+    run) from the times on the one monotonic clock every process shares."""
+    metrics.prompt_tokens.inc(usage.prompt_tokens)
+    metrics.prefix_queries.inc(usage.prompt_tokens)
+    metrics.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+    metrics.request_prompt_tokens.observe(usage.prompt_tokens)
+    metrics.request_generation_tokens.observe(usage.completion_tokens)
+    now = time.monotonic()
+    if usage.completion_tokens:  # first to last token: 0 where both came in this message
+        metrics.decode_time.observe(now - first_at if first_at else 0.0)
+    if scheduled is not None:
+        metrics.queue_time.observe(max(0.0, scheduled - arrived))
+        metrics.prefill_time.observe(max(0.0, (first_at or now) - scheduled))
+        metrics.inference_time.observe(max(0.0, now - scheduled))
 
 
 def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
