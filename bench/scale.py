@@ -19,10 +19,12 @@ import multiprocessing
 import os
 import shlex
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench import common
+from client.launcher import LocalCluster, free_port
 from common.util import CPUS_ENV, available_cpus, run_loop
 
 STEP_CLOCK = os.sysconf("SC_CLK_TCK")
@@ -69,6 +71,43 @@ def cpu_use(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, fl
         busiest[role] = max(busiest.get(role, 0.0), used / seconds)
     return {"cpu_s_per_1k_tokens": {r: round(1000 * c / max(tokens, 1), 4) for r, c in sorted(total.items())},
             "busiest_core_share": {r: round(b, 2) for r, b in sorted(busiest.items())}}
+
+
+STEP_METRIC = "splitserve:worker_step_duration_seconds"
+
+
+def worker_steps(metrics_ports: list[int]) -> list[tuple[float, float]]:
+    """Each simulated worker's steps so far and the seconds they took (the time the GPU would have been busy),
+    from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            samples = {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
+                       for s in f.samples if s.name.startswith(STEP_METRIC)}
+        out.append((samples.get(STEP_METRIC + "_count", 0.0), samples.get(STEP_METRIC + "_sum", 0.0)))
+    return out
+
+
+def worker_use(before: list[tuple[float, float]], after: list[tuple[float, float]], seconds: float,
+               tokens: int) -> dict:
+    """Over the pass: the workers' steps, output tokens per step, and each worker's busy share of the pass (the
+    rest it waited for plans: what the scheduler tree cost the workers)."""
+    steps = sum(a[0] - b[0] for a, b in zip(after, before))
+    busy = [(a[1] - b[1]) / seconds for a, b in zip(after, before)]
+    return {"worker_steps": int(steps), "tokens_per_step": round(tokens / max(steps, 1), 1),
+            "worker_busy": [round(b, 3) for b in busy]}
+
+
+class _MeteredCluster(LocalCluster):
+    """LocalCluster whose workers serve /metrics, each on a port of its own (read by worker_steps)."""
+    metrics_ports: list[int]
+
+    def start_worker(self, port: int | None = None, extra: list[str] | None = None):
+        metrics_port = free_port()
+        self.metrics_ports = [*getattr(self, "metrics_ports", []), metrics_port]
+        return super().start_worker(port, [*(extra or []), "--metrics-port", str(metrics_port)])
 
 
 async def _start_together(ready, go) -> None:
@@ -231,8 +270,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.sched_setaffinity(0, set(cores[args.scheduler_cores:]))  # inherited by the clients and workers
     import tempfile
 
-    from client.launcher import LocalCluster
-
     procs = args.client_procs or max(1, min(16, available_cpus() * 3 // 4))
     rows: list[dict] = []
     one_worker: dict[int, float] = {}
@@ -240,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = common.write_config_only(args.preset, Path(tmp) / args.preset)
         for n in common.csv_numbers(args.workers, int):
             reqs = common.offline_workload(n * args.requests_per_worker, args.max_input, args.max_output)
-            cluster = LocalCluster(model, num_workers=n, worker_command="simulate",
+            cluster = _MeteredCluster(model, num_workers=n, worker_command="simulate",
                                    worker_args=shlex.split(args.worker_args),
                                    scheduler_args=["--max-num-seqs", "512", *shlex.split(args.scheduler_args)],
                                    log_dir=Path(tmp) / f"logs-{n}")
@@ -260,8 +297,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for k, (interval, work) in enumerate(passes):
                     run = common.redraw_tokens(work, seed=k + 1)  # no prefix hits between passes
                     before: dict[int, tuple[str, float]] = {}
-                    got = drive(target, run, interval, procs, at_start=lambda: before.update(process_cpu(roots)))
+                    steps_before: list[tuple[float, float]] = []
+
+                    def at_start() -> None:
+                        before.update(process_cpu(roots))
+                        steps_before.extend(worker_steps(c.metrics_ports))
+
+                    got = drive(target, run, interval, procs, at_start=at_start)
                     after = process_cpu(roots)
+                    steps_after = worker_steps(c.metrics_ports)
                     tokens, seconds = got["tokens"], got["seconds"]
                     use = cpu_use(before, after, seconds, tokens)
                     use["cpu_s_per_1k_tokens"]["client"] = round(1000 * sum(got["client_cpu"]) / max(tokens, 1), 4)
@@ -282,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         ideal = n * one_worker[interval]
                         row.update(n_x_one_worker=round(ideal), ratio=round(tokens / seconds / ideal, 3))
                     row.update(use)
+                    row.update(worker_use(steps_before, steps_after, seconds, tokens))
                     rows.append(row)
                     print(row, flush=True)
     args.model, args.cpus = None, available_cpus()
