@@ -1,6 +1,12 @@
 """Which worker group gets a new request: the lowest cost of prefill work left to do after its prefix cache,
 plus its load, so hot prefixes go where they are cached without piling onto one group.
 
+Load is counted in tokens and survives admission: a request weighs its prompt while it waits (pending at the
+front-end, then queued at the engine) and its KV once it runs (the blocks its group's sequences hold), so a
+group that admits a burst quickly does not look idle and draw the next one (a running sequence counted as a few
+tokens made the groups of a burst of long requests end unevenly, and the pass with them). KV held is also what
+each decode step reads and what preemption frees, as in Dynamo's KV router (prefill blocks + active blocks).
+
 A front-end routes from its GroupViews: what the supervisor says of each group (GroupInfo), and a mirror of the
 group's prefix-cache index and load that its engine publishes with every step (block-stored and block-removed
 events, queue and KV counters). The mirror lags the engine by at most the message in flight; requests this
@@ -13,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from scheduler_svc.prefix_hash import PromptHashes
-
-# A running sequence costs about this many prompt tokens of work per step it stays (tunable).
-RUNNING_WEIGHT = 8
 
 
 @dataclass(slots=True)
@@ -54,6 +57,9 @@ class GroupView:
     pending_tokens: int = 0
     sent: int = 0
 
+    def __post_init__(self) -> None:
+        self.free_blocks = self.info.num_blocks  # until its engine's first report
+
     @property
     def group_id(self) -> int:
         return self.info.group_id
@@ -82,7 +88,9 @@ class GroupView:
                 self.hashes.difference_update(removed)
 
     def load(self) -> tuple[int, int, int]:
-        return self.waiting_tokens + self.pending_tokens, self.running, self.free_blocks
+        """Prompt tokens queued for it (pending here, waiting there), KV tokens its sequences hold, free blocks."""
+        held = (self.info.num_blocks - self.free_blocks) * self.info.block_size
+        return self.waiting_tokens + self.pending_tokens, held, self.free_blocks
 
     def cached_prefix_tokens(self, hashes: PromptHashes) -> int:
         """Tokens of the prompt its prefix cache holds in either tier (as last reported), never the last one."""
@@ -105,9 +113,9 @@ G = TypeVar("G", bound=Group)
 
 
 def cost(group: Group, hashes: PromptHashes) -> float:
-    waiting_tokens, running, free_blocks = group.load()
+    queued_tokens, held_tokens, free_blocks = group.load()
     uncached = len(hashes.token_ids) - group.cached_prefix_tokens(hashes)
-    return uncached + waiting_tokens + RUNNING_WEIGHT * running - (1e-6 * free_blocks)
+    return uncached + queued_tokens + held_tokens - (1e-6 * free_blocks)
 
 
 def pick_group(groups: list[G], hashes: PromptHashes) -> G:
