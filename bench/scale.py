@@ -299,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     before: dict[int, tuple[str, float]] = {}
                     steps_before: list[tuple[float, float]] = []
 
+                    routed_before = requests_by_worker(c.address)
+
                     def at_start() -> None:
                         before.update(process_cpu(roots))
                         steps_before.extend(worker_steps(c.metrics_ports))
@@ -306,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     got = drive(target, run, interval, procs, at_start=at_start)
                     after = process_cpu(roots)
                     steps_after = worker_steps(c.metrics_ports)
+                    routed = requests_by_worker(c.address)
                     tokens, seconds = got["tokens"], got["seconds"]
                     use = cpu_use(before, after, seconds, tokens)
                     use["cpu_s_per_1k_tokens"]["client"] = round(1000 * sum(got["client_cpu"]) / max(tokens, 1), 4)
@@ -327,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         row.update(n_x_one_worker=round(ideal), ratio=round(tokens / seconds / ideal, 3))
                     row.update(use)
                     row.update(worker_use(steps_before, steps_after, seconds, tokens))
+                    row["requests_by_worker"] = sorted(v - routed_before.get(k, 0) for k, v in routed.items())
                     rows.append(row)
                     print(row, flush=True)
     args.model, args.cpus = None, available_cpus()
@@ -354,6 +358,14 @@ def _pin_tree(root: int, cores: set[int]) -> None:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(tid), cores)
+
+
+def requests_by_worker(address: str) -> dict[str, int]:
+    """The requests each worker's engine has taken so far."""
+    from client import Client
+
+    with Client(address, timeout=10) as client:
+        return {w["address"]: w["num_requests"] for w in client.model_info()["workers"]}
 
 
 def _wait_for_workers(address: str, n: int, timeout: float = 120.0) -> None:
