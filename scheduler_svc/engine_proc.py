@@ -93,7 +93,6 @@ class EngineGroup:
         self._wake = threading.Event()
         self._owned: dict[tuple[int, int], _Owned] = {}
         self._by_seq: dict[int, _Owned] = {}
-        self._acked: dict[int, int] = {}  # adds applied, per front-end
         self._last_load: dict[int, tuple] = {}  # per front-end, the load it was last sent
         self._drain_deadline: float | None = None
         self._stopping = False
@@ -184,7 +183,6 @@ class EngineGroup:
                 for owned in [o for o in self._owned.values() if o.frontend == message[1]]:
                     del self._owned[owned.frontend, owned.key], self._by_seq[owned.seq.seq_id]
                     self.core.abort(owned.seq)
-                self._acked.pop(message[1], None)
             elif op == "drain":  # [drain, group, grace, whether queued requests have another group to go to]
                 self._drain_deadline = time.monotonic() + max(0.0, message[2])
                 if message[3]:
@@ -194,7 +192,6 @@ class EngineGroup:
 
     def _add(self, out: ipc.Outboxes, message: list) -> None:
         _, f, key, _group, prompt_len, ids, params, priority, force, hashes = message
-        self._acked[f] = self._acked.get(f, 0) + 1
         try:
             if self._drain_deadline is not None:
                 raise WorkerUnavailable(f"worker {self.address} drains")
@@ -277,14 +274,12 @@ class EngineGroup:
         events = [ipc.ints(stored, "Q"), ipc.ints(removed, "Q")] if stored or removed else None
         for f in self._frontends:
             o = outputs.get(f)
-            acked = self._acked.get(f, 0)
-            state = (load, acked)
-            if o is None and events is None and snapshot != f and self._last_load.get(f) == state:
+            if o is None and events is None and snapshot != f and self._last_load.get(f) == load:
                 continue
-            self._last_load[f] = state
-            message = ["out", self.group_id, list(load), acked, events]
+            self._last_load[f] = load
+            message = ["out", self.group_id, list(load), events]
             if snapshot == f:
-                message[4] = [ipc.ints(bm.cached_hashes(), "Q"), b"", True]
+                message[3] = [ipc.ints(bm.cached_hashes(), "Q"), b"", True]
             if o is not None:
                 message += [ipc.ints(o.keys), ipc.ints(o.tokens, "i"), o.finished, o.first, o.logprobs]
             out.send(ipc.frontend_name(f), message)

@@ -152,10 +152,20 @@ class Completion:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.tokens
 
+    def move_to(self, group: GroupView | None) -> None:
+        """Runs on `group` from now (None: nowhere): its tokens count in that group's load as this front-end
+        routes (router.py), and each token it generates there adds one."""
+        held = len(self.prompt_ids) + len(self.tokens)
+        if self.group is not None:
+            self.group.own_tokens -= held
+        if group is not None:
+            group.own_tokens += held
+        self.group = group
+
 
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
-    def __init__(self, index: int, run_dir: str, tokenizer: ModelTokenizer):
-        self.index, self.run_dir, self.tokenizer = index, run_dir, tokenizer
+    def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer):
+        self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
         self.loop = asyncio.get_running_loop()
         self.groups: dict[int, GroupView] = {}
         self.completions: dict[int, Completion] = {}
@@ -258,13 +268,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         gid = message[1]
         group = self.groups.get(gid)
         if group is not None:
-            events = message[4]
-            group.report(message[2], message[3], events, *((ipc.unints(events[0], "Q"), ipc.unints(events[1], "Q"))
-                                                          if events else ((), ())))
-        if len(message) == 5:
+            events = message[3]
+            group.report(message[2], events, *((ipc.unints(events[0], "Q"), ipc.unints(events[1], "Q"))
+                                               if events else ((), ())))
+        if len(message) == 4:
             return
-        keys, tokens = ipc.unints(message[5]), ipc.unints(message[6], "i")
-        finished, first, logprobs = dict(message[7]), message[8], message[9]
+        keys, tokens = ipc.unints(message[4]), ipc.unints(message[5], "i")
+        finished, first, logprobs = dict(message[6]), message[7], message[8]
         completions = self.completions
         for i, cached, prompt, scheduled_at in first:
             c = completions.get(keys[i])
@@ -283,10 +293,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if state.scoring:  # the token sampled at the prompt's end finished it: none of it is output
                 c.finish_reason = "length"
                 del completions[key]
-                c.group = None
+                c.move_to(None)
                 c.stream.put(c, 0, True)
                 continue
             c.tokens.append(token)
+            g.own_tokens += 1
             text, reason_now, stop_reason = state.next(token, reason)
             c.out_tokens.append(token)
             c.out_text.append(text)
@@ -302,7 +313,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 self._to_engine(g.info.engine, ["stop", self.index, key, gid])
             c.finish_reason, c.stop_reason = reason_now, stop_reason
             del completions[key]
-            c.group = None
+            c.move_to(None)
             c.stream.put(c, 1, True)
 
     def _group_gone(self, group: GroupView | None, keys: list[int]) -> None:
@@ -315,7 +326,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if c.ack is not None and not c.ack.done():
                 c.ack.set_result(("gone", f"worker {c.group.address} is gone" if c.group else "gone"))
                 continue
-            c.group = None
+            c.move_to(None)
             asyncio.ensure_future(self._move(c))
 
     async def _move(self, c: Completion) -> None:
@@ -331,7 +342,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 self.completions.pop(c.key, None)
                 c.stream.fail()
                 return
-            group = pick_group(groups, hashes)
+            group = pick_group(groups, hashes, self.num_frontends)
             code, text = await self._add(c, group, hashes, force=True)
             if code == "":
                 self.metrics.requests_requeued.inc()
@@ -346,10 +357,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def _add(self, c: Completion, group: GroupView, hashes: PromptHashes, force: bool = False) -> tuple[str, str]:
         """Sends the completion's add to the group's engine and waits for its answer: ("", "") when queued, else
         (refusal code, message)."""
-        c.group = group
+        c.move_to(group)
         c.ack = self.loop.create_future()
         tokens = c.token_ids()
-        group.routed(len(tokens))
         params = c.params
         self._to_engine(group.info.engine, [
             "add", self.index, c.key, group.group_id, len(c.prompt_ids), ipc.ints(tokens, "i"), params.engine_fields(),
@@ -486,13 +496,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if not groups:
                 self.completions.pop(c.key, None)
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
-            group = prefer if prefer is not None and prefer in groups else pick_group(groups, hashes)
+            group = prefer if prefer is not None and prefer in groups else pick_group(groups, hashes, self.num_frontends)
             code, text = await self._add(c, group, hashes)
             if code == "":
                 return group
             if code in _REFUSED:
                 self.completions.pop(c.key, None)
-                c.group = None
+                c.move_to(None)
                 await self._reject(context, _REFUSED[code], text)
             tried.add(group.group_id)  # gone meanwhile: pick again
 
@@ -500,7 +510,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.completions.pop(c.key, None)
         if c.group is not None:
             self._to_engine(c.group.info.engine, ["abort", self.index, ipc.ints([c.key]), c.group.group_id])
-            c.group = None
+            c.move_to(None)
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()
@@ -668,9 +678,9 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         return mpb.DeregisterResponse(moved=reply["moved"], was_member=reply["was_member"])
 
 
-async def serve(index: int, run_dir: str, args, port: int) -> None:
+async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
-    frontend = Frontend(index, run_dir, load_tokenizer(args.model))
+    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model))
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request
@@ -695,10 +705,10 @@ async def serve(index: int, run_dir: str, args, port: int) -> None:
     frontend.out.close()
 
 
-def frontend_main(index: int, run_dir: str, argv: list[str], port: int, parent) -> None:
-    """Entry point of front-end process `index`."""
+def frontend_main(index: int, num_frontends: int, run_dir: str, argv: list[str], port: int, parent) -> None:
+    """Entry point of front-end process `index` of `num_frontends`."""
     from scheduler_svc import cli
 
     ipc.become_child(f"frontend {index}", parent)
     args = cli.parse_child_args(argv)
-    run_loop(serve(index, run_dir, args, port))
+    run_loop(serve(index, num_frontends, run_dir, args, port))

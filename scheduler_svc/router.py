@@ -1,20 +1,22 @@
 """Which worker group gets a new request: the lowest cost of prefill work left to do after its prefix cache,
 plus its load, so hot prefixes go where they are cached without piling onto one group.
 
-Load is counted in tokens and survives admission: a request weighs its prompt while it waits (pending at the
-front-end, then queued at the engine) and its KV once it runs (the blocks its group's sequences hold), so a
-group that admits a burst quickly does not look idle and draw the next one (a running sequence counted as a few
-tokens made the groups of a burst of long requests end unevenly, and the pass with them). KV held is also what
-each decode step reads and what preemption frees, as in Dynamo's KV router (prefill blocks + active blocks).
+Load is what this front-end's own requests hold on the group: their tokens (prompt and generated so far, i.e.
+the KV they hold or will hold once admitted), times the number of front-ends. A front-end knows its own
+requests exactly and at once, and every front-end balancing its own share balances the sum; what the engines
+publish lags by the messages in flight, and in a burst every front-end saw the same stale counters and sent
+the excess to the groups whose engines had acknowledged least (bench/NOTES.md, "routing lag"). Tokens, not
+requests: a request
+weighs its prompt while queued and its KV once it runs, which is also what each decode step reads and what
+preemption frees, as in Dynamo's KV router (prefill blocks + active blocks). A group that runs slower keeps
+its requests longer and so draws fewer new ones.
 
-A front-end routes from its GroupViews: what the supervisor says of each group (GroupInfo), and a mirror of the
-group's prefix-cache index and load that its engine publishes with every step (block-stored and block-removed
-events, queue and KV counters). The mirror lags the engine by at most the message in flight; requests this
-front-end routed and the engine has not acknowledged yet count as pending prefill, so a burst does not all land
-on the group that looked idle. Another front-end's burst shows up one step later."""
+The prefix-cache side does come from the engines: a mirror of each group's cache index from its
+block-stored / block-removed events, behind the engine by at most the message in flight. A request whose
+prefix was stored in the last step can miss that overlap and go where load says (fewer cached tokens, the
+same output)."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -44,7 +46,8 @@ class GroupInfo:
 class GroupView:
     info: GroupInfo
     hashes: set[int] = field(default_factory=set)  # the group's cached blocks, by chained hash
-    # its engine's last report
+    own_tokens: int = 0  # tokens of this front-end's completions on it (Completion.move_to keeps it)
+    # its engine's last report, over every front-end's requests
     waiting: int = 0
     waiting_tokens: int = 0
     running: int = 0
@@ -52,10 +55,6 @@ class GroupView:
     cached_blocks: int = 0
     preemptions: int = 0
     num_requests: int = 0
-    # adds this front-end sent and the engine has not acknowledged yet: (serial, prompt tokens)
-    pending: deque = field(default_factory=deque)
-    pending_tokens: int = 0
-    sent: int = 0
 
     def __post_init__(self) -> None:
         self.free_blocks = self.info.num_blocks  # until its engine's first report
@@ -68,29 +67,16 @@ class GroupView:
     def address(self) -> str:
         return self.info.address
 
-    def routed(self, tokens: int) -> None:
-        """A request of `tokens` prompt tokens was sent to the group."""
-        self.sent += 1
-        self.pending.append((self.sent, tokens))
-        self.pending_tokens += tokens
-
-    def report(self, load: list, acked: int, events: list | None, stored, removed) -> None:
-        """The engine's report: its load, how many of this front-end's adds it has applied, cache events."""
+    def report(self, load: list, events: list | None, stored, removed) -> None:
+        """The engine's report: its load and prefix-cache events."""
         (self.waiting, self.waiting_tokens, self.running, self.free_blocks, self.cached_blocks, self.preemptions,
          self.num_requests) = load
-        while self.pending and self.pending[0][0] <= acked:
-            self.pending_tokens -= self.pending.popleft()[1]
         if events is not None:
             if len(events) > 2:  # a snapshot: the whole index
                 self.hashes = set(stored)
             else:
                 self.hashes.update(stored)
                 self.hashes.difference_update(removed)
-
-    def load(self) -> tuple[int, int, int]:
-        """Prompt tokens queued for it (pending here, waiting there), KV tokens its sequences hold, free blocks."""
-        held = (self.info.num_blocks - self.free_blocks) * self.info.block_size
-        return self.waiting_tokens + self.pending_tokens, held, self.free_blocks
 
     def cached_prefix_tokens(self, hashes: PromptHashes) -> int:
         """Tokens of the prompt its prefix cache holds in either tier (as last reported), never the last one."""
@@ -105,18 +91,21 @@ class GroupView:
 
 
 class Group(Protocol):
-    def load(self) -> tuple[int, int, int]: ...
+    own_tokens: int
+    free_blocks: int
+
     def cached_prefix_tokens(self, hashes: PromptHashes) -> int: ...
 
 
 G = TypeVar("G", bound=Group)
 
 
-def cost(group: Group, hashes: PromptHashes) -> float:
-    queued_tokens, held_tokens, free_blocks = group.load()
+def cost(group: Group, hashes: PromptHashes, frontends: int) -> float:
+    """Prefill left after the group's cache, plus the tokens all front-ends' requests hold there (this one's
+    times their number); free blocks break ties."""
     uncached = len(hashes.token_ids) - group.cached_prefix_tokens(hashes)
-    return uncached + queued_tokens + held_tokens - (1e-6 * free_blocks)
+    return uncached + frontends * group.own_tokens - 1e-6 * group.free_blocks
 
 
-def pick_group(groups: list[G], hashes: PromptHashes) -> G:
-    return min(groups, key=lambda g: cost(g, hashes))
+def pick_group(groups: list[G], hashes: PromptHashes, frontends: int) -> G:
+    return min(groups, key=lambda g: cost(g, hashes, frontends))

@@ -123,7 +123,7 @@ class Supervisor:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)  # the child reads: EOF means we are gone
         if kind == "frontend":
-            target, args = frontend_main, (index, self.run_dir, self.argv, self.port, reader)
+            target, args = frontend_main, (index, self.num_frontends, self.run_dir, self.argv, self.port, reader)
         else:
             target, args = engine_main, (index, self.run_dir, self.argv, self.num_frontends, reader)
         process = ctx.Process(target=target, args=args, name=f"{kind}-{index}", daemon=True)

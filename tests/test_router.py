@@ -1,5 +1,6 @@
-"""Routing a new request to a worker group (scheduler_svc/router.py), from a front-end's GroupViews as its engines'
-reports update them: load that survives admission, prefix affinity, a group not yet reported."""
+"""Routing a new request to a worker group (scheduler_svc/router.py): load from the front-end's own requests, so
+that front-ends routing a burst from stale engine counters still split it evenly; prefix affinity; a group its
+engine has not reported yet."""
 from __future__ import annotations
 
 import random
@@ -16,61 +17,39 @@ def group(gid: int, num_blocks: int = 4096) -> GroupView:
                                epoch=1, kv_cache_dtype="auto"))
 
 
-class Engine:
-    """What an engine reports of its group: `admit` prompts per step move from waiting to running, holding
-    their blocks."""
-
-    def __init__(self, view: GroupView, admit: int):
-        self.view, self.admit = view, admit
-        self.waiting: list[int] = []
-        self.running: list[int] = []
-        self.acked = 0
-
-    def step(self) -> None:
-        v = self.view
-        self.waiting += [tokens for _, tokens in v.pending]  # every add sent since the last step arrives
-        self.acked = v.sent
-        moved, self.waiting = self.waiting[:self.admit], self.waiting[self.admit:]
-        self.running += moved
-        held = sum(-(-t // BLOCK) for t in self.running)
-        v.report([len(self.waiting), sum(self.waiting), len(self.running), v.info.num_blocks - held, 0, 0, 0],
-                 self.acked, None, (), ())
-
-
-def test_a_burst_splits_evenly_between_a_group_that_admits_at_once_and_one_that_queues():
-    """Load must not vanish when an engine admits a request: a group that moves its burst to running in one step
-    would otherwise look idle and draw most of the next requests, and the groups of a burst of long requests would
-    end unevenly."""
+def test_front_ends_routing_a_burst_at_once_split_it_evenly():
+    """Four front-ends route 400 requests each at once, over groups whose engines report nothing meanwhile (the
+    lag of a burst): each balances its own requests' tokens within a prompt, so the groups' totals end within a
+    prompt per front-end."""
     rng = random.Random(0)
-    fast, slow = group(0), group(1)
-    engines = [Engine(fast, admit=1000), Engine(slow, admit=2)]
-    counts = {0: 0, 1: 0}
-    for i in range(400):
-        hashes = PromptHashes([rng.randrange(1000) for _ in range(rng.randint(100, 1000))])
-        g = pick_group([fast, slow], hashes)
-        g.routed(len(hashes.token_ids))
-        counts[g.group_id] += 1
-        if i % 8 == 7:  # the engines report a step every few arrivals
-            for e in engines:
-                e.step()
-    assert abs(counts[0] - counts[1]) <= 40, counts
+    frontends = [[group(g) for g in range(4)] for _ in range(4)]  # each front-end's views of the 4 groups
+    counts, tokens = [0] * 4, [0] * 4
+    for _ in range(400):
+        for views in frontends:
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(100, 1000))]
+            g = pick_group(views, PromptHashes(prompt), frontends=4)
+            g.own_tokens += len(prompt)  # what Completion.move_to adds
+            counts[g.group_id] += 1
+            tokens[g.group_id] += len(prompt)
+    assert max(tokens) - min(tokens) <= 4 * 1000, tokens
+    assert max(counts) < 1.1 * min(counts), counts
 
 
 def test_a_cached_prefix_wins_between_groups_under_the_same_load():
     a, b = group(0), group(1)
     prompt = list(range(10 * BLOCK + 3))
-    for v in (a, b):
-        v.report([0, 0, 4, v.info.num_blocks - 40, 0, 0, 0], 0, None, (), ())
-    cached = PromptHashes(prompt).of(BLOCK)[:8]
-    b.report([0, 0, 4, b.info.num_blocks - 40, 8, 0, 0], 0, [b"", b""], cached, ())
+    a.own_tokens = b.own_tokens = 500
+    b.report([0, 0, 4, b.info.num_blocks - 40, 8, 0, 0], [b"", b""], PromptHashes(prompt).of(BLOCK)[:8], ())
     assert b.cached_prefix_tokens(PromptHashes(prompt)) == 8 * BLOCK
-    assert pick_group([a, b], PromptHashes(prompt)) is b
-    # a much busier group loses its prefix's advantage: the prefill saved is less than the KV it holds more
-    b.report([0, 0, 40, b.info.num_blocks - 400, 8, 0, 0], 0, None, (), ())
-    assert pick_group([a, b], PromptHashes(prompt)) is a
+    assert pick_group([a, b], PromptHashes(prompt), frontends=2) is b
+    # a busier group loses its prefix's advantage once its extra load (over all front-ends) exceeds the prefill
+    # the prefix saves
+    b.own_tokens = 500 + 4 * BLOCK + 1
+    assert pick_group([a, b], PromptHashes(prompt), frontends=1) is b
+    assert pick_group([a, b], PromptHashes(prompt), frontends=2) is a
 
 
 def test_a_group_its_engine_has_not_reported_yet_is_empty_not_full():
     reported, new = group(0), group(1)
-    reported.report([0, 0, 1, reported.info.num_blocks - 2, 0, 0, 0], 0, None, (), ())
-    assert pick_group([reported, new], PromptHashes(list(range(50)))) is new
+    reported.report([0, 0, 1, reported.info.num_blocks - 2, 0, 0, 0], None, (), ())
+    assert pick_group([reported, new], PromptHashes(list(range(50))), frontends=1) is new
