@@ -5,11 +5,10 @@ Load is what this front-end's own requests hold on the group: their tokens (prom
 the KV they hold or will hold once admitted), times the number of front-ends. A front-end knows its own
 requests exactly and at once, and every front-end balancing its own share balances the sum; what the engines
 publish lags by the messages in flight, and in a burst every front-end saw the same stale counters and sent
-the excess to the groups whose engines had acknowledged least (bench/NOTES.md, "routing lag"). Tokens, not
-requests: a request
-weighs its prompt while queued and its KV once it runs, which is also what each decode step reads and what
-preemption frees, as in Dynamo's KV router (prefill blocks + active blocks). A group that runs slower keeps
-its requests longer and so draws fewer new ones.
+the excess to the groups whose engines had acknowledged least (bench/NOTES.md, "Routing"). Tokens, not
+requests: a request weighs its prompt while queued and its KV once it runs, which is also what each decode step
+reads and what preemption frees, as in Dynamo's KV router (prefill blocks + active blocks). A group that runs
+slower keeps its requests longer and so draws fewer new ones.
 
 The prefix-cache side does come from the engines: a mirror of each group's cache index from its
 block-stored / block-removed events, behind the engine by at most the message in flight. A request whose
