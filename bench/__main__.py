@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,
+                 prefill-attention,attention-policy,skinny-gemm,pdl-chain,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,
                  thirdparty,all}
                  [flags]
 
@@ -28,6 +28,7 @@ MODULES = {
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
     "skinny-gemm": "bench.skinny_gemm",
+    "pdl-chain": "bench.pdl_chain",
     "moe-kernel": "bench.moe_kernel",
     "prefill-attention": "bench.prefill_attention",
     "attention-policy": "bench.attention_policy",
