@@ -2,7 +2,7 @@
 with programmatic dependent launch (PDL: the next kernel's programs start while this one drains and wait
 at griddepcontrol.wait), and with PDL plus an L2 prefetch of each program's weight slice before that wait.
 
-The question it answers: how much of a decode step's ~1 ms outside attention is launch gaps and ramps
+The question it answers: how much of a decode step's time outside attention is launch gaps and ramps
 between small kernels, which PDL overlaps, rather than weight bytes. Each GEMM reads the previous one's
 output (qkv -> o -> gate_up -> down -> the next layer's qkv), every layer has its own weights (28 layers
 fill well past the L2), the chain is captured in one CUDA graph and replayed: GPU time per layer.
