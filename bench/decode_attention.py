@@ -8,7 +8,6 @@ python -m bench decode-attention
 python -m bench decode-attention --configs 64:4:3:256,128:8:2:512 --block-size 256
 python -m bench decode-attention --layouts nhd,hnd   # KV cache token-major or head-major within a block
 python -m bench decode-attention --kv-cache-dtype fp8 --configs 128:4:3:512,256:8:3:512   # an e4m3 cache
-python -m bench decode-attention --configs 128:4:3:512,128:4:3:512:swap   # the dots transposed (swap_ab)
 ncu --clock-control none -k regex:_split_kernel -c 1 --section SpeedOfLight --section WarpStateStats \
     --section Occupancy python3 -m bench decode-attention --cases 128x900 --configs 128:4:3:512   # its counters
 """
@@ -106,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--configs", default="64:4:3:256,128:4:3:512",
-                    help="Triton configurations block_n:num_warps:num_stages:split[:swap], comma-separated "
-                         "(swap: the kernel's swap_ab)")
+                    help="Triton configurations block_n:num_warps:num_stages:split, comma-separated")
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="fp8: the Triton kernels read an e4m3 copy of the cache (flash-attn-4 reads no fp8)")
@@ -144,13 +142,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             kernels["flash_attn"] = fa4
         counters = merge_counters(batch, kv_heads, "cuda")  # as the backend holds them: no memset per call
         for config in args.configs.split(","):
-            fields = config.split(":")
-            block_n, warps, stages, split = (int(x) for x in fields[:4])
-            swap = fields[4:] == ["swap"]
+            block_n, warps, stages, split = (int(x) for x in config.split(":"))
             kernels[f"triton {config}"] = (
-                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, sw=swap:
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
                 paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
-                                       num_warps=w, num_stages=s, swap_ab=sw))
+                                       num_warps=w, num_stages=s))
         reference = reference_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), lens, table, scale)
         for name, fn in kernels.items():
             row = {"case": case, "layout": layout, "kernel": name}

@@ -47,8 +47,7 @@ def _paged(lens, page, kv_heads, dim, dtype, extra_width=0, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (16, 32, 64), (32, 16, 32), (64, 64, 64)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (2, 2)])
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, kv_heads, swap_ab):
+def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, kv_heads):
     lens = [1, 2, split - 1, split, split + 1, 3 * split + 5, page + 1]
     dim = 32
     k, v, table = _paged(lens, page, kv_heads, dim, dtype)
@@ -57,8 +56,7 @@ def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, 
     meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
                              [1] * len(lens), lens)
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), meta, dim ** -0.5)
-    out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=split, block_n=block_n,
-                                 swap_ab=swap_ab)
+    out = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, base_split=split, block_n=block_n)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -332,8 +330,7 @@ FP8_Q = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 @pytest.mark.parametrize("dtype,tol", FP8_Q)
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol, swap_ab):
+def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol):
     lens = [1, split - 1, split + 1, 3 * split + 5]
     dim, heads, kv_heads = 32, 4, 2
     k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
@@ -344,7 +341,7 @@ def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, spli
                              [1] * len(lens), lens)
     ref = TorchAttention().forward(q.to(dtype).float(), *_dequantised(k8, v8), meta, dim ** -0.5)
     out = paged_decode_attention(q.to(dtype), k8, v8, seqused, table, dim ** -0.5, k_scale=K_SCALE,
-                                 v_scale=V_SCALE, base_split=split, block_n=block_n, swap_ab=swap_ab)
+                                 v_scale=V_SCALE, base_split=split, block_n=block_n)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(TorchAttention().forward(q, k8, v8, meta, dim ** -0.5, K_SCALE, V_SCALE),
