@@ -53,3 +53,21 @@ def test_streams_swapped_out_and_back_in_equal_transformers(offload_cluster, tin
     assert sample(samples, "splitserve:kv_blocks_swapped_in_total") > 0
     assert sample(samples, "splitserve:prefix_cache_hit_tokens_total", tier="host") > 0
     assert sample(samples, "splitserve:kv_host_blocks_used") > 0
+
+
+def test_a_host_tier_is_kept_only_where_a_block_comes_back_faster_than_it_is_prefilled(tmp_path):
+    """tier_policy's rule, and the simulated worker applying it from its cost model: Qwen3-0.6B's shapes with
+    the H200 fit (a 29 MB block over 25 GB/s against 256 tokens at 2.7 us) report no host tier at handshake; a
+    model whose tokens cost 20 us to prefill (an 8B's) keeps the tier asked for."""
+    from bench.common import write_config_only
+    from common.limits import Limits
+    from worker_svc.runtime.simulated import SimulatedRunner, StepCost
+    from worker_svc.runtime.tier_policy import host_tier_pays
+
+    assert host_tier_pays(1e-3, 5e-6, 256) and not host_tier_pays(1e-3, 3e-6, 256)
+    model = write_config_only("qwen3-0.6b", tmp_path / "qwen3-0.6b")
+    limits = Limits(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096)
+    runner = SimulatedRunner(model, 64, 256, limits, StepCost(), kv_offload_bytes=1 << 30)
+    assert runner.describe().num_host_blocks == 0
+    runner = SimulatedRunner(model, 64, 256, limits, StepCost(per_token_us=20.0), kv_offload_bytes=1 << 30)
+    assert runner.describe().num_host_blocks == (1 << 30) // runner.block_bytes > 0

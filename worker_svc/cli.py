@@ -100,8 +100,9 @@ def _simulate(args: argparse.Namespace) -> int:
                              StepCost(args.base_ms, args.per_token_us, args.per_context_token_ns,
                                       args.host_copy_gb_s), int(args.kv_offload_gib * (1 << 30)))
     server = _start(runner, args)
-    logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d", args.host, server.port,
-                                                args.num_blocks, args.block_size)
+    logging.getLogger("splitserve.worker").info("simulated worker on %s:%d, %d blocks of %d (and %d on the host)",
+                                                args.host, server.port, args.num_blocks, args.block_size,
+                                                runner.num_host_blocks)
     _run_until_signal(server, args)
     return 0
 
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
     p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
                    help="host (pinned) memory for KV blocks behind the GPU's: preempted sequences and evicted "
-                        "prefixes come back from it instead of being recomputed (0: off)")
+                        "prefixes come back from it instead of being recomputed (0: off). On a GPU the worker "
+                        "drops it at start where a block's copy in takes longer than its prefill (it logs both)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory this worker may use in all (weights, activations, KV, graphs)")
     limits.add_arguments(p)
@@ -260,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-context-token-ns", type=float, default=cost.per_context_token_ns,
                    help="a step's time per context token its decodes read, ns")
     p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
-                   help="a (simulated) host KV tier of this many GiB of the model's bfloat16 blocks (0: off)")
+                   help="a (simulated) host KV tier of this many GiB of the model's bfloat16 blocks (0: off); "
+                        "none where a block's copy costs more than its prefill by the cost model")
     p.add_argument("--host-copy-gb-s", type=float, default=cost.host_copy_gb_s,
                    help="a block copy's speed between the GPU and the host tier, GB/s")
     _add_service_arguments(p)

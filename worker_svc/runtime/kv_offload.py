@@ -61,6 +61,19 @@ class HostKVPool:
         if wait is not None:
             current.wait_event(wait)
 
+    def copy_in_seconds(self, blocks: int) -> float:
+        """Seconds one block takes to come in from the host, timed over `blocks` copies on the swap stream (GPU
+        only; before serving, as it overwrites GPU blocks 0..blocks-1)."""
+        plan = pb.StepPlan(swap_in_host_blocks=range(blocks), swap_in_blocks=range(blocks))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            self._copy_swaps(plan)  # untimed: the first copy maps the pinned pages
+            start.record()
+            self._copy_swaps(plan)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / blocks
+
     def offload(self, plan: pb.StepPlan) -> None:
         """After the step's forward has been queued: copies the plan's offloads out, behind it."""
         if not len(plan.offload_blocks):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import random
 import time
 import uuid
@@ -34,6 +35,9 @@ from worker_svc.runtime.kv_offload import HostKVPool
 from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
 from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from worker_svc.runtime.tier_policy import host_tier_pays
+
+log = logging.getLogger("splitserve.worker")
 
 
 @dataclass(slots=True)
@@ -162,6 +166,8 @@ class ModelRunner:
         self._allocate_kv_cache()
         if self.device.type == "cuda":
             self._warm_up()
+            if self.host_pool is not None:
+                self._drop_host_tier_unless_it_pays()
         rows = self.limits.max_num_seqs
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
@@ -276,6 +282,26 @@ class ModelRunner:
             sample(x, SamplingBatch(torch.ones(rows, device=self.device), zeros, zeros, None, None, None,
                                     all_greedy=False, max_logprobs=-1), self.kernels)
         torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _drop_host_tier_unless_it_pays(self) -> None:
+        """Times a full prefill step and a block's copy in from the host pool, and drops the pool where the copy
+        costs more than the block's prefill (tier_policy.py); every TP rank keeps it only if all would."""
+        longest = min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
+        seqs = max(1, min(self.limits.max_num_seqs, self.limits.max_num_batched_tokens // longest,
+                          self.num_blocks // cdiv(longest + 1, self.block_size)))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self._warm_up_step([longest] * seqs)
+        torch.cuda.synchronize()
+        prefill_s = (time.perf_counter() - start) / (longest * seqs)
+        copy_s = self.host_pool.copy_in_seconds(min(8, self.host_pool.num_blocks, self.num_blocks))
+        pays = host_tier_pays(copy_s, prefill_s, self.block_size)
+        pays = bool(min_over_ranks(int(pays), self.device))
+        log.info("host KV tier %s: a block's copy in %.2f ms, its prefill %.2f ms", "kept" if pays else "dropped",
+                 copy_s * 1e3, prefill_s * self.block_size * 1e3)
+        if not pays:
+            self.host_pool = None
 
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
         """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""

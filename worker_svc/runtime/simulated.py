@@ -25,6 +25,7 @@ from common.model_files import kv_bytes_per_token
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc.runtime.batch import PersistentBatch
+from worker_svc.runtime.tier_policy import host_tier_pays
 
 
 @dataclass(slots=True)
@@ -55,7 +56,8 @@ class _SimStep:
 class SimulatedRunner:
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int, limits: Limits, cost: StepCost,
                  kv_offload_bytes: int = 0):
-        """kv_offload_bytes: the host tier's size, in blocks of the model's K and V in bfloat16 (0: none)."""
+        """kv_offload_bytes: the host tier's size, in blocks of the model's K and V in bfloat16 (0: none); none
+        where the cost model's block copy costs more than its prefill (tier_policy.py)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model_name = Path(model_dir).name
         self.vocab_size = config["vocab_size"]
@@ -66,7 +68,8 @@ class SimulatedRunner:
         self.worker_id = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
         self.block_bytes = kv_bytes_per_token(config, 2) * block_size
-        self.num_host_blocks = kv_offload_bytes // self.block_bytes
+        pays = host_tier_pays(self.block_bytes / (cost.host_copy_gb_s * 1e9), cost.per_token_us * 1e-6, block_size)
+        self.num_host_blocks = kv_offload_bytes // self.block_bytes if pays else 0
         self.batch = PersistentBatch(self.limits.max_num_seqs, num_blocks, block_size, self.limits.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
                                      num_host_blocks=self.num_host_blocks)
