@@ -63,7 +63,8 @@ class HostKVPool:
 
     def copy_in_seconds(self, blocks: int) -> float:
         """Seconds one block takes to come in from the host, timed over `blocks` copies on the swap stream (GPU
-        only; before serving, as it overwrites GPU blocks 0..blocks-1)."""
+        only; before serving, as it overwrites GPU blocks 0..blocks-1, with zeros)."""
+        self.blocks[:blocks].zero_()
         plan = pb.StepPlan(swap_in_host_blocks=range(blocks), swap_in_blocks=range(blocks))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):

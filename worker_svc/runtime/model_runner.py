@@ -163,11 +163,12 @@ class ModelRunner:
             for name, value in kv_scales.items():
                 setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
         self.model.eval()
-        self._allocate_kv_cache()
+        host_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda":
             self._warm_up()
-            if self.host_pool is not None:
-                self._drop_host_tier_unless_it_pays()
+            if host_blocks and not self._host_tier_pays():
+                host_blocks = 0
+        self.host_pool = HostKVPool(self.kv_cache, host_blocks) if host_blocks else None
         rows = self.limits.max_num_seqs
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
@@ -188,9 +189,10 @@ class ModelRunner:
         return self.batch.epoch
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _allocate_kv_cache(self) -> None:
+    def _allocate_kv_cache(self) -> int:
         """One allocation for every layer's K and V, plus one scratch block (the last) that the
-        scheduler never owns: padded rows of graph-captured steps write there."""
+        scheduler never owns: padded rows of graph-captured steps write there. Returns how many blocks the
+        host pool asked for holds (the same on every TP rank)."""
         mc, cfg = self.model_config, self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.kv_dtype.itemsize
@@ -205,8 +207,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        host_blocks = min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
-        self.host_pool = HostKVPool(self.kv_cache, host_blocks) if host_blocks else None
+        return min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
 
     @torch.inference_mode()
     def _profile_num_blocks(self, per_block: int) -> int:
@@ -284,9 +285,9 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def _drop_host_tier_unless_it_pays(self) -> None:
-        """Times a full prefill step and a block's copy in from the host pool, and drops the pool where the copy
-        costs more than the block's prefill (tier_policy.py); every TP rank keeps it only if all would."""
+    def _host_tier_pays(self) -> bool:
+        """Times a full prefill step and a block's copy in from pinned host memory: whether a host tier pays on
+        this GPU for this model (tier_policy.py), as every TP rank finds."""
         longest = min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
         seqs = max(1, min(self.limits.max_num_seqs, self.limits.max_num_batched_tokens // longest,
                           self.num_blocks // cdiv(longest + 1, self.block_size)))
@@ -295,13 +296,12 @@ class ModelRunner:
         self._warm_up_step([longest] * seqs)
         torch.cuda.synchronize()
         prefill_s = (time.perf_counter() - start) / (longest * seqs)
-        copy_s = self.host_pool.copy_in_seconds(min(8, self.host_pool.num_blocks, self.num_blocks))
-        pays = host_tier_pays(copy_s, prefill_s, self.block_size)
-        pays = bool(min_over_ranks(int(pays), self.device))
-        log.info("host KV tier %s: a block's copy in %.2f ms, its prefill %.2f ms", "kept" if pays else "dropped",
-                 copy_s * 1e3, prefill_s * self.block_size * 1e3)
-        if not pays:
-            self.host_pool = None
+        blocks = min(8, self.num_blocks)
+        copy_s = HostKVPool(self.kv_cache, blocks).copy_in_seconds(blocks)
+        pays = bool(min_over_ranks(int(host_tier_pays(copy_s, prefill_s, self.block_size)), self.device))
+        log.info("host KV tier %s: a block's copy in takes %.2f ms, its prefill %.2f ms", "kept" if pays else
+                 "dropped", copy_s * 1e3, prefill_s * self.block_size * 1e3)
+        return pays
 
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
         """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""
