@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -25,6 +26,9 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--simulate", action="store_true",
                     help="the simulated worker (same protocol, no model, GPU-like step times): runs on a CPU")
+    ap.add_argument("--step-cost", default="",
+                    help="with --simulate: the simulated worker's step-cost flags, e.g. \"--base-ms 4 --per-token-us 20\" "
+                         "(default: Qwen3-0.6B's fit)")
     ap.add_argument("--block-size", type=int, default=256)
     limits.add_arguments(ap, limits.Limits(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096))
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
@@ -75,7 +79,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
     flags += ["--kv-offload-gib", str(args.kv_offload_gib)]
     if args.simulate:
-        return flags
+        return [*flags, *shlex.split(args.step_cost)]
     return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype]
 
 
