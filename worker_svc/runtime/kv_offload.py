@@ -67,6 +67,7 @@ class HostKVPool:
         self.blocks[:blocks].zero_()
         plan = pb.StepPlan(swap_in_host_blocks=range(blocks), swap_in_blocks=range(blocks))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))  # after what wrote those blocks
         with torch.cuda.stream(self._stream):
             self._copy_swaps(plan)  # untimed: the first copy maps the pinned pages
             start.record()
