@@ -101,10 +101,13 @@ async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm) -> l
 
 
 async def run_workload(address: str, args: argparse.Namespace, desc: str) -> tuple[list[tuple[int, common.Trace]],
-                                                                                 float]:
+                                                                                 float, int]:
+    """Every conversation's turns, the seconds they took, and the host blocks the workers kept (a worker drops a
+    tier that does not pay: worker_svc/runtime/tier_policy.py)."""
     from client import AsyncClient
 
     async with AsyncClient(address) as client:
+        host_blocks = sum(w.get("num_host_blocks", 0) for w in (await client.model_info())["workers"])
         for _ in range(args.warmup):  # a prompt no conversation shares
             await common.stream(client, [1, 2, 3], 16, temperature=args.temperature, ignore_eos=True)
         bar = tqdm(total=args.conversations * args.turns, desc=desc, dynamic_ncols=True)
@@ -114,7 +117,7 @@ async def run_workload(address: str, args: argparse.Namespace, desc: str) -> tup
         finally:
             bar.close()
         turns = [t for conv in done for t in conv]
-        return turns, max((t.end for _, t in turns), default=start) - start
+        return turns, max((t.end for _, t in turns), default=start) - start, host_blocks
 
 
 def swapped_blocks(metrics_port: int) -> tuple[float, float]:
@@ -132,7 +135,7 @@ def swapped_blocks(metrics_port: int) -> tuple[float, float]:
 
 
 def summarize(run: str, turns: list[tuple[int, common.Trace]], seconds: float, swapped: tuple[float, float],
-              block_bytes: int, blocks: int, host_gib: float) -> dict:
+              block_bytes: int, blocks: int, host_gib: float, host_blocks: int) -> dict:
     done = [(k, t) for k, t in turns if t.error is None and t.times]
     ttfts = [t.ttft * 1e3 for _, t in done]
     later = [t.ttft * 1e3 for k, t in done if k >= 2]
@@ -144,7 +147,8 @@ def summarize(run: str, turns: list[tuple[int, common.Trace]], seconds: float, s
     return {
         "run": run,
         "gpu_blocks": blocks,
-        "host_gib": significant(host_gib),
+        "host_gib": significant(host_gib),  # asked for
+        "host_blocks": host_blocks,  # what the worker kept
         "turns": len(turns),
         "errors": len(turns) - len(done),
         "seconds": common.rnd(seconds, 3),
@@ -203,10 +207,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             metrics_port = free_port()
             with common.cluster(args, Path(model), ["--metrics-port", str(metrics_port)],
                                 extra_worker_args=worker) as address:
-                turns, seconds = run_loop(run_workload(address, args, run))
+                turns, seconds, host_blocks = run_loop(run_workload(address, args, run))
                 swapped = swapped_blocks(metrics_port)
             rows.append({"path": "grpc services",
-                         **summarize(run, turns, seconds, swapped, per_token * args.block_size, blocks, gib)})
+                         **summarize(run, turns, seconds, swapped, per_token * args.block_size, blocks, gib,
+                                     host_blocks)})
             print(rows[-1], flush=True)
             errors = [t.error for _, t in turns if t.error]
             if errors:

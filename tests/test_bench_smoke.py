@@ -211,7 +211,8 @@ def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[st
     off, on = _load(out, "multiturn", "bench.multiturn")["results"]
     assert (off["run"], on["run"]) == ("tier off", "tier on")
     assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
-    assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0 and off["host_gib"] == 0
+    assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0 and off["host_gib"] == off["host_blocks"] == 0
+    assert on["host_blocks"] > 0  # a tiny model's blocks come back faster than they prefill: the tier is kept
     assert on["swapped_out_blocks"] > 0 and on["swapped_in_blocks"] > 0 and on["swap_gb_s"] > 0
     assert on["cached_prompt_share"] > 0  # a swap-in is a prompt served from the host tier
 
