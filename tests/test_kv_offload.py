@@ -71,3 +71,25 @@ def test_a_host_tier_is_kept_only_where_a_block_comes_back_faster_than_it_is_pre
     assert runner.describe().num_host_blocks == 0
     runner = SimulatedRunner(model, 64, 256, limits, StepCost(per_token_us=20.0), kv_offload_bytes=1 << 30)
     assert runner.describe().num_host_blocks == (1 << 30) // runner.block_bytes > 0
+
+
+def test_a_worker_times_a_prefill_and_a_block_copy_for_the_rule(tiny_model_dir, monkeypatch, caplog):
+    """What a GPU worker measures before keeping its tier, run on the CPU (where the tier is always kept, for
+    tests): a full prefill step's time per token and a block's copy in from the pool, handed to the rule with
+    the block size, and logged with the decision."""
+    import logging
+
+    from worker_svc.runtime import model_runner
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(tiny_model_dir, RunnerConfig(device="cpu", num_blocks=64, block_size=16,
+                                                      kv_offload_bytes=1 << 20))
+    assert runner.describe().num_host_blocks > 0
+    seen = []
+    monkeypatch.setattr(model_runner, "host_tier_pays", lambda *a: seen.append(a) or False)
+    with caplog.at_level(logging.INFO, logger="splitserve.worker"):
+        assert runner._host_tier_pays() is False
+    (copy_s, prefill_s, block_size), = seen
+    assert 0 < copy_s < 1 and 0 < prefill_s < 1 and block_size == 16
+    assert "host KV tier dropped" in caplog.text
+    assert not runner.kv_cache[:, :, :8].any()  # the timed blocks came in as zeros

@@ -15,6 +15,7 @@ and an offload starts after the forward, which waited for every swap of its plan
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -62,10 +63,15 @@ class HostKVPool:
             current.wait_event(wait)
 
     def copy_in_seconds(self, blocks: int) -> float:
-        """Seconds one block takes to come in from the host, timed over `blocks` copies on the swap stream (GPU
-        only; before serving, as it overwrites GPU blocks 0..blocks-1, with zeros)."""
+        """Seconds one block takes to come in from the host, timed over `blocks` copies on the swap stream
+        (before serving: it overwrites GPU blocks 0..blocks-1, with zeros)."""
         self.blocks[:blocks].zero_()
         plan = pb.StepPlan(swap_in_host_blocks=range(blocks), swap_in_blocks=range(blocks))
+        if self._stream is None:
+            self._copy_swaps(plan)
+            start = time.perf_counter()
+            self._copy_swaps(plan)
+            return (time.perf_counter() - start) / blocks
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))  # after what wrote those blocks
         with torch.cuda.stream(self._stream):

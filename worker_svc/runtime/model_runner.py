@@ -291,10 +291,11 @@ class ModelRunner:
         longest = min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
         seqs = max(1, min(self.limits.max_num_seqs, self.limits.max_num_batched_tokens // longest,
                           self.num_blocks // cdiv(longest + 1, self.block_size)))
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
+        sync()
         start = time.perf_counter()
         self._warm_up_step([longest] * seqs)
-        torch.cuda.synchronize()
+        sync()
         prefill_s = (time.perf_counter() - start) / (longest * seqs)
         blocks = min(8, self.num_blocks)
         copy_s = HostKVPool(self.kv_cache, blocks).copy_in_seconds(blocks)
