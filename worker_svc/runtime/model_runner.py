@@ -254,17 +254,15 @@ class ModelRunner:
         backend may pick, with and without a decode beside the chunks (token counts odd and even), so that
         kernels compiled on first use (flash-attn-4's variants, Triton's specialisations) are built now, not
         inside a request; runtime/kernel_builds.py counts any that are not."""
-        bs, budget = self.block_size, self.limits.max_num_batched_tokens
-        longest = min(budget, self.max_model_len - 1)
+        budget = self.limits.max_num_batched_tokens
+        longest = self._longest_warm_up_chunk()
         attention = self.kernels.attention
         for kernel in getattr(attention, "prefills", None) or [None]:
             if kernel is not None:
                 attention.forced = kernel
             for q_len in sorted({min(4 ** i, longest) for i in range(12)}):
-                per_seq = cdiv(q_len + 1, bs)
-                seqs = max(1, min(self.limits.max_num_seqs, budget // q_len, self.num_blocks // per_seq))
                 for mixed in (True, False):
-                    lens = [q_len] * seqs
+                    lens = self._warm_up_lens(q_len)
                     if mixed:
                         lens[0] = 1  # a decode beside the chunks
                     logits = self._warm_up_step(lens)
@@ -288,21 +286,29 @@ class ModelRunner:
     def _host_tier_pays(self) -> bool:
         """Times a full prefill step and a block's copy in from pinned host memory: whether a host tier pays on
         this GPU for this model (tier_policy.py), as every TP rank finds."""
-        longest = min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
-        seqs = max(1, min(self.limits.max_num_seqs, self.limits.max_num_batched_tokens // longest,
-                          self.num_blocks // cdiv(longest + 1, self.block_size)))
+        lens = self._warm_up_lens(self._longest_warm_up_chunk())
         sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         sync()
         start = time.perf_counter()
-        self._warm_up_step([longest] * seqs)
+        self._warm_up_step(lens)
         sync()
-        prefill_s = (time.perf_counter() - start) / (longest * seqs)
+        prefill_s = (time.perf_counter() - start) / sum(lens)
         blocks = min(8, self.num_blocks)
         copy_s = HostKVPool(self.kv_cache, blocks).copy_in_seconds(blocks)
         pays = bool(min_over_ranks(int(host_tier_pays(copy_s, prefill_s, self.block_size)), self.device))
         log.info("host KV tier %s: a block's copy in takes %.2f ms, its prefill %.2f ms", "kept" if pays else
                  "dropped", copy_s * 1e3, prefill_s * self.block_size * 1e3)
         return pays
+
+    def _longest_warm_up_chunk(self) -> int:
+        return min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
+
+    def _warm_up_lens(self, q_len: int) -> list[int]:
+        """As many chunks of q_len tokens (each over a one-token cached prefix) as one step and the KV cache take."""
+        limits = self.limits
+        seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens // q_len,
+                   self.num_blocks // cdiv(q_len + 1, self.block_size))
+        return [q_len] * max(1, seqs)
 
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
         """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""
