@@ -16,11 +16,10 @@ import argparse
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.common import replay_ms
+from bench.decode_attention import graph_time_us
 from bench.record import record
 
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]  # (N, K)
@@ -107,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if n % cfg[1] or k % cfg[2]:
                     continue
                 try:
-                    timed.append((_time(lambda: [gemm(inputs(i), layer[i], outs[i], cfg, False, False)
-                                                 for layer in weights], args.replays) / args.layers, cfg))
+                    timed.append((graph_time_us(lambda: [gemm(inputs(i), layer[i], outs[i], cfg, False, False)
+                                                         for layer in weights], 1, args.replays) / args.layers, cfg))
                 except Exception as e:  # a config that does not fit (shared memory): skip it
                     print(f"skip {name} {cfg}: {type(e).__name__}")
             best.append(min(timed)[1])
@@ -124,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "triton_prefetch": lambda i, x, w, y: gemm(x, w, y, best[i], False, True),
         }
         for name, op in variants.items():
-            row[f"{name}_us_per_layer"] = round(_time(lambda: chain(op), args.replays) * 1e3 / args.layers, 2)
+            row[f"{name}_us_per_layer"] = round(graph_time_us(lambda: chain(op), 1, args.replays) / args.layers, 2)
             chain(op)
             torch.cuda.synchronize()
             got = outs[-1].float().clone()
@@ -137,16 +136,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(row)
         rows_out.append(row)
     record(args.out, "pdl_chain", vars(args), rows_out)
-
-
-def _time(fn, replays: int) -> float:
-    """ms per replay of fn captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replay_ms(graph, replays)
 
 
 if __name__ == "__main__":
