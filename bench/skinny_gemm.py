@@ -1,12 +1,13 @@
 """The decode projections alone: cuBLAS (F.linear) against worker_svc/kernels/skinny_gemm.py, per call.
 
-Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows. Each call reads a different copy of
+Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows, or Llama-3.1-8B's (qkv_8b, ...). Each call reads a different copy of
 the weight (copies fill well past the 50 MB L2, as 28 layers do), 20 calls per CUDA graph, replayed; so
 the time is GPU time with cold weights. Bandwidth counts the weight bytes. Checks every kernel against
 F.linear in float32.
 
 python -m bench skinny-gemm
 python -m bench skinny-gemm --rows 1,16,64 --configs 16:256:4:4,32:128:6:4
+python -m bench skinny-gemm --shapes qkv_8b,o_8b,gate_up_8b,down_8b --rows 64,128,256 --configs 64:64:4:4,128:64:4:8
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from bench.common import replay_ms
 from bench.record import record
 from common.util import cdiv
 
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}  # (N, K)
+# (N, K): Qwen3-0.6B's four projections, and Llama-3.1-8B's (the _8b ones)
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+          "qkv_8b": (6144, 4096), "o_8b": (4096, 4096), "gate_up_8b": (28672, 4096), "down_8b": (4096, 14336)}
 
 
 def time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
