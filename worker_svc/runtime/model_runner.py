@@ -255,7 +255,7 @@ class ModelRunner:
         kernels compiled on first use (flash-attn-4's variants, Triton's specialisations) are built now, not
         inside a request; runtime/kernel_builds.py counts any that are not."""
         budget = self.limits.max_num_batched_tokens
-        longest = self._longest_warm_up_chunk()
+        longest = min(budget, self.max_model_len - 1)
         attention = self.kernels.attention
         for kernel in getattr(attention, "prefills", None) or [None]:
             if kernel is not None:
@@ -284,10 +284,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _host_tier_pays(self) -> bool:
-        """Times a full prefill step and a block's copy in from pinned host memory: whether a host tier pays on
-        this GPU for this model (tier_policy.py), as every TP rank finds."""
-        lens = self._warm_up_lens(self._longest_warm_up_chunk())
+        """Times a prefill step and a block's copy in from pinned host memory: whether a host tier pays on this GPU
+        for this model (tier_policy.py), as every TP rank finds. The step is a full one of block-sized chunks with
+        no context before them: the least a block costs to recompute (long prompts add attention per token)."""
+        lens = self._warm_up_lens(self.block_size)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
+        self._warm_up_step(lens)  # untimed: the first step of a shape may build kernels
         sync()
         start = time.perf_counter()
         self._warm_up_step(lens)
@@ -299,9 +301,6 @@ class ModelRunner:
         log.info("host KV tier %s: a block's copy in takes %.2f ms, its prefill %.2f ms", "kept" if pays else
                  "dropped", copy_s * 1e3, prefill_s * self.block_size * 1e3)
         return pays
-
-    def _longest_warm_up_chunk(self) -> int:
-        return min(self.limits.max_num_batched_tokens, self.max_model_len - 1)
 
     def _warm_up_lens(self, q_len: int) -> list[int]:
         """As many chunks of q_len tokens (each over a one-token cached prefix) as one step and the KV cache take."""
