@@ -8,6 +8,7 @@ python -m bench decode-attention
 python -m bench decode-attention --configs 64:4:3:256,128:8:2:512 --block-size 256
 python -m bench decode-attention --layouts nhd,hnd   # KV cache token-major or head-major within a block
 python -m bench decode-attention --kv-cache-dtype fp8 --configs 128:4:3:512,256:8:3:512   # an e4m3 cache
+python -m bench decode-attention --heads 32:4 --configs 128:4:3:512,128:4:3:256   # Qwen3-30B-A3B's GQA
 ncu --clock-control none -k regex:_split_kernel -c 1 --section SpeedOfLight --section WarpStateStats \
     --section Occupancy python3 -m bench decode-attention --cases 128x900 --configs 128:4:3:512   # its counters
 """
@@ -109,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="fp8: the Triton kernels read an e4m3 copy of the cache (flash-attn-4 reads no fp8)")
+    ap.add_argument("--heads", default="16:8", help="query heads:KV heads (16:8 Qwen3-0.6B, 32:8 Llama-3.1-8B, "
+                                                    "32:4 Qwen3-30B-A3B); head_dim 128")
     ap.add_argument("--out", default="bench/results/decode_attention.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention
@@ -117,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from flash_attn.cute import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
-    heads, kv_heads, head_dim = 16, 8, 128  # Qwen3-0.6B
+    heads, kv_heads = (int(x) for x in args.heads.split(":"))
+    head_dim = 128
     scale = head_dim ** -0.5
     gen = torch.Generator()
     rows = []

@@ -45,3 +45,18 @@ def align_by_sorting(topk_ids: torch.Tensor, first_expert: int, num_experts: int
         sorted_slots[starts[e]:starts[e] + mine.numel()] = mine.int()
     block_expert = torch.searchsorted(padded.cumsum(0), torch.arange(0, size, block_m), right=True)
     return sorted_slots, torch.where(block_expert < num_experts, block_expert, -1).int()
+
+
+def check_router_choice(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+                        tol: float) -> None:
+    """weights / ids are a top-k choice of softmax(logits) whatever the order among equal probabilities: distinct
+    ids, most probable first, none left out more probable than one taken, each weight its probability (over the
+    chosen ones' sum when renormalised) within tol."""
+    p = logits.float().softmax(-1)
+    chosen = p.gather(1, ids)
+    assert (ids.sort(1).values.diff(dim=1) > 0).all(), "an expert chosen twice"
+    assert (chosen.diff(dim=1) <= 0).all(), "not most probable first"
+    left = p.scatter(1, ids, -1.0)
+    assert (left.max(1).values <= chosen.min(1).values).all(), "a more probable expert left out"
+    expected = chosen / chosen.sum(1, keepdim=True) if renormalize else chosen
+    torch.testing.assert_close(weights.float(), expected, atol=tol, rtol=tol)

@@ -12,7 +12,7 @@ import torch
 
 from common.limits import Limits
 from common.util import cdiv
-from tests.moe_cases import align_by_sorting, moe_inputs
+from tests.moe_cases import align_by_sorting, check_router_choice, moe_inputs
 from worker_svc import kernels
 from worker_svc.kernels import elementwise, skinny_gemm
 from worker_svc.kernels.attention import AttentionMetadata
@@ -448,6 +448,30 @@ def test_fused_moe_matches_the_loop_over_experts(tokens, top_k, experts, first, 
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if first:
         assert (ref[(topk_ids < first).all(-1)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (13, 128, 8), (40, 6, 3), (17, 60, 4), (5, 4, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_topk_kernel_matches_the_torch_choice(dtype, tokens, experts, top_k, renormalize):
+    """Softmax, top-k and renormalisation in one kernel: the same experts in the same order as torch.topk over
+    random logits, and a valid choice (checked without torch's order) where logits are equal: the lowest index
+    first among equals."""
+    from worker_svc.kernels import moe, reference
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    weights, ids = moe.router_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.router_topk(logits, top_k, renormalize)
+    assert weights.dtype == ref_weights.dtype == dtype and ids.dtype == ref_ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-3, rtol=1e-3)
+    check_router_choice(logits, weights, ids, renormalize, 1e-3)
+    tied = logits.round()  # many equal logits
+    weights, ids = moe.router_topk(tied, top_k, renormalize)
+    check_router_choice(tied, weights, ids, renormalize, 1e-3)
+    for row, row_ids in zip(tied, ids):
+        for a, b in zip(row_ids[:-1].tolist(), row_ids[1:].tolist()):
+            assert row[a] > row[b] or a < b
 
 
 def test_fused_moe_takes_its_tiles_from_moe_config():

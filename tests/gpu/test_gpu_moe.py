@@ -10,7 +10,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from tests.moe_cases import align_by_sorting, expert_weights, routed_tokens  # noqa: E402
+from tests.moe_cases import align_by_sorting, check_router_choice, expert_weights, routed_tokens  # noqa: E402
 from worker_svc.kernels import moe, reference  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -73,3 +73,21 @@ def test_moe_align_matches_a_stable_sort_by_expert(tokens, block_m):
         slots, block_expert = moe.align(ids.cuda(), first, local, block_m)
         ref_slots, ref_blocks = align_by_sorting(ids, first, local, block_m, slots.numel())
         assert torch.equal(slots.cpu(), ref_slots) and torch.equal(block_expert.cpu(), ref_blocks)
+
+
+@pytest.mark.parametrize("tokens", [1, 130, 16384])
+def test_router_topk_kernel_makes_a_valid_choice_in_bf16(tokens):
+    """bf16 router logits (equal values are common at 128 experts): a valid top-8 with its renormalised weights,
+    also replayed in a CUDA graph for new logits."""
+    gen = torch.Generator().manual_seed(tokens)
+    logits = (torch.randn(tokens, EXPERTS, generator=gen) * 2).to("cuda", torch.bfloat16)
+    weights, ids = moe.router_topk(logits, TOP_K, True)
+    check_router_choice(logits, weights, ids, True, 1e-2)
+    if tokens > GRAPH_TOKENS:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.router_topk(logits, TOP_K, True)
+    logits.copy_((torch.randn(tokens, EXPERTS, generator=gen) * 2).to("cuda", torch.bfloat16))
+    graph.replay()
+    check_router_choice(logits, *replayed, True, 1e-2)

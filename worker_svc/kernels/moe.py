@@ -90,6 +90,48 @@ def num_blocks(slots: int, num_experts: int, block_m: int) -> int:
     return cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m)
 
 
+# ---- the router's choice: softmax, top-k and renormalisation in one launch ------------------------------
+@triton.jit(do_not_specialize=["num_tokens"])
+def _router_topk(Logits, Weights, Ids, num_tokens, num_experts, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                 E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_PAD)
+    live = t < num_tokens
+    x = tl.load(Logits + t[:, None].to(tl.int64) * stride_t + e[None, :],
+                mask=live[:, None] & (e[None, :] < num_experts), other=float("-inf")).to(tl.float32)
+    x = tl.where(live[:, None], x, 0.0)  # rows past the last token: finite, never stored
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]  # padding experts: 0, after every real one in index order
+    k = tl.arange(0, K_PAD)
+    weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):  # the largest left, the lowest index among equals; then taken out
+        best = tl.max(p, 1)
+        idx = tl.min(tl.where(p == best[:, None], e[None, :], E_PAD), 1)
+        weights = tl.where(k[None, :] == j, best[:, None], weights)
+        ids = tl.where(k[None, :] == j, idx[:, None], ids)
+        p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    out = t[:, None].to(tl.int64) * TOP_K + k[None, :]
+    mask = live[:, None] & (k[None, :] < TOP_K)
+    tl.store(Weights + out, weights.to(Weights.dtype.element_ty), mask=mask)
+    tl.store(Ids + out, ids.to(Ids.dtype.element_ty), mask=mask)
+
+
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.router_topk in one kernel (it takes six, torch.topk two of them): [T, top_k] weights in the
+    logits' dtype and int64 expert ids, most probable first."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    block_t = 16
+    _router_topk[(cdiv(tokens, block_t),)](logits, weights, ids, tokens, experts, logits.stride(0), TOP_K=top_k,
+                                          K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(experts),
+                                          BLOCK_T=block_t, RENORMALIZE=renormalize)
+    return weights, ids
+
+
 # ---- align: slots grouped by expert (three launches: counts per chunk, offsets, scatter) ----------------
 ALIGN_CHUNK = 64  # slots per program of the count and scatter kernels
 _NO_END = 2 ** 31 - 1

@@ -90,6 +90,15 @@ def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by softmax probability, most probable first (weights in the logits' dtype,
+    ids int64); the weights renormalised to sum to 1 when asked (Qwen3-MoE's norm_topk_prob)."""
+    weights, ids = torch.topk(logits.float().softmax(-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums)."""

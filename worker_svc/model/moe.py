@@ -58,13 +58,11 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.kernels.linear(x, self.gate.weight)
-        weights, ids = torch.topk(logits.float().softmax(-1), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, ids = self.kernels.router_topk(self.kernels.linear(x, self.gate.weight), self.top_k,
+                                                self.norm_topk_prob)
         experts = self.experts
-        y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights.to(x.dtype),
-                                   ids, experts.gate_up_proj.first)
+        y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights, ids,
+                                   experts.gate_up_proj.first)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y
