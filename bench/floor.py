@@ -17,7 +17,7 @@ device-to-device copy reaches 4.27 TB/s, the decode attention kernel 3.9-4.2 TB/
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 H200_BYTES_PER_S = 4.0e12
@@ -66,28 +66,42 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_element_bytes
 
 
-def floor_seconds(shape: ModelShape, requests: Sequence[tuple[int, int]], *, max_num_seqs: int = 512,
-                  weight_bytes: float = 2, kv_bytes: float = 2, bandwidth: float = H200_BYTES_PER_S,
-                  flops: float = H200_FLOPS) -> float:
-    """requests: (prompt tokens, output tokens). The floor's wall time of running them all."""
+def replay(shape: ModelShape, requests: Sequence[tuple[int, int]], *, max_num_seqs: int = 512,
+           weight_bytes: float = 2, kv_bytes: float = 2) -> Iterator[tuple[float, float, float, bool]]:
+    """The steps of running requests ((prompt tokens, output tokens) each), as (bytes, FLOPs, bytes of the routed
+    experts, decode-only) per step."""
     kv_token = shape.kv_bytes_per_token(kv_bytes)
     attn = 4 * shape.layers * shape.heads * shape.head_dim  # FLOPs per (query, key) pair
     queue = list(requests)[::-1]
     running: list[tuple[int, int]] = []  # (tokens left to generate, context so far) per running sequence
-    total = 0.0
     while queue or running:
         new = []
         while queue and len(running) + len(new) < max_num_seqs:
             new.append(queue.pop())
         read = sum(ctx for _, ctx in running)
         tokens = sum(p for p, _ in new) + len(running)
-        step_bytes = shape.weights_read(tokens) * weight_bytes + (read + tokens) * kv_token
+        experts = (shape.weights_read(tokens) - shape.params) * weight_bytes
+        step_bytes = shape.params * weight_bytes + experts + (read + tokens) * kv_token
         step_flops = 2 * shape.active_params() * tokens + attn * (read + sum(p * (p + 1) // 2 for p, _ in new))
-        total += max(step_bytes / bandwidth, step_flops / flops)
+        yield step_bytes, step_flops, experts, not new
         # the prompt's step samples its first token; each decode one more
         running = [(left - 1, ctx + 1) for left, ctx in running if left > 1]
         running += [(out - 1, p + 1) for p, out in new if out > 1]
-    return total
+
+
+def floor_seconds(shape: ModelShape, requests: Sequence[tuple[int, int]], *, bandwidth: float = H200_BYTES_PER_S,
+                  flops: float = H200_FLOPS, **kw) -> float:
+    """requests: (prompt tokens, output tokens). The floor's wall time of running them all."""
+    return sum(max(b / bandwidth, f / flops) for b, f, _, _ in replay(shape, requests, **kw))
+
+
+def decode_step_floor(shape: ModelShape, requests: Sequence[tuple[int, int]], *,
+                      bandwidth: float = H200_BYTES_PER_S, **kw) -> tuple[float, float]:
+    """Seconds per decode-only step, averaged over the run: its bytes at the bandwidth, and the routed experts'
+    share of them (0 without experts), what a decode step of a MoE model is weighed against."""
+    steps = [(b, e) for b, _, e, decode in replay(shape, requests, **kw) if decode]
+    n = max(len(steps), 1)
+    return sum(b for b, _ in steps) / n / bandwidth, sum(e for _, e in steps) / n / bandwidth
 
 
 def floor_tokens_per_s(shape: ModelShape, requests: Sequence[tuple[int, int]], **kw) -> float:

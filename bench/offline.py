@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                        for k in range(1, args.runs * len(args.stream_intervals.split(",")))]
     rows = []
     with common.model_dir(args) as model:
-        floor = _floor(args, model, reqs)
+        floor, step_floor = _floor(args, model, reqs)
 
         def row(path: str, run: int, seconds: float, output_tokens: int = total, constrained: bool = True,
                 **extra) -> dict:
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if args.mode in ("in-process", "both"):
             for run, (t, steps) in enumerate(run_in_process(args, model, passes[:args.runs]), 1):
-                rows.append(row("in-process", run, t, **steps))
+                rows.append(row("in-process", run, t, **steps, **step_floor))
                 print(rows[-1], flush=True)
         if args.mode in ("services", "both"):
             with common.cluster(args, model) as address:
@@ -176,15 +176,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     common.save("bench.offline", argv, args.out, "offline", args, rows)
 
 
-def _floor(args: argparse.Namespace, model, reqs: list[Request]) -> float:
-    """The workload's hardware floor on one H200 (bench/floor.py), for the model's shape and the KV dtype."""
+def _floor(args: argparse.Namespace, model, reqs: list[Request]) -> tuple[float, dict]:
+    """The workload's hardware floor on one H200 (bench/floor.py), for the model's shape and the KV dtype, and a
+    decode step's: its bytes, and for a MoE model the routed experts' read, in ms per step over the run."""
     import json
 
-    from bench.floor import ModelShape, floor_tokens_per_s
+    from bench.floor import ModelShape, decode_step_floor, floor_tokens_per_s
 
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
-    return floor_tokens_per_s(shape, [(len(r.prompt_ids), r.max_tokens) for r in reqs],
-                              max_num_seqs=args.max_num_seqs, kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
+    requests = [(len(r.prompt_ids), r.max_tokens) for r in reqs]
+    kw = dict(max_num_seqs=args.max_num_seqs, kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
+    step_s, experts_s = decode_step_floor(shape, requests, **kw)
+    step = {"decode_floor_ms_per_step": round(step_s * 1e3, 2)}
+    if shape.num_experts:
+        step["experts_ms_per_step"] = round(experts_s * 1e3, 2)
+    return floor_tokens_per_s(shape, requests, **kw), step
 
 
 if __name__ == "__main__":

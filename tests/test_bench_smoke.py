@@ -146,6 +146,25 @@ def test_floor_of_a_moe_reads_the_experts_its_tokens_route_to() -> None:
     assert round((dense + 128 * shape.expert_params) / 1e9, 2) == 30.53  # every weight, as written
 
 
+def test_decode_step_floor_weighs_a_moe_step_against_its_routed_experts() -> None:
+    """A decode step's floor is its bytes (weights, routed experts, KV) at the bandwidth, averaged over the decode
+    steps; the routed experts are part of it (none for a dense model), and one sequence reads its context, the
+    weights and its 8 experts a layer."""
+    from bench.floor import H200_BYTES_PER_S, ModelShape, decode_step_floor
+    from bench.workload import offline
+    from worker_svc.checkpoints.presets import get_preset
+
+    work = [(len(r.prompt_ids), r.max_tokens) for r in offline()]
+    moe = ModelShape.from_config(get_preset("qwen3-30b-a3b"))
+    step, experts = decode_step_floor(moe, work)
+    assert 0 < experts < step and 1.1 < step / experts < 1.5
+    assert decode_step_floor(ModelShape.from_config(get_preset("qwen3-0.6b")), work)[1] == 0
+    one, one_experts = decode_step_floor(moe, [(100, 3)])  # two decode steps, at contexts 101 and 102
+    assert one_experts * H200_BYTES_PER_S == 8 * moe.expert_params * 2
+    kv = moe.kv_bytes_per_token(2) * (101 + 102 + 2) / 2  # the context read plus the token written
+    assert abs(one * H200_BYTES_PER_S - (moe.params * 2 + one_experts * H200_BYTES_PER_S + kv)) < 1
+
+
 @pytest.mark.parametrize("gateway", [False, True], ids=["grpc", "gateway"])
 def test_scale(tmp_path: Path, gateway: bool) -> None:
     from bench import scale
