@@ -23,10 +23,19 @@ from client.channel import ChannelSecurity, create_channel
 PUBLIC_SERVICE = "splitserve.v1.Generation"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process: the kernel may offer a port it has just
+    released again, and a cluster's scheduler and worker must not both get it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def health_status(address: str, service: str = "", timeout: float = 2.0,
