@@ -219,7 +219,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         gone = [g for gid, g in self.groups.items() if gid not in now]
         self.groups = now
         for g in gone:
-            self._group_gone(g, [c.key for c in self.completions.values() if c.group is g])
+            self._group_gone(g.group_id, [c.key for c in self.completions.values() if c.group is g])
         asyncio.ensure_future(self.update_health())
 
     def _to_engine(self, engine: int, message: list) -> None:
@@ -246,11 +246,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     and c.group.group_id == gid):
                 c.ack.set_result((code, text))
         elif op in ("moved", "down"):
-            g = self.groups.get(message[1])
-            keys = list(ipc.unints(message[2]))
             if op == "down":
                 self.groups.pop(message[1], None)
-            self._group_gone(g, keys)
+            self._group_gone(message[1], list(ipc.unints(message[2])))
         elif op == "groups":
             self._table(message[1])
         elif op == "reply":
@@ -316,15 +314,16 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             c.move_to(None)
             c.stream.put(c, 1, True)
 
-    def _group_gone(self, group: GroupView | None, keys: list[int]) -> None:
-        """These requests left `group` unfinished (it failed, drained or its engine died): each continues
-        elsewhere, or its add is answered as refused."""
+    def _group_gone(self, group_id: int, keys: list[int]) -> None:
+        """These requests left group `group_id` unfinished (it failed, drained or its engine died): each one still
+        there continues elsewhere, or its add is answered as refused. One that has moved on already (the
+        supervisor's table and the engine's notice both report a group's loss, in either order) is left alone."""
         for key in keys:
             c = self.completions.get(key)
-            if c is None or (group is not None and c.group is not group):
+            if c is None or c.group is None or c.group.group_id != group_id:
                 continue
             if c.ack is not None and not c.ack.done():
-                c.ack.set_result(("gone", f"worker {c.group.address} is gone" if c.group else "gone"))
+                c.ack.set_result(("gone", f"worker {c.group.address} is gone"))
                 continue
             c.move_to(None)
             asyncio.ensure_future(self._move(c))

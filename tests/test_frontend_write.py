@@ -40,3 +40,40 @@ def test_a_failed_write_without_a_notice_ends_the_stream(monkeypatch):
     context = ClosedContext()
     assert asyncio.run(frontend._write(context, api.GenerateResponse())) is False
     assert context.writes == 1
+
+
+def _group(group_id: int) -> dict:
+    return dict(group_id=group_id, engine=group_id, address=f"127.0.0.1:{group_id}", model="m", dtype="float32",
+                device="cpu", num_blocks=64, block_size=16, max_model_len=512, vocab_size=1000, epoch=1,
+                kv_cache_dtype="float32")
+
+
+def test_a_groups_loss_reported_twice_moves_each_request_once(tmp_path):
+    """A worker's loss reaches a front-end twice: the supervisor's table drops its group, and its engine names the
+    requests it held ("down"). Whichever comes first moves a request on; the second must leave it alone, also while
+    its add to the survivor awaits the engine's answer (answering that add "gone" ended streams with UNAVAILABLE
+    although a worker was serving)."""
+    from scheduler_svc.ipc import ints
+    from scheduler_svc.sampling import SamplingParams
+
+    async def run():
+        fe = frontend.Frontend(0, 1, str(tmp_path), tokenizer=None)
+        sent = []
+        fe._to_engine = lambda engine, message: sent.append((engine, message[0]))
+        fe._handle(["groups", [_group(1), _group(2)]])
+        c = frontend.Completion(7, "req-7", 0, frontend._Stream(interval=1), [1, 2, 3], SamplingParams(max_tokens=4),
+                                0, None)
+        fe.completions[c.key] = c
+        c.move_to(fe.groups[1])
+        fe._handle(["groups", [_group(2)]])  # the table first: the request moves to group 2
+        await asyncio.sleep(0)
+        assert c.group is fe.groups[2] and c.ack is not None and not c.ack.done()
+        fe._handle(["down", 1, ints([c.key])])  # then the dead engine's notice, while the add awaits
+        assert not c.ack.done()
+        fe._handle(["ack", 2, c.key, "", ""])
+        await asyncio.sleep(0)
+        assert c.group is fe.groups[2] and not c.stream.failed
+        assert [m for _, m in sent].count("add") == 1
+        fe.out.close()
+
+    asyncio.run(run())
