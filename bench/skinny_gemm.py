@@ -1,8 +1,8 @@
 """The decode projections alone: cuBLAS (F.linear) against worker_svc/kernels/skinny_gemm.py, per call.
 
-Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows, or Llama-3.1-8B's (qkv_8b, ...). Each call reads a different copy of
-the weight (copies fill well past the 50 MB L2, as 28 layers do), 20 calls per CUDA graph, replayed; so
-the time is GPU time with cold weights. Bandwidth counts the weight bytes. Checks every kernel against
+Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows, or Llama-3.1-8B's (qkv_8b, ...).
+Each call reads a different copy of the weight (copies fill well past the 50 MB L2, as 28 layers do), 20
+calls per CUDA graph, replayed; so the time is GPU time with cold weights. Bandwidth counts the weight bytes. Checks every kernel against
 F.linear in float32.
 
 python -m bench skinny-gemm

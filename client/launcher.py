@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,23 +18,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import ChannelSecurity, create_channel
+from common.util import free_port
 
 PUBLIC_SERVICE = "splitserve.v1.Generation"
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port free now and not handed out before by this process: the kernel may offer a port it has just
-    released again, and a cluster's scheduler and worker must not both get it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def health_status(address: str, service: str = "", timeout: float = 2.0,

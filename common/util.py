@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -34,3 +35,18 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     import uvloop
 
     return uvloop.run(main)
+
+
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now and not handed out before by this process: the kernel may offer a port it has
+    just released again, and a cluster's scheduler and worker must not both get it."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port

@@ -37,7 +37,6 @@ import multiprocessing as mp
 import random
 import shutil
 import signal
-import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from common.exposition import serve, with_labels
-from common.util import available_cpus
+from common.util import available_cpus, free_port
 from scheduler_svc import ipc
 from scheduler_svc.grpc_executor import WorkerUnavailable
 from scheduler_svc.metrics import merge
@@ -95,7 +94,7 @@ class Supervisor:
         self.context = zmq.Context.instance()
         self.out = ipc.Outboxes(self.context, self.run_dir)
         self.inbox = ipc.inbox(zmq.asyncio.Context.instance(), self.run_dir, ipc.SUPERVISOR)
-        self.port = args.port or _free_port(args.host)
+        self.port = args.port or free_port(args.host)
         self.accepting = True
         self.scheduler_id = uuid.uuid4().hex[:12]
         self.frontends: dict[int, _Child] = {}
@@ -459,12 +458,6 @@ class Supervisor:
         self.out.close()
         self.inbox.close(0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 async def run(args, argv: list[str]) -> None:
