@@ -10,7 +10,6 @@ python -m bench runner-step --preset llama-3.1-8b --num-layers 8 --block-sizes 2
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import tempfile
@@ -35,11 +34,11 @@ class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
-                 kv_cache_dtype: str = "auto", overlap_from: int = 0):
+                 kv_cache_dtype: str = "auto"):
         per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
-            kv_cache_dtype=kv_cache_dtype, decode_overlap_from=overlap_from,
+            kv_cache_dtype=kv_cache_dtype,
             limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
@@ -156,8 +155,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-sizes", default="16,64,128,256")
     ap.add_argument("--profile", action="store_true", help="profile each configuration's decode step with graphs")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager steps")
-    ap.add_argument("--overlap-from", default="0",
-                    help="the runner's decode_overlap_from, comma-separated values to compare (0: no overlap)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill step of this many tokens (prompts of --context tokens) instead")
     ap.add_argument("--out", default="bench/results/runner_step.json")
@@ -172,14 +169,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             for size in [int(b) for b in args.batches.split(",")]:
-                for graphs, overlap in itertools.product((True,) if args.graphs_only else (True, False),
-                                                         [int(o) for o in args.overlap_from.split(",")]):
-                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
-                                        overlap)
+                for graphs in (True,) if args.graphs_only else (True, False):
+                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype)
                     ms = batch.step_ms(args.steps)
-                    rows.append({"block_size": bs, "cuda_graphs": graphs, "overlap_from": overlap, "batch": size,
-                                 "context": args.context, "step_ms": round(ms, 3),
-                                 "tokens_per_s": round(size / ms * 1e3)})
+                    rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
+                                 "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
                     print(json.dumps(rows[-1]), flush=True)
                     if args.profile and graphs:
                         batch.profile(args.steps)

@@ -36,7 +36,6 @@ class AttentionMetadata:
     max_seqlen_q: int
     query_lens: list[int]       # host copies, for backends that loop on the host
     context_lens: list[int]
-    first_row: int = 0          # of a decode micro-batch: its first row in the step (where its split counters start)
 
 
 def prefill_metadata(query_lens: list[int], block_size: int, device: torch.device | str,
@@ -89,14 +88,11 @@ class TritonDecode:
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                  v_scale: float, window: int | None) -> torch.Tensor:
-        kv_heads, rows = k_cache.shape[2], meta.first_row + q.shape[0]
-        if not self._counters or self._counters[-1].numel() < rows * kv_heads:
-            self._counters.append(self._kernel.merge_counters(rows, kv_heads, q.device))
-        # micro-batches of one step run side by side, each on its own counters
-        counters = self._counters[-1][meta.first_row * kv_heads:]
+        if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
+            self._counters.append(self._kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
         return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
                                                    k_scale=k_scale, v_scale=v_scale, window=window,
-                                                   counters=counters)
+                                                   counters=self._counters[-1])
 
 
 class TritonPrefill:

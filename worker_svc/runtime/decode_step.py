@@ -69,14 +69,9 @@ class DecodeBuffers:
 
 class DecodeStep:
     def __init__(self, model: CausalLM, kernels: Kernels, last_token: torch.Tensor,
-                 max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int, block_size: int,
-                 overlap_from: int = 0):
+                 max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int, block_size: int):
         self.model, self.kernels, self.last_token = model, kernels, last_token
         self.device = last_token.device
-        # batches of at least this many rows run as two micro-batches on two streams, so that one's small
-        # kernels fill the SMs the other's attention leaves idle (0: never; GPU only)
-        self.overlap_from = overlap_from if self.device.type == "cuda" else 0
-        self._side = torch.cuda.Stream(self.device) if self.overlap_from else None
         self.width = max_blocks_per_seq
         # what padding rows run: last_token's extra row, one token in the scratch block
         self._padding = DecodeInputs(
@@ -121,28 +116,15 @@ class DecodeStep:
     def _forward(self, b: DecodeBuffers, context_lens: list[int], all_greedy: bool) -> None:
         v, size = b.inputs, b.tokens.shape[0]
         ids = torch.where(v.input_ids >= 0, v.input_ids, self.last_token[v.rows])
-        if not self.overlap_from or size < self.overlap_from:
-            self._logits(ids, v, 0, size, context_lens, b.logits)
-        else:
-            main, half = torch.cuda.current_stream(self.device), size // 2
-            self._side.wait_stream(main)
-            for lo, hi, stream in ((0, half, main), (half, size, self._side)):
-                with torch.cuda.stream(stream):
-                    self._logits(ids, v, lo, hi, context_lens, b.logits)
-            main.wait_stream(self._side)
-        logits = b.logits
+        meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seqused_k=v.seqused_k,
+                                 page_table=v.page_table, slot_mapping=v.slot_mapping, max_seqlen_q=1,
+                                 query_lens=[1] * size, context_lens=context_lens)
+        hidden = self.model(ids, v.positions, meta)
+        logits = self.model.compute_logits(hidden, out=b.logits)
         batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,
                               top_p=None, min_p=None, all_greedy=all_greedy, max_logprobs=-1)
         b.tokens.copy_(sample(logits, batch, self.kernels).token_ids)
         self.last_token[v.rows] = b.tokens
-
-    def _logits(self, ids: torch.Tensor, v: DecodeInputs[torch.Tensor], lo: int, hi: int, context_lens: list[int],
-                out: torch.Tensor) -> None:
-        """The model and LM head over rows [lo, hi) of the step, into out's rows."""
-        meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:hi - lo + 1], seqused_k=v.seqused_k[lo:hi],
-                                 page_table=v.page_table[lo:hi], slot_mapping=v.slot_mapping[lo:hi], max_seqlen_q=1,
-                                 query_lens=[1] * (hi - lo), context_lens=context_lens[lo:hi], first_row=lo)
-        self.model.compute_logits(self.model(ids[lo:hi], v.positions[lo:hi], meta), out=out[lo:hi])
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:

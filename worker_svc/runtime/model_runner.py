@@ -53,7 +53,6 @@ class RunnerConfig:
     attention: str = "auto"
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
-    decode_overlap_from: int = 0        # decode batches this large run as two overlapped micro-batches; 0: never
 
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
@@ -181,8 +180,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.grammars.warm_up()
         self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
-                                 scratch_block=self.num_blocks, block_size=self.block_size,
-                                 overlap_from=cfg.decode_overlap_from)
+                                 scratch_block=self.num_blocks, block_size=self.block_size)
         if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch":
             self.decode.capture(capture_sizes(rows))
 
