@@ -146,11 +146,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             kernels["flash_attn"] = fa4
         counters = merge_counters(batch, kv_heads, "cuda")  # as the backend holds them: no memset per call
         for config in args.configs.split(","):
-            block_n, warps, stages, split, *dots = (int(x) for x in config.split(":"))
+            block_n, warps, stages, split = (int(x) for x in config.split(":"))
             kernels[f"triton {config}"] = (
-                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, f=dots:
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split:
                 paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
-                                       num_warps=w, num_stages=s, fp8_dots=f[0] if f else 0))
+                                       num_warps=w, num_stages=s))
         reference = reference_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), lens, table, scale)
         for name, fn in kernels.items():
             row = {"case": case, "layout": layout, "kernel": name}

@@ -43,7 +43,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FP8_DOTS: tl.constexpr = 0):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -58,12 +58,6 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     live = h < GROUP
     heads = kvh * GROUP + h
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
-    if (FP8_DOTS & 5) != 0:  # q in e4m3 (scaled per head to e4m3's range): the K tile enters the dot as stored
-        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / 448.0
-        qf = q.to(tl.float32) / q_scale[:, None]
-        q8 = qf.to(K.dtype.element_ty)
-        q8lo = ((qf - q8.to(tl.float32)) * 16.0).to(K.dtype.element_ty)  # what e4m3 lost of q, 16x up
-        qk_scale = (q_scale * scale_log2e)[:, None]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -75,24 +69,14 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         k_rows = page * stride_kb + offset * stride_kt
         v_rows = page * stride_vb + offset * stride_vt
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if (FP8_DOTS & 4) != 0:
-            s = (tl.dot(q8, tl.trans(k)) + tl.dot(q8lo, tl.trans(k)) * 0.0625) * qk_scale
-        elif (FP8_DOTS & 1) != 0:
-            s = tl.dot(q8, tl.trans(k)) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if (FP8_DOTS & 8) != 0:  # e4m3 -> bf16 by its bits (exponent bias 7 against 127: 2^-120 off, put on p)
-            vb = v.to(tl.uint8, bitcast=True).to(tl.uint16)
-            vb = ((vb & 0x80) << 8) | ((vb & 0x7F) << 4)
-            acc = acc * alpha[:, None] + tl.dot((p * 1.329227995784916e36).to(q.dtype), vb.to(tl.bfloat16, bitcast=True))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)
@@ -153,8 +137,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           fp8_dots: int = 0) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
@@ -186,5 +169,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, FP8_DOTS=fp8_dots, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
     return out
