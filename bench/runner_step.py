@@ -119,10 +119,11 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
 
     def step():
         plan = pb.StepPlan(step=next(counter), epoch=runner.epoch)
+        first = (plan.step - 1) * seqs  # fresh ids each step: the batch refuses an id ended and sent in one plan
         if plan.step > 1:  # the previous step's sequences end (applied before the new ones)
-            plan.finished_ids.extend(range(seqs))
+            plan.finished_ids.extend(range(first - seqs, first))
         for i, prompt in enumerate(prompts):
-            plan.new_seqs.add(seq_id=i, token_ids=prompt, prompt_len=context, sampling=SAMPLING,
+            plan.new_seqs.add(seq_id=first + i, token_ids=prompt, prompt_len=context, sampling=SAMPLING,
                               block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
                               num_computed_tokens=0, num_scheduled_tokens=context)
         return runner.execute(plan).result()
