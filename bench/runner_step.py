@@ -30,14 +30,19 @@ from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=1)
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", device: str = "cuda"):
         per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
         self.runner = ModelRunner(model_dir, RunnerConfig(
-            device="cuda", block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
+            device=device, block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
             kv_cache_dtype=kv_cache_dtype,
             limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
@@ -68,7 +73,7 @@ class DecodeBatch:
         """Steady-state step time with a depth-2 pipeline: step N+1 is launched before N is waited for."""
         for _ in range(3):
             self.decode().result()
-        torch.cuda.synchronize()
+        _sync()
         start, pending = time.perf_counter(), None
         for _ in range(steps):
             launched = self.decode()
@@ -105,13 +110,13 @@ class DecodeBatch:
 
 
 def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, steps: int,
-                 profile: bool) -> dict:
+                 profile: bool, device: str = "cuda") -> dict:
     """Time (and profile) an eager step of new `context`-token prompts totalling about `tokens` tokens,
     as the offline workload's prefill steps are (16k tokens each)."""
     seqs = max(1, tokens // context)
     per_seq = cdiv(context + 1, block_size)
     runner = ModelRunner(model_dir, RunnerConfig(
-        device="cuda", block_size=block_size, num_blocks=seqs * per_seq, cuda_graphs=False,
+        device=device, block_size=block_size, num_blocks=seqs * per_seq, cuda_graphs=False,
         limits=Limits(max_num_seqs=seqs, max_num_batched_tokens=seqs * context, max_model_len=per_seq * block_size)))
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(context)] for _ in range(seqs)]
@@ -130,7 +135,7 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -148,6 +153,7 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda", help="cpu: the same steps eagerly (a smoke test; no --profile)")
     ap.add_argument("--num-layers", type=int, help="the preset's first N layers only (a large model's step per layer)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--batches", default="256", help="decode batch sizes, comma-separated")
@@ -166,12 +172,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                                num_layers=args.num_layers)
         for bs in [int(b) for b in args.block_sizes.split(",")]:
             if args.prefill:
-                rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile))
+                rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile,
+                                         args.device))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             for size in [int(b) for b in args.batches.split(",")]:
                 for graphs in (True,) if args.graphs_only else (True, False):
-                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype)
+                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
+                                        args.device)
                     ms = batch.step_ms(args.steps)
                     rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
                                  "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
@@ -179,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     if args.profile and graphs:
                         batch.profile(args.steps)
                     del batch
-                    torch.cuda.empty_cache()
+                    if torch.cuda.is_initialized():
+                        torch.cuda.empty_cache()
     record(args.out, "runner_step", vars(args), rows)
 
 

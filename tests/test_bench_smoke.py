@@ -256,3 +256,17 @@ def test_grpc_accept_times_every_new_call_under_a_streaming_load(tmp_path: Path)
     (row,) = _load(out, "grpc_accept", "bench.grpc_accept")["results"]
     assert row["streams"] == 4 and row["new_calls"] == 6 and row["load_messages_per_s"] > 0
     assert 0 <= row["wait_ms_p50"] <= row["wait_ms_p90"] <= row["wait_ms_max"]
+
+
+def test_runner_step_decode_and_prefill_on_a_cpu(tmp_path: Path) -> None:
+    """The ModelRunner alone, fed plans the way the GPU runs feed it: decode batches, then prefill steps whose
+    sequences end as the next ones start."""
+    from bench.__main__ import main
+
+    for extra in ([], ["--prefill", "64"]):
+        out = tmp_path / f"runner_step{len(extra)}.json"
+        main(["runner-step", "--preset", "qwen3-tiny", "--device", "cpu", "--block-sizes", "16", "--batches", "2",
+              "--context", "24", "--steps", "2", "--graphs-only", *extra, "--out", str(out)])
+        rows = _load(out, "runner_step", "bench.runner_step")["results"]
+        assert len(rows) == 1
+        _positive(rows[0], "step_ms", "tokens_per_s")
