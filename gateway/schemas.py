@@ -1,11 +1,9 @@
 """JSON Schema, for the OpenAPI document, of the rules the gateway checks in its own code (with its own messages,
-in app.py, tools.py and structured.py) rather than through pydantic's constraints: the shapes of the free-form
+in jobs.py, tools.py and structured.py) rather than through pydantic's constraints: the shapes of the free-form
 fields (tools, tool_choice, response_format, ...) and the rules between fields."""
 from __future__ import annotations
 
 from typing import Any
-
-from gateway.tools import MAX_TOOLS
 
 MAX_CHOICES = 1024  # the scheduler's (scheduler_svc/structured.py; a test holds them equal)
 
@@ -28,7 +26,7 @@ def _set(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": [name], "properties": {name: schema}}
 
 
-# Rules between fields that the gateway checks (app.py), as JSON Schema.
+# Rules between fields that the gateway checks (jobs.py), as JSON Schema.
 STREAM_OPTIONS_RULE = _either(_unset_or("stream_options", {"type": "null"}), _set("stream", {"const": True}))
 MAX_TOKENS_0_RULE = _either(_unset_or("max_tokens", {"not": {"const": 0}}), _set("echo", {"const": True}))
 TOP_LOGPROBS_RULE = _either(_unset_or("top_logprobs", {"enum": [None, 0]}), _set("logprobs", {"const": True}))

@@ -617,7 +617,9 @@ def test_reasoning_in_chat_answers():
     from types import SimpleNamespace
 
     from client.client import Delta, Usage
-    from gateway.app import _chat_events, _Job, chat_message
+    from gateway.events import chat_events
+    from gateway.jobs import Job
+    from gateway.render import chat_message
     from gateway.tokens import TokenRenderer
 
     pieces = ["<think>", "\nThe user", " wants a colour.\n", "</think>", "\n\nBlue", "."]
@@ -631,8 +633,8 @@ def test_reasoning_in_chat_answers():
             yield 0, d
 
     async def events():
-        job = _Job([{"token_ids": [1]}], {}, 1)
-        return [e async for e in _chat_events(source(), None, job, backend, "id", "m", 0, body, True)]
+        job = Job([{"token_ids": [1]}], {}, 1)
+        return [e async for e in chat_events(source(), None, job, backend, "id", "m", 0, body, True)]
 
     chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(events()) if e != "data: [DONE]\n\n"]
     streamed = [c["choices"][0]["delta"] for c in chunks if c["choices"]]

@@ -24,7 +24,7 @@ import transformers
 from client import Client
 from client.launcher import LocalCluster
 from common.model_files import eos_token_ids
-from gateway.app import completion_job
+from gateway.jobs import completion_job
 from gateway.errors import APIError
 from gateway.protocol import CompletionRequest
 from gateway.tokens import TokenRenderer

@@ -1,0 +1,89 @@
+"""The scheduler as the gateway sees it: the gateway's configuration, and one asyncio gRPC client with the model
+information it caches."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from client.channel import ChannelSecurity
+from client.client import AsyncClient
+from gateway.errors import APIError
+from gateway.tokens import TokenRenderer
+
+log = logging.getLogger("splitserve.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    scheduler: str = "127.0.0.1:50051"
+    scheduler_security: ChannelSecurity = ChannelSecurity()  # TLS and API key towards the scheduler
+    api_keys: frozenset[str] = frozenset()  # of this HTTP API
+    served_model_names: tuple[str, ...] = ()  # empty: the scheduler's model name
+    tokenizer: str | None = None  # checkpoint folder or tokenizer.json, for logprob token strings
+    reasoning_parser: str | None = None  # "qwen3": thinking apart, as reasoning_content
+    tool_call_parser: str = "hermes"  # how "auto" tool choice finds the model's calls (gateway/tool_parsers.py)
+    request_timeout: float | None = None  # gRPC deadline of a generation, seconds (504 past it)
+    allowed_origins: tuple[str, ...] = ()  # CORS
+    rpc_timeout: float = 10.0  # model info, tokenize, health
+    model_info_ttl: float = 30.0
+
+
+class Backend:
+    """The scheduler as the gateway sees it: one asyncio gRPC client and its model info, cached."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client = AsyncClient(config.scheduler, **config.scheduler_security.kwargs())
+        self.tokens = TokenRenderer(config.tokenizer)
+        self.created = int(time.time())
+        self._info: dict[str, Any] | None = None
+        self._info_at = -math.inf
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def model_info(self) -> dict[str, Any]:
+        """GetModelInfo, at most once per `model_info_ttl`; the last answer while the scheduler fails."""
+        if self._info is not None and time.monotonic() - self._info_at < self.config.model_info_ttl:
+            return self._info
+        async with self._lock:
+            if self._info is not None and time.monotonic() - self._info_at < self.config.model_info_ttl:
+                return self._info
+            try:
+                self._info = await self.client.model_info(timeout=self.config.rpc_timeout)
+            except grpc.RpcError:
+                if self._info is None:
+                    raise
+                log.warning("model info: scheduler failed, using the last answer", exc_info=True)
+            self._info_at = time.monotonic()
+            return self._info
+
+    async def model_names(self) -> list[str]:
+        if self.config.served_model_names:
+            return list(self.config.served_model_names)
+        return [(await self.model_info())["model"]]
+
+    async def resolve_model(self, requested: str | None) -> str:
+        names = await self.model_names()
+        if not requested:
+            return names[0]
+        if requested not in names:
+            raise APIError(404, f"The model `{requested}` does not exist (served: {', '.join(names)}).",
+                           "invalid_request_error", "model", "model_not_found")
+        return requested
+
+    async def token_limit(self) -> int:
+        """Most tokens (prompt + completion) one sequence can have: the model length, capped by the
+        smallest live worker's KV cache (a sequence's last token needs no KV slot)."""
+        info = await self.model_info()
+        limit = int(info["max_model_len"])
+        capacities = [w["num_blocks"] * info["block_size"] + 1 for w in info.get("workers", [])
+                      if w.get("alive") and w.get("num_blocks")]
+        return min([limit, *capacities])

@@ -1,0 +1,129 @@
+"""The server-sent events of a streamed answer, completions' and chat's: each delta rendered as a chunk (chat's
+with its reasoning and tool calls apart), usage at the end when asked, an error event if the stream fails after
+its start, then `data: [DONE]`."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from client.client import Delta
+from gateway.backend import Backend
+from gateway.errors import from_grpc
+from gateway.jobs import Job
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.reasoning import ReasoningStream
+from gateway.render import (DONE, Usage, chat_logprobs, chunker, completion_logprobs, echo_logprobs, joined_logprobs,
+                            sse_event)
+from gateway.tools import ToolStream
+
+log = logging.getLogger("splitserve.gateway")
+
+
+async def completion_events(it, first, job: Job, backend: Backend, rid: str, model: str, created: int,
+                             body: CompletionRequest, include_usage: bool) -> AsyncGenerator[str, None]:
+    usage = Usage()
+    offsets = [0] * job.num_choices
+    started = [False] * job.num_choices
+
+    chunk = chunker(rid, "text_completion", created, model, include_usage)
+
+    def render(prompt_index: int, delta: Delta) -> str | None:
+        usage.add(prompt_index, delta)
+        index = prompt_index * job.n + delta.index
+        text = delta.text
+        logprobs = None
+        if body.echo and not started[index]:  # the first chunk of a choice: the prompt, and its logprobs
+            text = job.prompts[prompt_index].get("echo", "") + text
+            if body.logprobs is not None and delta.prompt_token_ids:
+                logprobs, offsets[index] = echo_logprobs(backend.tokens, delta.prompt_token_ids,
+                                                          delta.prompt_logprobs)
+        started[index] = True
+        if delta.logprobs:
+            generated, offsets[index] = completion_logprobs(backend.tokens, delta.token_ids, delta.logprobs,
+                                                             offsets[index])
+            logprobs = generated if logprobs is None else joined_logprobs(logprobs, generated)
+        if not text and logprobs is None and delta.finish_reason is None:
+            return None
+        return chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                       "stop_reason": delta.stop_reason}])
+
+    async for event in _stream_events(it, first, render, job):
+        yield event
+    if include_usage and not job.failed:
+        yield chunk([], usage.body())
+    yield DONE
+
+
+async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: str, created: int,
+                       body: ChatCompletionRequest, include_usage: bool) -> AsyncGenerator[str, None]:
+    usage = Usage()
+    parsers = [ReasoningStream() for _ in range(job.num_choices)] if backend.config.reasoning_parser else None
+    include_reasoning = body.include_reasoning is not False
+    tools = [ToolStream(job.tools, backend.config.tool_call_parser) for _ in range(job.num_choices)] \
+        if job.tools is not None else None
+
+    chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
+
+    def render(prompt_index: int, delta: Delta) -> str | None:
+        usage.add(prompt_index, delta)
+        index = prompt_index * job.n + delta.index
+        message: dict[str, Any] = {}
+        if parsers is None:
+            if delta.text:
+                message["content"] = delta.text
+        else:
+            thought, content = parsers[index].feed(delta.text)
+            if delta.finish_reason is not None:
+                more_thought, more_content = parsers[index].finish()
+                thought, content = thought + more_thought, content + more_content
+            if thought and include_reasoning:
+                message["reasoning_content"] = thought
+            if content:
+                message["content"] = content
+        finish = delta.finish_reason
+        if tools is not None:
+            content, calls = tools[index].feed(message.pop("content", ""), finish is not None)
+            if content:
+                message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            if finish == "stop" and tools[index].called:
+                finish = "tool_calls"
+        logprobs = {"content": chat_logprobs(backend.tokens, delta.token_ids, delta.logprobs)} \
+            if delta.logprobs else None
+        if not message and logprobs is None and finish is None:
+            return None
+        return chunk([{"index": index, "delta": message, "logprobs": logprobs,
+                       "finish_reason": finish, "stop_reason": delta.stop_reason}])
+
+    for index in range(job.num_choices):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for event in _stream_events(it, first, render, job):
+        yield event
+    if include_usage and not job.failed:
+        yield chunk([], usage.body())
+    yield DONE
+
+
+async def _stream_events(it, first, render, job: Job) -> AsyncGenerator[str, None]:
+    """The rendered events of the deltas; a gRPC failure mid-stream becomes an error event."""
+    try:
+        if first is not None:
+            event = render(*first)
+            if event:
+                yield event
+        async for prompt_index, delta in it:
+            event = render(prompt_index, delta)
+            if event:
+                yield event
+    except grpc.RpcError as e:
+        job.failed = True
+        error = from_grpc(e, **job.param_names)
+        log.warning("stream failed after its start: %s %s", error.status, error.message)
+        yield sse_event(error.body())
+    finally:
+        await it.aclose()
