@@ -1,5 +1,5 @@
-"""The OpenAI JSON of an answer's parts: logprobs (legacy and chat), usage, the assistant message, a streamed
-chunk, and the choices of a whole answer collected from its deltas."""
+"""The OpenAI JSON of an answer: its parts (logprobs, legacy and chat; usage; the assistant message; a streamed
+chunk) and, for a request without `stream`, the whole answer from the choices collected from its deltas."""
 from __future__ import annotations
 
 import json
