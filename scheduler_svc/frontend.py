@@ -29,14 +29,15 @@ from grpc_reflection.v1alpha import reflection
 
 from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, add_port, transport
 from common.util import run_loop
-from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
 from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.output import OutputState
 from scheduler_svc.prefix_hash import PromptHashes
+from scheduler_svc.registration import MembershipService
 from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
+from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
 from scheduler_svc.router import GroupInfo, GroupView, pick_group
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
@@ -45,11 +46,7 @@ from scheduler_svc.write_slots import WriteSlots
 
 log = logging.getLogger("splitserve.scheduler")
 SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT,
-          "grammar": api.FINISH_REASON_GRAMMAR}
-_REASON = {v: k for k, v in FINISH.items()}
 DEADLINE_SLACK_S = 0.1  # a call cancelled this close to its deadline is logged as a passed deadline
-CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
 WRITE_SLOTS = 32  # writes in flight per front-end (WriteSlots says why)
 WRITE_HOLD_S = 0.1  # a write not completed after this (a client not reading) holds no slot
 # gRPC core cancels, with status CANCELLED and no message, incoming calls that wait for the server to take them
@@ -427,7 +424,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 try:
                     # All that arrived until now, the wait for a slot included: coalesced when the client or the
                     # front-end is slow.
-                    responses = [(c.index, len(c.out_tokens), _response(rid, c)) for c in stream.take()]
+                    responses = [(c.index, len(c.out_tokens), response_of(rid, c)) for c in stream.take()]
                     if not started_rest:
                         started_rest = True
                         for c in completions[1:]:
@@ -437,13 +434,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     for i, count, response in responses:
                         if response.finish_reason:
                             pending.discard(subs[i])
-                            reasons[i] = _REASON[response.finish_reason]
+                            reasons[i] = REASON[response.finish_reason]
                             self._finished[reasons[i]].inc()
                             u = response.usage
                             usage.prompt_tokens = u.prompt_tokens
                             usage.completion_tokens += u.completion_tokens
                             usage.cached_prompt_tokens += u.cached_prompt_tokens
-                            _observe_end(metrics, u, arrived, first_at[i], completions[i].scheduled_at)
+                            metrics.observe_end(u, arrived, first_at[i], completions[i].scheduled_at)
                         if count:
                             now = time.perf_counter()
                             first_at[i] = first_at[i] or time.monotonic()
@@ -455,8 +452,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                             last_sent[i] = now
                             streamed[i] += count
                         if interval != 1:
-                            response = _hold(held_back, response, interval)
-                        if response is not None and not await _write(context, response):
+                            response = hold(held_back, response, interval)
+                        if response is not None and not await write(context, response):
                             return
                 finally:
                     slot.give_back()
@@ -561,120 +558,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.stopped.set()
-
-
-async def _write(context, response: api.GenerateResponse) -> bool:
-    """Sends one message; False if the call ended under the write. A client's deadline or cancel that races a
-    write fails the write's batch, and gRPC only then cancels the handler: waiting for that lets the call end as
-    the cancellation it is, instead of as an error raised by the servicer."""
-    try:
-        await context.write(response)
-        return True
-    except Exception as e:
-        log.debug("a write failed as the call ended: %r", e)
-        await asyncio.sleep(CLOSE_NOTICE_S)
-        return False
-
-
-def _observe_end(metrics: FrontendMetrics, usage: api.Usage, arrived: float, first_at: float,
-                 scheduled: float | None) -> None:
-    """A completion's end in the metrics: its tokens, and vLLM's request phases (queued, then prefill, the whole
-    run) from the times on the one monotonic clock every process shares."""
-    metrics.prompt_tokens.inc(usage.prompt_tokens)
-    metrics.prefix_queries.inc(usage.prompt_tokens)
-    metrics.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
-    metrics.request_prompt_tokens.observe(usage.prompt_tokens)
-    metrics.request_generation_tokens.observe(usage.completion_tokens)
-    now = time.monotonic()
-    if usage.completion_tokens:  # first to last token: 0 where both came in this message
-        metrics.decode_time.observe(now - first_at if first_at else 0.0)
-    if scheduled is not None:
-        metrics.queue_time.observe(max(0.0, scheduled - arrived))
-        metrics.prefill_time.observe(max(0.0, (first_at or now) - scheduled))
-        metrics.inference_time.observe(max(0.0, now - scheduled))
-
-
-def _hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
-          interval: int) -> api.GenerateResponse | None:
-    """Joins `response` to what its completion holds back; returns the message to send once it holds
-    `interval` tokens (0: never) or the completion ended, else None."""
-    joined = held_back.pop(response.index, None)
-    if joined is not None:
-        joined.token_ids.extend(response.token_ids)
-        joined.text += response.text
-        joined.logprobs.extend(response.logprobs)
-        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
-        if response.HasField("usage"):
-            joined.usage.CopyFrom(response.usage)
-        response = joined
-    if response.finish_reason or (interval and len(response.token_ids) >= interval):
-        return response
-    held_back[response.index] = response
-    return None
-
-
-def _response(rid: str, c: Completion) -> api.GenerateResponse:
-    """The message of the output that `c` holds (then sent: it holds none)."""
-    text = c.out_text
-    r = api.GenerateResponse(request_id=rid, index=c.index, text=text[0] if len(text) == 1 else "".join(text),
-                             token_ids=c.out_tokens)
-    c.out_tokens.clear()
-    text.clear()
-    if c.out_logprobs is not None:
-        for lp in c.out_logprobs:
-            r.logprobs.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
-        c.out_logprobs = None
-    if c.prompt_logprobs is not None:
-        for lp in c.prompt_logprobs:
-            r.prompt_logprobs.add(logprob=lp.logprob,
-                                  top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
-        r.prompt_token_ids.extend(c.prompt_ids)
-        c.prompt_logprobs = None
-    if c.finish_reason is not None:
-        r.finish_reason = FINISH.get(c.finish_reason, api.FINISH_REASON_STOP)
-        r.stop_reason = c.stop_reason or ""
-        usage = c.text.usage()
-        r.usage.prompt_tokens = usage.prompt_tokens
-        r.usage.completion_tokens = usage.completion_tokens
-        r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
-    return r
-
-
-def _valid_address(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
-class MembershipService(membership_pb2_grpc.MembershipServicer):
-    """Register / Deregister, served next to the public API and answered by the supervisor, which drives the
-    workers. Who may call them: the policy (common.security): mutual TLS, a shared secret, or nobody."""
-
-    def __init__(self, frontend: Frontend, policy: RegistrationPolicy):
-        self.frontend, self.policy = frontend, policy
-
-    async def _authorize(self, context, request) -> None:
-        reason = self.policy.refusal(context.invocation_metadata())
-        if reason is not None:
-            log.warning("membership call refused from %s for worker %r: %s", context.peer(), request.address,
-                        reason, extra={"worker": request.address})
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
-        await self._authorize(context, request)
-        if not self.frontend.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        if not _valid_address(request.address):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
-        reply = await self.frontend.ask_supervisor(["register", request.address, request.worker_id, request.epoch])
-        if reply.get("code"):
-            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
-        return mpb.RegisterResponse(scheduler_id=reply["scheduler_id"], already_member=reply["already_member"])
-
-    async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:
-        await self._authorize(context, request)
-        reply = await asyncio.shield(self.frontend.ask_supervisor(
-            ["deregister", request.address, request.worker_id, max(0.0, request.grace_s)]))
-        return mpb.DeregisterResponse(moved=reply["moved"], was_member=reply["was_member"])
 
 
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:

@@ -97,6 +97,22 @@ class FrontendMetrics:
     def text(self) -> str:
         return generate_latest(self.registry).decode()
 
+    def observe_end(self, usage, arrived: float, first_at: float, scheduled: float | None) -> None:
+        """A completion's end (its api.Usage): its tokens, and vLLM's request phases (queued, then prefill, the
+        whole run) from the times on the one monotonic clock every process shares."""
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.prefix_queries.inc(usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        self.request_prompt_tokens.observe(usage.prompt_tokens)
+        self.request_generation_tokens.observe(usage.completion_tokens)
+        now = time.monotonic()
+        if usage.completion_tokens:  # first to last token: 0 where both came in this message
+            self.decode_time.observe(now - first_at if first_at else 0.0)
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - arrived))
+            self.prefill_time.observe(max(0.0, (first_at or now) - scheduled))
+            self.inference_time.observe(max(0.0, now - scheduled))
+
 
 class EngineMetrics:
     """An engine process's metrics: step histograms per worker and the groups' queue and KV state (gauges,

@@ -1,4 +1,4 @@
-"""A write that fails because the call ended under it (scheduler_svc/frontend.py's _write): the handler waits for
+"""A write that fails because the call ended under it (scheduler_svc/responses.py's write): the handler waits for
 gRPC's cancellation instead of raising, so the race between a client's deadline and a write logs no servicer error."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protos import splitserve_pb2 as api
-from scheduler_svc import frontend
+from scheduler_svc import frontend, responses
 
 
 class ClosedContext:
@@ -22,10 +22,10 @@ class ClosedContext:
 
 
 def test_a_failed_write_ends_as_the_cancellation_that_follows(monkeypatch):
-    monkeypatch.setattr(frontend, "CLOSE_NOTICE_S", 30.0)
+    monkeypatch.setattr(responses, "CLOSE_NOTICE_S", 30.0)
 
     async def run():
-        task = asyncio.create_task(frontend._write(ClosedContext(), api.GenerateResponse()))
+        task = asyncio.create_task(responses.write(ClosedContext(), api.GenerateResponse()))
         await asyncio.sleep(0.05)
         assert not task.done()  # waiting for gRPC's notice, not raising
         task.cancel()  # the notice
@@ -36,9 +36,9 @@ def test_a_failed_write_ends_as_the_cancellation_that_follows(monkeypatch):
 
 
 def test_a_failed_write_without_a_notice_ends_the_stream(monkeypatch):
-    monkeypatch.setattr(frontend, "CLOSE_NOTICE_S", 0.01)
+    monkeypatch.setattr(responses, "CLOSE_NOTICE_S", 0.01)
     context = ClosedContext()
-    assert asyncio.run(frontend._write(context, api.GenerateResponse())) is False
+    assert asyncio.run(responses.write(context, api.GenerateResponse())) is False
     assert context.writes == 1
 
 

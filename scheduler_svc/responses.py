@@ -1,0 +1,77 @@
+"""The messages of a Generate stream: a completion's output as one GenerateResponse, held back to the request's
+stream_interval, and written to the call."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from protos import splitserve_pb2 as api
+
+if TYPE_CHECKING:
+    from scheduler_svc.frontend import Completion
+
+log = logging.getLogger("splitserve.scheduler")
+FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT,
+          "grammar": api.FINISH_REASON_GRAMMAR}
+REASON = {v: k for k, v in FINISH.items()}
+CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
+
+
+def hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
+          interval: int) -> api.GenerateResponse | None:
+    """Joins `response` to what its completion holds back; returns the message to send once it holds
+    `interval` tokens (0: never) or the completion ended, else None."""
+    joined = held_back.pop(response.index, None)
+    if joined is not None:
+        joined.token_ids.extend(response.token_ids)
+        joined.text += response.text
+        joined.logprobs.extend(response.logprobs)
+        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
+        if response.HasField("usage"):
+            joined.usage.CopyFrom(response.usage)
+        response = joined
+    if response.finish_reason or (interval and len(response.token_ids) >= interval):
+        return response
+    held_back[response.index] = response
+    return None
+
+
+def response_of(rid: str, c: Completion) -> api.GenerateResponse:
+    """The message of the output that `c` holds (then sent: it holds none)."""
+    text = c.out_text
+    r = api.GenerateResponse(request_id=rid, index=c.index, text=text[0] if len(text) == 1 else "".join(text),
+                             token_ids=c.out_tokens)
+    c.out_tokens.clear()
+    text.clear()
+    if c.out_logprobs is not None:
+        for lp in c.out_logprobs:
+            r.logprobs.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        c.out_logprobs = None
+    if c.prompt_logprobs is not None:
+        for lp in c.prompt_logprobs:
+            r.prompt_logprobs.add(logprob=lp.logprob,
+                                  top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        r.prompt_token_ids.extend(c.prompt_ids)
+        c.prompt_logprobs = None
+    if c.finish_reason is not None:
+        r.finish_reason = FINISH.get(c.finish_reason, api.FINISH_REASON_STOP)
+        r.stop_reason = c.stop_reason or ""
+        usage = c.text.usage()
+        r.usage.prompt_tokens = usage.prompt_tokens
+        r.usage.completion_tokens = usage.completion_tokens
+        r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+    return r
+
+
+async def write(context, response: api.GenerateResponse) -> bool:
+    """Sends one message; False if the call ended under the write. A client's deadline or cancel that races a
+    write fails the write's batch, and gRPC only then cancels the handler: waiting for that lets the call end as
+    the cancellation it is, instead of as an error raised by the servicer."""
+    try:
+        await context.write(response)
+        return True
+    except Exception as e:
+        log.debug("a write failed as the call ended: %r", e)
+        await asyncio.sleep(CLOSE_NOTICE_S)
+        return False
