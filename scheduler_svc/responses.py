@@ -18,25 +18,6 @@ REASON = {v: k for k, v in FINISH.items()}
 CLOSE_NOTICE_S = 1.0  # how long a handler whose write failed waits for gRPC to cancel it
 
 
-def hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
-          interval: int) -> api.GenerateResponse | None:
-    """Joins `response` to what its completion holds back; returns the message to send once it holds
-    `interval` tokens (0: never) or the completion ended, else None."""
-    joined = held_back.pop(response.index, None)
-    if joined is not None:
-        joined.token_ids.extend(response.token_ids)
-        joined.text += response.text
-        joined.logprobs.extend(response.logprobs)
-        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
-        if response.HasField("usage"):
-            joined.usage.CopyFrom(response.usage)
-        response = joined
-    if response.finish_reason or (interval and len(response.token_ids) >= interval):
-        return response
-    held_back[response.index] = response
-    return None
-
-
 def response_of(rid: str, c: Completion) -> api.GenerateResponse:
     """The message of the output that `c` holds (then sent: it holds none)."""
     text = c.out_text
@@ -62,6 +43,25 @@ def response_of(rid: str, c: Completion) -> api.GenerateResponse:
         r.usage.completion_tokens = usage.completion_tokens
         r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
     return r
+
+
+def hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
+         interval: int) -> api.GenerateResponse | None:
+    """Joins `response` to what its completion holds back; returns the message to send once it holds
+    `interval` tokens (0: never) or the completion ended, else None."""
+    joined = held_back.pop(response.index, None)
+    if joined is not None:
+        joined.token_ids.extend(response.token_ids)
+        joined.text += response.text
+        joined.logprobs.extend(response.logprobs)
+        joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
+        if response.HasField("usage"):
+            joined.usage.CopyFrom(response.usage)
+        response = joined
+    if response.finish_reason or (interval and len(response.token_ids) >= interval):
+        return response
+    held_back[response.index] = response
+    return None
 
 
 async def write(context, response: api.GenerateResponse) -> bool:
