@@ -2,8 +2,8 @@
 
 Qwen3-0.6B's four projections (qkv, o, gate_up, down) at a few rows, or Llama-3.1-8B's (qkv_8b, ...).
 Each call reads a different copy of the weight (copies fill well past the 50 MB L2, as 28 layers do), 20
-calls per CUDA graph, replayed; so the time is GPU time with cold weights. Bandwidth counts the weight bytes. Checks every kernel against
-F.linear in float32.
+calls per CUDA graph, replayed; so the time is GPU time with cold weights. Bandwidth counts the weight
+bytes. Checks every kernel against F.linear in float32.
 
 python -m bench skinny-gemm
 python -m bench skinny-gemm --rows 1,16,64 --configs 16:256:4:4,32:128:6:4
