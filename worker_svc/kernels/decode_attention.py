@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
 
@@ -43,7 +44,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -65,17 +66,24 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     for t0 in tl.range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + n
         valid = (t < end) & (t >= lo)
-        page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
-        k_rows = page * stride_kb + offset * stride_kt
-        v_rows = page * stride_vb + offset * stride_vt
-        k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if TMA:  # K and V are [blocks x page, kv_heads x head_dim] descriptors; a tile lies in one page
+            row = (tl.load(pages + t0 // PAGE) * PAGE + t0 % PAGE).to(tl.int32)
+            k = K.load([row, kvh * HEAD_DIM])
+        else:
+            page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
+            k_rows = page * stride_kb + offset * stride_kt
+            v_rows = page * stride_vb + offset * stride_vt
+            k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if TMA:  # rows past the context are read as stored: finite (the cache starts zeroed), and p is 0 there
+            v = V.load([row, kvh * HEAD_DIM])
+        else:
+            v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
@@ -137,7 +145,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                           tma: bool = False) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
@@ -163,11 +172,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         counters = merge_counters(batch, kv_heads, q.device)
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     block_h = max(16, triton.next_power_of_2(group))
+    kv = (k_cache, v_cache)
+    if tma:
+        if block_n > page or any(c.stride(0) != page * c.stride(1) or c.stride(1) != kv_heads * head_dim for c in kv):
+            raise ValueError("TMA reads tiles of one page from a token-major cache")
+        kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
+                   for c in kv)
     _split_kernel[(kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, page_table, seqused_k, part_o, part_lse, out, counters,
+        q, *kv, page_table, seqused_k, part_o, part_lse, out, counters,
         scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return out
