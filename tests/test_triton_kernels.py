@@ -328,6 +328,36 @@ def _dequantised(k8: torch.Tensor, v8: torch.Tensor) -> tuple[torch.Tensor, torc
 FP8_Q = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 
+@pytest.mark.parametrize("cache", [torch.float32, FP8])
+@pytest.mark.parametrize("page,block_n,split,window", [(16, 16, 32, None), (64, 64, 128, None), (64, 32, 64, 45)])
+def test_decode_attention_tiles_loaded_by_tma_equal_pointer_loads(cache, page, block_n, split, window):
+    """TMA tiles (tile_config's choice over an fp8 cache) hold rows past the context or before the window as
+    stored, where pointer loads read zeros; the kernel weighs those rows 0, so both give the same bits."""
+    lens = [1, block_n - 1, block_n + 1, split, 3 * split + 5, 200, 17, 90, 130, 2]  # 10 sequences: past tile 8's
+    dim, heads, kv_heads = 32, 6, 2
+    k, v, table = _paged(lens, page, kv_heads, dim, torch.float32)
+    if cache == FP8:
+        k, v = _fp8(k, v)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(3))
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(base_split=split, block_n=block_n, window=window, k_scale=K_SCALE, v_scale=V_SCALE)
+    loaded = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, tma=True, **kw)
+    torch.testing.assert_close(loaded, paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, tma=False, **kw),
+                               atol=0.0, rtol=0.0)
+    if cache == FP8 and window is None and page >= 64:  # the tiles and TMA an fp8 cache gets by default
+        assert tile_config(len(lens), fp8=True)["tma"]
+        torch.testing.assert_close(paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, k_scale=K_SCALE,
+                                                          v_scale=V_SCALE), loaded, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_refuses_tma_where_a_tile_would_cross_pages():
+    k, v, table = _paged([40], 16, 2, 32, torch.float32)
+    q = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="TMA"):
+        paged_decode_attention(q, k, v, torch.tensor([40], dtype=torch.int32), table, 1.0, base_split=64,
+                               block_n=32, tma=True)
+
+
 @pytest.mark.parametrize("dtype,tol", FP8_Q)
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
 def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol):

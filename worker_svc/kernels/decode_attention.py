@@ -125,15 +125,31 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
     return cdiv(split, block_n) * block_n
 
 
-def tile_config(batch: int) -> dict:
-    """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md):
-    up to 8 sequences, short splits of 64-token tiles spread the few sequences over the GPU; past that,
-    128-token tiles in 512-token splits (longer splits save a merge but add as much tail). The bound is a
-    CUDA-graph batch size (decode_step.capture_sizes), so a batch and the padded batch of its graph take
-    the same tiles and compute the same values."""
+def tile_config(batch: int, fp8: bool = False) -> dict:
+    """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md,
+    decode_attention_tma_*.md): up to 8 sequences, short splits of 64-token tiles spread the few sequences over
+    the GPU; past that, 128-token tiles in 512-token splits (longer splits save a merge but add as much tail),
+    or over an fp8 cache 64-token tiles in 256-token splits, loaded by the tensor memory accelerator: that kernel
+    is bound by its instructions, not its bytes, and TMA takes the per-element addresses and masks out of it (the
+    bf16 kernel, bound by its bytes, is slower with it). The bound is a CUDA-graph batch size
+    (decode_step.capture_sizes), so a batch and the padded batch of its graph take the same tiles and compute
+    the same values."""
     if batch <= 8:
-        return dict(base_split=128, block_n=64)
-    return dict(base_split=512, block_n=128)
+        return dict(base_split=128, block_n=64, tma=False)
+    if fp8:
+        return dict(base_split=256, block_n=64, tma=True)
+    return dict(base_split=512, block_n=128, tma=False)
+
+
+def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether TMA can load the caches' tiles: each inside one page, of a token-major cache whose rows of one
+    token are contiguous (kernels as GPU checks give them; not the head-major views bench decode-attention
+    times), on a GPU with the unit (Hopper and later) or under the interpreter."""
+    page, kv_heads, head_dim = k_cache.shape[1:]
+    layout = all(c.stride(0) == page * c.stride(1) and c.stride(1) == kv_heads * head_dim and c.stride(2) == head_dim
+                 for c in (k_cache, v_cache))
+    unit = k_cache.device.type != "cuda" or torch.cuda.get_device_capability(k_cache.device)[0] >= 9
+    return block_n <= page and layout and unit
 
 
 def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
@@ -146,18 +162,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool = False) -> torch.Tensor:
+                           tma: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
     only. Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
-    Tiles default to tile_config(batch)."""
+    Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator) to
+    tile_config's choice where tma_fits, and True where it does not raises."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
-    if base_split is None or block_n is None:
-        tiles = tile_config(batch)
-        base_split, block_n = base_split or tiles["base_split"], block_n or tiles["block_n"]
+    tiles = tile_config(batch, k_cache.element_size() == 1)
+    base_split, block_n = base_split or tiles["base_split"], block_n or tiles["block_n"]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_n = min(block_n, base_split)
@@ -173,14 +189,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     block_h = max(16, triton.next_power_of_2(group))
     kv = (k_cache, v_cache)
-    if tma:
-        if block_n > page or any(c.stride(0) != page * c.stride(1) or c.stride(1) != kv_heads * head_dim for c in kv):
-            raise ValueError("TMA reads tiles of one page from a token-major cache")
+    if tma is None:
+        tma = tiles["tma"] and tma_fits(k_cache, v_cache, block_n)
+    elif tma and not tma_fits(k_cache, v_cache, block_n):
+        raise ValueError("TMA loads tiles inside one page of a token-major cache, on Hopper or later")
+    if tma:  # each cache as [blocks x page, kv_heads x head_dim]: a tile is BLOCK_N consecutive rows
         kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
                    for c in kv)
     _split_kernel[(kv_heads, num_splits, batch)](
         q, *kv, page_table, seqused_k, part_o, part_lse, out, counters,
-        scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
