@@ -350,14 +350,6 @@ def test_decode_attention_tiles_loaded_by_tma_equal_pointer_loads(cache, page, b
                                                           v_scale=V_SCALE), loaded, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_attention_refuses_tma_where_a_tile_would_cross_pages():
-    k, v, table = _paged([40], 16, 2, 32, torch.float32)
-    q = torch.randn(1, 4, 32)
-    with pytest.raises(ValueError, match="TMA"):
-        paged_decode_attention(q, k, v, torch.tensor([40], dtype=torch.int32), table, 1.0, base_split=64,
-                               block_n=32, tma=True)
-
-
 @pytest.mark.parametrize("dtype,tol", FP8_Q)
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (32, 16, 32)])
 def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol):

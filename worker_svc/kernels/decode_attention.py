@@ -127,15 +127,16 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
 
 def tile_config(batch: int, fp8: bool = False) -> dict:
     """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md,
-    decode_attention_tma_*.md): up to 8 sequences, short splits of 64-token tiles spread the few sequences over
+    decode_attention_*tma*.md): up to 8 sequences, short splits of 64-token tiles spread the few sequences over
     the GPU; past that, 128-token tiles in 512-token splits (longer splits save a merge but add as much tail),
-    or over an fp8 cache 64-token tiles in 256-token splits, loaded by the tensor memory accelerator: that kernel
-    is bound by its instructions, not its bytes, and TMA takes the per-element addresses and masks out of it (the
-    bf16 kernel, bound by its bytes, is slower with it). The bound is a CUDA-graph batch size
-    (decode_step.capture_sizes), so a batch and the padded batch of its graph take the same tiles and compute
-    the same values."""
+    or over an fp8 cache 64-token tiles in 256-token splits. Tiles are loaded by the tensor memory accelerator
+    except for a bf16 batch past 8 sequences: the fp8 kernel is bound by its instructions and TMA takes the
+    per-element addresses and masks out of it, and small batches gain from its shorter issue, but where the bf16
+    kernel's pointer loads already keep DRAM busy, TMA's path makes it slower. The bound is a CUDA-graph batch
+    size (decode_step.capture_sizes), so a batch and the padded batch of its graph take the same tiles and
+    compute the same values."""
     if batch <= 8:
-        return dict(base_split=128, block_n=64, tma=False)
+        return dict(base_split=128, block_n=64, tma=True)
     if fp8:
         return dict(base_split=256, block_n=64, tma=True)
     return dict(base_split=512, block_n=128, tma=False)
@@ -168,8 +169,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
     only. Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
-    Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator) to
-    tile_config's choice where tma_fits, and True where it does not raises."""
+    Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
+    tma_fits) to tile_config's choice."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
     tiles = tile_config(batch, k_cache.element_size() == 1)
@@ -189,10 +190,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     block_h = max(16, triton.next_power_of_2(group))
     kv = (k_cache, v_cache)
-    if tma is None:
-        tma = tiles["tma"] and tma_fits(k_cache, v_cache, block_n)
-    elif tma and not tma_fits(k_cache, v_cache, block_n):
-        raise ValueError("TMA loads tiles inside one page of a token-major cache, on Hopper or later")
+    tma = (tiles["tma"] if tma is None else tma) and tma_fits(k_cache, v_cache, block_n)
     if tma:  # each cache as [blocks x page, kv_heads x head_dim]: a tile is BLOCK_N consecutive rows
         kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
                    for c in kv)
