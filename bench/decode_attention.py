@@ -148,13 +148,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         counters = merge_counters(batch, kv_heads, "cuda")  # as the backend holds them: no memset per call
         for config in args.configs.split(","):
             block_n, warps, stages, split = (int(x) for x in config.split(":")[:4])
-            tma, ws = ":tma" in config, config.endswith(":ws")
+            tma = config.endswith(":tma")
             if tma and layout != "nhd":
                 continue
             kernels[f"triton {config}"] = (
-                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, t=tma, x=ws:
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, t=tma:
                 paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
-                                       num_warps=w, num_stages=s, tma=t, ws=x))
+                                       num_warps=w, num_stages=s, tma=t))
         reference = reference_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), lens, table, scale)
         for name, fn in kernels.items():
             row = {"case": case, "layout": layout, "kernel": name}

@@ -44,8 +44,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
-                  WS: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -64,7 +63,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
-    for t0 in tl.range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N, warp_specialize=WS):
+    for t0 in tl.range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + n
         valid = (t < end) & (t >= lo)
         if TMA:  # K and V are [blocks x page, kv_heads x head_dim] descriptors; a tile lies in one page
@@ -164,7 +163,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool | None = None, ws: bool = False) -> torch.Tensor:
+                           tma: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
@@ -202,5 +201,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, WS=ws, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return out
