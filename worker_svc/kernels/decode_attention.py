@@ -9,13 +9,17 @@ copy (bench/results/decode_attention.md):
   query heads of the group (their rows padded to a tensor-core tile) and writes a partial output and
   log-sum-exp, or the output itself when the context fits one split;
 - the last program of a (sequence, KV head) to finish, counted on an atomic counter, merges the splits
-  (a second kernel would cost a launch and its ramp per layer for a few microseconds of work).
+  (a second kernel would cost a launch and its ramp per layer for a few microseconds of work);
+- a tile's K and V rows come by pointer loads or, where tile_config says so, by the tensor memory
+  accelerator (one instruction per tile instead of an address and a mask per element).
 
 Splits have a fixed token count, so work per program is even whatever the mix of context lengths, and
 the grid depends only on the batch size and the page table's width: it can be captured in a CUDA graph
 (programs past a sequence's context return at once).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -149,8 +153,12 @@ def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool
     page, kv_heads, head_dim = k_cache.shape[1:]
     layout = all(c.stride(0) == page * c.stride(1) and c.stride(1) == kv_heads * head_dim and c.stride(2) == head_dim
                  for c in (k_cache, v_cache))
-    unit = k_cache.device.type != "cuda" or torch.cuda.get_device_capability(k_cache.device)[0] >= 9
-    return block_n <= page and layout and unit
+    return block_n <= page and layout and _has_tma(k_cache.device)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
