@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.limits import Limits
 from common.util import cdiv
@@ -16,7 +17,7 @@ from tests.moe_cases import align_by_sorting, check_router_choice, moe_inputs
 from worker_svc import kernels
 from worker_svc.kernels import elementwise, skinny_gemm
 from worker_svc.kernels.attention import AttentionMetadata
-from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention, tile_config
+from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention, tile_config, tma_fits
 from worker_svc.kernels.elementwise import qk_norm_rope_store
 from worker_svc.kernels.gumbel import gumbel_argmax
 from worker_svc.kernels.prefill_attention import paged_prefill_attention, query_blocks
@@ -330,24 +331,33 @@ FP8_Q = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 @pytest.mark.parametrize("cache", [torch.float32, FP8])
 @pytest.mark.parametrize("page,block_n,split,window", [(16, 16, 32, None), (64, 64, 128, None), (64, 32, 64, 45)])
-def test_decode_attention_tiles_loaded_by_tma_equal_pointer_loads(cache, page, block_n, split, window):
+def test_decode_attention_tiles_loaded_by_tma_equal_pointer_loads(cache, page, block_n, split, window, monkeypatch):
     """TMA tiles (tile_config's choice over an fp8 cache) hold rows past the context or before the window as
     stored, where pointer loads read zeros; the kernel weighs those rows 0, so both give the same bits."""
+    from worker_svc.kernels import decode_attention
+
+    described = []  # the caches TMA descriptors were made for: proof that the TMA path ran
+    monkeypatch.setattr(decode_attention, "TensorDescriptor",
+                        lambda base, *a: described.append(base) or TensorDescriptor(base, *a))
     lens = [1, block_n - 1, block_n + 1, split, 3 * split + 5, 200, 17, 90, 130, 2]  # 10 sequences: past tile 8's
-    dim, heads, kv_heads = 32, 6, 2
+    dim, heads, kv_heads = 128, 6, 2  # TMA takes heads of 128 only
     k, v, table = _paged(lens, page, kv_heads, dim, torch.float32)
     if cache == FP8:
         k, v = _fp8(k, v)
+    narrow = k[..., :64].contiguous()
+    assert tma_fits(k, v, block_n) and not tma_fits(narrow, narrow, block_n)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(3))
     seqused = torch.tensor(lens, dtype=torch.int32)
     kw = dict(base_split=split, block_n=block_n, window=window, k_scale=K_SCALE, v_scale=V_SCALE)
     loaded = paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, tma=True, **kw)
+    assert len(described) == 2
     torch.testing.assert_close(loaded, paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, tma=False, **kw),
                                atol=0.0, rtol=0.0)
+    assert len(described) == 2
     if cache == FP8 and window is None and page >= 64:  # the tiles and TMA an fp8 cache gets by default
-        assert tile_config(len(lens), fp8=True)["tma"]
         torch.testing.assert_close(paged_decode_attention(q, k, v, seqused, table, dim ** -0.5, k_scale=K_SCALE,
                                                           v_scale=V_SCALE), loaded, atol=1e-5, rtol=1e-5)
+        assert len(described) == 4
 
 
 @pytest.mark.parametrize("dtype,tol", FP8_Q)

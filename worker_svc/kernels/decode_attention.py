@@ -147,13 +147,14 @@ def tile_config(batch: int, fp8: bool = False) -> dict:
 
 
 def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether TMA can load the caches' tiles: each inside one page, of a token-major cache whose rows of one
-    token are contiguous (kernels as GPU checks give them; not the head-major views bench decode-attention
-    times), on a GPU with the unit (Hopper and later) or under the interpreter."""
+    """Whether TMA loads the caches' tiles: each inside one page, of a token-major cache whose rows of one
+    token are contiguous (the worker's; not the head-major views bench decode-attention times), with heads of
+    128 (the size measured and checked on the H200: Gemma 3's 256 keep pointer loads), on a GPU with the unit
+    (Hopper and later) or under the interpreter."""
     page, kv_heads, head_dim = k_cache.shape[1:]
     layout = all(c.stride(0) == page * c.stride(1) and c.stride(1) == kv_heads * head_dim and c.stride(2) == head_dim
                  for c in (k_cache, v_cache))
-    return block_n <= page and layout and _has_tma(k_cache.device)
+    return block_n <= page and head_dim == 128 and layout and _has_tma(k_cache.device)
 
 
 @functools.cache
