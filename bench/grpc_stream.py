@@ -52,8 +52,6 @@ async def start_server(generate):
 
 
 def _server(loop: str, messages: int, ports) -> None:
-    import grpc
-
     from protos import splitserve_pb2 as api
 
     async def generate(request, context) -> None:

@@ -21,7 +21,7 @@ from worker_svc.kernels.decode_attention import merge_counters, paged_decode_att
 from worker_svc.kernels.elementwise import qk_norm_rope_store
 from worker_svc.kernels.gumbel import gumbel_argmax
 from worker_svc.kernels.prefill_attention import paged_prefill_attention, query_blocks
-from worker_svc.kernels.reference import TorchAttention, qk_norm_rope, silu_and_mul, store_kv, uniform_noise
+from worker_svc.kernels.reference import TorchAttention, qk_norm_rope, store_kv, uniform_noise
 from worker_svc.kernels.skinny_gemm import skinny_linear
 from worker_svc.model.layers import RMSNorm, RotaryEmbedding
 from worker_svc.runtime.decode_step import capture_sizes
@@ -609,6 +609,7 @@ def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first
     gen = torch.Generator().manual_seed(tokens + first)
     topk_ids = torch.rand(tokens, experts, generator=gen).argsort(-1)[:, :top_k]
     slots, block_expert = align(topk_ids, first, local, block_m)
-    assert block_expert.numel() == num_blocks(tokens * top_k, local, block_m) and slots.numel() == block_expert.numel() * block_m
+    assert block_expert.numel() == num_blocks(tokens * top_k, local, block_m)
+    assert slots.numel() == block_expert.numel() * block_m
     ref_slots, ref_blocks = align_by_sorting(topk_ids, first, local, block_m, slots.numel())
     assert torch.equal(slots, ref_slots) and torch.equal(block_expert, ref_blocks)

@@ -176,7 +176,7 @@ class PagedAttention:
 
 
 def flash_attn_available(device: torch.device) -> bool:
-    if not _cuda_capability_at_least(device, 9):
+    if not cuda_capability_at_least(device, 9):
         return False
     try:
         import flash_attn.cute  # noqa: F401
@@ -185,7 +185,7 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
-def _cuda_capability_at_least(device: torch.device, major: int) -> bool:
+def cuda_capability_at_least(device: torch.device, major: int) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
 
 
@@ -202,7 +202,7 @@ def resolve(name: str, device: torch.device, fp8_cache: bool = False) -> str:
         return name
     if flash_attn_available(device) and not fp8_cache:
         return "auto"
-    return "triton" if _cuda_capability_at_least(device, 8) else "torch"
+    return "triton" if cuda_capability_at_least(device, 8) else "torch"
 
 
 def make_attention(name: str, device: torch.device, fp8_cache: bool = False) -> AttentionBackend:

@@ -19,14 +19,13 @@ the grid depends only on the batch size and the page table's width: it can be ca
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
+from worker_svc.kernels.attention import cuda_capability_at_least
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
@@ -154,12 +153,8 @@ def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool
     page, kv_heads, head_dim = k_cache.shape[1:]
     layout = all(c.stride(0) == page * c.stride(1) and c.stride(1) == kv_heads * head_dim and c.stride(2) == head_dim
                  for c in (k_cache, v_cache))
-    return block_n <= page and head_dim == 128 and layout and _has_tma(k_cache.device)
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    unit = k_cache.device.type != "cuda" or cuda_capability_at_least(k_cache.device, 9)
+    return block_n <= page and head_dim == 128 and layout and unit
 
 
 def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
