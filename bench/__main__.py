@@ -1,6 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 prefill-attention,attention-policy,skinny-gemm,pdl-chain,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,
-                 thirdparty,all}
+                 kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,moe-kernel,fp8-accuracy,
+                 grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -27,6 +27,7 @@ MODULES = {
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
+    "kernel-sass": "bench.kernel_sass",
     "skinny-gemm": "bench.skinny_gemm",
     "pdl-chain": "bench.pdl_chain",
     "moe-kernel": "bench.moe_kernel",

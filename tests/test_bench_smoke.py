@@ -271,3 +271,20 @@ def test_runner_step_decode_and_prefill_on_a_cpu(tmp_path: Path) -> None:
         rows = _load(out, "runner_step", "bench.runner_step")["results"]
         assert len(rows) == 1
         _positive(rows[0], "step_ms", "tokens_per_s")
+
+
+def test_kernel_sass_compiles_the_decode_kernel_for_hopper_without_a_gpu(tmp_path: Path) -> None:
+    """Triton's own ptxas compiles the kernel for sm_90 here; the interpreter is off in that process (under it
+    nothing is compiled)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "kernel_sass.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    subprocess.run([sys.executable, "-m", "bench", "kernel-sass", "--configs", "fp8:64:256:tma,fp8:64:256:tma:f16",
+                    "--out", str(out)], check=True, env=env, capture_output=True, timeout=300)
+    rows = _load(out, "kernel_sass", "bench.kernel_sass")["results"]
+    assert [r["config"] for r in rows] == ["fp8:64:256:tma", "fp8:64:256:tma:f16"]
+    for row in rows:
+        _positive(row, "registers", "shared_bytes", "loop_instructions")

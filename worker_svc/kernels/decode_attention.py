@@ -47,7 +47,8 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+                  F16_DOTS: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -62,6 +63,11 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     live = h < GROUP
     heads = kvh * GROUP + h
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
+    if F16_DOTS:  # an fp8 tile becomes an fp16 operand in one conversion per pair (bf16 takes one more per value);
+        # q by a power of two into fp16's range, which the scores take back
+        q_scale = tl.maximum(tl.exp2(tl.ceil(tl.log2(tl.max(tl.abs(q.to(tl.float32))) / 16384.0))), 1.0)
+        q = (q.to(tl.float32) / q_scale).to(tl.float16)
+        scale_log2e = scale_log2e * q_scale
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -167,14 +173,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool | None = None) -> torch.Tensor:
+                           tma: bool | None = None, f16_dots: bool = False) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
     only. Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
-    tma_fits) to tile_config's choice."""
+    tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power
+    of two into fp16's range (an fp8 tile then converts in one instruction per pair of values, where bf16 takes
+    one more per value: `bench kernel-sass`); not yet timed on a GPU, so no default uses it."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
     tiles = tile_config(batch, k_cache.element_size() == 1)
@@ -205,5 +213,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
     return out
