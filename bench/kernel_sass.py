@@ -49,7 +49,8 @@ def ptxas_tool(name: str) -> Path:
 
 
 def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes of the longest backward branch's body: the tile loop."""
+    """Opcodes of the tile loop: the longest span of a conditional backward branch (unconditional ones are the
+    trampolines back from waits the compiler places after the kernel's end)."""
     instructions, labels, pending = [], {}, None
     for line in sass.splitlines():
         if m := re.match(r"^\s*\.(L_x_\d+):", line):
@@ -60,7 +61,7 @@ def loop_opcodes(sass: str) -> collections.Counter:
             if pending:
                 labels[pending], pending = address, None
     loops = [(labels[m.group(1)], a) for a, text in instructions
-             if (m := re.search(r"BRA.*`\(\.(L_x_\d+)\)", text)) and labels.get(m.group(1), a) < a]
+             if (m := re.search(r"^@!?P\d+\s+BRA.*`\(\.(L_x_\d+)\)", text)) and labels.get(m.group(1), a) < a]
     first, last = max(loops, key=lambda span: span[1] - span[0])
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
                                for a, text in instructions if first <= a <= last)
