@@ -163,6 +163,11 @@ def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool
     return block_n <= page and head_dim == 128 and layout and unit
 
 
+def query_rows(group: int) -> int:
+    """A program's query tile: the GQA group's heads padded to the tensor core's 16 rows."""
+    return max(16, triton.next_power_of_2(group))
+
+
 def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
     """The split counters of paged_decode_attention: zeros, which every call leaves zero again."""
     return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
@@ -200,7 +205,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if counters is None:
         counters = merge_counters(batch, kv_heads, q.device)
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
-    block_h = max(16, triton.next_power_of_2(group))
     kv = (k_cache, v_cache)
     tma = (tiles["tma"] if tma is None else tma) and tma_fits(k_cache, v_cache, block_n)
     if tma:  # each cache as [blocks x page, kv_heads x head_dim]: a tile is BLOCK_N consecutive rows
@@ -212,6 +216,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
     return out
