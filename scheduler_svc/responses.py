@@ -10,6 +10,7 @@ from protos import splitserve_pb2 as api
 
 if TYPE_CHECKING:
     from scheduler_svc.frontend import Completion
+    from scheduler_svc.sequence import TokenLogprob
 
 log = logging.getLogger("splitserve.scheduler")
 FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH, "abort": api.FINISH_REASON_ABORT,
@@ -26,13 +27,10 @@ def response_of(rid: str, c: Completion) -> api.GenerateResponse:
     c.out_tokens.clear()
     text.clear()
     if c.out_logprobs is not None:
-        for lp in c.out_logprobs:
-            r.logprobs.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        _add_logprobs(r.logprobs, c.out_logprobs)
         c.out_logprobs = None
     if c.prompt_logprobs is not None:
-        for lp in c.prompt_logprobs:
-            r.prompt_logprobs.add(logprob=lp.logprob,
-                                  top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
+        _add_logprobs(r.prompt_logprobs, c.prompt_logprobs)
         r.prompt_token_ids.extend(c.prompt_ids)
         c.prompt_logprobs = None
     if c.finish_reason is not None:
@@ -43,6 +41,11 @@ def response_of(rid: str, c: Completion) -> api.GenerateResponse:
         r.usage.completion_tokens = usage.completion_tokens
         r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
     return r
+
+
+def _add_logprobs(field, logprobs: list[TokenLogprob]) -> None:
+    for lp in logprobs:
+        field.add(logprob=lp.logprob, top=[api.TopLogprob(token_id=t, logprob=p) for t, p in (lp.top or [])])
 
 
 def hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateResponse,
