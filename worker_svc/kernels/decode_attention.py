@@ -136,19 +136,21 @@ def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int
 
 def tile_config(batch: int, fp8: bool = False) -> dict:
     """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md,
-    decode_attention_*tma*.md): up to 8 sequences, short splits of 64-token tiles spread the few sequences over
-    the GPU; past that, 128-token tiles in 512-token splits (longer splits save a merge but add as much tail),
-    or over an fp8 cache 64-token tiles in 256-token splits. Tiles are loaded by the tensor memory accelerator
+    decode_attention_*tma*.md, decode_attention_f16_*.md): up to 8 sequences, short splits of 64-token tiles spread
+    the few sequences over the GPU; past that, 128-token tiles in 512-token splits (longer splits save a merge but
+    add as much tail), or over an fp8 cache 64-token tiles. Tiles are loaded by the tensor memory accelerator
     except for a bf16 batch past 8 sequences: the fp8 kernel is bound by its instructions and TMA takes the
     per-element addresses and masks out of it, and small batches gain from its shorter issue, but where the bf16
-    kernel's pointer loads already keep DRAM busy, TMA's path makes it slower. The bound is a CUDA-graph batch
+    kernel's pointer loads already keep DRAM busy, TMA's path makes it slower. Over an fp8 cache both dots run in
+    fp16 (f16_dots: e4m3 unpacks in one instruction per pair of values), which pays in 512-token splits, not in
+    shorter ones. The bound is a CUDA-graph batch
     size (decode_step.capture_sizes), so a batch and the padded batch of its graph take the same tiles and
     compute the same values."""
     if batch <= 8:
-        return dict(base_split=128, block_n=64, tma=True)
+        return dict(base_split=128, block_n=64, tma=True, f16_dots=fp8)
     if fp8:
-        return dict(base_split=256, block_n=64, tma=True)
-    return dict(base_split=512, block_n=128, tma=False)
+        return dict(base_split=512, block_n=64, tma=True, f16_dots=True)
+    return dict(base_split=512, block_n=128, tma=False, f16_dots=False)
 
 
 def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
@@ -178,7 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool | None = None, f16_dots: bool = False) -> torch.Tensor:
+                           tma: bool | None = None, f16_dots: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
@@ -187,7 +189,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
     tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power
     of two into fp16's range (an fp8 tile then converts in one instruction per pair of values, where bf16 takes
-    one more per value: `bench kernel-sass`); not yet timed on a GPU, so no default uses it."""
+    one more per value: `bench kernel-sass`); by default tile_config's choice where q is 16-bit (a float32 q
+    keeps float32 dots)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
     tiles = tile_config(batch, k_cache.element_size() == 1)
@@ -207,6 +210,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert counters.numel() >= batch * kv_heads and counters.dtype == torch.int32
     kv = (k_cache, v_cache)
     tma = (tiles["tma"] if tma is None else tma) and tma_fits(k_cache, v_cache, block_n)
+    f16_dots = tiles["f16_dots"] and q.element_size() == 2 if f16_dots is None else f16_dots
     if tma:  # each cache as [blocks x page, kv_heads x head_dim]: a tile is BLOCK_N consecutive rows
         kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
                    for c in kv)
