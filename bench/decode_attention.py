@@ -106,9 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--configs", default="64:4:3:256,128:4:3:512",
-                    help="Triton configurations block_n:num_warps:num_stages:split[:tma][:f16][:rN], comma-separated "
-                         "(tma: K and V tiles loaded by the tensor memory accelerator; f16: fp16 dots; "
-                         "rN: at most N registers a thread)")
+                    help="Triton configurations block_n:num_warps:num_stages:split[:tma][:f16], comma-separated "
+                         "(tma: K and V tiles loaded by the tensor memory accelerator; f16: fp16 dots)")
     ap.add_argument("--layouts", default="nhd", help="KV cache layouts to time: nhd, hnd (see make_case)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="fp8: the Triton kernels read an e4m3 copy of the cache (flash-attn-4 reads no fp8)")
@@ -150,14 +149,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for config in args.configs.split(","):
             block_n, warps, stages, split = (int(x) for x in config.split(":")[:4])
             tma, f16 = ":tma" in config, ":f16" in config
-            regs = next((int(f[1:]) for f in config.split(":")[4:] if f.startswith("r")), None)
             if tma and layout != "nhd":
                 continue
             kernels[f"triton {config}"] = (
-                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, t=tma, f=f16,
-                r=regs: paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp,
-                                               block_n=b, num_warps=w, num_stages=s, tma=t, f16_dots=f,
-                                               max_registers=r))
+                lambda q=q, k=k, v=v, lens=lens, table=table, b=block_n, w=warps, s=stages, sp=split, t=tma, f=f16:
+                paged_decode_attention(q, k, v, lens, table, scale, counters=counters, base_split=sp, block_n=b,
+                                       num_warps=w, num_stages=s, tma=t, f16_dots=f))
         reference = reference_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), lens, table, scale)
         for name, fn in kernels.items():
             row = {"case": case, "layout": layout, "kernel": name}

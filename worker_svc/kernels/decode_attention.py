@@ -180,8 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                            counters: torch.Tensor | None = None, base_split: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool | None = None, f16_dots: bool | None = None,
-                           max_registers: int | None = None) -> torch.Tensor:
+                           tma: bool | None = None, f16_dots: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
@@ -191,8 +190,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power
     of two into fp16's range (an fp8 tile then converts in one instruction per pair of values, where bf16 takes
     one more per value: `bench kernel-sass`); by default tile_config's choice where q is 16-bit (a float32 q
-    keeps float32 dots). max_registers: a cap on registers per thread (ptxas spills past it), so that more
-    programs share an SM; by default tile_config's (none: the compiler's choice)."""
+    keeps float32 dots)."""
     q = q.contiguous()  # the kernels take unit stride along head_dim
     batch, heads, head_dim = q.shape
     tiles = tile_config(batch, k_cache.element_size() == 1)
@@ -213,8 +211,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv = (k_cache, v_cache)
     tma = (tiles["tma"] if tma is None else tma) and tma_fits(k_cache, v_cache, block_n)
     f16_dots = tiles["f16_dots"] and q.element_size() == 2 if f16_dots is None else f16_dots
-    max_registers = max_registers or tiles.get("max_registers")
-    limits = {} if max_registers is None or q.device.type != "cuda" else {"maxnreg": max_registers}
     if tma:  # each cache as [blocks x page, kv_heads x head_dim]: a tile is BLOCK_N consecutive rows
         kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
                    for c in kv)
@@ -225,6 +221,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages,
-        **limits)
+        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
     return out
