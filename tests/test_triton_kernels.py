@@ -360,10 +360,12 @@ def test_decode_attention_tiles_loaded_by_tma_equal_pointer_loads(cache, page, b
         assert len(described) == 4
 
 
+@pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("q_size", [1.0, 1e6])
-def test_decode_attention_with_fp16_dots_takes_q_into_fp16_range(q_size):
+def test_decode_attention_with_fp16_dots_takes_q_into_fp16_range(q_size, tma):
     """f16_dots: q scaled by a power of two into fp16's range (1e6 is past its 65,504) and back onto the scores;
-    the error is fp16's rounding of q and p, against float32 dots here (bf16's on the GPU is larger)."""
+    the error is fp16's rounding of q and p, against float32 dots here (bf16's on the GPU is larger). Tiles by
+    TMA (heads of 128) or by pointer loads (Gemma 3's 256, and caches TMA does not fit)."""
     lens = [1, 63, 65, 300, 130, 17, 90, 200, 2, 40]
     dim, heads, kv_heads, page = 128, 4, 2, 64
     k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
@@ -374,7 +376,8 @@ def test_decode_attention_with_fp16_dots_takes_q_into_fp16_range(q_size):
                              [1] * len(lens), lens)
     scale = dim ** -0.5 / q_size
     ref = TorchAttention().forward(q, *_dequantised(k8, v8), meta, scale)
-    out = paged_decode_attention(q, k8, v8, seqused, table, scale, k_scale=K_SCALE, v_scale=V_SCALE, f16_dots=True)
+    out = paged_decode_attention(q, k8, v8, seqused, table, scale, k_scale=K_SCALE, v_scale=V_SCALE, f16_dots=True,
+                                 tma=tma)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
