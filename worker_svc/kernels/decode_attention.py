@@ -138,17 +138,18 @@ def tile_config(batch: int, fp8: bool = False) -> dict:
     """Tiles and splits for a decode batch, the best measured on the H200 (bench/results/decode_attention.md,
     decode_attention_*tma*.md, decode_attention_f16_*.md): up to 8 sequences, short splits of 64-token tiles spread
     the few sequences over the GPU; past that, 128-token tiles in 512-token splits (longer splits save a merge but
-    add as much tail), or over an fp8 cache 64-token tiles. Tiles are loaded by the tensor memory accelerator
-    except for a bf16 batch past 8 sequences: TMA takes the per-element addresses and masks out of the fp8
-    kernel's loop, and small batches gain from its shorter issue, but where the bf16 kernel's pointer loads
-    already keep DRAM busy, TMA's path makes it slower. Over an fp8 cache both dots run in fp16 (f16_dots: e4m3
-    unpacks in one instruction per pair of values); that pays only in 512-token splits, whose longer loops hide
-    each tile's latency. The bound is a CUDA-graph batch size (decode_step.capture_sizes), so a batch and the
-    padded batch of its graph take the same tiles and compute the same values."""
+    add as much tail), or over an fp8 cache 64-token tiles (in 256-token splits up to 16 sequences). Tiles are
+    loaded by the tensor memory accelerator except for a bf16 batch past 8 sequences: TMA takes the per-element
+    addresses and masks out of the fp8 kernel's loop, and small batches gain from its shorter issue, but where
+    the bf16 kernel's pointer loads already keep DRAM busy, TMA's path makes it slower. Over an fp8 cache both
+    dots run in fp16 (f16_dots: e4m3 unpacks in one instruction per pair of values); that pays only in 512-token
+    splits, whose longer loops hide each tile's latency. The bound is a CUDA-graph batch size
+    (decode_step.capture_sizes), so a batch and the padded batch of its graph take the same tiles and compute
+    the same values."""
     if batch <= 8:
         return dict(base_split=128, block_n=64, tma=True, f16_dots=fp8)
-    if fp8:
-        return dict(base_split=512, block_n=64, tma=True, f16_dots=True)
+    if fp8:  # 512-token splits from 17 sequences: up to 16, they would leave half the GPU's program slots idle
+        return dict(base_split=256 if batch <= 16 else 512, block_n=64, tma=True, f16_dots=True)
     return dict(base_split=512, block_n=128, tma=False, f16_dots=False)
 
 
