@@ -82,7 +82,8 @@ def test_decode_attention_tile_configs_match_reference(max_batch):
 def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_tiles(max_num_seqs):
     sizes = capture_sizes(max_num_seqs)
     for n in range(1, max_num_seqs + 1):
-        assert tile_config(n) == tile_config(min(s for s in sizes if s >= n)), n
+        for fp8 in (False, True):
+            assert tile_config(n, fp8) == tile_config(min(s for s in sizes if s >= n), fp8), (n, fp8)
 
 
 @pytest.mark.parametrize("max_num_seqs", [5, 8, 100, 256, 512])
