@@ -1,7 +1,8 @@
 """The split-KV decode kernel compiled for a GPU on any machine (Triton's own ptxas, no GPU needed): registers,
-shared memory and the instructions of its tile loop by opcode, per configuration. The fp8 kernel is bound by its
-instructions (bench/NOTES.md), so this counts what a change removes before a GPU times it; counts come from the
-Triton installed here, which may differ from the GPU machine's.
+shared memory and the instructions of its tile loop by opcode, per configuration: what a change removes, counted
+before a GPU times it. A count is not a time: the fp16 dots took a quarter of the fp8 loop's instructions away
+and, alone, no time, as each tile's latency bounds that kernel (bench/NOTES.md). Counts come from the Triton
+installed here, which may differ from the GPU machine's.
 
 python -m bench kernel-sass                                             # fp8: pointer loads, TMA, TMA + fp16 dots
 python -m bench kernel-sass --configs bf16:128:512,bf16:128:512:tma --arch 90
