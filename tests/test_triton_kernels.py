@@ -369,8 +369,8 @@ def test_decode_attention_with_fp16_dots_takes_q_into_fp16_range(q_size, tma):
     TMA (heads of 128) or by pointer loads (Gemma 3's 256, and caches TMA does not fit)."""
     lens = [1, 63, 65, 300, 130, 17, 90, 200, 2, 40]
     dim, heads, kv_heads, page = 128, 4, 2, 64
-    k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
-    table = _paged(lens, page, kv_heads, dim, torch.float32)[2]
+    k, v, table = _paged(lens, page, kv_heads, dim, torch.float32)
+    k8, v8 = _fp8(k, v)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(4)) * q_size
     seqused = torch.tensor(lens, dtype=torch.int32)
     meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
@@ -388,8 +388,8 @@ def test_decode_attention_with_fp16_dots_takes_q_into_fp16_range(q_size, tma):
 def test_decode_attention_reads_an_fp8_cache_with_its_scales(page, block_n, split, dtype, tol):
     lens = [1, split - 1, split + 1, 3 * split + 5]
     dim, heads, kv_heads = 32, 4, 2
-    k8, v8 = _fp8(*_paged(lens, page, kv_heads, dim, torch.float32)[:2])
-    table = _paged(lens, page, kv_heads, dim, torch.float32)[2]
+    k, v, table = _paged(lens, page, kv_heads, dim, torch.float32)
+    k8, v8 = _fp8(k, v)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1))
     seqused = torch.tensor(lens, dtype=torch.int32)
     meta = AttentionMetadata(torch.arange(len(lens) + 1, dtype=torch.int32), seqused, table, None, 1,
