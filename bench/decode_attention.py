@@ -23,17 +23,14 @@ import torch
 from bench.common import replay_ms
 from bench.record import record
 
-CASES = {  # name: (batch, min context, max context)
-    "256x800": (256, 800, 800),
-    "128x900": (128, 900, 900),
-    "256x100-2048": (256, 100, 2048),
-    "128x100-2048": (128, 100, 2048),
-    "64x1500": (64, 1500, 1500),
-    "32x1000-2048": (32, 1000, 2048),
-    "16x1000": (16, 1000, 1000),
-    "8x1000": (8, 1000, 1000),
-    "1x1000": (1, 1000, 1000),
-}
+CASES = "256x800,128x900,256x100-2048,128x100-2048,64x1500,32x1000-2048,16x1000,8x1000,1x1000"
+
+
+def parse_case(name: str) -> tuple[int, int, int]:
+    """A case's (batch, min context, max context): BxL is B sequences of L tokens, BxLO-HI of LO..HI tokens."""
+    batch, _, lens = name.partition("x")
+    lo, _, hi = lens.partition("-")
+    return int(batch), int(lo), int(hi or lo)
 
 
 def as_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -105,7 +102,8 @@ def graph_time_us(fn, reps: int = 20, replays: int = 10) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=CASES, help="comma-separated BxL or BxLO-HI: B sequences of L or LO..HI "
+                                                   "context tokens")
     ap.add_argument("--configs", default="64:4:3:256,128:4:3:512",
                     help="Triton configurations block_n:num_warps:num_stages:split[:tma][:f16], comma-separated "
                          "(tma: K and V tiles loaded by the tensor memory accelerator; f16: fp16 dots)")
@@ -129,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     cases = args.cases.split(",")
     for case, layout in ((c, lay) for c in cases for lay in args.layouts.split(",")):
-        batch, lo, hi = CASES[case]
+        batch, lo, hi = parse_case(case)
         gen.manual_seed(cases.index(case))  # both layouts of a case hold the same values
         q, k, v, lens, table, tokens = make_case(batch, lo, hi, args.block_size, heads, kv_heads, head_dim, gen,
                                                  layout)
