@@ -188,7 +188,8 @@ def gateway(address: str, flags: Sequence[str], log: Path | None = None,
 
 
 def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
-    """offline.llm.LLM over the model on --device, or over the simulated worker with --simulate."""
+    """offline.llm.LLM over the model on --device, or over the simulated worker with --simulate; `engine`: more
+    LLM options (num_blocks: the worker's KV blocks)."""
     from offline.llm import LLM
 
     options = engine_options(args) | engine
@@ -196,8 +197,8 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
         from offline.executor import InProcessExecutor
         from worker_svc.runtime.simulated import SimulatedRunner, StepCost
 
-        runner = SimulatedRunner(model, 4096, args.block_size, limits.from_args(args), StepCost(),
-                                 int(args.kv_offload_gib * (1 << 30)))
+        runner = SimulatedRunner(model, options.pop("num_blocks", 4096), args.block_size, limits.from_args(args),
+                                 StepCost(), int(args.kv_offload_gib * (1 << 30)))
         return LLM(model, executor=InProcessExecutor(runner), **options)
     return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention,
                kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)), **options)

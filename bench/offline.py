@@ -67,20 +67,23 @@ def run_in_process(args: argparse.Namespace, model, runs: list[list[Request]]) -
     from scheduler_svc.sampling import SamplingParams
 
     timings = []
-    with common.in_process_llm(args, model) as llm:
+    kv = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+    with common.in_process_llm(args, model, **kv) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # the engine's first step
         for reqs in runs:
             params = [SamplingParams(temperature=0.6, max_tokens=r.max_tokens,
                                      **common.constraint(constrained(i, args.structured), in_process=True))
                       for i, r in enumerate(reqs)]
             trace = llm.engine.step_observer = StepTrace()
+            preempted = llm.engine.scheduler.num_preemptions
             start = time.perf_counter()
             outs = llm.generate([r.prompt_ids for r in reqs], params, use_tqdm=True)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
             assert args.structured or tokens == sum(r.max_tokens for r in reqs)
             print("decode step ms by batch size:", trace.by_batch(start), flush=True)
-            timings.append((elapsed, {"output_tokens": tokens, **trace.summary(start)}))
+            timings.append((elapsed, {"output_tokens": tokens, **trace.summary(start),
+                                      "preemptions": llm.engine.scheduler.num_preemptions - preempted}))
     return timings
 
 
@@ -127,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-input", type=int, default=1024, help="the offline workload's longest prompt")
     ap.add_argument("--max-output", type=int, default=1024, help="the offline workload's longest output")
     ap.add_argument("--runs", type=int, default=1, help="times each path runs the workload in one process")
+    ap.add_argument("--num-blocks", type=int, help="the worker's KV blocks (default: what its memory budget holds)")
     ap.add_argument("--stream-intervals", default="1,0",
                     help="services passes, by tokens per message (the request's stream_interval; 0: one message "
                          "per completion, as a batch client asks)")
@@ -158,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rows.append(row("in-process", run, t, **steps, **step_floor))
                 print(rows[-1], flush=True)
         if args.mode in ("services", "both"):
-            with common.cluster(args, model) as address:
+            kv = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+            with common.cluster(args, model, extra_worker_args=kv) as address:
                 k = 0
                 for run in range(1, args.runs + 1):
                     for interval in (int(i) for i in args.stream_intervals.split(",")):

@@ -37,7 +37,7 @@ class EngineCore:
                         info.max_num_batched_tokens or limits.max_num_batched_tokens, info.max_model_len)
         self.config = dataclasses.replace(config, limits=limits.within(worker))
         self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, eos_token_ids, info.epoch,
-                                   info.num_host_blocks)
+                                   info.num_host_blocks, info.sliding_window)
         self._depth = self.config.pipeline_depth
         self._in_flight = 0
         self._next_seq_id = 1

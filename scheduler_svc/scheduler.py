@@ -65,14 +65,16 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, eos_token_ids: Iterable[int] = (),
-                 epoch: int = 0, num_host_blocks: int = 0):
+                 epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0):
         """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks, block_size and
-        num_host_blocks: the worker's KV cache and its host pool."""
+        num_host_blocks: the worker's KV cache and its host pool; sliding_window: the model's when every layer
+        has one (DescribeResponse.sliding_window), else 0."""
         if config.limits.max_model_len < 1:
             raise ValueError("max_model_len must be resolved against the worker's before scheduling")
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.max_model_len = config.limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
@@ -201,8 +203,7 @@ class Scheduler:
         if seq.status is RUNNING:
             if unlink:
                 self.running.remove(seq)
-            self.block_manager.free(seq.block_table)
-            seq.block_table = []
+            self._free_blocks(seq)
             self._finished_ids.append(seq.seq_id)
         else:
             self.waiting.remove(seq)
@@ -214,8 +215,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_sent_tokens = 0
         seq.num_committed_blocks = 0
@@ -229,6 +229,25 @@ class Scheduler:
         self._waiting_tokens += len(seq.token_ids)
         self._preempted_ids.append(seq.seq_id)
         self.num_preemptions += 1
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table[seq.num_released_blocks:])
+        seq.block_table = []
+        seq.num_released_blocks = 0
+
+    def _release(self, seq: Sequence, c: int) -> int:
+        """Gives back seq's leading blocks that lie wholly before the sliding window of position c, the first it
+        computes in the plan being built (so of every later one too); returns how many. With prefix caching only
+        committed ones: registering a block in the cache reads its table entry."""
+        keep_from = (c + 1 - self.sliding_window) // self.block_size
+        if self.config.enable_prefix_caching:
+            keep_from = min(keep_from, seq.num_committed_blocks)
+        n = keep_from - seq.num_released_blocks
+        if n <= 0:
+            return 0
+        self.block_manager.free(seq.block_table[seq.num_released_blocks:keep_from])
+        seq.num_released_blocks = keep_from
+        return n
 
     def _make_room(self, seq: Sequence, num_blocks: int) -> bool:
         """Preempt the newest running sequences until num_blocks are free; False if seq itself went."""
@@ -264,6 +283,8 @@ class Scheduler:
         chunks: list[list] = []  # running prefills: [seq, n, table length before]
         admitted: list[list] = []  # new sequences: [seq, n, num computed before]
         capped: list[list] = []  # entries of both whose chunk was cut at the cap
+        window = self.sliding_window
+        released: list[tuple[int, int]] = []  # (seq id, blocks given back): before this plan allocates any
 
         # Pass 1: decodes of running sequences, oldest first. Victims of preemption are popped from
         # the end of `running`, so they were not visited (scheduled) yet; the loop then ends sooner.
@@ -275,6 +296,10 @@ class Scheduler:
             if c < seq.num_sent_tokens:
                 partial.append(seq)
                 continue
+            # A release frees a block, so the allocation below preempts no one, and never seq itself (which would
+            # leave the worker a release for a sequence the plan drops).
+            if window and (freed := self._release(seq, c)):
+                released.append((seq.seq_id, freed))
             if c + 2 > seq.max_len:  # its last token is in flight
                 continue
             if c % bs == 0:  # its table is full (tables hold exactly the blocks computed tokens use)
@@ -299,6 +324,8 @@ class Scheduler:
             seq = partial[j]
             j += 1
             c = seq.num_computed_tokens
+            if window and (freed := self._release(seq, c)):  # victims below are later partials, never seq
+                released.append((seq.seq_id, freed))
             remaining = seq.num_sent_tokens - c
             n = min(remaining, cap, budget)
             table = seq.block_table
@@ -375,7 +402,7 @@ class Scheduler:
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        if not (col_ids or chunks or admitted or self._preempted_ids or bm.swap_out or bm.swap_in):
+        if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in):
             return None
         # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
         bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, bs))
@@ -421,6 +448,9 @@ class Scheduler:
         if self._preempted_ids:
             plan.preempted_ids.extend(self._preempted_ids)
             self._preempted_ids.clear()
+        for seq_id, n in released:
+            plan.released_ids.append(seq_id)
+            plan.num_released_blocks.append(n)
         if bm.has_copies:
             swap_out, swap_in, offload = bm.take_swaps()
             for g, h in swap_out:
@@ -541,7 +571,7 @@ class Scheduler:
 
     def check(self) -> None:
         """Assert the scheduler's and the block manager's invariants (tests)."""
-        self.block_manager.check(s.block_table for s in self.running)
+        self.block_manager.check(s.block_table[s.num_released_blocks:] for s in self.running)
         for seq in self.waiting:
             assert seq.status in (WAITING, PREEMPTED) and not seq.block_table
         arrivals = [s.arrival for s in self.waiting]
@@ -555,6 +585,9 @@ class Scheduler:
             assert seq.num_computed_tokens <= len(seq.block_table) * bs
             assert len(seq.block_table) == cdiv(seq.num_computed_tokens, bs), "blocks allocated ahead of use"
             assert seq.num_committed_blocks <= min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+            reach = seq.num_computed_tokens + 1 - self.sliding_window if self.sliding_window else 0
+            assert seq.num_released_blocks <= max(reach, 0) // bs, "a released block is still read"
+            assert seq.num_released_blocks <= seq.num_committed_blocks or not self.config.enable_prefix_caching
         live = {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}
         assert live == self._seqs.keys()
         for seq in self.waiting:

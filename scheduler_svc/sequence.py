@@ -45,6 +45,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     # Leading blocks of block_table already handed to the prefix cache (registered, or hits).
     num_committed_blocks: int = 0
+    # Leading blocks of block_table given back: wholly before the sliding window of every position still to
+    # compute (Scheduler._release). Their ids stay in the table, no longer held.
+    num_released_blocks: int = 0
     # The step that (re)sent it as new: results of earlier steps are stale. NEVER while not running.
     start_step: int = NEVER
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (usage)

@@ -11,6 +11,9 @@ A host pool of num_host_blocks blocks stands behind the KV blocks: a plan's swap
 between them before its reads, swap-outs first, and a swap-in into a block another live sequence holds
 is a violation; its offloads copy after its writes.
 
+With a sliding window a step reads only the keys inside the window of its first position, so a released
+block (StepPlan.released_ids) that the window still covers shows up as a mismatch once it is reused.
+
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
 """
@@ -77,6 +80,7 @@ class FakeWorker:
         token_fn: Callable[[int, int], int] | None = None,
         check_kv: bool = True,
         num_host_blocks: int = 0,
+        sliding_window: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -87,6 +91,7 @@ class FakeWorker:
         self.check_kv = check_kv
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.num_host_blocks = num_host_blocks
+        self.sliding_window = sliding_window  # a query at position p reads keys in (p - this, p]; 0: all
         self.host_kv: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.num_swapped = 0  # blocks copied either way
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
@@ -101,7 +106,7 @@ class FakeWorker:
     def describe(self, request: worker_pb2.DescribeRequest) -> worker_pb2.DescribeResponse:
         self.batch = PersistentBatch(request.max_num_seqs or 1024, self.num_blocks, self.block_size,
                                      self.max_model_len, request.max_num_batched_tokens, self.epoch,
-                                     self.num_host_blocks)
+                                     self.num_host_blocks, self.sliding_window)
         return worker_pb2.DescribeResponse(
             protocol_version=WORKER_PROTOCOL_VERSION,
             model="fake",
@@ -117,6 +122,7 @@ class FakeWorker:
             max_num_seqs=request.max_num_seqs,
             max_num_batched_tokens=request.max_num_batched_tokens,
             num_host_blocks=self.num_host_blocks,
+            sliding_window=self.sliding_window,
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -158,7 +164,7 @@ class FakeWorker:
         # step reads nothing and fails.
         if self.check_kv:
             for sid, m, table, c, n in batch:
-                for p in range(c):
+                for p in range(max(c + 1 - self.sliding_window, 0) if self.sliding_window else 0, c):
                     got = self.kv[table[p // bs]][p % bs]
                     _check(got == m.key(p), f"seq {sid}: wrong KV at position {p}")
         result = worker_pb2.StepResult(step=plan.step)

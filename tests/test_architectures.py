@@ -16,9 +16,11 @@ import torch
 import transformers
 
 from client import Client
-from client.launcher import LocalCluster
+from client.launcher import LocalCluster, free_port
 from common.limits import Limits
 from tests.paged_driver import PagedDriver, prefill_logits, run_with_drops
+from tests.sim_cluster import sample, scrape, wait_for
+from tests.test_faults import all_idle, join, start_streams
 from worker_svc.checkpoints.presets import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
 from worker_svc.model.registry import ARCHITECTURES
@@ -156,6 +158,26 @@ def test_greedy_through_the_services(checkpoint, tmp_path):
                       scheduler_args=limits, log_dir=tmp_path) as cluster, Client(cluster.address, timeout=120) as c:
         outs = [c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts]
     assert [o[0].token_ids for o in outs] == [_generate_hf(hf, p, 12) for p in prompts]
+
+
+def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory, tmp_path):
+    """Mistral with a 12-token window on 14 blocks of 8: four sequences of 60 positions would need 32 blocks at
+    once, but each gives its blocks back as its window passes them, so all four run side by side with no
+    preemption; their greedy tokens equal transformers' `generate`, and every block is free afterwards."""
+    _, folder, hf = _write("mistral", tmp_path_factory)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(0, 150000) for _ in range(40)] for _ in range(4)]
+    metrics = free_port()
+    limits = ["--max-num-batched-tokens", "16", "--max-model-len", "256"]
+    with LocalCluster(folder, worker_args=["--num-blocks", "14", "--block-size", "8", *limits],
+                      scheduler_args=[*limits, "--metrics-port", str(metrics)], log_dir=tmp_path) as cluster, \
+            Client(cluster.address, timeout=120) as c:
+        streams = join(start_streams(c, [dict(token_ids=p, max_tokens=20, temperature=0.0, ignore_eos=True)
+                                         for p in prompts]))
+        assert [s.error for s in streams] == [None] * 4
+        assert [s.token_ids for s in streams] == [_generate_hf(hf, p, 20) for p in prompts]
+        wait_for("every block free", lambda: all_idle(c), timeout=60)
+        assert sample(scrape(metrics), "splitserve:num_preemptions_total") == 0
 
 
 def test_every_expert_is_used(moe_checkpoint):

@@ -13,7 +13,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError, Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from tests.fake_worker import FakeWorker, fake_logprob
+from tests.fake_worker import FakeWorker, ProtocolViolation, fake_logprob
 
 EOS = 0
 
@@ -30,6 +30,7 @@ def make(
     vocab_size: int = 1000,
     token_fn=None,
     num_host_blocks: int = 0,
+    sliding_window: int = 0,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
         limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
@@ -38,10 +39,10 @@ def make(
         enable_prefix_caching=caching,
     )
     worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn,
-                        num_host_blocks=num_host_blocks)
+                        num_host_blocks=num_host_blocks, sliding_window=sliding_window)
     worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
     return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch,
-                     num_host_blocks=num_host_blocks), worker
+                     num_host_blocks=num_host_blocks, sliding_window=sliding_window), worker
 
 
 def seq(seq_id: int, prompt, **params) -> Sequence:
@@ -209,6 +210,46 @@ def test_incremental_allocation_of_a_prompt_larger_than_half_the_pool():
     d.run()
     assert long.output_token_ids == expected_output(worker, long)[0]
     assert short.output_token_ids == expected_output(worker, short)[0]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_sliding_window_gives_back_the_blocks_behind_it(caching):
+    """Every layer with a window of 6 tokens: a sequence gives a block back once the window of its next position
+    has passed it, so a pool of 10 blocks of 4 runs three sequences of 40 tokens side by side (30 blocks in all)
+    without a preemption, each holding at most 4 blocks at once; the fake worker reads every key inside the windows and
+    finds it intact, though released blocks were reused. Without the window the same run preempts."""
+    for window in (6, 0):
+        sched, worker = make(num_blocks=10, block_size=4, budget=12, cap=4, caching=caching, sliding_window=window)
+        d = Driver(sched, worker, 3)
+        seqs = [seq(i, range(10 * i, 10 * i + 14), max_tokens=26) for i in (1, 2, 3)]
+        for s in seqs:
+            sched.add(s)
+        most = 0
+        while sched.has_unfinished() or worker.num_in_flight:
+            d.step()
+            most = max([most, *(len(s.block_table) - s.num_released_blocks for s in sched.running)])
+        assert [s.output_token_ids for s in seqs] == [expected_output(worker, s)[0] for s in seqs]
+        assert sched.block_manager.num_free_blocks == 10
+        released = sum(sum(p.num_released_blocks) for p in d.plans)
+        if window:
+            assert sched.num_preemptions == 0 and most <= 4 and released >= 3 * 7
+        else:
+            assert sched.num_preemptions > 0 and released == 0
+
+
+def test_a_release_inside_the_window_is_refused():
+    """The worker's own check (PersistentBatch): a block given back while the window of the sequence's next
+    position still covers it, or by a model with no window, is a protocol violation."""
+    for window, blocks in ((6, 2), (0, 1)):
+        sched, worker = make(block_size=4, sliding_window=6)
+        worker.sliding_window = window
+        worker.describe(worker_pb2.DescribeRequest(max_num_seqs=16, max_num_batched_tokens=64))
+        s = seq(1, range(1, 13), max_tokens=4)
+        sched.add(s)
+        worker.execute(sched.schedule())  # positions 0..11 computed: the next one, 12, reads keys from 7
+        plan = worker_pb2.StepPlan(step=2, epoch=worker.epoch, released_ids=[1], num_released_blocks=[blocks])
+        with pytest.raises(ProtocolViolation, match="reads keys from 7|some layer reads the whole context"):
+            worker.execute(plan)
 
 
 def test_max_tokens_never_wastes_a_pipelined_step():
@@ -430,11 +471,11 @@ PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9,
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random interleavings of add / schedule / result / abort / preempt / worker loss over tiny pools, with
-    up to three plans in flight, and a host tier behind the GPU's blocks or none. The fake worker checks every
-    plan (block tables, KV content of prefix hits wherever they came from, no write or swap-in into a block
-    another live sequence holds); every sequence must produce exactly the tokens f(seed, position), and when
-    everything ends every block of both tiers is free."""
+    """Random interleavings of add / schedule / result / abort / preempt / worker loss over tiny pools, with up to
+    three plans in flight, a host tier behind the GPU's blocks or none, and a sliding window or none. The fake
+    worker checks every plan (block tables, KV content of prefix hits wherever they came from, no write or swap-in
+    into a block another live sequence holds); every sequence must produce exactly the tokens f(seed, position), and
+    when everything ends every block of both tiers is free."""
 
     @initialize(
         num_blocks=st.integers(4, 20),
@@ -445,8 +486,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, True, False]),
         depth=st.sampled_from([1, 2, 3]),
         host=st.sampled_from([0, 2, 6, 24, 24]),
+        window=st.sampled_from([0, 0, 3, 5]),
     )
-    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth, host):
+    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth, host, window):
         self.shape = dict(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -458,6 +500,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_waiting=8,
             vocab_size=10,  # EOS (0) now and then
             num_host_blocks=host,
+            sliding_window=window,
         )
         self.sched, self.worker = make(**self.shape)
         self.sched.block_manager.record_events = True
@@ -576,6 +619,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"offloaded ahead: {any(len(p.offload_blocks) for p in worker.plans)}")
         event(f"swapped out at reuse: {any(len(p.swap_out_blocks) for p in worker.plans)}")
         event(f"preempted: {sched.num_preemptions > 0}")
+        event(f"released behind a window: {any(len(p.released_ids) for p in worker.plans)}")
         event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
         event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")
         for s in self.seqs.values():

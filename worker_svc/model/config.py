@@ -73,6 +73,13 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
+    @property
+    def kv_window(self) -> int:
+        """How far back any layer reads: the longest window when every layer has one, else 0 (the whole
+        context). KV blocks wholly before it are read by no later step."""
+        windows = [self.window_of(i) for i in range(self.num_hidden_layers)]
+        return 0 if None in windows else max(windows)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         from worker_svc.model.registry import architecture_of

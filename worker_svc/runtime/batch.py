@@ -8,6 +8,10 @@ Token counts per row: `num_sent` tokens came with the sequence's NewSequence (it
 generated tokens when it resumes or moved); `num_tokens` counts those and every token sampled since;
 `num_computed` positions have KV (scheduled in an applied plan). A row samples in the step that runs its
 last known token, so a decode runs exactly position num_tokens - 1.
+
+With a sliding window on every layer, a row's first `num_released` table blocks are no longer its own: they lie
+wholly before the window of every position it computes from now on, the scheduler has freed them (the plan's
+num_released_blocks), and their ids stay in the table unread.
 """
 from __future__ import annotations
 
@@ -76,10 +80,11 @@ class SamplingArrays:
 
 class PersistentBatch:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_batched_tokens: int = 0, epoch: int = 0, num_host_blocks: int = 0):
-        """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool."""
+                 max_num_batched_tokens: int = 0, epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0):
+        """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool;
+        sliding_window: the model's, when every layer has one (ModelConfig.kv_window), else 0."""
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks, self.sliding_window = num_host_blocks, sliding_window
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.epoch = epoch
         rows = max_num_seqs
@@ -90,6 +95,7 @@ class PersistentBatch:
         self.num_tokens = np.zeros(rows, np.int64)
         self.block_table = np.zeros((rows, cdiv(max_model_len, block_size)), np.int32)
         self.num_table_blocks = np.zeros(rows, np.int64)
+        self.num_released = np.zeros(rows, np.int64)  # leading table blocks given back (sliding window)
         self.holders = np.zeros(num_blocks, np.int32)  # live sequences whose table holds each block
         # sampling parameters per row
         self.temperature = np.zeros(rows, np.float32)
@@ -126,6 +132,8 @@ class PersistentBatch:
             if seq_id not in self.seqs:
                 raise PlanError(f"step {plan.step}: dropped sequence {seq_id} is not held")
             self._drop(seq_id)
+        if len(plan.released_ids):
+            self._release(plan)
         if len(plan.swap_out_blocks) or len(plan.swap_in_blocks):
             self._check_swaps(plan)
         new = [self._add(ns, dropped) for ns in plan.new_seqs]
@@ -203,10 +211,31 @@ class PersistentBatch:
         return all(not len(b) or (0 <= b.min() and b.max() < limit)
                    for blocks, limit in ((gpu, self.num_blocks), (host, self.num_host_blocks)) for b in blocks)
 
+    def _release(self, plan: pb.StepPlan) -> None:
+        """Released blocks go back before anything in the plan may reuse them; each lies wholly before the window
+        of the next position its sequence computes."""
+        if len(plan.num_released_blocks) != len(plan.released_ids):
+            raise PlanError("released_ids and num_released_blocks differ in length")
+        if not self.sliding_window:
+            raise PlanError(f"step {plan.step}: blocks released, but some layer reads the whole context")
+        bs, window = self.block_size, self.sliding_window
+        for seq_id, n in zip(plan.released_ids, plan.num_released_blocks):
+            state = self.seqs.get(seq_id)
+            if state is None:
+                raise PlanError(f"step {plan.step}: released sequence {seq_id} is not held")
+            row = state.row
+            start, c = int(self.num_released[row]), int(self.num_computed[row])
+            if (start + n) * bs > c + 1 - window:
+                raise PlanError(f"sequence {seq_id} releases blocks up to position {(start + n) * bs}, but its "
+                                f"next position {c} reads keys from {c + 1 - window} (window {window})")
+            self.holders[self.block_table[row, start:start + n]] -= 1
+            self.num_released[row] = start + n
+
     def _drop(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id)
         row = state.row
-        self.holders[self.block_table[row, :self.num_table_blocks[row]]] -= 1  # a table never holds a block twice
+        # a table never holds a block twice
+        self.holders[self.block_table[row, self.num_released[row]:self.num_table_blocks[row]]] -= 1
         self.logit_bias.pop(row, None)
         self.grammar.pop(row, None)
         self.free_rows.append(row)
@@ -233,7 +262,7 @@ class PersistentBatch:
         state = SeqState(row, list(new.token_ids), new.prompt_len)
         self.seqs[sid] = state
         self.num_computed[row], self.num_sent[row], self.num_tokens[row] = c, total, total
-        self.num_table_blocks[row] = 0
+        self.num_table_blocks[row] = self.num_released[row] = 0
         self._extend_table(sid, row, blocks)
         p = new.sampling
         self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, p.top_k, p.top_p
@@ -334,10 +363,6 @@ class PersistentBatch:
     def has_penalty(self, row: int) -> bool:
         rep, pres, freq = self.penalty[row]
         return rep != 1.0 or pres != 0.0 or freq != 0.0
-
-    def table(self, seq_id: int) -> np.ndarray:
-        state = self.seqs[seq_id]
-        return self.block_table[state.row, :self.num_table_blocks[state.row]]
 
     def num_blocks_in_use(self) -> int:
         """Distinct blocks in the tables of the sequences held."""

@@ -172,7 +172,7 @@ class ModelRunner:
         rows = self.limits.max_num_seqs
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
-                                     num_host_blocks=self.num_host_blocks)
+                                     num_host_blocks=self.num_host_blocks, sliding_window=mc.kv_window)
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -324,7 +324,8 @@ class ModelRunner:
             epoch=self.epoch, vocab_size=self.model_config.vocab_size, worker_id=self.worker_id,
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks)
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
+            sliding_window=self.batch.sliding_window)
 
     @property
     def num_host_blocks(self) -> int:
