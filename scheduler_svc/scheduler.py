@@ -296,14 +296,14 @@ class Scheduler:
             if c < seq.num_sent_tokens:
                 partial.append(seq)
                 continue
-            # A release frees a block, so the allocation below preempts no one, and never seq itself (which would
-            # leave the worker a release for a sequence the plan drops).
             if window and (freed := self._release(seq, c)):
                 released.append((seq.seq_id, freed))
             if c + 2 > seq.max_len:  # its last token is in flight
                 continue
             if c % bs == 0:  # its table is full (tables hold exactly the blocks computed tokens use)
                 if bm.num_free_blocks == 0 and not self._make_room(seq, 1):
+                    if released and released[-1][0] == seq.seq_id:
+                        released.pop()  # its blocks were shared: seq itself went, the worker drops its table
                     break
                 b = bm.allocate_one()
                 seq.block_table.append(b)

@@ -237,6 +237,20 @@ def test_a_sliding_window_gives_back_the_blocks_behind_it(caching):
             assert sched.num_preemptions > 0 and released == 0
 
 
+def test_a_sequence_preempted_after_giving_back_shared_blocks_leaves_no_release_in_the_plan():
+    """Its released blocks were prefix blocks another sequence holds too, so the pool stays full, its next block
+    preempts it, and the plan must not ask the worker to release blocks of a sequence it drops."""
+    sched, worker = make(num_blocks=13, block_size=1, budget=5, max_num_seqs=2, sliding_window=3)
+    d = Driver(sched, worker, 1)
+    for i, (prompt, max_tokens) in enumerate([(range(1, 9), 1), ([1, 1], 1), ([*range(1, 13), 1], 1),
+                                              (range(1, 4), 2)], 1):
+        sched.add(seq(i, prompt, max_tokens=max_tokens))
+    d.run()
+    assert any(set(p.preempted_ids) & {4} for p in d.plans)
+    assert all(not set(p.preempted_ids) & set(p.released_ids) for p in d.plans)
+    assert all(s.output_token_ids == expected_output(worker, s)[0] for s in d.finished) and len(d.finished) == 4
+
+
 def test_a_release_inside_the_window_is_refused():
     """The worker's own check (PersistentBatch): a block given back while the window of the sequence's next
     position still covers it, or by a model with no window, is a protocol violation."""
