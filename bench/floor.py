@@ -5,7 +5,8 @@ when another ends, its prompt computed in the step it is admitted); a step costs
 - its bytes at the memory bandwidth: the weights once, plus the K and V of every context token it reads and
   of every token it writes, and
 - its FLOPs at the dense bf16 peak: 2 x parameters per token computed, plus attention's 4 x heads x head_dim
-  per (query, key) pair it multiplies (causal: half the square for a prompt).
+  per (query, key) pair it multiplies (causal: half the square for a prompt), a layer with a sliding window
+  reading only the keys inside it.
 With routed experts (Qwen3-MoE) a step reads the experts its tokens route to: with T tokens each choosing k of E
 experts uniformly, E (1 - (1 - k/E)^T) of them per layer; a token computes its k experts only.
 No launch, host or scheduling cost counts. The H200 figures are what this machine measures close to (a
@@ -17,6 +18,7 @@ device-to-device copy reaches 4.27 TB/s, the decode attention kernel 3.9-4.2 TB/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,9 +36,18 @@ class ModelShape:
     expert_params: int = 0  # one expert's weights, over every layer that has experts
     num_experts: int = 0
     top_k: int = 0
+    windows: tuple[int, ...] = ()  # the sliding window of each layer that has one (a layer reads its last w keys)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
+        from worker_svc.model.registry import architecture_of
+
+        model = architecture_of(cfg).config(cfg)  # the worker's reading of the windows
+        windows = tuple(w for n in range(model.num_hidden_layers) if (w := model.window_of(n)))
+        return dataclasses.replace(cls._shape(cfg), windows=windows)
+
+    @classmethod
+    def _shape(cls, cfg: dict) -> "ModelShape":
         h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         d = cfg.get("head_dim") or h // heads
@@ -65,24 +76,34 @@ class ModelShape:
     def kv_bytes_per_token(self, kv_element_bytes: float) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_element_bytes
 
+    def keys_read(self, ctx: int) -> int:
+        """Keys, summed over the layers, that a query after `ctx` tokens reads."""
+        return (self.layers - len(self.windows)) * ctx + sum(min(ctx, w) for w in self.windows)
+
+    def prompt_pairs(self, p: int) -> int:
+        """(query, key) pairs of a p-token prompt, causal, summed over the layers."""
+        full = p * (p + 1) // 2
+        return (self.layers - len(self.windows)) * full + sum(
+            full if p <= w else w * (w + 1) // 2 + (p - w) * w for w in self.windows)
+
 
 def replay(shape: ModelShape, requests: Sequence[tuple[int, int]], *, max_num_seqs: int = 512,
            weight_bytes: float = 2, kv_bytes: float = 2) -> Iterator[tuple[float, float, float, bool]]:
     """The steps of running requests ((prompt tokens, output tokens) each), as (bytes, FLOPs, bytes of the routed
     experts, decode-only) per step."""
-    kv_token = shape.kv_bytes_per_token(kv_bytes)
-    attn = 4 * shape.layers * shape.heads * shape.head_dim  # FLOPs per (query, key) pair
+    kv_key = shape.kv_bytes_per_token(kv_bytes) / shape.layers  # one layer's K and V of a token
+    attn = 4 * shape.heads * shape.head_dim  # FLOPs per (query, key) pair of one layer
     queue = list(requests)[::-1]
     running: list[tuple[int, int]] = []  # (tokens left to generate, context so far) per running sequence
     while queue or running:
         new = []
         while queue and len(running) + len(new) < max_num_seqs:
             new.append(queue.pop())
-        read = sum(ctx for _, ctx in running)
+        read = sum(shape.keys_read(ctx) for _, ctx in running)
         tokens = sum(p for p, _ in new) + len(running)
         experts = (shape.weights_read(tokens) - shape.params) * weight_bytes
-        step_bytes = shape.params * weight_bytes + experts + (read + tokens) * kv_token
-        step_flops = 2 * shape.active_params() * tokens + attn * (read + sum(p * (p + 1) // 2 for p, _ in new))
+        step_bytes = shape.params * weight_bytes + experts + (read + tokens * shape.layers) * kv_key
+        step_flops = 2 * shape.active_params() * tokens + attn * (read + sum(shape.prompt_pairs(p) for p, _ in new))
         yield step_bytes, step_flops, experts, not new
         # the prompt's step samples its first token; each decode one more
         running = [(left - 1, ctx + 1) for left, ctx in running if left > 1]

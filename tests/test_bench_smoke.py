@@ -132,6 +132,20 @@ def test_floor_of_the_offline_workload_is_the_figure_the_project_quotes() -> Non
     assert floor_tokens_per_s(shape, many, max_num_seqs=64) < floor_tokens_per_s(shape, many, max_num_seqs=512)
 
 
+def test_floor_of_a_windowed_model_reads_only_inside_its_windows() -> None:
+    """Mistral-7B's 4,096-token window: a query after 10,000 tokens reads 4,096 keys a layer, a prompt of 10,000
+    multiplies no more pairs than its windows hold; Gemma 3 1B's global layers (every sixth) read everything."""
+    from bench.floor import ModelShape
+    from worker_svc.checkpoints.presets import get_preset
+
+    mistral, gemma = (ModelShape.from_config(get_preset(p)) for p in ("mistral-7b", "gemma-3-1b"))
+    assert mistral.keys_read(10_000) == 32 * 4096 and mistral.keys_read(100) == 32 * 100
+    assert mistral.prompt_pairs(10_000) == 32 * (4096 * 4097 // 2 + (10_000 - 4096) * 4096)
+    assert mistral.prompt_pairs(4096) == 32 * 4096 * 4097 // 2
+    local = len(gemma.windows)
+    assert 0 < local < gemma.layers and gemma.keys_read(10_000) == (gemma.layers - local) * 10_000 + local * 512
+
+
 def test_floor_of_a_moe_reads_the_experts_its_tokens_route_to() -> None:
     """Qwen3-30B-A3B: 3.3B parameters active per token (as published), a one-token step reads its 8 experts of
     each layer, a large step all 128."""
