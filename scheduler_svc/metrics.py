@@ -155,9 +155,10 @@ class _GroupCollector:
 
     @staticmethod
     def _counters(s) -> tuple[int, ...]:
-        """Preemptions, blocks swapped out and in, prefix-hit tokens from the GPU and from the host."""
+        """Preemptions, blocks swapped out and in, blocks released behind a sliding window, prefix-hit tokens from
+        the GPU and from the host."""
         bm = s.block_manager
-        return (s.num_preemptions, bm.num_swapped_out, bm.num_swapped_in,
+        return (s.num_preemptions, bm.num_swapped_out, bm.num_swapped_in, s.num_released_blocks,
                 s.num_prefix_hit_tokens - s.num_host_hit_tokens, s.num_host_hit_tokens)
 
     def collect(self):
@@ -179,17 +180,20 @@ class _GroupCollector:
                                           "KV blocks copied from the GPU to the host tier", labels=["worker"])
         swapped_in = CounterMetricFamily("splitserve:kv_blocks_swapped_in",
                                          "KV blocks copied from the host tier back to the GPU", labels=["worker"])
+        released = CounterMetricFamily("splitserve:kv_blocks_released",
+                                       "KV blocks given back wholly behind the sliding window of every layer",
+                                       labels=["worker"])
         tier_hits = CounterMetricFamily("splitserve:prefix_cache_hit_tokens",
                                         "Admitted tokens served from the prefix cache, by the tier that held them",
                                         labels=["worker", "tier"])
         gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive)
-        counters = (preempt, swapped_out, swapped_in)
+        counters = (preempt, swapped_out, swapped_in, released)
 
         def add_counters(address: str, values: tuple[int, ...]) -> None:
             for family, value in zip(counters, values):
                 family.add_metric([address], value)
-            tier_hits.add_metric([address, "gpu"], values[3])
-            tier_hits.add_metric([address, "host"], values[4])
+            tier_hits.add_metric([address, "gpu"], values[4])
+            tier_hits.add_metric([address, "host"], values[5])
 
         now = time.monotonic()
         live = list(self._groups())

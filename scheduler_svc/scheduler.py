@@ -91,6 +91,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0  # prompt (and resume) tokens served from the prefix cache
         self.num_host_hit_tokens = 0  # of those, the ones swapped in from the host tier
         self.num_admitted_tokens = 0  # tokens of every admission, the hit rate's denominator
+        self.num_released_blocks = 0  # given back behind the sliding window
 
     # --- admission and removal -------------------------------------------------------------------
 
@@ -247,6 +248,7 @@ class Scheduler:
             return 0
         self.block_manager.free(seq.block_table[seq.num_released_blocks:keep_from])
         seq.num_released_blocks = keep_from
+        self.num_released_blocks += n
         return n
 
     def _make_room(self, seq: Sequence, num_blocks: int) -> bool:

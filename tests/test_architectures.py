@@ -177,7 +177,9 @@ def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory
         assert [s.error for s in streams] == [None] * 4
         assert [s.token_ids for s in streams] == [_generate_hf(hf, p, 20) for p in prompts]
         wait_for("every block free", lambda: all_idle(c), timeout=60)
-        assert sample(scrape(metrics), "splitserve:num_preemptions_total") == 0
+        samples = scrape(metrics)
+        assert sample(samples, "splitserve:num_preemptions_total") == 0
+        assert sample(samples, "splitserve:kv_blocks_released_total") >= 4 * 5  # 60 positions: 5 blocks behind
 
 
 def test_every_expert_is_used(moe_checkpoint):
