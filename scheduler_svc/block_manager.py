@@ -286,7 +286,9 @@ class BlockManager:
             else:
                 h = hash_block(block, parent)
                 hashes.append(h)
-            if h not in index:  # else the same content is already cached in another block
+            # else the same content is cached in another block; a block released behind a sliding window
+            # (Sequence.num_released_blocks) may hold another sequence's KV by now
+            if h not in index and i >= seq.num_released_blocks:
                 self._register(table[i], h, parent, block)
             parent = h
 

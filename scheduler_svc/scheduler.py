@@ -123,7 +123,7 @@ class Scheduler:
                 f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.max_model_len})"
             )
         # The last token is never fed back, so max_len - 1 positions of KV.
-        blocks = cdiv(p + max_new - 1, self.block_size)
+        blocks = min(cdiv(p + max_new - 1, self.block_size), self._window_blocks())
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt ({p} tokens) + max_tokens ({max_new}) needs {blocks} KV blocks, the worker "
                              f"has {self.block_manager.num_blocks}")
@@ -231,6 +231,14 @@ class Scheduler:
         self._preempted_ids.append(seq.seq_id)
         self.num_preemptions += 1
 
+    def _window_blocks(self) -> int:
+        """The most blocks a sequence holds at once behind a sliding window, however long it grows: its window and
+        a step's chunk, after a release at the chunk's start (_release) and the chunk's allocation."""
+        if not self.sliding_window:
+            return 1 << 62
+        return (self.config.limits.max_num_batched_tokens + self.sliding_window + 2 * self.block_size - 3) // \
+            self.block_size
+
     def _free_blocks(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table[seq.num_released_blocks:])
         seq.block_table = []
@@ -238,11 +246,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence, c: int) -> int:
         """Gives back seq's leading blocks that lie wholly before the sliding window of position c, the first it
-        computes in the plan being built (so of every later one too); returns how many. With prefix caching only
-        committed ones: registering a block in the cache reads its table entry."""
+        computes in the plan being built (so of every later one too); returns how many."""
         keep_from = (c + 1 - self.sliding_window) // self.block_size
-        if self.config.enable_prefix_caching:
-            keep_from = min(keep_from, seq.num_committed_blocks)
         n = keep_from - seq.num_released_blocks
         if n <= 0:
             return 0
@@ -355,10 +360,16 @@ class Scheduler:
                     break  # the worker must drop it before it is resent
                 hits = bm.match_prefix(seq)
                 total = len(seq.token_ids)
-                c = len(hits) * bs
-                remaining = total - c
-                n = min(remaining, cap, budget)
-                need = cdiv(c + n, bs) - len(hits)
+                while True:
+                    c = len(hits) * bs
+                    remaining = total - c
+                    n = min(remaining, cap, budget)
+                    need = cdiv(c + n, bs) - len(hits)
+                    if len(hits) + need <= bm.num_blocks or not hits:
+                        break
+                    # Behind a sliding window a sequence may outgrow the pool, and so may its cached prefix: the
+                    # part that does not fit beside its first chunk is computed again.
+                    hits = hits[:max(bm.num_blocks - need, 0)]
                 if need + bm.num_free_among(hits) > bm.num_free_blocks:
                     break
                 waiting.popleft()
@@ -589,7 +600,6 @@ class Scheduler:
             assert seq.num_committed_blocks <= min(seq.num_computed_tokens, len(seq.token_ids)) // bs
             reach = seq.num_computed_tokens + 1 - self.sliding_window if self.sliding_window else 0
             assert seq.num_released_blocks <= max(reach, 0) // bs, "a released block is still read"
-            assert seq.num_released_blocks <= seq.num_committed_blocks or not self.config.enable_prefix_caching
         live = {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}
         assert live == self._seqs.keys()
         for seq in self.waiting:

@@ -237,6 +237,27 @@ def test_a_sliding_window_gives_back_the_blocks_behind_it(caching):
             assert sched.num_preemptions > 0 and released == 0
 
 
+def test_a_sliding_window_lets_a_sequence_outgrow_the_pool():
+    """Behind a 6-token window a 60-position sequence holds at most (budget + window + 2 x block - 3) // block
+    blocks, so a pool of 6 blocks of 4 (24 positions) admits it; a second one over the same prompt, whose cached
+    prefix (on the host tier, where the first one's blocks went as the pool reused them) is longer than the pool,
+    takes the part that fits beside its first chunk and computes the rest again. Without a window it is refused."""
+    with pytest.raises(ValueError, match="needs 15 KV blocks, the worker has 6"):
+        make(num_blocks=6, block_size=4, budget=8)[0].add(seq(1, range(1, 41), max_tokens=20))
+    sched, worker = make(num_blocks=6, block_size=4, budget=8, max_model_len=128, sliding_window=6,
+                         num_host_blocks=24)
+    d = Driver(sched, worker, 2)
+    first = seq(1, range(1, 41), max_tokens=20)
+    sched.add(first)
+    d.run()
+    again = seq(2, range(1, 41), max_tokens=20)
+    sched.add(again)
+    d.run()
+    assert [s.output_token_ids for s in (first, again)] == [expected_output(worker, s)[0] for s in (first, again)]
+    assert again.num_cached_tokens == 20 and sched.num_host_hit_tokens > 0 and sched.num_preemptions == 0
+    assert sched.block_manager.num_free_blocks == 6
+
+
 def test_a_sequence_preempted_after_giving_back_shared_blocks_leaves_no_release_in_the_plan():
     """Its released blocks were prefix blocks another sequence holds too, so the pool stays full, its next block
     preempts it, and the plan must not ask the worker to release blocks of a sequence it drops."""
