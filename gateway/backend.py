@@ -80,10 +80,13 @@ class Backend:
         return requested
 
     async def token_limit(self) -> int:
-        """Most tokens (prompt + completion) one sequence can have: the model length, capped by the
-        smallest live worker's KV cache (a sequence's last token needs no KV slot)."""
-        info = await self.model_info()
-        limit = int(info["max_model_len"])
-        capacities = [w["num_blocks"] * info["block_size"] + 1 for w in info.get("workers", [])
-                      if w.get("alive") and w.get("num_blocks")]
-        return min([limit, *capacities])
+        return token_limit(await self.model_info())
+
+
+def token_limit(info: dict[str, Any]) -> int:
+    """Most tokens (prompt + completion) one sequence can have: the model length, capped by the smallest live
+    worker's KV cache (a sequence's last token needs no KV slot), except behind a sliding window, where blocks the
+    window has passed go back to the pool and a sequence may outgrow it."""
+    capacities = [w["num_blocks"] * info["block_size"] + 1 for w in info.get("workers", [])
+                  if w.get("alive") and w.get("num_blocks") and not w.get("sliding_window")]
+    return min([int(info["max_model_len"]), *capacities])

@@ -228,7 +228,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "alive", "num_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting", "num_requests", "num_preemptions", "kv_cache_dtype", "num_host_blocks")
+    __slots__ = ("address", "alive", "num_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting", "num_requests", "num_preemptions", "kv_cache_dtype", "num_host_blocks", "sliding_window")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class WorkerStatus(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     address: str
     alive: bool
     num_blocks: int
@@ -251,7 +252,8 @@ class WorkerStatus(_message.Message):
     num_preemptions: int
     kv_cache_dtype: str
     num_host_blocks: int
-    def __init__(self, address: _Optional[str] = ..., alive: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, address: _Optional[str] = ..., alive: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")

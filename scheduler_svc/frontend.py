@@ -521,7 +521,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,
                                       num_preemptions=g.preemptions, kv_cache_dtype=g.info.kv_cache_dtype,
-                                      num_host_blocks=g.info.num_host_blocks)
+                                      num_host_blocks=g.info.num_host_blocks,
+                                      sliding_window=g.info.sliding_window)
                      for g in self.groups.values()])
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:

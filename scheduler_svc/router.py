@@ -38,6 +38,7 @@ class GroupInfo:
     epoch: int
     kv_cache_dtype: str
     num_host_blocks: int = 0
+    sliding_window: int = 0
     draining: bool = False
 
 

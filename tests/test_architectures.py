@@ -18,6 +18,7 @@ import transformers
 from client import Client
 from client.launcher import LocalCluster, free_port
 from common.limits import Limits
+from gateway.backend import token_limit as gateway_token_limit
 from tests.paged_driver import PagedDriver, prefill_logits, run_with_drops
 from tests.sim_cluster import sample, scrape, wait_for
 from tests.test_faults import all_idle, join, start_streams
@@ -183,6 +184,10 @@ def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory
         samples = scrape(metrics)
         assert sample(samples, "splitserve:num_preemptions_total") == 0
         assert sample(samples, "splitserve:kv_blocks_released_total") >= 4 * 5 + 19  # 5 behind a 60-position one
+        info = c.model_info()
+        # The gateway's default max_tokens reaches max_model_len, not the pool's 14 x 8 + 1 positions.
+        assert info["workers"][0]["sliding_window"] == 12 and gateway_token_limit(info) == 256
+        assert gateway_token_limit({**info, "workers": [{**info["workers"][0], "sliding_window": 0}]}) == 113
 
 
 def test_every_expert_is_used(moe_checkpoint):
