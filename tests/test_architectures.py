@@ -190,6 +190,22 @@ def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory
         assert gateway_token_limit({**info, "workers": [{**info["workers"][0], "sliding_window": 0}]}) == 113
 
 
+def test_tp2_window_model_gives_back_blocks_on_every_rank(tmp_path_factory, tmp_path):
+    """Mistral (a 12-token window, 6 heads over 2 KV heads) under TP = 2 with blocks of 8: prompts longer than the
+    window leave blocks behind it, the plan releases them on both ranks (each rank's batch refuses a release the
+    window still covers), and the greedy tokens equal transformers'."""
+    _, folder, hf = _write("mistral", tmp_path_factory)
+    prompts = _prompts(4, seed=6)
+    metrics = free_port()
+    with LocalCluster(folder, worker_args=["--tensor-parallel-size", "2", "--num-blocks", "32", "--block-size", "8"],
+                      scheduler_args=["--metrics-port", str(metrics)], log_dir=tmp_path) as cluster, \
+            Client(cluster.address, timeout=120) as c:
+        streams = join(start_streams(c, [dict(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True)
+                                         for p in prompts]))
+        assert [s.token_ids for s in streams] == [_generate_hf(hf, p, 12) for p in prompts]
+        wait_for("blocks released", lambda: sample(scrape(metrics), "splitserve:kv_blocks_released_total") > 0)
+
+
 def test_every_expert_is_used(moe_checkpoint):
     """The comparisons above cover every expert of every sparse layer: each is some token's choice."""
     _, folder, _ = moe_checkpoint
