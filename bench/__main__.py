@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,moe-kernel,fp8-accuracy,
+                 kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,moe-kernel,fp8-accuracy,
                  grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
@@ -30,6 +30,7 @@ MODULES = {
     "kernel-sass": "bench.kernel_sass",
     "skinny-gemm": "bench.skinny_gemm",
     "pdl-chain": "bench.pdl_chain",
+    "fused-layer": "bench.fused_layer",
     "moe-kernel": "bench.moe_kernel",
     "prefill-attention": "bench.prefill_attention",
     "attention-policy": "bench.attention_policy",

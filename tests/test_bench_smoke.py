@@ -302,3 +302,23 @@ def test_kernel_sass_compiles_the_decode_kernel_for_hopper_without_a_gpu(tmp_pat
     assert [r["config"] for r in rows] == ["fp8:64:256:tma", "fp8:64:256:tma:f16"]
     for row in rows:
         _positive(row, "registers", "shared_bytes", "loop_instructions")
+
+
+def test_fused_layer_chain_equals_the_chain_as_run() -> None:
+    """bench fused-layer's fused chain (norms as row scales in the GEMM epilogues, residual add and sum of squares
+    in o's and down's, SwiGLU in down's prologue) computes what the model's chain computes, in float32 under
+    Triton's interpreter, over 3 rows (a partial tile) and 2 layers; the plain Triton GEMMs too."""
+    import torch
+
+    from bench.fused_layer import Chains, make_layers
+
+    torch.manual_seed(0)
+    layers = make_layers(2, "cpu", torch.float32)
+    tiles = {name: (16, 32, 64) for name in ("qkv", "o", "gate_up", "down")}
+    chains = Chains(layers, torch.randn(3, 1024), tiles)
+    chains.unfused()
+    ref = chains.out.clone()
+    for chain in (chains.fused, lambda: chains.unfused(triton_gemms=True)):
+        chains.out.zero_()
+        chain()
+        torch.testing.assert_close(chains.out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
