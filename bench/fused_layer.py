@@ -136,7 +136,7 @@ class Chains:
             mm(silu_and_mul(self.gate_up), "down", w, self.down)
         torch.add(h, self.down, out=self.out)
 
-    def fused(self, pdl: bool = False) -> None:
+    def fused(self, pdl: bool = False, swiglu_prologue: bool = True) -> None:
         t, ss, (h, h2) = self.tiles, self.ss, self.h
         ss.zero_()
         ss[0, 0] = self.h0.float().pow(2).sum(1)
@@ -146,7 +146,8 @@ class Chains:
             gemm(h, w["qkv_folded"], self.qkv, t["qkv"], ss_in=ss[i, 0], pdl=pdl)
             gemm(self.qkv[:, :Q], w["o"], h2, t["o"], residual=h, ss_out=ss[i, 1], pdl=pdl)
             gemm(h2, w["gate_up_folded"], self.gate_up, t["gate_up"], ss_in=ss[i, 1], pdl=pdl)
-            gemm(self.gate_up, w["down"], self.out if last else h, t["down"], swiglu=True, residual=h2,
+            act = self.gate_up if swiglu_prologue else silu_and_mul(self.gate_up)
+            gemm(act, w["down"], self.out if last else h, t["down"], swiglu=swiglu_prologue, residual=h2,
                  ss_out=ss[i + 1, 0], pdl=pdl)
 
 
@@ -167,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         chains = Chains(layers, torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16), TILES[rows])
-        variants = {"cublas": chains.unfused, "triton": lambda: chains.unfused(True), "fused": chains.fused}
+        variants = {"cublas": chains.unfused, "triton": lambda: chains.unfused(True), "fused": chains.fused,
+                    "fused_but_swiglu": lambda: chains.fused(swiglu_prologue=False)}
         if args.pdl:
             variants["fused_pdl"] = lambda: chains.fused(True)
         row: dict = {"rows": rows}
