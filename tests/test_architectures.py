@@ -24,6 +24,7 @@ from tests.sim_cluster import sample, scrape, wait_for
 from tests.test_faults import all_idle, join, start_streams
 from worker_svc.checkpoints.presets import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE
 from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
+from worker_svc.model.config import ModelConfig
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
@@ -53,6 +54,17 @@ CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
         final_logit_softcapping=30.0, **(COMMON | {"tie_word_embeddings": True})),
+    # a multimodal checkpoint (language_model.*, vision_tower.*, multi_modal_projector.*) served as text: layers 0
+    # and 1 sliding (window 8), layer 2 global
+    "gemma3_mm": transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            **(COMMON | {"tie_word_embeddings": True})),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, tie_word_embeddings=True),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -227,6 +239,38 @@ def test_every_expert_is_used(moe_checkpoint):
     assert chosen and all(c == set(range(experts)) for c in chosen.values()), chosen
 
 
+def test_a_published_multimodal_gemma3_config_reads_as_transformers_reads_it(tmp_path):
+    """gemma-3-4b-it's config.json lists in its text_config only what differs from Gemma3TextConfig's defaults; the
+    rest (heads, head_dim, vocabulary, query_pre_attn_scalar, the layer pattern, tied head) comes from those, read
+    here as transformers reads them."""
+    published = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "bfloat16",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    ours = ModelConfig.from_dir(tmp_path)
+    text = transformers.Gemma3Config.from_dict(published).text_config
+    assert ours.architecture == "Gemma3ForConditionalGeneration" and ours.dtype == torch.bfloat16
+    assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_hidden_layers,
+            ours.num_attention_heads, ours.num_key_value_heads, ours.head_dim, ours.max_position_embeddings) == (
+        text.vocab_size, text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+        text.num_key_value_heads, text.head_dim, text.max_position_embeddings)
+    assert ours.layer_windows == tuple(text.sliding_window if t == "sliding_attention" else None
+                                       for t in text.layer_types)
+    assert ours.attention_scale == text.query_pre_attn_scalar ** -0.5 and ours.hidden_act == text.hidden_activation
+    full, local = text.rope_parameters["full_attention"], text.rope_parameters["sliding_attention"]
+    assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == (full["rope_type"], full["factor"])
+    assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
+    assert ours.tie_word_embeddings == text.tie_word_embeddings and ours.rms_norm_eps == text.rms_norm_eps
+
+
 def test_an_unsupported_architecture_is_refused_at_start(tmp_path):
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=1000)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
@@ -234,6 +278,7 @@ def test_an_unsupported_architecture_is_refused_at_start(tmp_path):
                                          r"Qwen3ForCausalLM, .*LlamaForCausalLM"):
         _runner(tmp_path)
     worker = subprocess.run([sys.executable, "-m", "worker_svc.cli", "serve", "--model", str(tmp_path),
-                             "--device", "cpu", "--port", "0", "--plaintext"], capture_output=True, text=True, timeout=120)
+                             "--device", "cpu", "--port", "0", "--plaintext"], capture_output=True, text=True,
+                            timeout=120)
     assert worker.returncode != 0
     assert "unsupported architecture GPT2LMHeadModel" in worker.stderr and "Traceback" not in worker.stderr

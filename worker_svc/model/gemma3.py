@@ -1,6 +1,7 @@
-"""Gemma 3 text (google/gemma-3-1b-it; the text model of the larger ones): interleaved sliding-window and global
-layers, each kind with its own rope base (global layers' scaling from rope_scaling), (1 + w) RMSNorms, q/k norms,
-norms around the attention and MLP outputs, embeddings scaled by sqrt(hidden), GeGLU, query_pre_attn_scalar."""
+"""Gemma 3 text (google/gemma-3-1b-it, and the language model of the larger, multimodal ones): interleaved
+sliding-window and global layers, each kind with its own rope base (global layers' scaling from rope_scaling),
+(1 + w) RMSNorms, q/k norms, norms around the attention and MLP outputs, embeddings scaled by sqrt(hidden), GeGLU,
+query_pre_attn_scalar."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +10,20 @@ from worker_svc.model.config import ModelConfig, rope_scaling
 from worker_svc.model.layers import CausalLM
 
 
+# Gemma3TextConfig's defaults: the published multimodal checkpoints' text_config lists only what differs from them
+# (gemma-3-4b: hidden and intermediate sizes, layers, rope_scaling, sliding_window)
+TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+
+
 class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
+        raw = TEXT_DEFAULTS | raw
         for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
             if raw.get(unsupported):
                 raise ValueError(f"Gemma 3 with {unsupported} is not supported")
@@ -37,3 +49,16 @@ class Gemma3ForCausalLM(CausalLM):
             attention_scale=raw.get("query_pre_attn_scalar", head_dim) ** -0.5,
             final_logit_softcapping=raw.get("final_logit_softcapping"))
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A multimodal Gemma 3 checkpoint (gemma-3-4b-it ... 27b) served as text: its language model
+    (`language_model.model.*`, the head tied to the embedding), its config's `text_config`; the vision tower and
+    the projector are left unloaded, so prompts are text."""
+    checkpoint_prefixes = ("language_model.model.", "language_model.")
+    ignored_prefixes = ("vision_tower.", "multi_modal_projector.")
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        outer = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
+        return super().config(outer | raw.get("text_config", {}) | {"architectures": raw["architectures"]})

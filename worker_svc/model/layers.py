@@ -148,6 +148,9 @@ class CausalLM(nn.Module):
     """A dense decoder-only language model in Hugging Face's layout (`model.layers.N...`, `lm_head`). An
     architecture subclasses it with `config(raw)`: how its config.json reads into a ModelConfig."""
 
+    # checkpoint names: the prefix stripped (the first that matches), and prefixes of tensors this model leaves
+    checkpoint_prefixes: tuple[str, ...] = ("model.",)
+    ignored_prefixes: tuple[str, ...] = ()
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -32,13 +32,17 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     gives both), for an fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
+    ignored = getattr(model, "ignored_prefixes", ())
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
     kv_scales: dict[str, float] = {}
     for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                name, shard_id = _our_name(hf_name, packed)
+                if hf_name.startswith(ignored):
+                    continue
+                name, shard_id = _our_name(hf_name, packed, prefixes)
                 prefix, _, leaf = name.rpartition(".")
                 if leaf in KV_SCALE_NAMES:
                     value = float(f.get_tensor(hf_name).float().max())
@@ -72,10 +76,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _our_name(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
-    """Our parameter's name and the shard id its loader takes. An expert's tensor (`mlp.experts.3.up_proj`)
-    goes to the layer's one tensor of all experts (`mlp.experts.gate_up_proj`), shard (3, 1)."""
-    name, shard_id = hf_name.removeprefix("model."), None
+def _our_name(hf_name: str, packed: dict[str, tuple[str, object]], prefixes: tuple[str, ...]) -> tuple[str, object]:
+    """Our parameter's name (the first of `prefixes` that matches stripped) and the shard id its loader takes. An
+    expert's tensor (`mlp.experts.3.up_proj`) goes to the layer's one tensor of all experts
+    (`mlp.experts.gate_up_proj`), shard (3, 1)."""
+    name, shard_id = next((hf_name[len(p):] for p in prefixes if hf_name.startswith(p)), hf_name), None
     for fragment, (target, shard) in packed.items():
         if f".{fragment}." in name:
             name, shard_id = name.replace(fragment, target), shard

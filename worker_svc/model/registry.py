@@ -1,7 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
-from worker_svc.model.gemma3 import Gemma3ForCausalLM
+from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
