@@ -46,6 +46,12 @@ CONFIGS = {
         sliding_window=12, **COMMON),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
+    # Qwen3's long-context setting: YaRN over an original length of 64 (the prompts and generations pass it), a
+    # rope base that puts the ramp between kept and interpolated frequencies over dimensions 0-9 of 16
+    "qwen3-yarn": transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 100.0}, **COMMON),
     # sliding layers 0 and 2 (window 8, rope base 1e4), a global layer 1 (base 1e6, linear scaling 2)
     "gemma3": transformers.Gemma3TextConfig(
         hidden_size=80, intermediate_size=144, num_attention_heads=5, num_key_value_heads=1, head_dim=32,
@@ -269,6 +275,29 @@ def test_a_published_multimodal_gemma3_config_reads_as_transformers_reads_it(tmp
     assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == (full["rope_type"], full["factor"])
     assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
     assert ours.tie_word_embeddings == text.tie_word_embeddings and ours.rms_norm_eps == text.rms_norm_eps
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},  # Qwen3's card
+    {"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}},  # DeepSeek's attention factor
+    {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16384,
+                      "truncate": False}},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5},
+     "original_max_position_embeddings": 65536},  # the top-level length wins, as transformers reads it
+])
+def test_yarn_frequencies_and_scale_are_transformers(rope, tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from worker_svc.model.layers import rope_frequencies
+
+    raw = transformers.Qwen3Config(head_dim=128, rope_theta=1e6, max_position_embeddings=131072, **rope).to_dict()
+    raw["architectures"] = ["Qwen3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = ModelConfig.from_dir(tmp_path)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen3Config(**raw), "cpu")
+    torch.testing.assert_close(rope_frequencies(128, ours.rope_theta, ours.rope_scaling), inv_freq, rtol=1e-6, atol=0)
+    assert ours.rope_scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
 
 
 def test_an_unsupported_architecture_is_refused_at_start(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +20,19 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP: SwiGLU, GeGLU
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
-    """Llama 3's frequency-dependent scaling of rotary frequencies (`rope_type: llama3`), or a linear one."""
-    kind: str  # "llama3" or "linear"
+    """Scaled rotary frequencies: Llama 3's frequency-dependent scaling (`rope_type: llama3`), YaRN's (`yarn`: Qwen's
+    long-context setting, DeepSeek), or a linear one."""
+    kind: str  # "llama3", "yarn" or "linear"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the frequencies between beta_fast and beta_slow rotations over the original length blend from kept to
+    # interpolated (the bounds rounded outwards with truncate), and cos / sin are scaled by attention_factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,18 +119,36 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
-            rope_scaling=rope_scaling(rope),
+            rope_scaling=rope_scaling(rope, raw.get("max_position_embeddings", 40960),
+                                      raw.get("original_max_position_embeddings")),
             **features,
         )
 
 
-def rope_scaling(rope: dict) -> RopeScaling | None:
+def rope_scaling(rope: dict, max_positions: int, original: int | None = None) -> RopeScaling | None:
+    """The checkpoint's rope scaling, read as transformers reads it; `original`: a config's top-level
+    original_max_position_embeddings, which wins over the rope's (else the rope's, else max_positions)."""
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None
+    original = original or rope.get("original_max_position_embeddings") or max_positions
     if kind == "llama3":
         return RopeScaling("llama3", rope["factor"], rope.get("low_freq_factor", 1.0),
-                           rope.get("high_freq_factor", 4.0), rope.get("original_max_position_embeddings", 8192))
+                           rope.get("high_freq_factor", 4.0), original)
     if kind == "linear":
         return RopeScaling("linear", rope["factor"])
-    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3)")
+    if kind == "yarn":
+        factor = rope["factor"]
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else _yarn_mscale(factor))
+        return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                           beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+                           truncate=rope.get("truncate", True), attention_factor=float(attention))
+    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

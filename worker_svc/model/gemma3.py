@@ -31,15 +31,16 @@ class Gemma3ForCausalLM(CausalLM):
         pattern = raw.get("sliding_window_pattern", 6)
         types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(layers)]
-        rope = raw.get("rope_parameters") or {}
+        rope, positions = raw.get("rope_parameters") or {}, raw["max_position_embeddings"]
         if "full_attention" in rope:  # transformers 5's layout: one rope per layer type
             full, local = rope["full_attention"], rope.get("sliding_attention") or {}
-            theta, local_theta, scaling = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4), rope_scaling(full)
-            if rope_scaling(local) is not None:
+            theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+            scaling = rope_scaling(full, positions)
+            if rope_scaling(local, positions) is not None:
                 raise ValueError("a scaled rope on Gemma 3's sliding-window layers is not supported")
         else:  # the published configs: rope_theta and rope_scaling for global layers, rope_local_base_freq
             theta, local_theta = raw.get("rope_theta", 1e6), raw.get("rope_local_base_freq", 1e4)
-            scaling = rope_scaling(raw.get("rope_scaling") or {})
+            scaling = rope_scaling(raw.get("rope_scaling") or {}, positions)
         bias = bool(raw.get("attention_bias"))
         head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         cfg = ModelConfig.common(

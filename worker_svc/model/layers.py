@@ -36,6 +36,17 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":  # turning over beta_fast times in the original length: kept; under beta_slow: scaled
+        def dim_of(rotations: float) -> float:
+            return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low or 0.001)).clamp(0, 1)
+        return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
     # llama3: long wavelengths slowed by `factor`, short ones kept, the band between blended
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -55,7 +66,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
                             rope_frequencies(head_dim, theta, scaling))
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if scaling is not None and scaling.attention_factor != 1.0:  # yarn's
+            table = table * scaling.attention_factor
+        self.register_buffer("cos_sin", table, persistent=False)
 
 
 class Attention(nn.Module):
