@@ -44,6 +44,10 @@ CONFIGS = {
     "mistral": transformers.MistralConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         sliding_window=12, **COMMON),
+    # q, k and v in one tensor, gate and up in another; a 16-token window on every layer
+    "phi3": transformers.Phi3Config(
+        hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=2, sliding_window=16,
+        **COMMON),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
     # Qwen3's long-context setting: YaRN over an original length of 64 (the prompts and generations pass it), a
@@ -208,11 +212,13 @@ def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory
         assert gateway_token_limit({**info, "workers": [{**info["workers"][0], "sliding_window": 0}]}) == 113
 
 
-def test_tp2_window_model_gives_back_blocks_on_every_rank(tmp_path_factory, tmp_path):
-    """Mistral (a 12-token window, 6 heads over 2 KV heads) under TP = 2 with blocks of 8: prompts longer than the
-    window leave blocks behind it, the plan releases them on both ranks (each rank's batch refuses a release the
-    window still covers), and the greedy tokens equal transformers'."""
-    _, folder, hf = _write("mistral", tmp_path_factory)
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_tp2_window_model_gives_back_blocks_on_every_rank(name, tmp_path_factory, tmp_path):
+    """Mistral (a 12-token window) and Phi-3 (16, its q, k, v and gate, up stored fused: each rank takes its slices
+    of them) with 6 heads over 2 KV heads under TP = 2 with blocks of 8: prompts longer than the window leave blocks
+    behind it, the plan releases them on both ranks (each rank's batch refuses a release the window still covers),
+    and the greedy tokens equal transformers'."""
+    _, folder, hf = _write(name, tmp_path_factory)
     prompts = _prompts(4, seed=6)
     metrics = free_port()
     with LocalCluster(folder, worker_args=["--tensor-parallel-size", "2", "--num-blocks", "32", "--block-size", "8"],
@@ -298,6 +304,19 @@ def test_yarn_frequencies_and_scale_are_transformers(rope, tmp_path):
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen3Config(**raw), "cpu")
     torch.testing.assert_close(rope_frequencies(128, ours.rope_theta, ours.rope_scaling), inv_freq, rtol=1e-6, atol=0)
     assert ours.rope_scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "unsupported rope_type 'longrope'"),
+])
+def test_phi3_variants_it_does_not_serve_are_refused_by_name(extra, message, tmp_path):
+    raw = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, original_max_position_embeddings=4096,
+                                  **extra).to_dict() | {"architectures": ["Phi3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dir(tmp_path)
 
 
 def test_an_unsupported_architecture_is_refused_at_start(tmp_path):

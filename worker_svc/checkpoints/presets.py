@@ -1,8 +1,9 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
-The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
-mistralai/Mistral-7B-v0.1, google/gemma-3-1b-pt) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
-written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
+The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
+Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4) except the vocabulary: every preset
+keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The
+test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=3276
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
 
 
+def _phi3(hidden, layers, heads, kv_heads, intermediate, max_pos, rope_theta, window=None, dtype="bfloat16"):
+    return _other("Phi3ForCausalLM", "phi3", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  rope_theta, dtype, original_max_position_embeddings=max_pos, rope_scaling=None,
+                  sliding_window=window, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
 def _qwen3_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top_k, expert_intermediate,
                max_pos=40960, dtype="bfloat16"):
     return _qwen3(hidden, layers, heads, kv_heads, head_dim, intermediate, tied=False, max_pos=max_pos,
@@ -130,6 +137,7 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
+    "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
     # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
@@ -140,6 +148,7 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
+    "phi3-tiny": _phi3(96, 2, 6, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),
 }
 
 GENERATION_CONFIG: dict = {

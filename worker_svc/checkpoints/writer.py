@@ -74,6 +74,11 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if kind == "phi3":  # q, k and v stored as one tensor, gate and up as another
+            shapes += [(p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)),
+                       (p + "mlp.gate_up_proj.weight", (2 * inter, h)), (p + "mlp.down_proj.weight", (h, inter)),
+                       (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+            continue
         for name, out, bias in (("q_proj", q, qkv_bias), ("k_proj", kv, qkv_bias), ("v_proj", kv, qkv_bias)):
             shapes.append((p + f"self_attn.{name}.weight", (out, h)))
             if bias:

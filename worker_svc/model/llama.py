@@ -1,5 +1,7 @@
-"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), and Mistral (mistralai/Mistral-7B-*): the plain
-decoder; Llama's `attention_bias` / `mlp_bias` when set, Llama 3's rope scaling, Mistral's sliding window."""
+"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), Mistral (mistralai/Mistral-7B-*) and Phi-3 / Phi-4
+(microsoft/Phi-3-mini-4k-instruct, phi-4): the plain decoder; Llama's `attention_bias` / `mlp_bias` when set, Llama
+3's rope scaling, Mistral's and Phi-3's sliding window; Phi-3 stores q, k and v as one tensor and gate and up as
+another, which the loader splits."""
 from __future__ import annotations
 
 from worker_svc.model.config import ModelConfig
@@ -16,4 +18,14 @@ class LlamaForCausalLM(CausalLM):
 class MistralForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
+        return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"))
+
+
+class Phi3ForCausalLM(CausalLM):
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        rope = raw.get("rope_parameters") or {}
+        if (raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError("Phi-3 with partial_rotary_factor (rope over part of each head: Phi-4-mini) is not "
+                             "supported")
         return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"))

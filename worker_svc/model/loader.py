@@ -56,14 +56,17 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
                 param = params[name]
                 tensor = f.get_tensor(hf_name).to(param.dtype)
                 loader = getattr(param, "weight_loader", None)
-                with torch.no_grad():
-                    if loader is None:
-                        param.data.copy_(tensor)
-                    elif shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                loaded.add(f"{name}:{shard_id}")
+                # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
+                fused = shard_id is None and hasattr(param, "split_fused")
+                for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
+                    with torch.no_grad():
+                        if loader is None:
+                            param.data.copy_(part)
+                        elif shard_id is None:
+                            loader(param, part)
+                        else:
+                            loader(param, part, shard_id)
+                    loaded.add(f"{name}:{shard_id}")
     expected = {f"{name}:{shard}" for name, param in params.items() for shard in _shards_of(name, param, packed)}
     if tied:
         expected = {e for e in expected if not e.startswith("lm_head.")}

@@ -63,12 +63,24 @@ class ColumnParallelLinear(nn.Module):
         return self.kernels.linear(x, self.weight, self.bias)
 
 
+def _split_on_load(layer: ColumnParallelLinear) -> None:
+    """The packed layer's parameters take a fused checkpoint tensor too (load_weights splits it by shard)."""
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.split_fused = layer.split_fused
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], kernels: Kernels, bias: bool = False):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), kernels, bias)
+        _split_on_load(self)
+
+    def split_fused(self, loaded: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """A checkpoint tensor of every projection at once (Phi-3's gate_up_proj), as (shard id, part)."""
+        return list(enumerate(torch.split(loaded, self.out_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
@@ -93,6 +105,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, out, kernels, bias)
+        _split_on_load(self)
+
+    def split_fused(self, loaded: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor of q, k and v at once (Phi-3's qkv_proj), as (shard id, part)."""
+        q, kv = self.num_heads * self.tp_size * self.head_dim, self.total_kv_heads * self.head_dim
+        return list(zip("qkv", torch.split(loaded, [q, kv, kv])))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM
+from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
