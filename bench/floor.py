@@ -18,7 +18,6 @@ device-to-device copy reaches 4.27 TB/s, the decode attention kernel 3.9-4.2 TB/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,27 +39,21 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
+        """From the worker's reading of the config (its windows, its experts' layers)."""
         from worker_svc.model.registry import architecture_of
 
-        model = architecture_of(cfg).config(cfg)  # the worker's reading of the windows
-        windows = tuple(w for n in range(model.num_hidden_layers) if (w := model.window_of(n)))
-        return dataclasses.replace(cls._shape(cfg), windows=windows)
-
-    @classmethod
-    def _shape(cls, cfg: dict) -> "ModelShape":
-        h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-        heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        d = cfg.get("head_dim") or h // heads
+        m = architecture_of(cfg).config(cfg)
+        windows = tuple(w for n in range(m.num_hidden_layers) if (w := m.window_of(n)))
+        h, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
+        heads, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
         attention = h * (heads + 2 * kv) * d + heads * d * h
-        embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-        experts = cfg.get("num_experts", 0)
-        if not experts:
-            return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = [n for n in range(layers) if n not in dense and (n + 1) % cfg.get("decoder_sparse_step", 1) == 0]
-        params = layers * attention + (layers - len(sparse)) * 3 * h * i + len(sparse) * h * experts + embed
-        return cls(layers, heads, kv, d, params, len(sparse) * 3 * h * cfg["moe_intermediate_size"], experts,
-                   cfg["num_experts_per_tok"])
+        embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+        if m.moe is None:
+            return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed, windows=windows)
+        sparse, experts = len(m.moe.layers), m.moe.num_experts
+        params = layers * attention + (layers - sparse) * 3 * h * i + sparse * h * experts + embed
+        return cls(layers, heads, kv, d, params, sparse * 3 * h * m.moe.intermediate_size, experts, m.moe.top_k,
+                   windows)
 
     def weights_read(self, tokens: int) -> float:
         """Parameters a step of `tokens` tokens reads: the dense ones and the experts routed to."""

@@ -80,6 +80,10 @@ CONFIGS = {
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, **COMMON),
+    # Mixtral's names (block_sparse_moe.experts.N.w1 / w2 / w3), 2 of 6 experts on every layer, a 16-token window
+    "mixtral_moe": transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

@@ -37,7 +37,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny",
-                                    "phi3-tiny"])
+                                    "phi3-tiny", "mixtral-tiny"])
 def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
     """Each name and shape the writer emits is one transformers' model of that architecture expects."""
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
@@ -79,7 +79,7 @@ def test_real_presets_have_published_sizes():
     # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
     # Qwen2.5 151,936)
     non_embedding_only = {"gemma-3-1b": 0.70, "llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36,
-                          "mistral-7b": 6.98, "phi-4": 13.63}
+                          "mistral-7b": 6.98, "phi-4": 13.63, "mixtral-8x7b": 46.44}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
@@ -91,7 +91,8 @@ def test_real_presets_have_published_sizes():
 
 CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
                   "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-                  "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Phi3ForCausalLM": transformers.Phi3Config}
+                  "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Phi3ForCausalLM": transformers.Phi3Config,
+                  "MixtralForCausalLM": transformers.MixtralConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

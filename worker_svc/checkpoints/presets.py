@@ -1,9 +1,9 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
-Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4) except the vocabulary: every preset
-keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The
-test presets shrink everything else.
+Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4) except
+the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no
+other is at hand offline). The test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ def _phi3(hidden, layers, heads, kv_heads, intermediate, max_pos, rope_theta, wi
                   sliding_window=window, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
+def _mixtral(hidden, layers, heads, kv_heads, intermediate, experts, top_k, max_pos=32768, dtype="bfloat16"):
+    return _other("MixtralForCausalLM", "mixtral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  1000000.0, dtype, num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None,
+                  router_aux_loss_coef=0.02, output_router_logits=False, head_dim=hidden // heads)
+
+
 def _qwen3_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top_k, expert_intermediate,
                max_pos=40960, dtype="bfloat16"):
     return _qwen3(hidden, layers, heads, kv_heads, head_dim, intermediate, tied=False, max_pos=max_pos,
@@ -137,6 +143,7 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
+    "mixtral-8x7b": _mixtral(4096, 32, 32, 8, 14336, experts=8, top_k=2),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
     # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
@@ -148,6 +155,7 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
+    "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),
     "phi3-tiny": _phi3(96, 2, 6, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),
 }
 

@@ -88,6 +88,13 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
         if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if kind == "mixtral":  # experts on every layer, under Mixtral's names
+            shapes.append((p + "block_sparse_moe.gate.weight", (config["num_local_experts"], h)))
+            for e in range(config["num_local_experts"]):
+                for name, shape in (("w1", (inter, h)), ("w2", (h, inter)), ("w3", (inter, h))):
+                    shapes.append((p + f"block_sparse_moe.experts.{e}.{name}.weight", shape))
+            shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+            continue
         if i in moe_layers:
             e_inter = config["moe_intermediate_size"]
             shapes.append((p + "mlp.gate.weight", (config["num_experts"], h)))

@@ -162,9 +162,11 @@ class CausalLM(nn.Module):
     """A dense decoder-only language model in Hugging Face's layout (`model.layers.N...`, `lm_head`). An
     architecture subclasses it with `config(raw)`: how its config.json reads into a ModelConfig."""
 
-    # checkpoint names: the prefix stripped (the first that matches), and prefixes of tensors this model leaves
+    # checkpoint names: the prefix stripped (the first that matches), prefixes of tensors this model leaves, and
+    # fragments renamed to the ones below (Mixtral's `block_sparse_moe.experts.3.w1` is `mlp.experts.3.gate_proj`)
     checkpoint_prefixes: tuple[str, ...] = ("model.",)
     ignored_prefixes: tuple[str, ...] = ()
+    renamed_fragments: dict[str, str] = {}
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

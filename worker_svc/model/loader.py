@@ -34,6 +34,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     packed = getattr(model, "packed_modules", {})
     prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
     ignored = getattr(model, "ignored_prefixes", ())
+    renamed = getattr(model, "renamed_fragments", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
     kv_scales: dict[str, float] = {}
@@ -42,7 +43,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
             for hf_name in f.keys():
                 if hf_name.startswith(ignored):
                     continue
-                name, shard_id = _our_name(hf_name, packed, prefixes)
+                name, shard_id = _our_name(hf_name, packed, prefixes, renamed)
                 prefix, _, leaf = name.rpartition(".")
                 if leaf in KV_SCALE_NAMES:
                     value = float(f.get_tensor(hf_name).float().max())
@@ -79,11 +80,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _our_name(hf_name: str, packed: dict[str, tuple[str, object]], prefixes: tuple[str, ...]) -> tuple[str, object]:
-    """Our parameter's name (the first of `prefixes` that matches stripped) and the shard id its loader takes. An
-    expert's tensor (`mlp.experts.3.up_proj`) goes to the layer's one tensor of all experts
-    (`mlp.experts.gate_up_proj`), shard (3, 1)."""
+def _our_name(hf_name: str, packed: dict[str, tuple[str, object]], prefixes: tuple[str, ...],
+              renamed: dict[str, str]) -> tuple[str, object]:
+    """Our parameter's name (the first of `prefixes` that matches stripped, `renamed` fragments replaced) and the
+    shard id its loader takes. An expert's tensor (`mlp.experts.3.up_proj`) goes to the layer's one tensor of all
+    experts (`mlp.experts.gate_up_proj`), shard (3, 1)."""
     name, shard_id = next((hf_name[len(p):] for p in prefixes if hf_name.startswith(p)), hf_name), None
+    for fragment, ours in renamed.items():
+        name = name.replace(fragment, ours)
     for fragment, (target, shard) in packed.items():
         if f".{fragment}." in name:
             name, shard_id = name.replace(fragment, target), shard

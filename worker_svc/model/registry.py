@@ -6,11 +6,12 @@ from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
-from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
+from worker_svc.model.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
