@@ -88,19 +88,17 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
         if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
-        if kind == "mixtral":  # experts on every layer, under Mixtral's names
-            shapes.append((p + "block_sparse_moe.gate.weight", (config["num_local_experts"], h)))
-            for e in range(config["num_local_experts"]):
-                for name, shape in (("w1", (inter, h)), ("w2", (h, inter)), ("w3", (inter, h))):
-                    shapes.append((p + f"block_sparse_moe.experts.{e}.{name}.weight", shape))
-            shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
-            continue
-        if i in moe_layers:
-            e_inter = config["moe_intermediate_size"]
-            shapes.append((p + "mlp.gate.weight", (config["num_experts"], h)))
-            for e in range(config["num_experts"]):
-                for name, shape in (("gate_proj", (e_inter, h)), ("up_proj", (e_inter, h)), ("down_proj", (h, e_inter))):
-                    shapes.append((p + f"mlp.experts.{e}.{name}.weight", shape))
+        if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
+            mixtral = kind == "mixtral"
+            module = "block_sparse_moe" if mixtral else "mlp"
+            count = config["num_local_experts"] if mixtral else config["num_experts"]
+            e_inter = inter if mixtral else config["moe_intermediate_size"]
+            gate, down = (e_inter, h), (h, e_inter)
+            names = ((("w1", gate), ("w2", down), ("w3", gate)) if mixtral else
+                     (("gate_proj", gate), ("up_proj", gate), ("down_proj", down)))
+            shapes.append((p + f"{module}.gate.weight", (count, h)))
+            for e in range(count):
+                shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
