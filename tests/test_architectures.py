@@ -255,6 +255,28 @@ def test_every_expert_is_used(moe_checkpoint):
     assert chosen and all(c == set(range(experts)) for c in chosen.values()), chosen
 
 
+def test_a_multimodal_gemma3_saved_in_the_newer_layout_loads_the_same(tmp_path_factory, tmp_path):
+    """Some transformers releases saved Gemma3ForConditionalGeneration as `model.language_model.*`,
+    `model.vision_tower.*`, `lm_head.*`: the same weights give the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _ = _write("gemma3_mm", tmp_path_factory)
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        for name, t in load_file(path).items():
+            name = name.replace("language_model.model.", "model.language_model.")
+            name = name.replace("language_model.lm_head.", "lm_head.")
+            tensors["model." + name if name.startswith(("vision_tower.", "multi_modal")) else name] = t
+    assert any(n.startswith("model.vision_tower.") for n in tensors)
+    for path in folder.iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    save_file(tensors, tmp_path / "model.safetensors")
+    prompts = _prompts(3)
+    for ours, theirs in zip(prefill_logits(_runner(tmp_path), prompts), prefill_logits(_runner(folder), prompts)):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
 def test_a_published_multimodal_gemma3_config_reads_as_transformers_reads_it(tmp_path):
     """gemma-3-4b-it's config.json lists in its text_config only what differs from Gemma3TextConfig's defaults; the
     rest (heads, head_dim, vocabulary, query_pre_attn_scalar, the layer pattern, tied head) comes from those, read

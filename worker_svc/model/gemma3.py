@@ -54,10 +54,11 @@ class Gemma3ForCausalLM(CausalLM):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """A multimodal Gemma 3 checkpoint (gemma-3-4b-it ... 27b) served as text: its language model
-    (`language_model.model.*`, the head tied to the embedding), its config's `text_config`; the vision tower and
-    the projector are left unloaded, so prompts are text."""
-    checkpoint_prefixes = ("language_model.model.", "language_model.")
-    ignored_prefixes = ("vision_tower.", "multi_modal_projector.")
+    (`language_model.model.*` as published; `model.language_model.*` as some transformers 4.5x releases saved it),
+    its config's `text_config`; the vision tower and the projector are left unloaded, so prompts are text."""
+    checkpoint_prefixes = ("language_model.model.", "language_model.", "model.language_model.")
+    ignored_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
