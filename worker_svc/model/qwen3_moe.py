@@ -1,7 +1,5 @@
 """Qwen3-MoE (Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, routed experts instead of the MLP on every
-`decoder_sparse_step`-th layer not in `mlp_only_layers`, top-k renormalised with `norm_topk_prob`. Mixtral
-(mistralai/Mixtral-8x7B-*, 8x22B): Mistral's attention (its window where set), experts on every layer, top-k
-renormalised, stored under its own names."""
+`decoder_sparse_step`-th layer not in `mlp_only_layers`, top-k renormalised with `norm_topk_prob`."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,14 +20,3 @@ class Qwen3MoeForCausalLM(CausalLM):
                         layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
         return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=moe if experts else None)
 
-
-class MixtralForCausalLM(CausalLM):
-    renamed_fragments = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
-                         ".w2.": ".down_proj."}
-
-    @classmethod
-    def config(cls, raw: dict) -> ModelConfig:
-        moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
-                        intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
-                        layers=tuple(range(raw["num_hidden_layers"])))
-        return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"), moe=moe)

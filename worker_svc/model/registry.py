@@ -4,9 +4,10 @@ from __future__ import annotations
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM
+from worker_svc.model.mixtral import MixtralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
-from worker_svc.model.qwen3_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

@@ -1,0 +1,19 @@
+"""Mixtral (mistralai/Mixtral-8x7B-*, 8x22B): Mistral's attention (its window where set), routed experts on every
+layer (model/moe.py, as Qwen3-MoE's), the top k renormalised; its checkpoints name them
+`block_sparse_moe.experts.N.w1` (gate), `w3` (up) and `w2` (down)."""
+from __future__ import annotations
+
+from worker_svc.model.config import ModelConfig, MoeConfig
+from worker_svc.model.layers import CausalLM
+
+
+class MixtralForCausalLM(CausalLM):
+    renamed_fragments = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                         ".w2.": ".down_proj."}
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
+                        intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                        layers=tuple(range(raw["num_hidden_layers"])))
+        return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"), moe=moe)
