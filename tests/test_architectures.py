@@ -216,6 +216,25 @@ def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory
         assert gateway_token_limit({**info, "workers": [{**info["workers"][0], "sliding_window": 0}]}) == 113
 
 
+def test_the_gateway_lets_a_window_model_fill_its_length(tmp_path_factory, tmp_path):
+    """Chat without max_tokens runs up to the model's length (OpenAI's default): 256 positions, on a pool of 14
+    blocks of 8 (112 positions) that a sequence behind a 12-token window may outgrow."""
+    from tests.test_gateway import Gateway
+
+    _, folder, _ = _write("mistral", tmp_path_factory)
+    limits = ["--max-num-batched-tokens", "16", "--max-model-len", "256"]
+    with LocalCluster(folder, worker_args=["--num-blocks", "14", "--block-size", "8", *limits],
+                      scheduler_args=limits, log_dir=tmp_path) as cluster:
+        gateway = Gateway(cluster.address, tmp_path / "gateway.log", "--tokenizer", str(folder)).wait_healthy()
+        try:
+            out = gateway.openai().chat.completions.create(
+                model="", messages=[{"role": "user", "content": "Hello"}], temperature=0,
+                extra_body={"ignore_eos": True})
+        finally:
+            gateway.stop()
+    assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 256
+
+
 @pytest.mark.parametrize("name", ["mistral", "phi3"])
 def test_tp2_window_model_gives_back_blocks_on_every_rank(name, tmp_path_factory, tmp_path):
     """Mistral (a 12-token window) and Phi-3 (16, its q, k, v and gate, up stored fused: each rank takes its slices
