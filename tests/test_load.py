@@ -512,7 +512,17 @@ def test_soak_500_random_requests_with_cancellations(soak):
         assert sum(w["num_requests"] for w in workers(c)) - requests_before <= completions
         assert all(w["alive"] for w in workers(c))
     assert soak.exited() is None
-    after = scrape(soak.metrics_port)
+
+    def counted() -> dict | None:
+        samples = scrape(soak.metrics_port)
+        total = sum(sample(samples, "splitserve:request_success_total", finished_reason=r)
+                    - sample(before, "splitserve:request_success_total", finished_reason=r)
+                    for r in ("stop", "length", "abort"))
+        return samples if total >= completions else None
+
+    # A cut stream counts its abort when its handler sees the cancellation, which may come after the engine has
+    # freed its blocks (its sequence ended there first): wait for every count before comparing them.
+    after = wait_for("every completion counted", counted)
 
     def delta(name: str, **labels) -> float:
         return sample(after, name, **labels) - sample(before, name, **labels)
