@@ -93,9 +93,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             module = "block_sparse_moe" if mixtral else "mlp"
             count = config["num_local_experts"] if mixtral else config["num_experts"]
             e_inter = inter if mixtral else config["moe_intermediate_size"]
-            gate, down = (e_inter, h), (h, e_inter)
-            names = ((("w1", gate), ("w2", down), ("w3", gate)) if mixtral else
-                     (("gate_proj", gate), ("up_proj", gate), ("down_proj", down)))
+            widen, narrow = (e_inter, h), (h, e_inter)  # gate and up; down
+            names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
+                     (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]

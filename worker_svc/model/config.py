@@ -99,7 +99,7 @@ class ModelConfig:
     @classmethod
     def common(cls, raw: dict, **features) -> "ModelConfig":
         """The fields every architecture reads the same way, plus its `features`."""
-        heads = raw["num_attention_heads"]
+        heads, positions = raw["num_attention_heads"], raw.get("max_position_embeddings", 40960)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if act not in ACTIVATIONS:
@@ -116,11 +116,10 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0),
             hidden_act=act,
-            max_position_embeddings=raw.get("max_position_embeddings", 40960),
+            max_position_embeddings=positions,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
-            rope_scaling=rope_scaling(rope, raw.get("max_position_embeddings", 40960),
-                                      raw.get("original_max_position_embeddings")),
+            rope_scaling=rope_scaling(rope, positions, raw.get("original_max_position_embeddings")),
             **features,
         )
 

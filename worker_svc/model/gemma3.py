@@ -42,12 +42,11 @@ class Gemma3ForCausalLM(CausalLM):
             theta, local_theta = raw.get("rope_theta", 1e6), raw.get("rope_local_base_freq", 1e4)
             scaling = rope_scaling(raw.get("rope_scaling") or {}, positions)
         bias = bool(raw.get("attention_bias"))
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         cfg = ModelConfig.common(
             raw, qk_norm=True, qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norms=True,
             layer_windows=tuple(raw.get("sliding_window") if t == "sliding_attention" else None for t in types),
             local_rope_theta=local_theta, embed_scale=raw["hidden_size"] ** 0.5,
-            attention_scale=raw.get("query_pre_attn_scalar", head_dim) ** -0.5,
+            attention_scale=raw["query_pre_attn_scalar"] ** -0.5,
             final_logit_softcapping=raw.get("final_logit_softcapping"))
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
 

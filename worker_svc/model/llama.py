@@ -28,4 +28,4 @@ class Phi3ForCausalLM(CausalLM):
         if (raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError("Phi-3 with partial_rotary_factor (rope over part of each head: Phi-4-mini) is not "
                              "supported")
-        return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"))
+        return MistralForCausalLM.config(raw)

@@ -3,8 +3,11 @@ layer (model/moe.py, as Qwen3-MoE's), the top k renormalised; its checkpoints na
 `block_sparse_moe.experts.N.w1` (gate), `w3` (up) and `w2` (down)."""
 from __future__ import annotations
 
+import dataclasses
+
 from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import CausalLM
+from worker_svc.model.llama import MistralForCausalLM
 
 
 class MixtralForCausalLM(CausalLM):
@@ -16,4 +19,4 @@ class MixtralForCausalLM(CausalLM):
         moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
                         intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
                         layers=tuple(range(raw["num_hidden_layers"])))
-        return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"), moe=moe)
+        return dataclasses.replace(MistralForCausalLM.config(raw), moe=moe)

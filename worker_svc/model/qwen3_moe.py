@@ -19,4 +19,3 @@ class Qwen3MoeForCausalLM(CausalLM):
                         intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=raw.get("norm_topk_prob", False),
                         layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
         return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=moe if experts else None)
-
