@@ -45,12 +45,15 @@ def _paged(lens, page, kv_heads, dim, dtype, extra_width=0, seed=0):
     return k, v, table
 
 
+# (query heads, KV heads, head_dim): 24 a head padded to a power of two in the kernels, as Phi-3-mini's 96
+HEAD_SHAPES = [(4, 2, 32), (6, 2, 24), (2, 2, 32)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page,block_n,split", [(16, 16, 32), (16, 32, 64), (32, 16, 32), (64, 64, 64)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (2, 2)])
-def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
+def test_decode_attention_matches_reference(dtype, page, block_n, split, heads, kv_heads, dim):
     lens = [1, 2, split - 1, split, split + 1, 3 * split + 5, page + 1]
-    dim = 32
     k, v, table = _paged(lens, page, kv_heads, dim, dtype)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     seqused = torch.tensor(lens, dtype=torch.int32)
@@ -170,11 +173,11 @@ def test_prefill_attention_with_a_sliding_window_matches_reference(window, page,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (8, 8)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (6, 2, 24), (8, 8, 32)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads, norm):
+def test_fused_qk_norm_rope_store_matches_eager_pieces(dtype, heads, kv_heads, dim, norm):
     gen = torch.Generator().manual_seed(3)
-    dim, tokens, page, blocks = 32, 9, 4, 8
+    tokens, page, blocks = 9, 4, 8
     rotary = RotaryEmbedding(dim, 128, 1e6)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     positions = torch.randint(0, 128, (tokens,), generator=gen)
@@ -271,13 +274,12 @@ def test_skinny_gemm_takes_a_row_slice_of_a_wider_buffer():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (16, 16, 32), (32, 32, 16)])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (2, 2)])
-def test_prefill_attention_matches_reference(dtype, page, block_m, block_n, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
+def test_prefill_attention_matches_reference(dtype, page, block_m, block_n, heads, kv_heads, dim):
     """A mixed step: a whole prompt, chunks over cached prefixes (one ending mid-block), decodes, a
     one-token chunk; query blocks that end inside a sequence and blocks of one token."""
     query_lens = [37, 1, 20, 1, block_m, 5, 1]
     context_lens = [37, 90, 20 + 3 * page, 2, block_m + 7, 5, 1]
-    dim = 32
     k, v, table = _paged(context_lens, page, kv_heads, dim, dtype)
     q = torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(7)).to(dtype)
     cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
@@ -458,12 +460,13 @@ def test_query_blocks_cover_every_token_once():
     assert seqs.tolist() == [0, 1, 3, 4, 4] and starts.tolist() == [0, 0, 0, 0, 16]
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny", "phi3-tiny"])
 def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
     beside them, blocks out of order; greedy tokens equal the torch backend's. For Qwen3 (q/k norms), Llama
-    (none, biases, scaled rope), Mistral (a sliding window of 24 under prompts of up to 48 tokens) and Gemma 3
-    (windows of 16 on some layers only)."""
+    (none, biases, scaled rope), Mistral (a sliding window of 24 under prompts of up to 48 tokens), Gemma 3
+    (windows of 16 on some layers only) and Phi-3 (heads of 24, padded to 32 in the kernels, as Phi-3-mini's
+    96)."""
     from worker_svc.checkpoints.writer import make_model
     from tests.paged_driver import PagedDriver
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig

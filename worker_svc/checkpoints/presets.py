@@ -1,9 +1,9 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
-Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4) except
-the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no
-other is at hand offline). The test presets shrink everything else.
+Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4,
+microsoft/Phi-3-mini-4k-instruct) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
+written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
     "mixtral-8x7b": _mixtral(4096, 32, 32, 8, 14336, experts=8, top_k=2),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
+    "phi-3-mini": _phi3(3072, 32, 32, 32, 8192, max_pos=4096, rope_theta=10000.0, window=2047),
     # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
@@ -156,7 +157,8 @@ PRESETS: dict[str, dict] = {
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
     "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),
-    "phi3-tiny": _phi3(96, 2, 6, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),
+    # heads of 24: as Phi-3-mini's 96, not a power of two
+    "phi3-tiny": _phi3(96, 2, 4, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),
 }
 
 GENERATION_CONFIG: dict = {

@@ -43,12 +43,22 @@ def page_of(pages, t0, t, valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def head_cols(rows, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The mask `rows` [R, 1] of a tile whose columns d = arange(HEAD_PAD) hold a head of HEAD_DIM: the columns
+    past it masked too where the head is padded to a power of two (Phi-3-mini's 96), else `rows` as it is."""
+    mask = rows
+    if HEAD_PAD != HEAD_DIM:
+        mask = rows & (d[None, :] < HEAD_DIM)
+    return mask
+
+
+@triton.jit
 def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale, window,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
-                  F16_DOTS: tl.constexpr):
+                  HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  TMA: tl.constexpr, F16_DOTS: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -59,10 +69,10 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     if start >= ctx or split < first_split:
         return
     end = tl.minimum(start + SPLIT, ctx)
-    h, d, n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
-    live = h < GROUP
+    h, d, n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_PAD), tl.arange(0, BLOCK_N)
+    live = head_cols((h < GROUP)[:, None], d, HEAD_DIM, HEAD_PAD)
     heads = kvh * GROUP + h
-    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live, other=0.0)
     if F16_DOTS:  # an fp8 tile becomes an fp16 operand in one conversion per pair (bf16 takes one more per value);
         # q by a power of two into fp16's range, which the scores take back
         q_scale = tl.maximum(tl.exp2(tl.ceil(tl.log2(tl.max(tl.abs(q.to(tl.float32))) / 16384.0))), 1.0)
@@ -70,7 +80,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         scale_log2e = scale_log2e * q_scale
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
     for t0 in tl.range(tl.maximum(start, lo // BLOCK_N * BLOCK_N), end, BLOCK_N):
         t = t0 + n
@@ -82,7 +92,8 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
             k_rows = page * stride_kb + offset * stride_kt
             v_rows = page * stride_vb + offset * stride_vt
-            k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
+            k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -92,18 +103,18 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         if TMA:  # rows past the context are read as stored: finite (the cache starts zeroed), and p is 0 there
             v = V.load([row, kvh * HEAD_DIM])
         else:
-            v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)
     if splits - first_split == 1:  # the whole context (window) in one split: no partials, no merge
-        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
+        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
         return
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
     lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
-    tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live[:, None])
-    tl.store(lse_ptrs + split, m + tl.log2(l), mask=live)
+    tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live)
+    tl.store(lse_ptrs + split, m + tl.log2(l), mask=h < GROUP)
     # Every thread's stores come before the counter's release; the program that finds splits - 1 there
     # is the last, and its acquire makes the others' partials visible to it. It resets the counter
     # for the next layer (and graph replay).
@@ -113,18 +124,18 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
         tl.debug_barrier()
         tl.store(counter, 0)
         # the partials are read past L1, which another program's stores did not go through
-        m = tl.load(lse_ptrs + first_split, mask=live, other=0.0, cache_modifier=".cg")
-        acc = tl.load(o_ptrs + first_split * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        m = tl.load(lse_ptrs + first_split, mask=h < GROUP, other=0.0, cache_modifier=".cg")
+        acc = tl.load(o_ptrs + first_split * stride_os, mask=live, other=0.0, cache_modifier=".cg")
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         for i in range(first_split + 1, splits):
-            lse = tl.load(lse_ptrs + i, mask=live, other=0.0, cache_modifier=".cg")
+            lse = tl.load(lse_ptrs + i, mask=h < GROUP, other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m, lse)
             a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-            part = tl.load(o_ptrs + i * stride_os, mask=live[:, None], other=0.0, cache_modifier=".cg")
+            part = tl.load(o_ptrs + i * stride_os, mask=live, other=0.0, cache_modifier=".cg")
             acc = acc * a[:, None] + part * b[:, None]
             l = l * a + b
             m = m_new
-        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live[:, None])
+        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
 
 
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
@@ -221,5 +232,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
+        HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma,
+        F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
     return out

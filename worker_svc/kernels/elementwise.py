@@ -36,16 +36,17 @@ def _to_cache(x, dst, scale_inv, dtype: tl.constexpr):
 
 @triton.jit
 def _norm_rope_store(src, dst, W, cos, sin, eps, live, scale_inv, dtype: tl.constexpr, HALF: tl.constexpr,
-                     NORM: tl.constexpr):
-    """src, dst: [heads, HALF] pointers to the first half of each head. RMSNorm with weight W (if NORM), rotate,
-    store (rounded to the activation `dtype`, then divided by the scale where dst is an fp8 cache)."""
-    c = tl.arange(0, HALF)
+                     HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    """src, dst: [heads, HALF_PAD] pointers to the first half of each head, `live` masking the heads and, where
+    HALF is padded to a power of two, the columns past it. RMSNorm with weight W (if NORM), rotate, store
+    (rounded to the activation `dtype`, then divided by the scale where dst is an fp8 cache)."""
+    c = tl.arange(0, HALF_PAD)
     n1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
     n2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / (2 * HALF) + eps)[:, None]
-        n1 = _weighted(n1, r, tl.load(W + c)[None, :], dtype).to(tl.float32)
-        n2 = _weighted(n2, r, tl.load(W + HALF + c)[None, :], dtype).to(tl.float32)
+        n1 = _weighted(n1, r, tl.load(W + c, mask=c < HALF)[None, :], dtype).to(tl.float32)
+        n2 = _weighted(n2, r, tl.load(W + HALF + c, mask=c < HALF)[None, :], dtype).to(tl.float32)
     tl.store(dst, _to_cache(n1 * cos[None, :] - n2 * sin[None, :], dst, scale_inv, dtype), mask=live)
     tl.store(dst + HALF, _to_cache(n2 * cos[None, :] + n1 * sin[None, :], dst, scale_inv, dtype), mask=live)
 
@@ -54,26 +55,27 @@ def _norm_rope_store(src, dst, W, cos, sin, eps, live, scale_inv, dtype: tl.cons
 def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, eps, k_scale_inv, v_scale_inv,
                         stride_qkv, stride_cs, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h,
                         stride_vc_s, stride_vc_h,
-                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                         BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dtype = QOut.dtype.element_ty
     pos = tl.load(Pos + t)
-    c = tl.arange(0, HALF)
-    cos = tl.load(CosSin + pos * stride_cs + c)
-    sin = tl.load(CosSin + pos * stride_cs + HALF + c)
+    c = tl.arange(0, HALF_PAD)
+    cols = c < HALF  # all true unless a head's half is padded to a power of two (Phi-3-mini's 48)
+    cos = tl.load(CosSin + pos * stride_cs + c, mask=cols)
+    sin = tl.load(CosSin + pos * stride_cs + HALF + c, mask=cols)
     row = QKV + t * stride_qkv  # q heads, then k heads, then v heads
     slot = tl.load(Slots + t)
 
     h = tl.arange(0, BLOCK_Q)
     _norm_rope_store(row + h[:, None] * (2 * HALF) + c[None, :],
                      QOut + t * stride_qo_t + h[:, None] * stride_qo_h + c[None, :],
-                     QW, cos, sin, eps, (h < HEADS)[:, None], 1.0, dtype, HALF, NORM)
+                     QW, cos, sin, eps, (h < HEADS)[:, None] & cols[None, :], 1.0, dtype, HALF, HALF_PAD, NORM)
     h = tl.arange(0, BLOCK_KV)
-    live = (h < KV_HEADS)[:, None]
+    live = (h < KV_HEADS)[:, None] & cols[None, :]
     _norm_rope_store(row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :],
                      KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :],
-                     KW, cos, sin, eps, live, k_scale_inv, dtype, HALF, NORM)
+                     KW, cos, sin, eps, live, k_scale_inv, dtype, HALF, HALF_PAD, NORM)
     src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
     dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
     tl.store(dst, _to_cache(tl.load(src, mask=live), dst, v_scale_inv, dtype), mask=live)
@@ -98,8 +100,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
             qkv, positions, cos_sin, q_weight if norm else q, k_weight if norm else q, q, k_cache, v_cache, slot_mapping, eps, 1.0 / k_scale,
             1.0 / v_scale, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(1), v_cache.stride(2), HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-            BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            NORM=norm, num_warps=4)
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_Q=triton.next_power_of_2(num_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, num_warps=4)
     return q
 
 

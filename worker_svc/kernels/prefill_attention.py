@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
-from worker_svc.kernels.decode_attention import page_of
+from worker_svc.kernels.decode_attention import head_cols, page_of
 from worker_svc.kernels.uploads import upload
 
 
@@ -24,8 +24,8 @@ from worker_svc.kernels.uploads import upload
 def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, scale_log2e, v_scale, window,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_pt, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     blk, kvh = tl.program_id(0), tl.program_id(1)
     seq = tl.load(BlockSeq + blk)
     start = tl.load(BlockStart + blk)
@@ -37,12 +37,13 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     head = kvh * GROUP + r % GROUP
     live = (r < BLOCK_M * GROUP) & (token < q_len)
     pos = ctx - q_len + token
-    d, n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    d, n = tl.arange(0, HEAD_PAD), tl.arange(0, BLOCK_N)
     q_rows = (q_begin + token).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    q_mask = head_cols(live[:, None], d, HEAD_DIM, HEAD_PAD)
+    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
     last = ctx - q_len + tl.minimum(start + BLOCK_M, q_len)  # one past the block's last query position
     first = tl.maximum(ctx - q_len + start - window + 1, 0)  # the first key the block's first query sees
@@ -52,7 +53,8 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
         k_rows = page * stride_kb + offset * stride_kt
         v_rows = page * stride_vb + offset * stride_vt
-        k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
+        k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
         s = tl.where(seen & valid[None, :], s, float("-inf"))
@@ -61,12 +63,12 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     o_rows = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(Out + o_rows[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=live[:, None])
+    tl.store(Out + o_rows[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
 
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
@@ -77,7 +79,7 @@ MAX_TILE = 256 * 128  # rows x head_dim of one program: Q and two stages of K an
 def block_m_for(group: int, head_dim: int) -> int:
     """Query tokens per program for a GQA group and head size: BLOCK_M, fewer where its rows would not fit
     (head_dim 256 with a group of 4, groups of 7 or 8)."""
-    return max(1, min(BLOCK_M, min(256, MAX_TILE // head_dim) // group))
+    return max(1, min(BLOCK_M, min(256, MAX_TILE // triton.next_power_of_2(head_dim)) // group))
 
 
 def query_blocks(query_lens: list[int], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +116,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, block_seq, block_start,
             scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-            out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE=page,
+            out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
+            HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page,
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=triton.next_power_of_2(block_m * heads // kv_heads),
             num_warps=num_warps, num_stages=num_stages)
     return out
