@@ -14,7 +14,7 @@ stops at --budget-s (shared out over the token counts; what it skipped is marked
 
 Reports per token count the table's config (moe_config: what serves now) and the best found, each as
 microseconds and as the ratio to reading the routed experts' weights (distinct experts x their bytes) at
---bandwidth, the best's time per stage, and prints a HOPPER_CONFIGS literal to paste into moe.py (also
+--bandwidth, the best's time per stage, and prints the shape's HOPPER_CONFIGS entry to paste into moe.py (also
 written next to --out as *_table.py); every trial goes to *_trials.json.
 
 python -m bench moe-kernel
@@ -363,8 +363,9 @@ def table_keys(tokens: list[int]) -> list[int]:
     return [*keys, capture_ceil(tokens[-1])] if tokens else []
 
 
-def paste_table(best: dict[int, MoeConfig]) -> str:
-    """HOPPER_CONFIGS as Python: one entry per bucket, neighbours with the same config merged."""
+def paste_table(best: dict[int, MoeConfig], shape: Shape) -> str:
+    """The shape's entry of HOPPER_CONFIGS as Python: one entry per bucket, neighbours with the same config
+    merged."""
     tokens = sorted(best)
     entries: list[tuple[int, int, MoeConfig]] = []
     for key, t in zip(table_keys(tokens), tokens):
@@ -373,12 +374,12 @@ def paste_table(best: dict[int, MoeConfig]) -> str:
         if entries and entries[-1][2] == best[t]:
             entries.pop()
         entries.append((key, t, best[t]))
-    lines = ["HOPPER_CONFIGS: dict[int, MoeConfig] = {"]
+    lines = [f"    ({shape.hidden}, {shape.inter}): {{  # {shape.experts} experts, top {shape.top_k}"]
     for key, t, c in entries:
         g, d = c.gate_up, c.down
-        lines.append(f"    {key}: MoeConfig({c.block_m}, Tiles({g.block_n}, {g.block_k}, {g.num_warps}, {g.num_stages}), "
+        lines.append(f"        {key}: MoeConfig({c.block_m}, Tiles({g.block_n}, {g.block_k}, {g.num_warps}, {g.num_stages}), "
                      f"Tiles({d.block_n}, {d.block_k}, {d.num_warps}, {d.num_stages})),  # from {t} tokens")
-    return "\n".join([*lines, "}"])
+    return "\n".join([*lines, "    },"])
 
 
 # ---- main ----------------------------------------------------------------------------------------------
@@ -421,7 +422,7 @@ def _write(argv: Sequence[str] | None, args: argparse.Namespace, rows: list[dict
         save("bench.moe_kernel", argv, args.out, "moe_kernel", args, rows)
     out = Path(args.out)
     out.with_name(out.stem + "_trials.json").write_text(json.dumps(trials, indent=1) + "\n")
-    literal = paste_table(best)
+    literal = paste_table(best, Shape(args.experts, args.top_k, args.hidden, args.intermediate))
     out.with_name(out.stem + "_table.py").write_text(literal + "\n")
     return literal
 
@@ -440,7 +441,7 @@ def measure(case: Case, shape: Shape, w13: torch.Tensor, w2: torch.Tensor, deadl
     """One token count: the search until the deadline, then the stages of the best. (row, best)."""
     device = case.draws[0].x.device
     s = Search(case, w13, w2, args.reps, deadline, trials, {}, unbuilt)
-    table = moe.moe_config(case.tokens, shape.top_k, device)
+    table = moe.moe_config(case.tokens, shape.top_k, moe.hopper_table(shape.hidden, shape.inter, dtype, device))
     found = search(s, table, shape, args) if time.perf_counter() < deadline else table
     searched = "none" if found is table and len(s.timed) <= 1 else ("partial" if s.cut else "full")
     stages = stage_us(case, found, w13, w2, args.reps) if s.time(found) is not None else dict.fromkeys(STAGES)
@@ -471,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n# paste over HOPPER_CONFIGS in worker_svc/kernels/moe.py:\n{literal}")
+    print(f"\n# paste into HOPPER_CONFIGS in worker_svc/kernels/moe.py (this shape's entry):\n{literal}")
     print(f"# {time.perf_counter() - started:.0f} s", flush=True)
 
 

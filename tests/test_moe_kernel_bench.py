@@ -37,9 +37,9 @@ def test_the_sweep_writes_results_and_a_table_that_pastes_into_moe_py(tmp_path):
     trials = json.loads((tmp_path / "moe_kernel_trials.json").read_text())
     assert trials and not [t for t in trials if "error" in t]
     table = {}
-    exec((tmp_path / "moe_kernel_table.py").read_text(), {"MoeConfig": MoeConfig, "Tiles": Tiles, "dict": dict,
-                                                          "int": int}, table)
-    table = table["HOPPER_CONFIGS"]
+    exec("HOPPER_CONFIGS = {\n" + (tmp_path / "moe_kernel_table.py").read_text() + "}",
+         {"MoeConfig": MoeConfig, "Tiles": Tiles}, table)
+    table = table["HOPPER_CONFIGS"][(64, 32)]  # the shape's entry: (hidden, intermediate)
     for r in rows:
         best = moe.lookup(table, r["tokens"])
         assert (best.block_m, moe_kernel.describe(best.gate_up), moe_kernel.describe(best.down)) == (
@@ -51,10 +51,10 @@ def test_table_keys_are_cuda_graph_batch_sizes_between_the_measured_counts():
     assert table_keys(tokens) == [2, 16, 32, 80, 176, 352, 720, 2048, 8192, 16384]
     assert table_keys([130, 140]) == [144, 144]  # never below a count's own batch size
     a, b = MoeConfig(16), MoeConfig(32)
-    literal = paste_table({1: a, 8: a, 130: b, 4096: b, 16384: a})
+    literal = paste_table({1: a, 8: a, 130: b, 4096: b, 16384: a}, Shape(128, 8, 2048, 768))
     table = {}
-    exec(literal, {"MoeConfig": MoeConfig, "Tiles": Tiles}, table)
-    assert table["HOPPER_CONFIGS"] == {32: a, 8192: b, 16384: a}  # neighbours with one config: one entry
+    exec("HOPPER_CONFIGS = {\n" + literal + "\n}", {"MoeConfig": MoeConfig, "Tiles": Tiles}, table)
+    assert table["HOPPER_CONFIGS"] == {(2048, 768): {32: a, 8192: b, 16384: a}}  # neighbours with one config: one
 
 
 def test_the_candidates_suit_the_shapes():

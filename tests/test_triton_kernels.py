@@ -489,7 +489,8 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
 def _table_block_ms() -> list[int]:
     from worker_svc.kernels import moe
 
-    return sorted({c.block_m for c in moe.HOPPER_CONFIGS.values()} | {16, 64})  # 16 and 64: default_config's
+    return sorted({c.block_m for table in moe.HOPPER_CONFIGS.values() for c in table.values()}
+                  | {16, 64})  # 16 and 64: default_config's
 
 
 @pytest.mark.parametrize("block_m", _table_block_ms())
@@ -536,8 +537,9 @@ def test_fused_moe_takes_its_tiles_from_moe_config():
     from worker_svc.kernels import moe
 
     x, w13, w2, topk_weights, topk_ids = moe_inputs(9, 2, 4, 4, 32, 24, seed=1)
-    assert moe.moe_config(9, 2, x.device) == moe.default_config(9, 2)
-    chosen = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 0, moe.moe_config(9, 2, x.device))
+    assert moe.hopper_table(32, 24, x.dtype, x.device) is None  # a CPU: no measured table
+    assert moe.moe_config(9, 2, None) == moe.default_config(9, 2)
+    chosen = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 0, moe.moe_config(9, 2, None))
     assert torch.equal(moe.fused_moe(x, w13, w2, topk_weights, topk_ids), chosen)
 
 
@@ -553,10 +555,11 @@ def _table_cases() -> list:
     from worker_svc.kernels.moe import HOPPER_CONFIGS, MoeConfig
 
     cases = []
-    for key, c in sorted(HOPPER_CONFIGS.items()):
-        cases.append(pytest.param(c, id=f"{key}"))
-        cases.append(pytest.param(MoeConfig(c.block_m, _other_tiles(c.gate_up), _other_tiles(c.down)),
-                                  id=f"{key}-other-tiles"))
+    for (hidden, inter), table in HOPPER_CONFIGS.items():
+        for key, c in sorted(table.items()):
+            cases.append(pytest.param(c, id=f"{hidden}x{inter}-{key}"))
+            cases.append(pytest.param(MoeConfig(c.block_m, _other_tiles(c.gate_up), _other_tiles(c.down)),
+                                      id=f"{hidden}x{inter}-{key}-other-tiles"))
     return cases
 
 
@@ -579,33 +582,53 @@ def test_moe_tables_serve_every_token_count_by_cuda_graph_batch_sizes():
     powers of two tl.dot takes, and a count takes the entry of the smallest key at or above it."""
     from worker_svc.kernels import moe
 
-    table = moe.HOPPER_CONFIGS
-    assert all(k in (1, 2, 4, 8) or k % 16 == 0 for k in table)
-    for c in table.values():
-        assert c.block_m in (16, 32, 64, 128)
-        for t in (c.gate_up, c.down):
-            assert all(v >= 16 and v & (v - 1) == 0 for v in (t.block_n, t.block_k)) and t.num_warps in (4, 8)
-    keys = sorted(table)
-    for i, key in enumerate(keys):
-        assert moe.lookup(table, key) is table[key]
-        if i:
-            assert moe.lookup(table, keys[i - 1] + 1) is table[key]
-    assert moe.lookup(table, keys[-1] * 4) is table[keys[-1]]
+    for table in moe.HOPPER_CONFIGS.values():
+        assert all(k in (1, 2, 4, 8) or k % 16 == 0 for k in table)
+        for c in table.values():
+            assert c.block_m in (16, 32, 64, 128)
+            for t in (c.gate_up, c.down):
+                assert all(v >= 16 and v & (v - 1) == 0 for v in (t.block_n, t.block_k)) and t.num_warps in (4, 8)
+        keys = sorted(table)
+        for i, key in enumerate(keys):
+            assert moe.lookup(table, key) is table[key]
+            if i:
+                assert moe.lookup(table, keys[i - 1] + 1) is table[key]
+        assert moe.lookup(table, keys[-1] * 4) is table[keys[-1]]
 
 
 @pytest.mark.parametrize("hopper", [True, False])
+def test_moe_tables_are_chosen_by_expert_shape_device_and_dtype(monkeypatch, hopper):
+    """A measured table where its shape runs in 16 bits on a Hopper GPU; else none (default_config): float32's
+    tiles would ask twice the shared memory the table's were measured in."""
+    from worker_svc.kernels import moe
+
+    monkeypatch.setattr(moe, "_is_hopper", lambda index: hopper)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for (hidden, inter), table in moe.HOPPER_CONFIGS.items():
+        for dtype in (torch.bfloat16, torch.float16):
+            assert moe.hopper_table(hidden, inter, dtype, cuda) is (table if hopper else None)
+        assert moe.hopper_table(hidden, inter, torch.float32, cuda) is None
+        assert moe.hopper_table(hidden, inter, torch.bfloat16, cpu) is None
+    assert moe.hopper_table(4096, 1536, torch.bfloat16, cuda) is None  # Qwen3-235B-A22B: not measured
+
+
+def _tables() -> list:
+    from worker_svc.kernels.moe import HOPPER_CONFIGS
+
+    return [pytest.param(None, id="default")] + [pytest.param(t, id=f"{h}x{i}") for (h, i), t in HOPPER_CONFIGS.items()]
+
+
+@pytest.mark.parametrize("table", _tables())
 @pytest.mark.parametrize("max_tokens,top_k", [(16384, 8), (500, 8), (3000, 2), (1, 4)])
-def test_moe_warm_up_reaches_every_config_a_step_can_use(monkeypatch, hopper, max_tokens, top_k):
+def test_moe_warm_up_reaches_every_config_a_step_can_use(table, max_tokens, top_k):
     """The worker's warm-up runs a step of each count warm_up_token_counts gives: together they use every
     configuration a step of 1 .. max_tokens tokens can, so no MoE kernel is built while serving."""
     from worker_svc.kernels import moe
 
-    monkeypatch.setattr(moe, "_is_hopper", lambda index: hopper)
-    device = torch.device("cuda", 0)
-    counts = moe.warm_up_token_counts(max_tokens, top_k, device)
+    counts = moe.warm_up_token_counts(max_tokens, top_k, table)
     assert all(1 <= n <= max_tokens for n in counts)
-    reached = {moe.moe_config(n, top_k, device) for n in counts}
-    assert reached == {moe.moe_config(n, top_k, device) for n in range(1, max_tokens + 1)}
+    reached = {moe.moe_config(n, top_k, table) for n in counts}
+    assert reached == {moe.moe_config(n, top_k, table) for n in range(1, max_tokens + 1)}
     assert len(reached) == len(counts)
 
 

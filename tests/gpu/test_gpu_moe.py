@@ -1,5 +1,5 @@
-"""The fused MoE's tile tables on a CUDA machine (the H200): every HOPPER_CONFIGS entry and the default, at
-Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, 768 per expert) in bf16, against the loop over
+"""The fused MoE's tile tables on a CUDA machine (the H200): every HOPPER_CONFIGS entry (each shape's table's) and
+the default, at Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, 768 per expert) in bf16, against the loop over
 experts at the largest token count of its bucket (also replayed in a CUDA graph for a new batch, up to decode
 sizes); a rank holding half the experts; align() against a stable sort by expert.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
@@ -34,7 +34,8 @@ def _loop(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, w13_f:
 
 
 def _cases() -> list:
-    cases = [pytest.param(key, config, id=f"hopper-{key}") for key, config in sorted(moe.HOPPER_CONFIGS.items())]
+    cases = [pytest.param(key, config, id=f"hopper-{hidden}x{inter}-{key}")
+             for (hidden, inter), table in moe.HOPPER_CONFIGS.items() for key, config in sorted(table.items())]
     return cases + [pytest.param(t, moe.default_config(t, TOP_K), id=f"default-{t}") for t in (128, 129)]
 
 

@@ -7,8 +7,8 @@ first [tokens' hidden] x gate_up^T, then (after SwiGLU) x down^T times the slot'
 adds the top-k outputs of each token. Experts outside this rank's share (tensor parallelism shards the
 experts) get no slot: their rows are left out of the sum, and the all-reduce adds the other ranks' experts.
 
-The tiles come from `moe_config` (token count -> MoeConfig): a table measured on the H200 by
-`python -m bench moe-kernel`, which prints the table to paste into HOPPER_CONFIGS.
+The tiles come from `moe_config` (token count -> MoeConfig): a table per expert shape measured on the H200 by
+`python -m bench moe-kernel`, which prints the entry to paste into HOPPER_CONFIGS.
 """
 from __future__ import annotations
 
@@ -39,18 +39,34 @@ class MoeConfig:
     down: Tiles = Tiles()
 
 
-# Hopper: each entry serves the token counts up to its key (a CUDA-graph batch size, so that a batch and the
-# padded batch of its graph take the same tiles); past the last key, the last entry.
-HOPPER_CONFIGS: dict[int, MoeConfig] = {
-    8: MoeConfig(16, Tiles(32, 128, 4, 4), Tiles(64, 64, 4, 5)),
-    176: MoeConfig(16, Tiles(256, 128, 4, 2), Tiles(128, 128, 4, 2)),
-    720: MoeConfig(32, Tiles(128, 128, 4, 2), Tiles(64, 128, 4, 3)),
-    2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+# Hopper, by the experts' (hidden, intermediate) sizes, 16-bit activations (float32 tiles would ask twice the
+# shared memory): each table's entry serves the token counts up to its key (a CUDA-graph batch size, so that a batch
+# and the padded batch of its graph take the same tiles); past the last key, the last entry. Measured by `python -m
+# bench moe-kernel` (bench/results/moe_kernel_*.md). Rows per expert, which set the best block, differ by model at
+# one token count: 130 tokens give Qwen3-30B-A3B's 128 experts ~8 rows each, Mixtral's 8 experts ~32.
+HOPPER_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
+    (2048, 768): {  # Qwen3-30B-A3B, Qwen3-MoE: 128 experts, top 8
+        8: MoeConfig(16, Tiles(32, 128, 4, 4), Tiles(64, 64, 4, 5)),
+        176: MoeConfig(16, Tiles(256, 128, 4, 2), Tiles(128, 128, 4, 2)),
+        720: MoeConfig(32, Tiles(128, 128, 4, 2), Tiles(64, 128, 4, 3)),
+        2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+    },
+    (4096, 14336): {  # Mixtral-8x7B: 8 experts, top 2
+        2: MoeConfig(16, Tiles(64, 128, 4, 2), Tiles(64, 64, 4, 5)),
+        16: MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(64, 64, 4, 3)),
+        32: MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(128, 128, 4, 4)),
+        80: MoeConfig(16, Tiles(128, 256, 4, 3), Tiles(128, 64, 4, 3)),
+        176: MoeConfig(64, Tiles(32, 64, 4, 2), Tiles(128, 128, 4, 2)),
+        352: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+        720: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(128, 128, 8, 3)),
+        1024: MoeConfig(128, Tiles(256, 64, 8, 3), Tiles(256, 64, 8, 4)),
+        2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+    },
 }
 
 
 def default_config(tokens: int, top_k: int) -> MoeConfig:
-    """Elsewhere (other GPUs, Triton's interpreter): 16-row blocks up to 1,024 slots, 64 past."""
+    """Elsewhere (other GPUs and shapes, float32, Triton's interpreter): 16-row blocks up to 1,024 slots, 64 past."""
     return MoeConfig(16 if tokens * top_k <= 1024 else 64)
 
 
@@ -65,22 +81,30 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def moe_config(tokens: int, top_k: int, device: torch.device) -> MoeConfig:
-    """The tiles fused_moe uses for `tokens` routed tokens on `device`: the one place they are chosen."""
-    if device.type == "cuda" and _is_hopper(device.index if device.index is not None else
-                                             torch.cuda.current_device()):
-        return lookup(HOPPER_CONFIGS, tokens)
-    return default_config(tokens, top_k)
+def hopper_table(hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device) -> dict[int, MoeConfig] | None:
+    """The measured table for experts of these sizes computing in `dtype` on `device`, if there is one."""
+    if device.type != "cuda" or dtype.itemsize != 2:
+        return None
+    if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+        return None
+    return HOPPER_CONFIGS.get((hidden, intermediate))
 
 
-def warm_up_token_counts(max_tokens: int, top_k: int, device: torch.device) -> list[int]:
-    """A token count up to max_tokens for each configuration moe_config can choose there: a step of each,
+def moe_config(tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> MoeConfig:
+    """The tiles fused_moe uses for `tokens` routed tokens, from hopper_table's table: the one place they are
+    chosen."""
+    return lookup(table, tokens) if table else default_config(tokens, top_k)
+
+
+def warm_up_token_counts(max_tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> list[int]:
+    """A token count up to max_tokens for each configuration moe_config can choose from `table`: a step of each,
     run before serving, builds every kernel variant a step can hit."""
-    edges = [*HOPPER_CONFIGS, 1024 // top_k]
+    edges = [*(table or ()), 1024 // top_k]
     first: dict[MoeConfig, int] = {}
     for n in sorted({1, max_tokens, *edges, *(e + 1 for e in edges)}):
         if 1 <= n <= max_tokens:
-            first.setdefault(moe_config(n, top_k, device), n)
+            first.setdefault(moe_config(n, top_k, table), n)
     return sorted(first.values())
 
 
@@ -319,7 +343,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    config = config or moe_config(tokens, top_k, x.device)
+    config = config or moe_config(tokens, top_k, hopper_table(w2.shape[1], w2.shape[2], x.dtype, x.device))
     experts = w13.shape[0]
     sorted_slots, block_expert = align(topk_ids, first_expert, experts, config.block_m)
     inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up)

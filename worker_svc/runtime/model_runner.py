@@ -271,9 +271,10 @@ class ModelRunner:
             attention.steps = dict.fromkeys(attention.steps, 0)
         moe = self.model_config.moe
         if moe is not None and self.device.type == "cuda":  # a step of each token count that changes the tiles
-            from worker_svc.kernels.moe import warm_up_token_counts
+            from worker_svc.kernels.moe import hopper_table, warm_up_token_counts
 
-            for n in warm_up_token_counts(budget, moe.top_k, self.device):
+            table = hopper_table(self.model_config.hidden_size, moe.intermediate_size, self.dtype, self.device)
+            for n in warm_up_token_counts(budget, moe.top_k, table):
                 self._warm_up_step([longest] * (n // longest) + ([n % longest] if n % longest else []))
         rows = logits.shape[0]
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
