@@ -8,11 +8,11 @@ Served in float32 and bfloat16, against transformers in float32. Prompt logits: 
 position's row. Generation: 8 prompts x 32 greedy tokens through chunked prefills, paged decode steps and their
 graphs, then every token picked is checked against transformers' logits of the sequence it grew (teacher forcing): a
 pick is far when it falls short of the argmax by more than a share of the row's spread (a near-tie that rounding
-may flip is not far). In float32 (the attention dots in TF32) both are held to fixed bounds; in bfloat16, whose
-rounding random weights amplify (0.2 relative error on some of these models in the torch reference too, more on a
-position whose experts a near-tie flips), the mean relative error and the far picks to transformers' own bfloat16
-model's on the same prompts. A miswired layer (rope, window, norm, expert)
-makes most picks far.
+may flip is not far). In float32 (every dot in IEEE float32: kernels/precision.py) both are held to fixed bounds;
+in bfloat16, whose rounding random weights amplify (0.2 relative error on some of these models in the torch
+reference too, more on a position whose experts a near-tie flips), the mean relative error and the far picks to
+transformers' own bfloat16 model's on the same prompts. A miswired layer (rope, window, norm, expert) makes most
+picks far.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tests.paged_driver import PagedDriver, prefill_logits  # noqa: E402
 from tests.test_architectures import CONFIGS, _prompts, _write  # noqa: E402
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
-MAX_REL_FP32 = 1e-2  # float32: the largest relative error of a prompt position's logits
+MAX_REL_FP32 = 2e-3  # float32: the largest relative error of a prompt position's logits
 MARGIN = 0.25  # a pick this many standard deviations of its row below the argmax is far
 NEW_TOKENS = 32
 

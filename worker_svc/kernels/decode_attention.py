@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
 from worker_svc.kernels.attention import cuda_capability_at_least
+from worker_svc.kernels.precision import dot
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
@@ -94,7 +95,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             v_rows = page * stride_vb + offset * stride_vt
             kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
             k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+        s = dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -104,7 +105,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             v = V.load([row, kvh * HEAD_DIM])
         else:
             v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)

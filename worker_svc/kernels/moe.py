@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
+from worker_svc.kernels.precision import dot
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def _moe_gemm(A, W, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
         a = tl.load(A + a_row[:, None] * stride_am + k[None, :], mask=live[:, None] & (k[None, :] < K), other=0.0)
         w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
                     mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
-        acc += tl.dot(a, w)
+        acc += dot(a, w)
     if MUL_WEIGHT:
         acc = acc * tl.load(RoutedWeights + slot, mask=live, other=0.0).to(tl.float32)[:, None]
     tl.store(C + slot.to(tl.int64)[:, None] * stride_cm + n[None, :], acc.to(C.dtype.element_ty),

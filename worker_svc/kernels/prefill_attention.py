@@ -17,6 +17,7 @@ import triton.language as tl
 
 from common.util import cdiv
 from worker_svc.kernels.decode_attention import head_cols, page_of
+from worker_svc.kernels.precision import dot
 from worker_svc.kernels.uploads import upload
 
 
@@ -55,7 +56,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         v_rows = page * stride_vb + offset * stride_vt
         kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+        s = dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
         seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
         s = tl.where(seen & valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -64,7 +65,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     o_rows = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
