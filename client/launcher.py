@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import ChannelSecurity, create_channel
+from common.lifetime import PARENT_PID_ENV
 from common.util import free_port
 
 PUBLIC_SERVICE = "splitserve.v1.Generation"
@@ -94,7 +95,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> Process:
         assert self.log_dir is not None
         log_path = self.log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}  # ends with this process
         with open(log_path, "ab") as log:
             popen = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits, logs, security
-from common.util import run_loop
 from common.cli_help import use_everywhere
+from common.lifetime import exit_with_launcher
+from common.util import run_loop
 from scheduler_svc.config import SchedulerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -116,6 +117,7 @@ def parse_child_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     from scheduler_svc import supervisor
 
+    exit_with_launcher()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(build_parser(), argv)
     logs.setup(args.log_format, args.log_level)

@@ -119,3 +119,38 @@ def test_up_then_generate_then_ctrl_c(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         up.wait(10)
+
+
+LAUNCHER = """
+import sys, time
+from client.launcher import LocalCluster
+
+cluster = LocalCluster(sys.argv[1], worker_command="simulate", log_dir=sys.argv[2]).start(120)
+print("pids", *[p.popen.pid for p in cluster.processes], flush=True)
+time.sleep(600)
+"""
+
+
+def test_services_end_with_a_launcher_killed_without_stopping_them(tiny_model_dir, tmp_path):
+    """A launcher killed outright (SIGKILL: no `finally`, no stop()) leaves no service behind holding its port
+    (or, on a GPU, its memory): each sees its parent gone and shuts itself down (common/lifetime.py)."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tiny_model_dir), str(tmp_path)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pids: list[int] = []
+    try:
+        lines = _Lines(launcher.stdout)
+        pids = [int(p) for p in lines.wait_for("pids", 150).split()[1:]]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + STOP_S
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], "services outlived their launcher"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from common import limits
 from common.cli_help import use_everywhere
+from common.lifetime import exit_with_launcher
 from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
 from worker_svc.checkpoints.presets import PRESETS
 
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_launcher()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "simulate"):  # refuse to start without TLS material or --plaintext
