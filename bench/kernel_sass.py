@@ -33,7 +33,7 @@ def compile_kernel(kv: str, block_n: int, split: int, tma: bool, f16: bool, arch
     from worker_svc.kernels.decode_attention import _split_kernel, query_rows
 
     group = heads // kv_heads
-    const = dict(KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=128,
+    const = dict(KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=128, HEAD_PAD=128,
                  PAGE=256, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16)
     cache = f"tensordesc<{TYPES[kv]}[{block_n}, 128]>" if tma else f"*{TYPES[kv]}"
     pointers = {"Q": "*bf16", "Out": "*bf16", "K": cache, "V": cache, "PageTable": "*i32", "SeqUsed": "*i32",
