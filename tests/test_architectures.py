@@ -84,6 +84,11 @@ CONFIGS = {
     "mixtral_moe": transformers.MixtralConfig(
         hidden_size=64, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=16, **COMMON),
+    # Qwen2-MoE: q/k/v biases, 2 of 6 experts (not renormalised) beside a gated shared expert on layers 0 and 2
+    "qwen2_moe": transformers.Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], num_attention_heads=4,
+        num_key_value_heads=2, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

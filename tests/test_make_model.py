@@ -37,7 +37,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny",
-                                    "phi3-tiny", "mixtral-tiny"])
+                                    "phi3-tiny", "mixtral-tiny", "qwen2-moe-tiny"])
 def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
     """Each name and shape the writer emits is one transformers' model of that architecture expects."""
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
@@ -89,7 +89,8 @@ def test_real_presets_have_published_sizes():
         assert round((params - embeddings) / 1e9, 2) == (expected.get(name) or (0, non_embedding_only[name]))[1]
 
 
-CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
+CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+                  "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
                   "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
                   "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Phi3ForCausalLM": transformers.Phi3Config,
                   "MixtralForCausalLM": transformers.MixtralConfig}

@@ -2,8 +2,9 @@
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
 Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4,
-microsoft/Phi-3-mini-4k-instruct) except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer
-written beside the weights is Qwen's (no other is at hand offline). The test presets shrink everything else.
+microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen1.5-MoE-A2.7B) except the vocabulary: every preset keeps Qwen's (151,936
+rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The test presets shrink
+everything else.
 """
 
 from __future__ import annotations
@@ -120,6 +121,16 @@ def _qwen3_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts,
         "router_aux_loss_coef": 0.001}
 
 
+def _qwen2_moe(hidden, layers, heads, kv_heads, intermediate, experts, top_k, expert_intermediate,
+               shared_intermediate, max_pos=8192, dtype="bfloat16"):
+    return _other("Qwen2MoeForCausalLM", "qwen2_moe", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  1000000.0, dtype, rms_norm_eps=1e-06, sliding_window=None, use_sliding_window=False,
+                  max_window_layers=layers, num_experts=experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=expert_intermediate, shared_expert_intermediate_size=shared_intermediate,
+                  norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+                  output_router_logits=False, router_aux_loss_coef=0.001)
+
+
 def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("Gemma3ForCausalLM", "gemma3_text", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
                   1000000.0, dtype, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-06,
@@ -150,6 +161,10 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
                                  dtype="float32"),
+    "qwen1.5-moe-a2.7b": _qwen2_moe(2048, 24, 16, 16, 5632, experts=60, top_k=4, expert_intermediate=1408,
+                                    shared_intermediate=5632),
+    "qwen2-moe-tiny": _qwen2_moe(64, 2, 4, 2, 128, experts=8, top_k=2, expert_intermediate=32,
+                                 shared_intermediate=48, max_pos=512, dtype="float32"),
     "gemma-3-1b": _gemma3(1152, 26, 4, 1, 256, 6912, window=512),
     # layers 0-4 sliding (window 16), layer 5 global, 6-7 sliding
     "gemma3-tiny": _gemma3(96, 8, 3, 1, 32, 160, window=16, max_pos=512, dtype="float32"),

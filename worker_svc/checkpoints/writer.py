@@ -59,16 +59,17 @@ def parse_size(size: str | int) -> int:
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
-    for Qwen3, q/k/v biases for Qwen2, Llama's attention and MLP biases where its config sets them."""
+    for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's attention and MLP biases where its config sets
+    them, experts (and Qwen2-MoE's shared one)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "qwen3", "qwen3_moe")
-    qkv_bias = attention_bias or kind == "qwen2"
+    qkv_bias = attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
     mlp_bias = bool(config.get("mlp_bias")) and kind == "llama"
     moe_layers = set()
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
         moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
@@ -99,6 +100,11 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + f"{module}.gate.weight", (count, h)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
+            if kind == "qwen2_moe":  # the shared expert and its gate
+                s_inter = config["shared_expert_intermediate_size"]
+                shapes += [(p + f"mlp.shared_expert.{name}.weight", shape) for name, shape in
+                           (("gate_proj", (s_inter, h)), ("up_proj", (s_inter, h)), ("down_proj", (h, s_inter)))]
+                shapes.append((p + "mlp.shared_expert_gate.weight", (1, h)))
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):

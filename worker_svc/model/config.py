@@ -43,6 +43,7 @@ class MoeConfig:
     intermediate_size: int  # of each expert
     norm_topk_prob: bool    # the top-k routing weights renormalised to sum to 1
     layers: tuple[int, ...]  # the layers whose MLP is the experts (the others keep a dense MLP)
+    shared_intermediate_size: int = 0  # a shared expert every token takes, gated by sigmoid (Qwen2-MoE); 0: none
 
 
 @dataclass(slots=True, frozen=True)

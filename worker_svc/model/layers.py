@@ -108,14 +108,17 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up in one matmul; act silu (SwiGLU) or gelu (GeGLU)."""
+    """down(act(gate(x)) * up(x)), gate and up in one matmul; act silu (SwiGLU) or gelu (GeGLU). `intermediate`:
+    other than the config's (a shared expert's); `reduce=False`: down's partial sums left to the caller's
+    all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, intermediate: int | None = None, reduce: bool = True):
         super().__init__()
+        intermediate = intermediate or cfg.intermediate_size
         self.act_and_mul = kernels.silu_and_mul if cfg.hidden_act == "silu" else kernels.gelu_and_mul
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, kernels,
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate] * 2, kernels,
                                                        bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, kernels, bias=cfg.mlp_bias, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

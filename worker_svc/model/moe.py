@@ -1,7 +1,8 @@
 """A sparse mixture-of-experts MLP: a router picks each token's top-k experts, whose SwiGLU outputs are summed
-by their routing weights (kernels.fused_moe: grouped GEMMs on a GPU, a loop over experts elsewhere). Under
-tensor parallelism the experts are sharded whole across the ranks (each computes its own experts for every
-token; the all-reduce adds them up), the router is replicated."""
+by their routing weights (kernels.fused_moe: grouped GEMMs on a GPU, a loop over experts elsewhere), plus, where
+the config has one (Qwen2-MoE), a shared expert every token takes, scaled by sigmoid(x . shared_expert_gate).
+Under tensor parallelism the experts are sharded whole across the ranks (each computes its own experts for every
+token), the shared expert as a dense MLP, and one all-reduce adds both up; the routers are replicated."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from worker_svc.kernels import Kernels
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers import GatedMLP
 from worker_svc.model.parallel import _divide, tp_rank, tp_size
 
 
@@ -56,6 +58,10 @@ class SparseMoE(nn.Module):
         self.kernels, self.top_k, self.norm_topk_prob = kernels, moe.top_k, moe.norm_topk_prob
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(cfg, kernels, moe.shared_intermediate_size, reduce=False)
+            self.shared_expert_gate = Router(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.kernels.router_topk(self.kernels.linear(x, self.gate.weight), self.top_k,
@@ -63,6 +69,8 @@ class SparseMoE(nn.Module):
         experts = self.experts
         y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights, ids,
                                    experts.gate_up_proj.first)
+        if self.shared_expert is not None:  # rounded as transformers rounds: the gated output, then the sum
+            y = y + torch.sigmoid(self.kernels.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y

@@ -126,11 +126,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
+    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks, or left to the caller
+    (`reduce=False`: a sum of several such outputs takes one all-reduce)."""
 
-    def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False,
+                 reduce: bool = True):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.reduce = tp_rank(), tp_size(), reduce
         self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size)),
                                    requires_grad=False)
@@ -145,7 +147,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.linear(x, self.weight)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce:
             dist.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -9,13 +9,20 @@ from worker_svc.model.layers import CausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 
 
+def routed_experts(raw: dict) -> MoeConfig | None:
+    """Qwen's MoE fields (Qwen3-MoE, Qwen2-MoE): experts on every `decoder_sparse_step`-th layer not in
+    `mlp_only_layers`; None without experts."""
+    layers, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    experts = raw.get("num_experts", raw.get("num_local_experts", 0))  # transformers 5 writes the latter
+    if not experts:
+        return None
+    return MoeConfig(num_experts=experts, top_k=raw["num_experts_per_tok"],
+                     intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=raw.get("norm_topk_prob", False),
+                     layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
+
+
 class Qwen3MoeForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        layers, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1)
-        dense = set(raw.get("mlp_only_layers") or [])
-        experts = raw.get("num_experts", raw.get("num_local_experts", 0))  # transformers 5 writes the latter
-        moe = MoeConfig(num_experts=experts, top_k=raw["num_experts_per_tok"],
-                        intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=raw.get("norm_topk_prob", False),
-                        layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
-        return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=moe if experts else None)
+        return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=routed_experts(raw))

@@ -6,6 +6,7 @@ from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM
 from worker_svc.model.mixtral import MixtralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
+from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -14,6 +15,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
