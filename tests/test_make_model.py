@@ -74,12 +74,14 @@ def test_real_presets_have_published_sizes():
         "qwen3-4b": (4.02, 3.63),
         "qwen3-8b": (8.19, 6.95),
         "qwen3-30b-a3b": (30.53, 29.91),  # the card: 30.5B, 29.9B non-embedding
+        "qwen1.5-moe-a2.7b": (14.32, 13.69),  # Qwen1.5-MoE-A2.7B's card: 14.3B (Qwen's vocabulary too)
     }
     # The other families keep Qwen's vocabulary (the tokenizer at hand): their non-embedding parameters, from
     # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
-    # Qwen2.5 151,936)
-    non_embedding_only = {"gemma-3-1b": 0.70, "llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36,
-                          "mistral-7b": 6.98, "phi-4": 13.63, "mixtral-8x7b": 46.44}
+    # Qwen2.5 151,936, Phi-3 32,064)
+    non_embedding_only = {"gemma-3-1b": 0.70, "llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53,
+                          "qwen2.5-0.5b": 0.36, "mistral-7b": 6.98, "phi-4": 13.63, "mixtral-8x7b": 46.44,
+                          "phi-3-mini": 3.62}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
