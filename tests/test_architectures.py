@@ -64,6 +64,12 @@ CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
         final_logit_softcapping=30.0, **(COMMON | {"tie_word_embeddings": True})),
+    # Gemma 2: layers 0 and 2 sliding (window 8), layer 1 global, one rope; attention scores capped at 3 (50 in the
+    # published ones: small random weights would not reach that), final logits at 20
+    "gemma2": transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=20.0,
+        **(COMMON | {"tie_word_embeddings": True})),
     # a multimodal checkpoint (language_model.*, vision_tower.*, multi_modal_projector.*) served as text: layers 0
     # and 1 sliding (window 8), layer 2 global
     "gemma3_mm": transformers.Gemma3Config(
@@ -99,7 +105,10 @@ PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 def _write(name: str, tmp_path_factory):
     """(name, folder, transformers' model) for one architecture, written by transformers in 3 MB shards."""
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32).eval()
+    # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
+    eager = getattr(CONFIGS[name], "attn_logit_softcapping", None) is not None
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32,
+                                                       attn_implementation="eager" if eager else None).eval()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:

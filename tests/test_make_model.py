@@ -36,14 +36,29 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny",
-                                    "phi3-tiny", "mixtral-tiny", "qwen2-moe-tiny"])
+FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
+            "mixtral-tiny", "qwen2-moe-tiny"]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
 def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_path):
-    """Each name and shape the writer emits is one transformers' model of that architecture expects."""
+    """Each name and shape the writer emits is one transformers' model of that architecture expects, and the
+    worker reads the preset's config as transformers does: the same logits (fp32) from the same weights (a
+    preset's Gemma 3 once read `hidden_act: silu` where transformers' Gemma reads `hidden_activation`)."""
+    from tests.paged_driver import prefill_logits
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True,
+                                                                    attn_implementation="eager")
     assert type(model).__name__ == PRESETS[preset]["architectures"][0]
     assert not any(info.values()), info
+    prompts = _prompts(2, 40).tolist()
+    runner = ModelRunner(model_dir, RunnerConfig(num_blocks=16, block_size=16))
+    with torch.inference_mode():
+        for p, ours in zip(prompts, prefill_logits(runner, prompts)):
+            # logits of up to ~45 (Gemma 3's 8 layers): float32's noise reaches ~4e-4; a misread layer, units
+            torch.testing.assert_close(ours, model(torch.tensor([p])).logits[0], atol=1e-3, rtol=0)
 
 
 def _load(model_dir: Path) -> transformers.Qwen3ForCausalLM:
@@ -94,7 +109,8 @@ def test_real_presets_have_published_sizes():
 CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
                   "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
                   "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-                  "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Phi3ForCausalLM": transformers.Phi3Config,
+                  "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Gemma2ForCausalLM": transformers.Gemma2Config,
+                  "Phi3ForCausalLM": transformers.Phi3Config,
                   "MixtralForCausalLM": transformers.MixtralConfig}
 
 

@@ -155,6 +155,35 @@ def test_decode_attention_with_a_sliding_window_matches_reference(window, page, 
     assert not torch.allclose(ref, TorchAttention().forward(q, k, v, meta, dim ** -0.5))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("softcap", [1.5, 50.0])
+def test_both_attention_kernels_cap_scores_as_the_reference(window, softcap):
+    """Gemma 2's logit cap, softcap * tanh(score / softcap): scores of q and k scaled up (up to ~10) so that a cap
+    of 1.5 bites, where 50 hardly does; with and without a window."""
+    query_lens = [37, 1, 20, 1, 5]
+    context_lens = [37, 90, 52, 2, 5]
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    k, v, table = _paged(context_lens, page, kv_heads, dim, torch.float32)
+    q = 3 * torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window, softcap=softcap)
+    out = paged_prefill_attention(q, k, v, cu, seqused, table, query_blocks(query_lens, 16, q.device),
+                                  dim ** -0.5, window=window, softcap=softcap, block_m=16, block_n=16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    last = cu[1:] - 1  # each sequence's last query token, as a decode step
+    decode_meta = AttentionMetadata(torch.arange(len(query_lens) + 1, dtype=torch.int32), seqused, table, None, 1,
+                                    [1] * len(query_lens), context_lens)
+    out = paged_decode_attention(q[last], k, v, seqused, table, dim ** -0.5, window=window, softcap=softcap,
+                                 base_split=32, block_n=16)
+    torch.testing.assert_close(out, TorchAttention().forward(q[last], k, v, decode_meta, dim ** -0.5,
+                                                             window=window, softcap=softcap), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref[last], atol=1e-5, rtol=1e-5)
+    if softcap < 2:
+        assert not torch.allclose(ref, TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window))
+
+
 @pytest.mark.parametrize("window", [1, 6, 16, 40])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (32, 32, 16)])
 def test_prefill_attention_with_a_sliding_window_matches_reference(window, page, block_m, block_n):
@@ -460,13 +489,14 @@ def test_query_blocks_cover_every_token_once():
     assert seqs.tolist() == [0, 1, 3, 4, 4] and starts.tolist() == [0, 0, 0, 0, 16]
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny", "phi3-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny", "phi3-tiny",
+                                    "gemma2-tiny"])
 def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
     beside them, blocks out of order; greedy tokens equal the torch backend's. For Qwen3 (q/k norms), Llama
     (none, biases, scaled rope), Mistral (a sliding window of 24 under prompts of up to 48 tokens), Gemma 3
-    (windows of 16 on some layers only) and Phi-3 (heads of 24, padded to 32 in the kernels, as Phi-3-mini's
-    96)."""
+    (windows of 16 on some layers only), Phi-3 (heads of 24, padded to 32 in the kernels, as Phi-3-mini's
+    96) and Gemma 2 (attention scores capped at 5)."""
     from worker_svc.checkpoints.writer import make_model
     from tests.paged_driver import PagedDriver
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig

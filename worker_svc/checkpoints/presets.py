@@ -2,7 +2,7 @@
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
 Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4,
-microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen1.5-MoE-A2.7B) except the vocabulary: every preset keeps Qwen's (151,936
+microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b) except the vocabulary: every preset keeps Qwen's (151,936
 rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The test presets shrink
 everything else.
 """
@@ -139,6 +139,15 @@ def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max
                   attn_logit_softcapping=None, attention_bias=False)
 
 
+def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, attn_cap=50.0, max_pos=8192,
+            dtype="bfloat16"):
+    return _other("Gemma2ForCausalLM", "gemma2", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
+                  10000.0, dtype, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh",
+                  hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-06, query_pre_attn_scalar=head_dim,
+                  sliding_window=window, final_logit_softcapping=30.0, attn_logit_softcapping=attn_cap,
+                  attention_bias=False)
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
@@ -165,6 +174,9 @@ PRESETS: dict[str, dict] = {
                                     shared_intermediate=5632),
     "qwen2-moe-tiny": _qwen2_moe(64, 2, 4, 2, 128, experts=8, top_k=2, expert_intermediate=32,
                                  shared_intermediate=48, max_pos=512, dtype="float32"),
+    "gemma-2-2b": _gemma2(2304, 26, 8, 4, 256, 9216, window=4096),
+    # a cap of 5 on attention scores (50 in the real ones): tiny random weights reach it
+    "gemma2-tiny": _gemma2(64, 4, 4, 2, 16, 128, window=16, attn_cap=5.0, max_pos=512, dtype="float32"),
     "gemma-3-1b": _gemma3(1152, 26, 4, 1, 256, 6912, window=512),
     # layers 0-4 sliding (window 16), layer 5 global, 6-7 sliding
     "gemma3-tiny": _gemma3(96, 8, 3, 1, 32, 160, window=16, max_pos=512, dtype="float32"),

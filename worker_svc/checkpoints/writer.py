@@ -115,7 +115,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
-        if kind == "gemma3_text":
+        if kind in ("gemma2", "gemma3_text"):
             shapes += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
     if not config["tie_word_embeddings"]:
@@ -220,7 +220,7 @@ def make_model(
 
     weight_map = {}
     for file, names in zip(files, shards):
-        offset = 1.0 if config["model_type"] == "gemma3_text" else 0.0
+        offset = 1.0 if config["model_type"] in ("gemma2", "gemma3_text") else 0.0
         tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype, offset) for name in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))

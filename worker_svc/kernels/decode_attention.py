@@ -29,6 +29,7 @@ from worker_svc.kernels.attention import cuda_capability_at_least
 from worker_svc.kernels.precision import dot
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
+LOG2E = 1.4426950408889634  # the kernels' scores are in log2 units (exp2)
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
 
 
@@ -54,12 +55,23 @@ def head_cols(rows, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
+def capped(s, softcap_log2, SOFTCAP: tl.constexpr):
+    """Scores (log2 units) through Gemma 2's logit cap, softcap_log2 * tanh(s / softcap_log2), where SOFTCAP."""
+    if SOFTCAP:
+        e = tl.exp2(-2.8853900817779268 * tl.abs(s / softcap_log2))  # exp(-2 |x|): tanh without overflow
+        t = (1.0 - e) / (1.0 + e)
+        s = softcap_log2 * tl.where(s >= 0, t, -t)
+    return s
+
+
+@triton.jit
 def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale, window,
+                  softcap_log2,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                  TMA: tl.constexpr, F16_DOTS: tl.constexpr):
+                  TMA: tl.constexpr, F16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -95,7 +107,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             v_rows = page * stride_vb + offset * stride_vt
             kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
             k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k.to(q.dtype))) * scale_log2e
+        s = capped(dot(q, tl.trans(k.to(q.dtype))) * scale_log2e, softcap_log2, SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -190,13 +202,13 @@ def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> tor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
-                           counters: torch.Tensor | None = None, base_split: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                           tma: bool | None = None, f16_dots: bool | None = None) -> torch.Tensor:
+                           softcap: float | None = None, counters: torch.Tensor | None = None,
+                           base_split: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int = 3, tma: bool | None = None, f16_dots: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
-    only. Returns q's shape and dtype.
+    only; with `softcap`, scores capped to softcap * tanh(score / softcap) (Gemma 2). Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
     tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power
@@ -228,11 +240,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                    for c in kv)
     _split_kernel[(kv_heads, num_splits, batch)](
         q, *kv, page_table, seqused_k, part_o, part_lse, out, counters,
-        scale * k_scale * 1.4426950408889634, v_scale, window or NO_WINDOW, q.stride(0), q.stride(1),
+        scale * k_scale * LOG2E, v_scale, window or NO_WINDOW, (softcap or 0.0) * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma,
-        F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)
+        F16_DOTS=f16_dots, SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -172,13 +172,14 @@ class TorchAttention:
     An fp8 cache is read as the kernels read it: its values in q's dtype, k_scale folded into the softmax
     scale, the output times v_scale.
 
-    With a sliding `window`, query position p attends to keys in (p - window, p].
+    With a sliding `window`, query position p attends to keys in (p - window, p]; with `softcap`, each scaled
+    score s becomes softcap * tanh(s / softcap) before the mask, as Gemma 2's attention computes it.
 
     One loop iteration per sequence, so it is for CPUs, tests and checking the fast backends."""
 
     name = "torch"
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
         out = torch.empty_like(q)
         block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
         start = 0
@@ -191,8 +192,13 @@ class TorchAttention:
             mask = kpos <= qpos[:, None]
             if window is not None:
                 mask &= kpos > qpos[:, None] - window
-            o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
-                                               attn_mask=mask, scale=scale * k_scale)
+            qs = q[start:start + n].transpose(0, 1)
+            if softcap:
+                scores = torch.tanh(qs @ k.transpose(1, 2) * (scale * k_scale / softcap)) * softcap
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+                o = probs @ v
+            else:
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale * k_scale)
             out[start:start + n] = o.transpose(0, 1) if v_scale == 1.0 else (o.transpose(0, 1) * v_scale)
             start += n
         return out

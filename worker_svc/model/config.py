@@ -78,6 +78,7 @@ class ModelConfig:
     embed_scale: float | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from worker_svc.model.config import ModelConfig, rope_scaling
+from worker_svc.model.gemma2 import gemma_activation, layer_windows
 from worker_svc.model.layers import CausalLM
 
 
@@ -23,14 +24,9 @@ TEXT_DEFAULTS = {
 class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        raw = TEXT_DEFAULTS | raw
-        for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
-            if raw.get(unsupported):
-                raise ValueError(f"Gemma 3 with {unsupported} is not supported")
-        layers = raw["num_hidden_layers"]
-        pattern = raw.get("sliding_window_pattern", 6)
-        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                           for i in range(layers)]
+        raw = gemma_activation(TEXT_DEFAULTS | raw)
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
         rope, positions = raw.get("rope_parameters") or {}, raw["max_position_embeddings"]
         if "full_attention" in rope:  # transformers 5's layout: one rope per layer type
             full, local = rope["full_attention"], rope.get("sliding_attention") or {}
@@ -44,10 +40,11 @@ class Gemma3ForCausalLM(CausalLM):
         bias = bool(raw.get("attention_bias"))
         cfg = ModelConfig.common(
             raw, qk_norm=True, qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norms=True,
-            layer_windows=tuple(raw.get("sliding_window") if t == "sliding_attention" else None for t in types),
+            layer_windows=layer_windows(raw, raw.get("sliding_window_pattern", 6)),
             local_rope_theta=local_theta, embed_scale=raw["hidden_size"] ** 0.5,
             attention_scale=raw["query_pre_attn_scalar"] ** -0.5,
-            final_logit_softcapping=raw.get("final_logit_softcapping"))
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"))
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
 
 

@@ -93,6 +93,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.window = cfg.window_of(layer)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
         # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
@@ -103,7 +104,7 @@ class Attention(nn.Module):
                                             self.eps, self.k_cache, self.v_cache, meta.slot_mapping,
                                             self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
         o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
-                                           self.v_scale, window=self.window)
+                                           self.v_scale, window=self.window, softcap=self.softcap)
         return self.o_proj(o.flatten(1))
 
 

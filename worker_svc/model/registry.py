@@ -1,6 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
+from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }

@@ -1,0 +1,32 @@
+"""Gemma 2 (google/gemma-2-2b, 9b, 27b): sliding-window and global layers alternating (one rope for both),
+(1 + w) RMSNorms, norms around the attention and MLP outputs, embeddings scaled by sqrt(hidden), GeGLU,
+query_pre_attn_scalar, and both logit caps: attention scores and final logits through c * tanh(x / c)."""
+from __future__ import annotations
+
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.layers import CausalLM
+
+
+def gemma_activation(raw: dict) -> dict:
+    """The config with hidden_act set to what Gemma's MLP computes: transformers' Gemma 2 and 3 read
+    `hidden_activation`, whatever `hidden_act` says (Gemma 2's configs carry both)."""
+    return raw | {"hidden_act": raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"}
+
+
+def layer_windows(raw: dict, pattern: int) -> tuple[int | None, ...]:
+    """Each layer's window (None: global) from `layer_types`, or else every `pattern`-th layer global."""
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(raw["num_hidden_layers"])]
+    return tuple(raw.get("sliding_window") if t == "sliding_attention" else None for t in types)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        bias = bool(raw.get("attention_bias"))
+        return ModelConfig.common(
+            gemma_activation(raw), qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norms=True,
+            layer_windows=layer_windows(raw, 2), embed_scale=raw["hidden_size"] ** 0.5,
+            attention_scale=raw["query_pre_attn_scalar"] ** -0.5,
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"))
