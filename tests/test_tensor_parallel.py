@@ -175,6 +175,22 @@ def test_linear_and_vocab_loaders(monkeypatch):
         assert not e.weight.data[len(mine):].any()
 
 
+def test_unreduced_row_parallel_outputs_sum_to_the_layer_with_its_bias_once(monkeypatch):
+    """reduce=False (a shared expert's down projection, joining the experts' all-reduce): the ranks' outputs sum to
+    x W^T + b, the bias added by one rank only."""
+    size, inter, hidden = 4, 16, 8
+    w, b, x = torch.randn(hidden, inter), torch.randn(hidden), torch.randn(3, inter)
+    total = torch.zeros(3, hidden)
+    for rank in range(size):
+        _with_rank(monkeypatch, rank, size)
+        row = parallel.RowParallelLinear(inter, hidden, CPU, bias=True, reduce=False)
+        row.weight.weight_loader(row.weight, w)
+        row.bias.weight_loader(row.bias, b)
+        s = slice(rank * inter // size, (rank + 1) * inter // size)
+        total += row(x[:, s])
+    torch.testing.assert_close(total, x @ w.T + b)
+
+
 # ---- a real TP=2 group: sharded loading, logits, block count --------------------------------------
 def _probe_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
     """One rank of a TP group in its own process: load the model, save its parameters, its logits of

@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Module):
         y = self.kernels.linear(x, self.weight)
         if self.tp_size > 1 and self.reduce:
             dist.all_reduce(y)
-        if self.bias is not None:
+        if self.bias is not None and (self.reduce or self.tp_rank == 0):  # once in the sum, however reduced
             y = y + self.bias
         return y
 
