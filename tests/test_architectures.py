@@ -39,6 +39,10 @@ CONFIGS = {
     "llama-tied": transformers.LlamaConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=6, head_dim=24,
         **(COMMON | {"tie_word_embeddings": True})),
+    # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
+    "granite": transformers.GraniteConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,
+        attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **COMMON),
     "qwen2": transformers.Qwen2Config(
         hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
     "mistral": transformers.MistralConfig(

@@ -79,6 +79,10 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
+    # Granite: the attention's and the MLP's outputs scaled before the residual add, and the logits scaled; both
+    # folded into the weights that produce them at load (CausalLM.fold_scales)
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window

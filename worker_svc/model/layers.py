@@ -196,6 +196,22 @@ class CausalLM(nn.Module):
     def config(cls, raw: dict) -> ModelConfig:
         raise NotImplementedError
 
+    @torch.no_grad()
+    def fold_scales(self) -> None:
+        """After loading: the config's output scales multiplied into the weights that produce those outputs, so
+        that no step spends a kernel on them: the residual scale into every layer's o_proj and down_proj (rows
+        of a row-parallel weight: each rank's share), the logit scale into the final norm's weight."""
+        cfg = self.config
+        if cfg.residual_scale != 1.0:
+            for layer in self.layers:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.mul_(cfg.residual_scale)
+                    if proj.bias is not None:
+                        proj.bias.mul_(cfg.residual_scale)
+        if cfg.logit_scale != 1.0:
+            assert cfg.norm_offset == 0.0, "a (1 + w) norm's weight does not scale its output"
+            self.norm.weight.mul_(cfg.logit_scale)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states of every input token; `compute_logits` takes the rows needed."""
         x, residual = self.embed_tokens(input_ids), None

@@ -155,6 +155,7 @@ class ModelRunner:
             self.model = ARCHITECTURES[mc.architecture](mc, self.kernels)
         torch.set_default_dtype(torch.float32)
         kv_scales = load_weights(self.model, model_dir)
+        self.model.fold_scales()
         if fp8_cache:
             # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
             # is written (cached blocks outlive any change), so a dynamic one could only come from made-up
