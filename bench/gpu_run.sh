@@ -19,8 +19,12 @@ for b in $benches; do
     checks)  timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings -rf tests/gpu ${CHECKS:+-k "$CHECKS"} > $OUT/checks.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" ${KERNEL_ARGS:-} --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;
-    moekernel)  # the fused MoE at Qwen3-30B-A3B's expert shapes: its GPU checks, then the tile sweep, which prints
-                # the HOPPER_CONFIGS to paste into worker_svc/kernels/moe.py (also $OUT/moe_kernel_table.py)
+    archs)   # every architecture on the GPU kernels against transformers (~15 s a case on a cold machine)
+             timeout ${CHECKS_TIMEOUT:-540} python3 -m pytest -q -s -p no:warnings -rf tests/gpu/test_gpu_architectures.py \
+               ${CHECKS:+-k "$CHECKS"} > $OUT/checks_archs.txt 2>&1
+             grep -E "bfloat16:|^(FAILED|ERROR)|passed|failed" $OUT/checks_archs.txt | tail -40 ;;
+    moekernel)  # the fused MoE at Qwen3-30B-A3B's expert shapes (MOE_KERNEL_ARGS: others): its GPU checks, then the
+                # tile sweep, which prints the shape's HOPPER_CONFIGS entry to paste into worker_svc/kernels/moe.py
              timeout 150 python3 -m pytest -q -p no:warnings -rf tests/gpu -k moe > $OUT/checks_moe.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks_moe.txt | tail -8
              timeout 330 python3 -m bench moe-kernel ${MOE_KERNEL_ARGS:-} --out $OUT/moe_kernel.json > $OUT/moe_kernel.txt 2>&1
