@@ -377,8 +377,9 @@ def paste_table(best: dict[int, MoeConfig], shape: Shape) -> str:
     lines = [f"    ({shape.hidden}, {shape.inter}): {{  # {shape.experts} experts, top {shape.top_k}"]
     for key, t, c in entries:
         g, d = c.gate_up, c.down
-        lines.append(f"        {key}: MoeConfig({c.block_m}, Tiles({g.block_n}, {g.block_k}, {g.num_warps}, {g.num_stages}), "
-                     f"Tiles({d.block_n}, {d.block_k}, {d.num_warps}, {d.num_stages})),  # from {t} tokens")
+        lines.append(f"        {key}: MoeConfig({c.block_m}, Tiles({g.block_n}, {g.block_k}, {g.num_warps}, "
+                     f"{g.num_stages}), Tiles({d.block_n}, {d.block_k}, {d.num_warps}, {d.num_stages})),"
+                     f"  # from {t} tokens")
     return "\n".join([*lines, "    },"])
 
 
@@ -415,14 +416,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _write(argv: Sequence[str] | None, args: argparse.Namespace, rows: list[dict], trials: list[dict],
+def _write(argv: Sequence[str] | None, args: argparse.Namespace, shape: Shape, rows: list[dict], trials: list[dict],
            best: dict[int, MoeConfig], quiet: bool) -> str:
     """The results so far (JSON, .md, *_trials.json, *_table.py): a run cut short keeps what it measured."""
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         save("bench.moe_kernel", argv, args.out, "moe_kernel", args, rows)
     out = Path(args.out)
     out.with_name(out.stem + "_trials.json").write_text(json.dumps(trials, indent=1) + "\n")
-    literal = paste_table(best, Shape(args.experts, args.top_k, args.hidden, args.intermediate))
+    literal = paste_table(best, shape)
     out.with_name(out.stem + "_table.py").write_text(literal + "\n")
     return literal
 
@@ -468,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         row, best[tokens] = measure(case, shape, w13, w2, time.perf_counter() + share, trials, unbuilt, args, dtype)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        literal = _write(argv, args, rows, trials, best, quiet=i + 1 < len(args.tokens))
+        literal = _write(argv, args, shape, rows, trials, best, quiet=i + 1 < len(args.tokens))
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -57,6 +57,9 @@ def parse_size(size: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
 
 
+GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w) and norms around the MLP
+
+
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
     for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's attention and MLP biases where its config sets
@@ -115,7 +118,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
-        if kind in ("gemma2", "gemma3_text"):
+        if kind in GEMMA:
             shapes += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
     if not config["tie_word_embeddings"]:
@@ -220,7 +223,7 @@ def make_model(
 
     weight_map = {}
     for file, names in zip(files, shards):
-        offset = 1.0 if config["model_type"] in ("gemma2", "gemma3_text") else 0.0
+        offset = 1.0 if config["model_type"] in GEMMA else 0.0
         tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype, offset) for name in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))

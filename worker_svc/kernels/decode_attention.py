@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
 from worker_svc.kernels.attention import cuda_capability_at_least
+from worker_svc.kernels.elementwise import tanh
 from worker_svc.kernels.precision import dot
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
@@ -58,9 +59,7 @@ def head_cols(rows, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 def capped(s, softcap_log2, SOFTCAP: tl.constexpr):
     """Scores (log2 units) through Gemma 2's logit cap, softcap_log2 * tanh(s / softcap_log2), where SOFTCAP."""
     if SOFTCAP:
-        e = tl.exp2(-2.8853900817779268 * tl.abs(s / softcap_log2))  # exp(-2 |x|): tanh without overflow
-        t = (1.0 - e) / (1.0 + e)
-        s = softcap_log2 * tl.where(s >= 0, t, -t)
+        s = softcap_log2 * tanh(s / softcap_log2)
     return s
 
 

@@ -18,6 +18,14 @@ import triton.language as tl
 
 
 @triton.jit
+def tanh(x):
+    """tanh from exp of a non-positive argument (no overflow)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - t) / (1.0 + t)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _weighted(x, r, w, dtype: tl.constexpr):
     """RMSNorm's output from float32 x, its 1/rms r and weight w, rounded to `dtype` where the eager
     pieces round: the normalised x, then its product with the weight."""
@@ -144,11 +152,8 @@ def _act_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexp
     gate = tl.load(X + row * stride_x + c, mask=live, other=0.0)
     up = tl.load(X + row * stride_x + N + c, mask=live, other=0.0)
     g = gate.to(tl.float32)
-    if GELU:  # tanh approximation, tanh from exp of a non-positive argument (no overflow)
-        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        t = tl.exp(-2.0 * tl.abs(y))
-        tanh = (1.0 - t) / (1.0 + t)
-        act = 0.5 * g * (1.0 + tl.where(y >= 0, tanh, -tanh))
+    if GELU:  # tanh approximation
+        act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         act = g / (1.0 + tl.exp(-g))
     act = act.to(gate.dtype)  # rounded, as F.silu's and F.gelu's outputs are

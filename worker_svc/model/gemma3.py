@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from worker_svc.model.config import ModelConfig, rope_scaling
-from worker_svc.model.gemma2 import gemma_activation, layer_windows
+from worker_svc.model.gemma2 import gemma_config
 from worker_svc.model.layers import CausalLM
 
 
@@ -24,7 +24,7 @@ TEXT_DEFAULTS = {
 class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        raw = gemma_activation(TEXT_DEFAULTS | raw)
+        raw = TEXT_DEFAULTS | raw
         if raw.get("use_bidirectional_attention"):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
         rope, positions = raw.get("rope_parameters") or {}, raw["max_position_embeddings"]
@@ -37,14 +37,7 @@ class Gemma3ForCausalLM(CausalLM):
         else:  # the published configs: rope_theta and rope_scaling for global layers, rope_local_base_freq
             theta, local_theta = raw.get("rope_theta", 1e6), raw.get("rope_local_base_freq", 1e4)
             scaling = rope_scaling(raw.get("rope_scaling") or {}, positions)
-        bias = bool(raw.get("attention_bias"))
-        cfg = ModelConfig.common(
-            raw, qk_norm=True, qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norms=True,
-            layer_windows=layer_windows(raw, raw.get("sliding_window_pattern", 6)),
-            local_rope_theta=local_theta, embed_scale=raw["hidden_size"] ** 0.5,
-            attention_scale=raw["query_pre_attn_scalar"] ** -0.5,
-            final_logit_softcapping=raw.get("final_logit_softcapping"),
-            attn_logit_softcapping=raw.get("attn_logit_softcapping"))
+        cfg = gemma_config(raw, raw.get("sliding_window_pattern", 6), qk_norm=True, local_rope_theta=local_theta)
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
 
 
