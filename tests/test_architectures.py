@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import subprocess
 import sys
@@ -30,6 +31,14 @@ from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 COMMON = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=3, max_position_embeddings=512, bos_token_id=BOS_TOKEN_ID,
               eos_token_id=EOS_TOKEN_ID, initializer_range=0.25, tie_word_embeddings=False)
+
+
+def LONGROPE(n: int) -> dict:  # noqa: N802 (a constant's shape)
+    """LongRoPE parameters for n frequencies: short factors near 1, long ones growing to ~8 (as published ones do)."""
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.05 * i for i in range(n)],
+            "long_factor": [1.0 + 7.0 * (i / (n - 1)) ** 2 for i in range(n)]}
+
+
 CONFIGS = {
     "llama": transformers.LlamaConfig(
         hidden_size=120, intermediate_size=200, num_attention_heads=10, num_key_value_heads=5, attention_bias=True,
@@ -52,6 +61,16 @@ CONFIGS = {
     "phi3": transformers.Phi3Config(
         hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=2, sliding_window=16,
         **COMMON),
+    # Phi-3.5-mini's LongRoPE (a divisor per frequency; cos and sin scaled by sqrt(1 + ln 2 / ln 256)): served up to
+    # its original 256 positions, so with its short factors (the long ones: test_longrope_past_the_original_length)
+    "phi3-longrope": transformers.Phi3Config(
+        hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=3,
+        original_max_position_embeddings=256, rope_parameters=LONGROPE(8), **COMMON),
+    # Phi-4-mini's: rope over 3/4 of each head (24 of 32 dims) with LongRoPE, a tied head
+    "phi4-mini": transformers.Phi3Config(
+        hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+        partial_rotary_factor=0.75, original_max_position_embeddings=256, rope_parameters=LONGROPE(12),
+        **(COMMON | {"tie_word_embeddings": True})),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
     # Qwen3's long-context setting: YaRN over an original length of 64 (the prompts and generations pass it), a
@@ -106,12 +125,14 @@ CONFIGS = {
 PROMPT_LENS = [5, 17, 1, 33, 16, 9, 40, 24]
 
 
-def _write(name: str, tmp_path_factory):
-    """(name, folder, transformers' model) for one architecture, written by transformers in 3 MB shards."""
+def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | None = None):
+    """(name, folder, transformers' model) for one architecture (CONFIGS[name], or `config`), written by
+    transformers in 3 MB shards."""
     torch.manual_seed(0)
+    config = config or CONFIGS[name]
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
-    eager = getattr(CONFIGS[name], "attn_logit_softcapping", None) is not None
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32,
+    eager = getattr(config, "attn_logit_softcapping", None) is not None
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                        attn_implementation="eager" if eager else None).eval()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
         for param_name, param in hf.named_parameters():
@@ -369,16 +390,56 @@ def test_yarn_frequencies_and_scale_are_transformers(rope, tmp_path):
     assert ours.rope_scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     "unsupported rope_type 'longrope'"),
-])
-def test_phi3_variants_it_does_not_serve_are_refused_by_name(extra, message, tmp_path):
-    raw = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, original_max_position_embeddings=4096,
-                                  **extra).to_dict() | {"architectures": ["Phi3ForCausalLM"]}
+def test_longrope_past_the_original_length(tmp_path_factory):
+    """Phi-4-mini's rope (LongRoPE over 24 of 32 dims per head) served to 256 positions past its original 32: the long
+    factors for every sequence, as transformers takes them for a sequence past 32, so prompts of 33-60 tokens give
+    transformers' logits, and greedy tokens equal to `generate` through chunks and drops."""
+    # weights of std 0.1 (the others' 0.25): the longer prompts' float32 rounding stays well inside 1e-4
+    config = transformers.Phi3Config(**(CONFIGS["phi4-mini"].to_dict() | {"original_max_position_embeddings": 32,
+                                                                          "initializer_range": 0.1}))
+    config.rope_parameters["original_max_position_embeddings"] = 32
+    _, folder, hf = _write("phi4-mini-long", tmp_path_factory, config)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (33, 40, 47, 60)]
+    runner = _runner(folder)
+    assert runner.model.config.max_position_embeddings == 256
+    with torch.inference_mode():
+        for p, ours in zip(prompts, prefill_logits(runner, prompts)):
+            torch.testing.assert_close(ours, hf(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
+    driver = PagedDriver(_runner(folder), chunk=13, shuffle_seed=5)
+    seqs = [driver.add(p, 16) for p in prompts]
+    run_with_drops(driver, seqs, drop_at=(3, 7))
+    assert [s.generated for s in seqs] == [_generate_hf(hf, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("served", [4096, 131072])
+def test_longrope_frequencies_and_scale_are_transformers(served):
+    """Phi-3.5-mini's published rope settings (heads of 96, original 4,096 of 131,072 positions; its factor values
+    drawn here): the short factors for a worker serving 4,096 positions, the long ones for 131,072, each as
+    transformers computes them for a sequence of that length, and the same attention scale."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from worker_svc.model.layers import rope_frequencies
+
+    rope = {"type": "longrope", "short_factor": [1.0 + 0.02 * i for i in range(48)],
+            "long_factor": [1.0 + 0.9 * i for i in range(48)]}
+    raw = transformers.Phi3Config(hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+                                  original_max_position_embeddings=4096, rope_scaling=rope,
+                                  architectures=["Phi3ForCausalLM"]).to_dict()
+    ours = ModelConfig.common(raw)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](transformers.Phi3Config(**raw), "cpu",
+                                                                 seq_len=served)
+    torch.testing.assert_close(rope_frequencies(96, ours.rope_theta, ours.rope_scaling, served), inv_freq,
+                               rtol=1e-6, atol=0)
+    assert ours.rope_scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    assert attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+
+
+def test_a_rope_it_does_not_compute_is_refused_by_name(tmp_path):
+    raw = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0}).to_dict() | {"architectures": ["LlamaForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         ModelConfig.from_dir(tmp_path)
 
 

@@ -89,6 +89,31 @@ def test_fast_backends_with_a_sliding_window_match_torch_backend(backend, window
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
+                                     pytest.param("auto", marks=_NEEDS_FA4)])
+@pytest.mark.parametrize("dim,window", [(128, None), (256, 100)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_backends_with_a_score_cap_match_torch_backend(backend, dim, window, case):
+    """Gemma 2's attention logit cap (each scaled score s through 3 tanh(s / 3)) in every backend, over every step
+    kind, at heads of 128 and of Gemma 2's 256 with a window; a scale that gives scores of std ~3.4, most of them
+    bent by the cap."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, block_size, num_blocks = 8, 4, 256, 128
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    scale = 3.4 / dim ** 0.5
+    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, scale, window=window,
+                                                                 softcap=3.0)
+    ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, scale, window=window,
+                                   softcap=3.0)
+    uncapped = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, scale, window=window)
+    assert (ref - uncapped).abs().max() > 0.2  # the cap changes the output: a backend ignoring it would fail
+    torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):

@@ -2,9 +2,10 @@
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
 Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4,
-microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct)
-except the vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is
-Qwen's (no other is at hand offline). The test presets shrink everything else.
+microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct, Qwen/Qwen1.5-MoE-A2.7B,
+google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct) except the vocabulary: every preset keeps Qwen's (151,936
+rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The test presets shrink
+everything else.
 """
 
 from __future__ import annotations
@@ -99,10 +100,18 @@ def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=3276
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
 
 
-def _phi3(hidden, layers, heads, kv_heads, intermediate, max_pos, rope_theta, window=None, dtype="bfloat16"):
-    return _other("Phi3ForCausalLM", "phi3", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
-                  rope_theta, dtype, original_max_position_embeddings=max_pos, rope_scaling=None,
-                  sliding_window=window, resid_pdrop=0.0, embd_pdrop=0.0)
+def _phi3(hidden, layers, heads, kv_heads, intermediate, max_pos, rope_theta, window=None, dtype="bfloat16",
+          tied=False, original=None, partial=1.0):
+    """Phi-3 / Phi-4; with `original` (< max_pos), the long-context models' LongRoPE over `partial` of each head.
+    Their factors are not at hand offline: short ones near 1 and long ones rising to ~50, shaped as published."""
+    rope, rotated = None, int(hidden // heads * partial) // 2
+    if original:
+        rope = {"type": "longrope", "short_factor": [1.0 + 0.05 * (i / rotated) ** 2 for i in range(rotated)],
+                "long_factor": [1.0 + 50.0 * (i / rotated) ** 3 for i in range(rotated)]}
+    extra = {"partial_rotary_factor": partial} if partial != 1.0 else {}
+    return _other("Phi3ForCausalLM", "phi3", hidden, layers, heads, kv_heads, intermediate, tied, max_pos,
+                  rope_theta, dtype, original_max_position_embeddings=original or max_pos, rope_scaling=rope,
+                  sliding_window=window, resid_pdrop=0.0, embd_pdrop=0.0, **extra)
 
 
 def _mixtral(hidden, layers, heads, kv_heads, intermediate, experts, top_k, max_pos=32768, dtype="bfloat16"):
@@ -173,6 +182,10 @@ PRESETS: dict[str, dict] = {
     "mixtral-8x7b": _mixtral(4096, 32, 32, 8, 14336, experts=8, top_k=2),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
     "phi-3-mini": _phi3(3072, 32, 32, 32, 8192, max_pos=4096, rope_theta=10000.0, window=2047),
+    "phi-3.5-mini": _phi3(3072, 32, 32, 32, 8192, max_pos=131072, rope_theta=10000.0, window=262144,
+                          original=4096),
+    "phi-4-mini": _phi3(3072, 32, 24, 8, 8192, max_pos=131072, rope_theta=10000.0, window=262144, tied=True,
+                        original=4096, partial=0.75),
     # rope scaled from position 64 on (the real 8,192 lies past a tiny model's length); biases on
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
@@ -196,6 +209,10 @@ PRESETS: dict[str, dict] = {
     "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),
     # heads of 24: as Phi-3-mini's 96, not a power of two
     "phi3-tiny": _phi3(96, 2, 4, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),
+    # Phi-4-mini's rope (LongRoPE over 24 of 32 dims); served to its whole length, which is the original one (so
+    # the short factors, as transformers takes them at every length here)
+    "phi4-mini-tiny": _phi3(128, 2, 4, 2, 160, max_pos=512, rope_theta=10000.0, dtype="float32", tied=True,
+                            original=512, partial=0.75),
 }
 
 GENERATION_CONFIG: dict = {

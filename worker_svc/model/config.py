@@ -21,8 +21,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP: SwiGLU, GeGLU
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
     """Scaled rotary frequencies: Llama 3's frequency-dependent scaling (`rope_type: llama3`), YaRN's (`yarn`: Qwen's
-    long-context setting, DeepSeek), or a linear one."""
-    kind: str  # "llama3", "yarn" or "linear"
+    long-context setting, DeepSeek), LongRoPE's (`longrope`: Phi-3.5, Phi-4-mini, the Phi-3 128k models) or a linear
+    one."""
+    kind: str  # "llama3", "yarn", "longrope" or "linear"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -32,7 +33,10 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0  # yarn and longrope: cos and sin scaled by it
+    # longrope: a divisor per frequency, the long ones where the served length passes the original one
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +70,7 @@ class ModelConfig:
     o_bias: bool = False           # a bias on the output projection (Llama's attention_bias)
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None  # rope over the first rotary_dim of each head (partial_rotary_factor), None: all
     sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
     moe: MoeConfig | None = None
     hidden_act: str = "silu"       # the gated MLP's: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
@@ -108,6 +113,8 @@ class ModelConfig:
         heads, positions = raw["num_attention_heads"], raw.get("max_position_embeddings", 40960)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(ACTIVATIONS)})")
         return cls(
@@ -118,7 +125,7 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0),
             hidden_act=act,
@@ -126,6 +133,7 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
             rope_scaling=rope_scaling(rope, positions, raw.get("original_max_position_embeddings")),
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             **features,
         )
 
@@ -152,7 +160,15 @@ def rope_scaling(rope: dict, max_positions: int, original: int | None = None) ->
         return RopeScaling("yarn", factor, original_max_position_embeddings=original,
                            beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
                            truncate=rope.get("truncate", True), attention_factor=float(attention))
-    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
+    if kind == "longrope":  # the default scale from the ratio of lengths, as transformers derives it for Phi-3
+        factor = rope.get("factor") or max_positions / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                           attention_factor=float(attention), short_factor=tuple(rope["short_factor"]),
+                           long_factor=tuple(rope["long_factor"]))
+    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn, longrope)")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -17,25 +17,34 @@ from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHea
 class RMSNorm(nn.Module):
     """weight * x / rms(x). With an offset (Gemma's (1 + w) norms), the checkpoint's w is loaded as offset + w."""
 
-    def __init__(self, size: int, eps: float, kernels: Kernels, offset: float = 0.0):
+    def __init__(self, size: int, eps: float, kernels: Kernels, offset: float = 0.0,
+                 order: list[int] | None = None):
         super().__init__()
         self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        if offset:
-            self.weight.weight_loader = lambda param, w: param.data.copy_(w.float() + offset)
+        if offset or order is not None:  # order: a head's dims as the rope stores them (rotary_order)
+            self.weight.weight_loader = lambda param, w: param.data.copy_(
+                (w if order is None else w[order]).float() + offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """The rotary inverse frequencies, scaled as the checkpoint's rope_scaling says."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int = 0) -> torch.Tensor:
+    """The rotary inverse frequencies over `head_dim` rotated dims, scaled as the checkpoint's rope_scaling says;
+    `positions`: how far they are served (LongRoPE's choice of factors)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        # The long factors when the served length passes the original one, for every sequence: the rope of a
+        # position cannot depend on how long its sequence grows later, as its K is cached (vLLM decides the same
+        # way; transformers switches per forward pass by the sequence's own length)
+        long = positions > scaling.original_max_position_embeddings
+        return inv_freq / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
     if scaling.kind == "yarn":  # turning over beta_fast times in the original length: kept; under beta_slow: scaled
         def dim_of(rotations: float) -> float:
             return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
@@ -59,16 +68,31 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """The cos/sin table of rotary position embedding, shared by every layer."""
+def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """Where a head's dims are stored when rope turns only its first rotary_dim (partial_rotary_factor): rope pairs
+    dim i with i + rotary_dim / 2; stored as [first rotated half, first passed half, second rotated half, second
+    passed half], the pairs sit head_dim / 2 apart as the rope kernels pair them, and the passed ones take a turn of
+    0. q and k are stored in this order (their dot products are unchanged), so no kernel knows of partial rope."""
+    half, passed = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return [*range(half), *range(rotary_dim, rotary_dim + passed), *range(half, rotary_dim),
+            *range(rotary_dim + passed, head_dim)]
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None):
+
+class RotaryEmbedding(nn.Module):
+    """The cos/sin table of rotary position embedding, shared by every layer: [cos | sin] of head_dim / 2 columns
+    each, the columns past rotary_dim / 2 a turn of 0 (heads in rotary_order)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
+        rotary_dim = rotary_dim or head_dim
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                            rope_frequencies(head_dim, theta, scaling))
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        if scaling is not None and scaling.attention_factor != 1.0:  # yarn's
-            table = table * scaling.attention_factor
+                            rope_frequencies(rotary_dim, theta, scaling, max_positions))
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling is not None and scaling.attention_factor != 1.0:  # yarn's and longrope's
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        passed = (head_dim - rotary_dim) // 2
+        table = torch.cat([nn.functional.pad(cos, (0, passed), value=1.0), nn.functional.pad(sin, (0, passed))], -1)
         self.register_buffer("cos_sin", table, persistent=False)
 
 
@@ -79,16 +103,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
+        order = rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, kernels, bias=cfg.qkv_bias)
+                                          cfg.num_key_value_heads, kernels, bias=cfg.qkv_bias, head_order=order)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, kernels,
                                         bias=cfg.o_bias)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.window = cfg.window_of(layer)
@@ -180,10 +205,12 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.rotary_dim)
         local = rotary  # the windowed layers' own rope (Gemma 3), where the config gives one
         if cfg.local_rope_theta is not None:
-            local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
+            local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                    rotary_dim=cfg.rotary_dim)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, local if cfg.window_of(i) else rotary, kernels)
                                     for i in range(cfg.num_hidden_layers))

@@ -1,8 +1,10 @@
 """Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), Mistral (mistralai/Mistral-7B-*), Phi-3 / Phi-4
-(microsoft/Phi-3-mini-4k-instruct, phi-4) and Granite 3 (ibm-granite/granite-3.1-8b-instruct): the plain decoder;
-Llama's `attention_bias` / `mlp_bias` when set, Llama 3's rope scaling, Mistral's and Phi-3's sliding window; Phi-3
-stores q, k and v as one tensor and gate and up as another, which the loader splits; Granite scales the embeddings,
-the attention scores, each layer's outputs before the residual add and the logits by its config's multipliers."""
+(microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct, phi-4) and Granite 3
+(ibm-granite/granite-3.1-8b-instruct): the plain decoder; Llama's `attention_bias` / `mlp_bias` when set, Llama 3's
+rope scaling, Mistral's and Phi-3's sliding window; Phi-3 stores q, k and v as one tensor and gate and up as
+another, which the loader splits, and its long-context models take LongRoPE (Phi-4-mini's over 3/4 of each head);
+Granite scales the embeddings, the attention scores, each layer's outputs before the residual add and the logits by
+its config's multipliers."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +38,4 @@ class MistralForCausalLM(CausalLM):
 class Phi3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        rope = raw.get("rope_parameters") or {}
-        if (raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError("Phi-3 with partial_rotary_factor (rope over part of each head: Phi-4-mini) is not "
-                             "supported")
         return MistralForCausalLM.config(raw)

@@ -93,9 +93,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated when there are more ranks than KV heads (each rank keeps the head its queries use)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, kernels: Kernels,
-                 bias: bool = False):
+                 bias: bool = False, head_order: list[int] | None = None):
         size = tp_size()
-        self.head_dim = head_dim
+        self.head_dim, self.head_order = head_dim, head_order  # head_order: q's and k's dims within each head
         self.num_heads = _divide(num_heads, size)
         self.num_kv_heads = max(1, num_kv_heads // size)
         if num_kv_heads >= size:
@@ -122,6 +122,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_index = self.tp_rank * self.total_kv_heads // self.tp_size
             start = (kv_index // self.num_kv_heads) * kv_size
             size, shard = kv_size, loaded.narrow(0, start, kv_size)
+        if self.head_order is not None and shard_id != "v":
+            shard = shard.unflatten(0, (-1, self.head_dim))[:, self.head_order].flatten(0, 1)
         param.data.narrow(0, offset, size).copy_(shard)
 
 

@@ -150,9 +150,15 @@ class ModelRunner:
             build_hooks.install(BUILDS.count)  # before the first kernel runs: the warm-up's builds count as warm-up
         self.kernels = kernels.select(self.device, cfg.attention, fp8_cache)
 
+        # the rope table covers the positions served, and LongRoPE takes its factors for that length
+        served = dataclasses.replace(mc, max_position_embeddings=self.max_model_len)
+        if mc.rope_scaling is not None and mc.rope_scaling.kind == "longrope":
+            long = self.max_model_len > mc.rope_scaling.original_max_position_embeddings
+            log.info("LongRoPE: the %s factors (max_model_len %d %s the original %d)", "long" if long else "short",
+                     self.max_model_len, ">" if long else "<=", mc.rope_scaling.original_max_position_embeddings)
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
-            self.model = ARCHITECTURES[mc.architecture](mc, self.kernels)
+            self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
         torch.set_default_dtype(torch.float32)
         kv_scales = load_weights(self.model, model_dir)
         self.model.fold_scales()
