@@ -52,6 +52,15 @@ HOPPER_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
         720: MoeConfig(32, Tiles(128, 128, 4, 2), Tiles(64, 128, 4, 3)),
         2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
     },
+    (2048, 1408): {  # Qwen1.5-MoE-A2.7B: 60 experts, top 4
+        2: MoeConfig(16, Tiles(128, 128, 4, 5), Tiles(32, 128, 4, 5)),
+        32: MoeConfig(16, Tiles(128, 128, 4, 3), Tiles(128, 128, 4, 2)),
+        80: MoeConfig(16, Tiles(128, 128, 4, 4), Tiles(128, 128, 4, 2)),
+        176: MoeConfig(16, Tiles(128, 128, 4, 4), Tiles(256, 128, 4, 2)),
+        352: MoeConfig(32, Tiles(128, 128, 4, 3), Tiles(128, 128, 4, 3)),
+        1024: MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+        2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+    },
     (4096, 14336): {  # Mixtral-8x7B: 8 experts, top 2
         2: MoeConfig(16, Tiles(64, 128, 4, 2), Tiles(64, 64, 4, 5)),
         16: MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(64, 64, 4, 3)),
