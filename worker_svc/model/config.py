@@ -38,6 +38,12 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
 
+    def long_factors(self, positions: int) -> bool:
+        """Whether LongRoPE takes its long factors on a worker serving `positions`: where that passes the original
+        length, for every sequence, as a position's rope cannot depend on how long its sequence grows later (its K
+        is cached). vLLM decides the same way; transformers switches per call by the sequence's own length."""
+        return self.kind == "longrope" and positions > self.original_max_position_embeddings
+
 
 @dataclass(slots=True, frozen=True)
 class MoeConfig:

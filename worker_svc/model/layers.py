@@ -40,11 +40,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, p
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "longrope":
-        # The long factors when the served length passes the original one, for every sequence: the rope of a
-        # position cannot depend on how long its sequence grows later, as its K is cached (vLLM decides the same
-        # way; transformers switches per forward pass by the sequence's own length)
-        long = positions > scaling.original_max_position_embeddings
-        return inv_freq / torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        factors = scaling.long_factor if scaling.long_factors(positions) else scaling.short_factor
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if scaling.kind == "yarn":  # turning over beta_fast times in the original length: kept; under beta_slow: scaled
         def dim_of(rotations: float) -> float:
             return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (

@@ -153,9 +153,9 @@ class ModelRunner:
         # the rope table covers the positions served, and LongRoPE takes its factors for that length
         served = dataclasses.replace(mc, max_position_embeddings=self.max_model_len)
         if mc.rope_scaling is not None and mc.rope_scaling.kind == "longrope":
-            long = self.max_model_len > mc.rope_scaling.original_max_position_embeddings
-            log.info("LongRoPE: the %s factors (max_model_len %d %s the original %d)", "long" if long else "short",
-                     self.max_model_len, ">" if long else "<=", mc.rope_scaling.original_max_position_embeddings)
+            log.info("LongRoPE: its %s factors at max_model_len %d (original length %d)",
+                     "long" if mc.rope_scaling.long_factors(self.max_model_len) else "short", self.max_model_len,
+                     mc.rope_scaling.original_max_position_embeddings)
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
