@@ -54,6 +54,10 @@ CONFIGS = {
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **COMMON),
     "qwen2": transformers.Qwen2Config(
         hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
+    # Qwen2's window where use_sliding_window sets it: layers 1 and 2 (from max_window_layers on), 12 tokens
+    "qwen2-window": transformers.Qwen2Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, use_sliding_window=True,
+        sliding_window=12, max_window_layers=1, **COMMON),
     "mistral": transformers.MistralConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         sliding_window=12, **COMMON),
@@ -441,6 +445,28 @@ def test_a_rope_it_does_not_compute_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config", "Qwen2MoeConfig", "Qwen3MoeConfig"])
+@pytest.mark.parametrize("use_sliding_window, max_window_layers", [(True, 0), (True, 3), (True, 6), (False, 3)])
+def test_qwen_windows_are_the_layers_transformers_windows(config_class, use_sliding_window, max_window_layers,
+                                                         tmp_path):
+    """Each Qwen architecture's own rule for which layers use_sliding_window windows (Qwen2 and Qwen3 from
+    max_window_layers on, Qwen2-MoE the even ones below it, Qwen3-MoE all), read from a config.json without
+    `layer_types` (written before transformers kept it) as transformers' attention layers take it."""
+    import importlib
+
+    hf = getattr(transformers, config_class)(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+        use_sliding_window=use_sliding_window, sliding_window=16, max_window_layers=max_window_layers)
+    name = config_class.removesuffix("Config")
+    raw = {k: v for k, v in hf.to_dict().items() if k != "layer_types"} | {"architectures": [f"{name}ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = ModelConfig.from_dir(tmp_path)
+    module = name.lower().replace("moe", "_moe")
+    attention = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), f"{name}Attention")
+    theirs = [getattr(attention(hf, i), "sliding_window", None) or None for i in range(6)]
+    assert [ours.window_of(i) for i in range(6)] == theirs
 
 
 def test_an_unsupported_architecture_is_refused_at_start(tmp_path):

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.qwen3 import _window
+from worker_svc.model.qwen3 import max_window_layers, qwen_windows
 
 
 class Qwen2ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        return ModelConfig.common(raw, qkv_bias=True, sliding_window=_window(raw))
+        return ModelConfig.common(raw, qkv_bias=True,
+                                  layer_windows=qwen_windows(raw, lambda i: i >= max_window_layers(raw)))

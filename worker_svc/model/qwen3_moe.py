@@ -6,7 +6,7 @@ import dataclasses
 
 from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.qwen3 import Qwen3ForCausalLM
+from worker_svc.model.qwen3 import Qwen3ForCausalLM, qwen_windows
 
 
 def routed_experts(raw: dict) -> MoeConfig | None:
@@ -25,4 +25,6 @@ def routed_experts(raw: dict) -> MoeConfig | None:
 class Qwen3MoeForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=routed_experts(raw))
+        # transformers' Qwen3-MoE windows every layer when use_sliding_window is set
+        return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=routed_experts(raw),
+                                   layer_windows=qwen_windows(raw | {"layer_types": None}, lambda i: True))
