@@ -52,6 +52,10 @@ CONFIGS = {
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **COMMON),
+    # SmolLM3: layer 1 without rope (every 2nd), and with use_sliding_window a 12-token window on it
+    "smollm3": transformers.SmolLM3Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, no_rope_layer_interval=2,
+        use_sliding_window=True, sliding_window=12, **COMMON),
     "qwen2": transformers.Qwen2Config(
         hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
     # Qwen2's window where use_sliding_window sets it: layers 1 and 2 (from max_window_layers on), 12 tokens

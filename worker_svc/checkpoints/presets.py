@@ -1,11 +1,11 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
-Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4,
-microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct, Qwen/Qwen1.5-MoE-A2.7B,
-google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct) except the vocabulary: every preset keeps Qwen's (151,936
-rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The test presets shrink
-everything else.
+Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM3-3B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1,
+google/gemma-3-1b-pt, microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct,
+Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct) except the vocabulary: every preset
+keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The
+test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def _qwen2(hidden, layers, heads, kv_heads, intermediate, tied, max_pos=32768, d
                   max_window_layers=layers)
 
 
+def _smollm3(hidden, layers, heads, kv_heads, intermediate, max_pos=65536, dtype="bfloat16", interval=4):
+    return _other("SmolLM3ForCausalLM", "smollm3", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
+                  5000000.0, dtype, rms_norm_eps=1e-06, no_rope_layer_interval=interval, use_sliding_window=False,
+                  sliding_window=None, attention_bias=False, mlp_bias=False)
+
+
 def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
@@ -176,6 +182,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-tiny-tp": _qwen3(128, 2, 8, 4, 16, 256, tied=True, max_pos=512, dtype="float32"),
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, tied=False),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
+    "smollm3-3b": _smollm3(2048, 36, 16, 4, 11008),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
@@ -204,6 +211,8 @@ PRESETS: dict[str, dict] = {
     # layers 0-4 sliding (window 16), layer 5 global, 6-7 sliding
     "gemma3-tiny": _gemma3(96, 8, 3, 1, 32, 160, window=16, max_pos=512, dtype="float32"),
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
+    # layers 1 and 3 without rope (every 2nd: the real one's every 4th)
+    "smollm3-tiny": _smollm3(96, 4, 6, 2, 160, max_pos=512, dtype="float32", interval=2),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
     "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),

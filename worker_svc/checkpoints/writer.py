@@ -62,15 +62,15 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
-    for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's attention and MLP biases where its config sets
-    them, experts (and Qwen2-MoE's shared one)."""
+    for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's (and SmolLM3's) attention and MLP biases where its
+    config sets them, experts (and Qwen2-MoE's shared one)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
-    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "qwen3", "qwen3_moe")
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe")
     qkv_bias = attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
-    mlp_bias = bool(config.get("mlp_bias")) and kind == "llama"
+    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
     moe_layers = set()
     if kind in ("qwen3_moe", "qwen2_moe"):
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])

@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -77,6 +78,7 @@ class ModelConfig:
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
     rope_scaling: RopeScaling | None = None
     rotary_dim: int | None = None  # rope over the first rotary_dim of each head (partial_rotary_factor), None: all
+    nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3's NoPE layers)
     sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
     moe: MoeConfig | None = None
     hidden_act: str = "silu"       # the gated MLP's: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
@@ -179,3 +181,14 @@ def rope_scaling(rope: dict, max_positions: int, original: int | None = None) ->
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def optional_windows(raw: dict, derived: Callable[[int], bool]) -> tuple[int | None, ...] | None:
+    """Each layer's window in configs that turn theirs on with use_sliding_window (Qwen's, SmolLM3's; the published
+    ones leave it off), as transformers reads them: on the layers `layer_types` marks, or where it does not (configs
+    written before it), on the layers `derived` picks: each architecture has its own rule."""
+    if not raw.get("use_sliding_window") or not raw.get("sliding_window"):
+        return None
+    types = raw.get("layer_types") or ["sliding_attention" if derived(i) else "full_attention"
+                                       for i in range(raw["num_hidden_layers"])]
+    return tuple(raw["sliding_window"] if t == "sliding_attention" else None for t in types)

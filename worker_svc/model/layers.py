@@ -76,13 +76,14 @@ def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos/sin table of rotary position embedding, shared by every layer: [cos | sin] of head_dim / 2 columns
-    each, the columns past rotary_dim / 2 a turn of 0 (heads in rotary_order)."""
+    """The cos/sin table of rotary position embedding, shared by the layers that take it: [cos | sin] of head_dim / 2
+    columns each, the columns past rotary_dim / 2 a turn of 0 (heads in rotary_order; all of them with rotary_dim
+    0: a layer without rope)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None,
                  rotary_dim: int | None = None):
         super().__init__()
-        rotary_dim = rotary_dim or head_dim
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim  # 0: no rope (a turn of 0 everywhere)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
                             rope_frequencies(rotary_dim, theta, scaling, max_positions))
         cos, sin = freqs.cos(), freqs.sin()
@@ -208,9 +209,13 @@ class CausalLM(nn.Module):
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
                                     rotary_dim=cfg.rotary_dim)
+        nope = None  # the layers without rope (SmolLM3's)
+        if cfg.nope_layers:
+            nope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, 1.0, rotary_dim=0)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local if cfg.window_of(i) else rotary, kernels)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, nope if i in cfg.nope_layers else local if cfg.window_of(i) else rotary, kernels)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -1,15 +1,15 @@
-"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), Mistral (mistralai/Mistral-7B-*), Phi-3 / Phi-4
-(microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct, phi-4) and Granite 3
-(ibm-granite/granite-3.1-8b-instruct): the plain decoder; Llama's `attention_bias` / `mlp_bias` when set, Llama 3's
-rope scaling, Mistral's and Phi-3's sliding window; Phi-3 stores q, k and v as one tensor and gate and up as
-another, which the loader splits, and its long-context models take LongRoPE (Phi-4-mini's over 3/4 of each head);
-Granite scales the embeddings, the attention scores, each layer's outputs before the residual add and the logits by
-its config's multipliers."""
+"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), SmolLM3 (HuggingFaceTB/SmolLM3-3B), Mistral
+(mistralai/Mistral-7B-*), Phi-3 / Phi-4 (microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct,
+Phi-4-mini-instruct, phi-4) and Granite 3 (ibm-granite/granite-3.1-8b-instruct): the plain decoder; Llama's
+`attention_bias` / `mlp_bias` when set, Llama 3's rope scaling, SmolLM3's layers without rope, Mistral's and Phi-3's
+sliding window; Phi-3 stores q, k and v as one tensor and gate and up as another, which the loader splits, and its
+long-context models take LongRoPE (Phi-4-mini's over 3/4 of each head); Granite scales the embeddings, the attention
+scores, each layer's outputs before the residual add and the logits by its config's multipliers."""
 from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig
+from worker_svc.model.config import ModelConfig, optional_windows
 from worker_svc.model.layers import CausalLM
 
 
@@ -27,6 +27,19 @@ class GraniteForCausalLM(CausalLM):
                                    attention_scale=raw.get("attention_multiplier"),
                                    residual_scale=raw.get("residual_multiplier", 1.0),
                                    logit_scale=1.0 / raw.get("logits_scaling", 1.0))
+
+
+class SmolLM3ForCausalLM(CausalLM):
+    """Llama's layers with every no_rope_layer_interval-th one (or those `no_rope_layers` marks 0) without rope,
+    and, with use_sliding_window, windows on those (or on the layers `layer_types` marks)."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        interval = raw.get("no_rope_layer_interval", 4)
+        rope = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(raw["num_hidden_layers"])]
+        nope = tuple(i for i, on in enumerate(rope) if not on)
+        return dataclasses.replace(LlamaForCausalLM.config(raw), nope_layers=nope,
+                                   layer_windows=optional_windows(raw, lambda i: i in nope))
 
 
 class MistralForCausalLM(CausalLM):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig
+from worker_svc.model.config import ModelConfig, optional_windows
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
-from worker_svc.model.qwen3 import max_window_layers, qwen_windows
+from worker_svc.model.qwen3 import max_window_layers
 from worker_svc.model.qwen3_moe import routed_experts
 
 
@@ -19,6 +19,6 @@ class Qwen2MoeForCausalLM(CausalLM):
         if moe is not None:
             moe = dataclasses.replace(moe, shared_intermediate_size=raw.get("shared_expert_intermediate_size", 0))
         # transformers' Qwen2-MoE windows the even layers below max_window_layers (Qwen2's rule is the opposite)
-        windows = qwen_windows(raw, lambda i: i % 2 == 0 and i < max_window_layers(raw))
+        windows = optional_windows(raw, lambda i: i % 2 == 0 and i < max_window_layers(raw))
         return dataclasses.replace(Qwen2ForCausalLM.config(raw), qkv_bias=raw.get("qkv_bias", True), moe=moe,
                                    layer_windows=windows)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig, MoeConfig
+from worker_svc.model.config import ModelConfig, MoeConfig, optional_windows
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.qwen3 import Qwen3ForCausalLM, qwen_windows
+from worker_svc.model.qwen3 import Qwen3ForCausalLM
 
 
 def routed_experts(raw: dict) -> MoeConfig | None:
@@ -27,4 +27,4 @@ class Qwen3MoeForCausalLM(CausalLM):
     def config(cls, raw: dict) -> ModelConfig:
         # transformers' Qwen3-MoE windows every layer when use_sliding_window is set
         return dataclasses.replace(Qwen3ForCausalLM.config(raw), moe=routed_experts(raw),
-                                   layer_windows=qwen_windows(raw | {"layer_types": None}, lambda i: True))
+                                   layer_windows=optional_windows(raw | {"layer_types": None}, lambda i: True))
