@@ -126,6 +126,11 @@ CONFIGS = {
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=56,
         num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], num_attention_heads=4,
         num_key_value_heads=2, **COMMON),
+    # GraniteMoE: Granite's multipliers, 2 of 6 experts on every layer, each projection's experts in one tensor
+    "granite_moe": transformers.GraniteMoeConfig(
+        hidden_size=64, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+        logits_scaling=4.0, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

@@ -3,9 +3,9 @@
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
 Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM3-3B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1,
 google/gemma-3-1b-pt, microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct,
-Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct) except the vocabulary: every preset
-keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The
-test presets shrink everything else.
+Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct, granite-3.0-1b-a400m) except the
+vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no
+other is at hand offline). The test presets shrink everything else.
 """
 
 from __future__ import annotations
@@ -161,6 +161,14 @@ def _granite(hidden, layers, heads, kv_heads, intermediate, max_pos=131072, dtyp
                   residual_multiplier=residual, logits_scaling=logits, attention_bias=False, mlp_bias=False)
 
 
+def _granite_moe(hidden, layers, heads, kv_heads, intermediate, experts, top_k, max_pos=4096, dtype="bfloat16",
+                 **multipliers):
+    config = _granite(hidden, layers, heads, kv_heads, intermediate, max_pos, dtype, **multipliers)
+    return config | {"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe",
+                     "num_local_experts": experts, "num_experts_per_tok": top_k, "rope_theta": 10000.0,
+                     "output_router_logits": False, "router_aux_loss_coef": 0.0}
+
+
 def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, attn_cap=50.0, max_pos=8192,
             dtype="bfloat16"):
     return _other("Gemma2ForCausalLM", "gemma2", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
@@ -204,6 +212,9 @@ PRESETS: dict[str, dict] = {
     "granite-3.1-8b": _granite(4096, 40, 32, 8, 12800),
     "granite-tiny": _granite(96, 2, 6, 2, 160, max_pos=512, dtype="float32", embedding=3.0, attention=0.2,
                              residual=0.5, logits=4.0),
+    "granite-3.0-1b-a400m": _granite_moe(1024, 24, 16, 8, 512, experts=32, top_k=8, attention=0.015625, logits=6.0),
+    "granite-moe-tiny": _granite_moe(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32",
+                                     embedding=3.0, attention=0.2, residual=0.5, logits=4.0),
     "gemma-2-2b": _gemma2(2304, 26, 8, 4, 256, 9216, window=4096),
     # a cap of 5 on attention scores (50 in the real ones): tiny random weights reach it
     "gemma2-tiny": _gemma2(64, 4, 4, 2, 16, 128, window=16, attn_cap=5.0, max_pos=512, dtype="float32"),

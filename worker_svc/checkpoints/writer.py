@@ -63,7 +63,7 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
     for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's (and SmolLM3's) attention and MLP biases where its
-    config sets them, experts (and Qwen2-MoE's shared one)."""
+    config sets them, experts (and Qwen2-MoE's shared one; GraniteMoE's stored whole per projection)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
@@ -92,6 +92,13 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
         if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
+            e, e_inter = config["num_local_experts"], inter
+            shapes += [(p + "block_sparse_moe.input_linear.weight", (e, 2 * e_inter, h)),
+                       (p + "block_sparse_moe.output_linear.weight", (e, h, e_inter)),
+                       (p + "block_sparse_moe.router.layer.weight", (e, h)),
+                       (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+            continue
         if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
             mixtral = kind == "mixtral"
             module = "block_sparse_moe" if mixtral else "mlp"

@@ -147,6 +147,16 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
+    def scale_output(self, factor: float) -> None:
+        scale_rows(self.down_proj, factor)
+
+
+def scale_rows(proj: nn.Module, factor: float) -> None:
+    """A loaded projection's output times `factor`, in its weight (and bias): no kernel spends time on it."""
+    proj.weight.mul_(factor)
+    if getattr(proj, "bias", None) is not None:
+        proj.bias.mul_(factor)
+
 
 def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
     """The layer's MLP: routed experts where the config puts them, else the dense gated one."""
@@ -228,15 +238,14 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def fold_scales(self) -> None:
         """After loading: the config's output scales multiplied into the weights that produce those outputs, so
-        that no step spends a kernel on them: the residual scale into every layer's o_proj and down_proj (rows
-        of a row-parallel weight: each rank's share), the logit scale into the final norm's weight."""
+        that no step spends a kernel on them: the residual scale into every layer's o_proj and its MLP's down
+        projections (the experts' too; rows of a row-parallel weight: each rank's share), the logit scale into
+        the final norm's weight."""
         cfg = self.config
         if cfg.residual_scale != 1.0:
             for layer in self.layers:
-                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                    proj.weight.mul_(cfg.residual_scale)
-                    if proj.bias is not None:
-                        proj.bias.mul_(cfg.residual_scale)
+                scale_rows(layer.self_attn.o_proj, cfg.residual_scale)
+                layer.mlp.scale_output(cfg.residual_scale)
         if cfg.logit_scale != 1.0:
             assert cfg.norm_offset == 0.0, "a (1 + w) norm's weight does not scale its output"
             self.norm.weight.mul_(cfg.logit_scale)

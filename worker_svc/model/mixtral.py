@@ -7,7 +7,7 @@ import dataclasses
 
 from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.llama import MistralForCausalLM
+from worker_svc.model.llama import GraniteForCausalLM, MistralForCausalLM
 
 
 class MixtralForCausalLM(CausalLM):
@@ -20,3 +20,19 @@ class MixtralForCausalLM(CausalLM):
                         intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
                         layers=tuple(range(raw["num_hidden_layers"])))
         return dataclasses.replace(MistralForCausalLM.config(raw), moe=moe)
+
+
+class GraniteMoeForCausalLM(CausalLM):
+    """GraniteMoE (ibm-granite/granite-3.0-1b-a400m, 3b-a800m, granite-3.1 MoE): Granite's multipliers and routed
+    experts on every layer, each layer's experts stored as one tensor per projection (`input_linear`: gate then up;
+    `output_linear`: down), the top k softmaxed among themselves (= the top k of a softmax, renormalised)."""
+    renamed_fragments = {".block_sparse_moe.input_linear.": ".mlp.experts.gate_up_proj.",
+                         ".block_sparse_moe.output_linear.": ".mlp.experts.down_proj.",
+                         ".block_sparse_moe.router.layer.": ".mlp.gate."}
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
+                        intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                        layers=tuple(range(raw["num_hidden_layers"])))
+        return dataclasses.replace(GraniteForCausalLM.config(raw), moe=moe)

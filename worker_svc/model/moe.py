@@ -17,7 +17,8 @@ from worker_svc.model.parallel import _divide, tp_rank, tp_size
 
 class ExpertWeights(nn.Module):
     """One projection of this rank's experts as one [experts, out, in] tensor. Its loader takes expert e's
-    checkpoint tensor (for gate_up: its half, 0 gate, 1 up) and skips the experts of other ranks."""
+    checkpoint tensor (for gate_up: its half, 0 gate, 1 up) and skips the experts of other ranks; a checkpoint
+    tensor of every expert at once (GraniteMoE's [experts, out, in]) is split into those."""
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None):
         super().__init__()
@@ -27,6 +28,11 @@ class ExpertWeights(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_ids = [(e, h) for e in range(num_experts) for h in (halves or (None,))]
+        self.weight.split_fused = self.split_fused
+
+    def split_fused(self, loaded: torch.Tensor) -> list[tuple[tuple[int, int | None], torch.Tensor]]:
+        return [((e, h), loaded[e] if h is None else loaded[e].narrow(0, h * self.out, self.out))
+                for e, h in self.weight.shard_ids]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
         expert, half = shard_id
@@ -74,3 +80,8 @@ class SparseMoE(nn.Module):
         if tp_size() > 1:
             dist.all_reduce(y)
         return y
+
+    def scale_output(self, factor: float) -> None:
+        self.experts.down_proj.weight.mul_(factor)  # each expert's output, so their weighted sum
+        if self.shared_expert is not None:
+            self.shared_expert.scale_output(factor)

@@ -6,7 +6,7 @@ from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGener
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                     SmolLM3ForCausalLM)
-from worker_svc.model.mixtral import MixtralForCausalLM
+from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
