@@ -112,6 +112,15 @@ CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, tie_word_embeddings=True),
+    # Mistral Small 3.1's layout (language_model.*, vision_tower.*, multi_modal_projector.*) served as text, its head
+    # untied by the outer config; a 16-token window
+    "mistral3_mm": transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(
+            hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=16, **COMMON),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, image_size=28, patch_size=14),
+        tie_word_embeddings=False),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -145,8 +154,10 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     config = config or CONFIGS[name]
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
     eager = getattr(config, "attn_logit_softcapping", None) is not None
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                       attn_implementation="eager" if eager else None).eval()
+    # Mistral 3's multimodal model is no AutoModelForCausalLM (Gemma 3's is)
+    auto = (transformers.AutoModelForImageTextToText if config.model_type == "mistral3"
+            else transformers.AutoModelForCausalLM)
+    hf = auto.from_config(config, dtype=torch.float32, attn_implementation="eager" if eager else None).eval()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:
@@ -446,6 +457,14 @@ def test_longrope_frequencies_and_scale_are_transformers(served):
                                rtol=1e-6, atol=0)
     assert ours.rope_scaling.attention_factor == pytest.approx(attention_factor, rel=1e-12)
     assert attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+
+
+def test_a_mistral3_checkpoint_whose_text_model_is_not_mistral_is_refused(tmp_path):
+    raw = CONFIGS["mistral3_mm"].to_dict() | {"architectures": ["Mistral3ForConditionalGeneration"]}
+    raw["text_config"] = transformers.Ministral3Config(hidden_size=64, num_attention_heads=4).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="'ministral3' text model is not supported"):
+        ModelConfig.from_dir(tmp_path)
 
 
 def test_a_rope_it_does_not_compute_is_refused_by_name(tmp_path):

@@ -9,6 +9,7 @@ import dataclasses
 from worker_svc.model.config import ModelConfig, rope_scaling
 from worker_svc.model.gemma2 import gemma_config
 from worker_svc.model.layers import CausalLM
+from worker_svc.model.multimodal import TextOfMultimodal, text_config
 
 
 # Gemma3TextConfig's defaults: the published multimodal checkpoints' text_config lists only what differs from them
@@ -41,15 +42,9 @@ class Gemma3ForCausalLM(CausalLM):
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A multimodal Gemma 3 checkpoint (gemma-3-4b-it ... 27b) served as text: its language model
-    (`language_model.model.*` as published; `model.language_model.*` as some transformers 4.5x releases saved it),
-    its config's `text_config`; the vision tower and the projector are left unloaded, so prompts are text."""
-    checkpoint_prefixes = ("language_model.model.", "language_model.", "model.language_model.")
-    ignored_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                        "model.multi_modal_projector.")
+class Gemma3ForConditionalGeneration(TextOfMultimodal, Gemma3ForCausalLM):
+    """A multimodal Gemma 3 checkpoint (gemma-3-4b-it ... 27b) served as text (model/multimodal.py)."""
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        outer = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings") if k in raw}
-        return super().config(outer | raw.get("text_config", {}) | {"architectures": raw["architectures"]})
+        return super().config(text_config(raw))

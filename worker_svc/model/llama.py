@@ -11,6 +11,7 @@ import dataclasses
 
 from worker_svc.model.config import ModelConfig, optional_windows
 from worker_svc.model.layers import CausalLM
+from worker_svc.model.multimodal import TextOfMultimodal, text_config
 
 
 class LlamaForCausalLM(CausalLM):
@@ -52,3 +53,16 @@ class Phi3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
         return MistralForCausalLM.config(raw)
+
+
+class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
+    """A multimodal Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2-24B, Magistral-Small) served as text
+    (model/multimodal.py): Mistral's layers from its text_config."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        text = text_config(raw)
+        if text.get("model_type", "mistral") != "mistral":  # Ministral 3's text model scales attention by position
+            raise ValueError(f"Mistral3ForConditionalGeneration with a {text['model_type']!r} text model is not "
+                             "supported (its text_config must be Mistral's)")
+        return super().config(text)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
-                                    SmolLM3ForCausalLM)
+from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
+                                    MistralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

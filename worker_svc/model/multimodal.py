@@ -1,0 +1,20 @@
+"""Multimodal checkpoints served as text (Gemma 3's and Mistral 3's larger models): their language model's tensors
+and config; the vision tower and the projector are left unloaded, so prompts are text."""
+from __future__ import annotations
+
+
+class TextOfMultimodal:
+    """Mixed in before a text architecture: its checkpoint names (`language_model.model.*` and
+    `language_model.lm_head.*` as published; `model.language_model.*` and `lm_head.*` as some transformers releases
+    save them) and its config (`text_config`, see text_config)."""
+    checkpoint_prefixes = ("language_model.model.", "language_model.", "model.language_model.")
+    ignored_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
+
+def text_config(raw: dict) -> dict:
+    """A multimodal config.json's language model, as transformers builds it: its text_config, the outer dtype
+    where that names none, and the outer tie_word_embeddings where set (the whole model ties its head by it)."""
+    dtype = {k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}
+    tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+    return dtype | raw.get("text_config", {}) | tie | {"architectures": raw["architectures"]}
