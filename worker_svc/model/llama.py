@@ -56,7 +56,7 @@ class Phi3ForCausalLM(CausalLM):
 
 
 class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
-    """A multimodal Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2-24B, Magistral-Small) served as text
+    """A multimodal Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2-24B) served as text
     (model/multimodal.py): Mistral's layers from its text_config."""
 
     @classmethod
