@@ -121,6 +121,21 @@ CONFIGS = {
         vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=2, image_size=28, patch_size=14),
         tie_word_embeddings=False),
+    # Qwen2.5-VL and Qwen3-VL served as text: their multimodal rope's three sections (2 + 3 + 3 of 8 frequencies)
+    # over text positions, Qwen3-VL's interleaved
+    "qwen2_5_vl": transformers.Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         **COMMON),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, fullatt_block_indexes=[0]), tie_word_embeddings=False),
+    "qwen3_vl": transformers.Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                         **COMMON),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, deepstack_visual_indexes=[0]), tie_word_embeddings=False),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -154,8 +169,8 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     config = config or CONFIGS[name]
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
     eager = getattr(config, "attn_logit_softcapping", None) is not None
-    # Mistral 3's multimodal model is no AutoModelForCausalLM (Gemma 3's is)
-    auto = (transformers.AutoModelForImageTextToText if config.model_type == "mistral3"
+    # Mistral 3's and Qwen-VL's multimodal models are no AutoModelForCausalLM (Gemma 3's is)
+    auto = (transformers.AutoModelForImageTextToText if config.model_type in ("mistral3", "qwen2_5_vl", "qwen3_vl")
             else transformers.AutoModelForCausalLM)
     hf = auto.from_config(config, dtype=torch.float32, attn_implementation="eager" if eager else None).eval()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
@@ -389,6 +404,30 @@ def test_a_published_multimodal_gemma3_config_reads_as_transformers_reads_it(tmp
     assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == (full["rope_type"], full["factor"])
     assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
     assert ours.tie_word_embeddings == text.tie_word_embeddings and ours.rms_norm_eps == text.rms_norm_eps
+
+
+def test_a_published_qwen2_5_vl_config_reads_as_transformers_reads_it(tmp_path):
+    """Qwen2.5-VL-7B-Instruct's config.json keeps its text model's fields at the top (no text_config) and names its
+    rope `mrope`: the same shape as transformers reads, plain rope (text positions), untied."""
+    published = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "torch_dtype": "bfloat16",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+        "vocab_size": 152064, "tie_word_embeddings": False, "sliding_window": 32768, "use_sliding_window": False,
+        "max_window_layers": 28, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584, "fullatt_block_indexes": [7]},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    ours = ModelConfig.from_dir(tmp_path)
+    text = transformers.Qwen2_5_VLConfig.from_dict(published).text_config
+    assert (ours.hidden_size, ours.intermediate_size, ours.num_hidden_layers, ours.num_attention_heads,
+            ours.num_key_value_heads, ours.head_dim, ours.vocab_size, ours.max_position_embeddings) == (
+        text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+        text.num_key_value_heads, text.hidden_size // text.num_attention_heads, text.vocab_size,
+        text.max_position_embeddings)
+    assert ours.rope_theta == text.rope_parameters["rope_theta"] and ours.rope_scaling is None
+    assert ours.qkv_bias and not ours.tie_word_embeddings and ours.layer_windows is None
+    assert ours.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("rope", [

@@ -150,7 +150,7 @@ def rope_scaling(rope: dict, max_positions: int, original: int | None = None) ->
     """The checkpoint's rope scaling, read as transformers reads it; `original`: a config's top-level
     original_max_position_embeddings, which wins over the rope's (else the rope's, else max_positions)."""
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind == "default":
+    if kind in ("default", "mrope"):  # mrope (Qwen-VL): plain rope over text (model/qwen_vl.py)
         return None
     original = original or rope.get("original_max_position_embeddings") or max_positions
     if kind == "llama3":

@@ -1,5 +1,5 @@
-"""Multimodal checkpoints served as text (Gemma 3's and Mistral 3's larger models): their language model's tensors
-and config; the vision tower and the projector are left unloaded, so prompts are text."""
+"""Multimodal checkpoints served as text (Gemma 3's and Mistral 3's larger models, Qwen2.5-VL, Qwen3-VL): their
+language model's tensors and config; the vision tower and the projector are left unloaded, so prompts are text."""
 from __future__ import annotations
 
 
@@ -13,8 +13,10 @@ class TextOfMultimodal:
 
 
 def text_config(raw: dict) -> dict:
-    """A multimodal config.json's language model, as transformers builds it: its text_config, the outer dtype
-    where that names none, and the outer tie_word_embeddings where set (the whole model ties its head by it)."""
+    """A multimodal config.json's language model, as transformers builds it: its text_config (or, in configs
+    written before there was one, the outer fields: Qwen2.5-VL's), the outer dtype where that names none, and the
+    outer tie_word_embeddings where set (the whole model ties its head by it)."""
     dtype = {k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}
     tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
-    return dtype | raw.get("text_config", {}) | tie | {"architectures": raw["architectures"]}
+    text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
+    return dtype | text | tie | {"architectures": raw["architectures"]}

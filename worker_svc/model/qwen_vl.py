@@ -1,0 +1,31 @@
+"""Qwen2.5-VL and Qwen3-VL (Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, ...) served as text
+(model/multimodal.py): Qwen2's and Qwen3's layers from the text config. Their multimodal rope (mrope) gives each of
+three sections of the frequencies its own position stream (time, height, width), which are the same position for
+text, so over a text prompt it is plain rope."""
+from __future__ import annotations
+
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.multimodal import text_config
+from worker_svc.model.qwen2 import Qwen2ForCausalLM
+from worker_svc.model.qwen3 import Qwen3ForCausalLM
+
+# the text model's tensors as published (`model.layers.*`) or as transformers 5 saves Qwen3-VL
+# (`model.language_model.layers.*`); the vision tower's left
+PREFIXES = ("model.language_model.", "model.")
+VISION = ("visual.", "model.visual.")
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):  # noqa: N801 (transformers' name)
+    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return super().config(text_config(raw))
+
+
+class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return super().config(text_config(raw))
