@@ -136,6 +136,14 @@ CONFIGS = {
                          **COMMON),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, deepstack_visual_indexes=[0]), tie_word_embeddings=False),
+    # Qwen3-VL-MoE as text: 2 of 6 experts on every layer, each projection's experts in one tensor
+    "qwen3_vl_moe": transformers.Qwen3VLMoeConfig(
+        text_config=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=6,
+                         num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **COMMON),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, deepstack_visual_indexes=[0]), tie_word_embeddings=False),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -170,8 +178,10 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
     eager = getattr(config, "attn_logit_softcapping", None) is not None
     # Mistral 3's and Qwen-VL's multimodal models are no AutoModelForCausalLM (Gemma 3's is)
-    auto = (transformers.AutoModelForImageTextToText if config.model_type in ("mistral3", "qwen2_5_vl", "qwen3_vl")
-            else transformers.AutoModelForCausalLM)
+    multimodal = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    auto = transformers.AutoModelForCausalLM
+    if config.model_type in multimodal:
+        auto = transformers.AutoModelForImageTextToText
     hf = auto.from_config(config, dtype=torch.float32, attn_implementation="eager" if eager else None).eval()
     with torch.no_grad():  # norms away from their init (1, or Gemma's 0), so that a misread one shows
         for param_name, param in hf.named_parameters():
@@ -365,6 +375,25 @@ def test_a_multimodal_gemma3_saved_in_the_newer_layout_loads_the_same(tmp_path_f
             name = name.replace("language_model.lm_head.", "lm_head.")
             tensors["model." + name if name.startswith(("vision_tower.", "multi_modal")) else name] = t
     assert any(n.startswith("model.vision_tower.") for n in tensors)
+    for path in folder.iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    save_file(tensors, tmp_path / "model.safetensors")
+    prompts = _prompts(3)
+    for ours, theirs in zip(prefill_logits(_runner(tmp_path), prompts), prefill_logits(_runner(folder), prompts)):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+def test_qwen3_vl_moe_experts_as_published_load_the_same(tmp_path_factory, tmp_path):
+    """Qwen3-VL-MoE's published checkpoints store each projection's experts as [experts, in, out]; transformers 5
+    saves [experts, out, in]: both give the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _ = _write("qwen3_vl_moe", tmp_path_factory)
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        tensors |= {n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in load_file(path).items()}
+    assert any(".experts.gate_up_proj" in n for n in tensors)
     for path in folder.iterdir():
         if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
             (tmp_path / path.name).write_bytes(path.read_bytes())

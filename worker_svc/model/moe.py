@@ -18,7 +18,9 @@ from worker_svc.model.parallel import _divide, tp_rank, tp_size
 class ExpertWeights(nn.Module):
     """One projection of this rank's experts as one [experts, out, in] tensor. Its loader takes expert e's
     checkpoint tensor (for gate_up: its half, 0 gate, 1 up) and skips the experts of other ranks; a checkpoint
-    tensor of every expert at once (GraniteMoE's [experts, out, in]) is split into those."""
+    tensor of every expert at once is split into those: [experts, out, in] (GraniteMoE's, Qwen3-VL-MoE's as
+    transformers saves it) or [experts, in, out] (Qwen3-VL-MoE's as published), told apart by shape as transformers
+    does."""
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None):
         super().__init__()
@@ -31,6 +33,8 @@ class ExpertWeights(nn.Module):
         self.weight.split_fused = self.split_fused
 
     def split_fused(self, loaded: torch.Tensor) -> list[tuple[tuple[int, int | None], torch.Tensor]]:
+        if loaded.shape[1:] != self.weight.shape[1:]:
+            loaded = loaded.transpose(1, 2)
         return [((e, h), loaded[e] if h is None else loaded[e].narrow(0, h * self.out, self.out))
                 for e, h in self.weight.shard_ids]
 

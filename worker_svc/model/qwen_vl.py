@@ -1,5 +1,6 @@
-"""Qwen2.5-VL and Qwen3-VL (Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, ...) served as text
-(model/multimodal.py): Qwen2's and Qwen3's layers from the text config. Their multimodal rope (mrope) gives each of
+"""Qwen2.5-VL and Qwen3-VL (Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, ...)
+served as text (model/multimodal.py): Qwen2's, Qwen3's and Qwen3-MoE's layers from the text config, Qwen3-VL-MoE's
+experts stored as one tensor per projection. Their multimodal rope (mrope) gives each of
 three sections of the frequencies its own position stream (time, height, width), which are the same position for
 text, so over a text prompt it is plain rope."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from worker_svc.model.config import ModelConfig
 from worker_svc.model.multimodal import text_config
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
+from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 
 # the text model's tensors as published (`model.layers.*`) or as transformers 5 saves Qwen3-VL
 # (`model.language_model.layers.*`); the vision tower's left
@@ -29,3 +31,13 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
         return super().config(text_config(raw))
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
+    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
+    renamed_fragments = {".experts.gate_up_proj": ".experts.gate_up_proj.weight",  # stored without a `.weight`
+                         ".experts.down_proj": ".experts.down_proj.weight"}
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return super().config(text_config(raw) | {"norm_topk_prob": True})  # its router always renormalises

@@ -11,12 +11,14 @@ from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
-from worker_svc.model.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+from worker_svc.model.qwen_vl import (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+                                     Qwen3VLMoeForConditionalGeneration)
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
