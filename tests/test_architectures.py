@@ -79,6 +79,12 @@ CONFIGS = {
         hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
         partial_rotary_factor=0.75, original_max_position_embeddings=256, rope_parameters=LONGROPE(12),
         **(COMMON | {"tie_word_embeddings": True})),
+    # GLM-4: q/k/v biases, gate and up in one tensor, rope over half of each head turning dims 2i and 2i + 1
+    # together; GLM-4-0414 with norms on the attention's and MLP's outputs too
+    "glm": transformers.GlmConfig(
+        hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=2, head_dim=16, **COMMON),
+    "glm4": transformers.Glm4Config(
+        hidden_size=96, intermediate_size=136, num_attention_heads=6, num_key_value_heads=3, head_dim=16, **COMMON),
     "qwen3": transformers.Qwen3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, head_dim=32, **COMMON),
     # Qwen3's long-context setting: YaRN over an original length of 64 (the prompts and generations pass it), a

@@ -38,7 +38,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
             "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny", "phi4-mini-tiny", "smollm3-tiny",
-            "granite-moe-tiny"]
+            "granite-moe-tiny", "glm4-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -95,11 +95,12 @@ def test_real_presets_have_published_sizes():
     # The other families keep Qwen's vocabulary (the tokenizer at hand): their non-embedding parameters, from
     # the published sizes less the published vocabulary's embeddings (Llama 3 128,256 rows, Mistral 32,000,
     # Qwen2.5 151,936, Phi-3 32,064, Phi-4-mini 200,064 tied: 3.84 B, Granite 49,155: granite-3.1-8b's 8.17 B,
-    # SmolLM3 128,256 tied: 3.08 B; granite-3.0-1b-a400m 1.33 B)
+    # SmolLM3 128,256 tied: 3.08 B; granite-3.0-1b-a400m 1.33 B; GLM-4 151,552 untied: 9.40 B)
     non_embedding_only = {"gemma-3-1b": 0.70, "llama-3.1-8b": 6.98, "llama-3.2-1b": 0.97, "qwen2.5-7b": 6.53,
                           "qwen2.5-0.5b": 0.36, "mistral-7b": 6.98, "phi-4": 13.63, "mixtral-8x7b": 46.44,
                           "phi-3-mini": 3.62, "phi-3.5-mini": 3.62, "phi-4-mini": 3.22, "granite-3.1-8b": 7.97,
-                          "smollm3-3b": 2.81, "granite-3.0-1b-a400m": 1.28}
+                          "smollm3-3b": 2.81, "granite-3.0-1b-a400m": 1.28,
+                          "glm-4-9b": 8.16}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
@@ -115,7 +116,7 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "Gemma3ForCausalLM": transformers.Gemma3TextConfig, "Gemma2ForCausalLM": transformers.Gemma2Config,
                   "Phi3ForCausalLM": transformers.Phi3Config, "GraniteForCausalLM": transformers.GraniteConfig,
                   "MixtralForCausalLM": transformers.MixtralConfig, "SmolLM3ForCausalLM": transformers.SmolLM3Config,
-                  "GraniteMoeForCausalLM": transformers.GraniteMoeConfig}
+                  "GraniteMoeForCausalLM": transformers.GraniteMoeConfig, "Glm4ForCausalLM": transformers.Glm4Config}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

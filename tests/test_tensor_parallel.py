@@ -344,7 +344,7 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny", "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny",
-                                    "phi4-mini-tiny", "granite-moe-tiny"])
+                                    "phi4-mini-tiny", "granite-moe-tiny", "glm4-tiny"])
 def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     """Under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the row-parallel bias added
     once after the all-reduce), no q/k norms, scaled rope, 6 heads over 2 KV heads; Qwen3-MoE with each rank
@@ -353,7 +353,7 @@ def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     in that one all-reduce; Granite's residual multiplier folded into each rank's share of o_proj and down_proj;
     Phi-4-mini's partial rope, each rank reordering its own heads' q and k rows (layers.rotary_order); GraniteMoE's
     experts stored whole per projection, each rank taking its experts from the one tensor, its residual multiplier
-    folded into them."""
+    folded into them; GLM-4's interleaved half-head rope and q/k/v biases, each rank reordering its heads' rows."""
     model_dir = make_model(preset, tmp_path / preset, seed=4)
     cluster = _cluster(model_dir, 2, tmp_path / "logs")
     try:

@@ -1,11 +1,12 @@
 """Named model configurations, as the fields of a Hugging Face `config.json`.
 
 The real presets copy the published shapes (Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, meta-llama/Llama-3.1-8B,
-Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM3-3B, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1,
-google/gemma-3-1b-pt, microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct, Phi-4-mini-instruct,
-Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b, ibm-granite/granite-3.1-8b-instruct, granite-3.0-1b-a400m) except the
-vocabulary: every preset keeps Qwen's (151,936 rows), as the tokenizer written beside the weights is Qwen's (no
-other is at hand offline). The test presets shrink everything else.
+Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM3-3B, zai-org/GLM-4-9B-0414, mistralai/Mistral-7B-v0.1,
+mistralai/Mixtral-8x7B-v0.1, google/gemma-3-1b-pt, microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct,
+Phi-3.5-mini-instruct, Phi-4-mini-instruct, Qwen/Qwen1.5-MoE-A2.7B, google/gemma-2-2b,
+ibm-granite/granite-3.1-8b-instruct, granite-3.0-1b-a400m) except the vocabulary: every preset keeps Qwen's (151,936
+rows), as the tokenizer written beside the weights is Qwen's (no other is at hand offline). The test presets shrink
+everything else.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def _smollm3(hidden, layers, heads, kv_heads, intermediate, max_pos=65536, dtype
                   sliding_window=None, attention_bias=False, mlp_bias=False)
 
 
+def _glm4(hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos=32768, dtype="bfloat16"):
+    return _other("Glm4ForCausalLM", "glm4", hidden, layers, heads, kv_heads, intermediate, False, max_pos, 10000.0,
+                  dtype, head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True)
+
+
 def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
@@ -191,6 +197,7 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, tied=False),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
     "smollm3-3b": _smollm3(2048, 36, 16, 4, 11008),
+    "glm-4-9b": _glm4(4096, 40, 32, 2, 128, 13696),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
@@ -224,6 +231,7 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     # layers 1 and 3 without rope (every 2nd: the real one's every 4th)
     "smollm3-tiny": _smollm3(96, 4, 6, 2, 160, max_pos=512, dtype="float32", interval=2),
+    "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
     "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),

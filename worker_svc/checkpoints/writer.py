@@ -69,7 +69,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe")
-    qkv_bias = attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
+    qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
+                or (kind in ("glm", "glm4") and config.get("attention_bias", True)))
     mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
     moe_layers = set()
     if kind in ("qwen3_moe", "qwen2_moe"):
@@ -78,6 +79,15 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if kind in ("glm", "glm4"):  # q, k and v with biases, gate and up as one tensor, GLM-4-0414's output norms
+            for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes += [(p + f"self_attn.{name}.weight", (out, h)), (p + f"self_attn.{name}.bias", (out,))]
+            shapes += [(p + "self_attn.o_proj.weight", (h, q)), (p + "mlp.gate_up_proj.weight", (2 * inter, h)),
+                       (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                       (p + "post_attention_layernorm.weight", (h,))]
+            if kind == "glm4":
+                shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
+            continue
         if kind == "phi3":  # q, k and v stored as one tensor, gate and up as another
             shapes += [(p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)),
                        (p + "mlp.gate_up_proj.weight", (2 * inter, h)), (p + "mlp.down_proj.weight", (h, inter)),

@@ -79,6 +79,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rotary_dim: int | None = None  # rope over the first rotary_dim of each head (partial_rotary_factor), None: all
     nope_layers: tuple[int, ...] = ()  # layers without rope (SmolLM3's NoPE layers)
+    rope_interleaved: bool = False  # rope turns dims (2i, 2i + 1) together (GLM's), not (i, i + rotary_dim / 2)
     sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens (Mistral)
     moe: MoeConfig | None = None
     hidden_act: str = "silu"       # the gated MLP's: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)

@@ -65,14 +65,19 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, p
     return torch.where(medium, blended, scaled)
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
-    """Where a head's dims are stored when rope turns only its first rotary_dim (partial_rotary_factor): rope pairs
-    dim i with i + rotary_dim / 2; stored as [first rotated half, first passed half, second rotated half, second
-    passed half], the pairs sit head_dim / 2 apart as the rope kernels pair them, and the passed ones take a turn of
-    0. q and k are stored in this order (their dot products are unchanged), so no kernel knows of partial rope."""
+def rotary_order(head_dim: int, rotary_dim: int | None, interleaved: bool) -> list[int] | None:
+    """Where a head's dims are stored so that the rope kernels' pairs (i, i + head_dim / 2) are the model's: rope
+    turns only the first rotary_dim (partial_rotary_factor), pairing dim i with i + rotary_dim / 2, or (interleaved,
+    GLM's) 2i with 2i + 1. Stored as [first of each rotated pair, first half of the passed dims, second of each
+    rotated pair, second half of the passed dims], the passed ones taking a turn of 0. q and k are stored in this
+    order (their dot products are unchanged), so no kernel knows of it. None: the stored order is rope's already."""
+    rotary_dim = rotary_dim or head_dim
+    if rotary_dim == head_dim and not interleaved:
+        return None
     half, passed = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    return [*range(half), *range(rotary_dim, rotary_dim + passed), *range(half, rotary_dim),
-            *range(rotary_dim + passed, head_dim)]
+    first, second = (range(0, rotary_dim, 2), range(1, rotary_dim, 2)) if interleaved else (
+        range(half), range(half, rotary_dim))
+    return [*first, *range(rotary_dim, rotary_dim + passed), *second, *range(rotary_dim + passed, head_dim)]
 
 
 class RotaryEmbedding(nn.Module):
@@ -101,7 +106,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
-        order = rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
+        order = rotary_order(cfg.head_dim, cfg.rotary_dim, cfg.rope_interleaved)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, kernels, bias=cfg.qkv_bias, head_order=order)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
