@@ -10,16 +10,21 @@ from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import GraniteForCausalLM, MistralForCausalLM
 
 
+def experts_on_every_layer(raw: dict) -> MoeConfig:
+    """Mixtral's and GraniteMoE's experts: `num_local_experts` of `intermediate_size` on every layer, the top k
+    renormalised."""
+    return MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
+                     intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                     layers=tuple(range(raw["num_hidden_layers"])))
+
+
 class MixtralForCausalLM(CausalLM):
     renamed_fragments = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
                          ".w2.": ".down_proj."}
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
-                        intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
-                        layers=tuple(range(raw["num_hidden_layers"])))
-        return dataclasses.replace(MistralForCausalLM.config(raw), moe=moe)
+        return dataclasses.replace(MistralForCausalLM.config(raw), moe=experts_on_every_layer(raw))
 
 
 class GraniteMoeForCausalLM(CausalLM):
@@ -32,7 +37,4 @@ class GraniteMoeForCausalLM(CausalLM):
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        moe = MoeConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
-                        intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
-                        layers=tuple(range(raw["num_hidden_layers"])))
-        return dataclasses.replace(GraniteForCausalLM.config(raw), moe=moe)
+        return dataclasses.replace(GraniteForCausalLM.config(raw), moe=experts_on_every_layer(raw))
