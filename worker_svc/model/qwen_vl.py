@@ -1,8 +1,8 @@
 """Qwen2.5-VL and Qwen3-VL (Qwen/Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, ...)
 served as text (model/multimodal.py): Qwen2's, Qwen3's and Qwen3-MoE's layers from the text config, Qwen3-VL-MoE's
-experts stored as one tensor per projection. Their multimodal rope (mrope) gives each of
-three sections of the frequencies its own position stream (time, height, width), which are the same position for
-text, so over a text prompt it is plain rope."""
+experts stored as one tensor per projection. Their multimodal rope (mrope) gives each of three sections of the
+frequencies its own position stream (time, height, width), which are the same position for text, so over a text
+prompt it is plain rope."""
 from __future__ import annotations
 
 from worker_svc.model.config import ModelConfig
