@@ -248,6 +248,21 @@ def test_logits_match_transformers(checkpoint):
             torch.testing.assert_close(ours, hf(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
 
 
+def test_an_fp8_cache_holds_what_each_architecture_writes(checkpoint):
+    """Every architecture over an fp8 KV cache: the logits of a float32 cache holding the same K and V rounded through
+    e4m3, so windows, score caps, experts and every rope variant reach an fp8 cache as Qwen3's do (the fp8 cache's
+    own accuracy: tests/test_fp8_kv.py)."""
+    from tests.test_fp8_kv import _e4m3_in_full_precision
+
+    _, folder, _ = checkpoint
+    fp8, emulated = _runner(folder, kv_cache_dtype="fp8"), _runner(folder)
+    _e4m3_in_full_precision(emulated)
+    assert fp8.kv_cache.dtype == torch.float8_e4m3fn
+    prompts = _prompts()
+    for ours, rounded in zip(prefill_logits(fp8, prompts), prefill_logits(emulated, prompts)):
+        torch.testing.assert_close(ours, rounded, atol=2e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("chunk", [1 << 30, 7])
 def test_greedy_equals_generate_through_chunks_and_drops(checkpoint, reference, chunk):
     """Chunks that do not divide the block size; blocks scattered; every third sequence dropped and
