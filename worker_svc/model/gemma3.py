@@ -9,7 +9,7 @@ import dataclasses
 from worker_svc.model.config import ModelConfig, rope_scaling
 from worker_svc.model.gemma2 import gemma_config
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.multimodal import TextOfMultimodal, text_config
+from worker_svc.model.multimodal import TextOfMultimodal
 
 
 # Gemma3TextConfig's defaults: the published multimodal checkpoints' text_config lists only what differs from them
@@ -44,7 +44,3 @@ class Gemma3ForCausalLM(CausalLM):
 
 class Gemma3ForConditionalGeneration(TextOfMultimodal, Gemma3ForCausalLM):
     """A multimodal Gemma 3 checkpoint (gemma-3-4b-it ... 27b) served as text (model/multimodal.py)."""
-
-    @classmethod
-    def config(cls, raw: dict) -> ModelConfig:
-        return super().config(text_config(raw))

@@ -49,10 +49,8 @@ class MistralForCausalLM(CausalLM):
         return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"))
 
 
-class Phi3ForCausalLM(CausalLM):
-    @classmethod
-    def config(cls, raw: dict) -> ModelConfig:
-        return MistralForCausalLM.config(raw)
+class Phi3ForCausalLM(MistralForCausalLM):
+    """Mistral's reading of the config; its fused q, k, v and gate, up tensors are split by the loader."""
 
 
 class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
@@ -61,8 +59,8 @@ class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        text = text_config(raw)
-        if text.get("model_type", "mistral") != "mistral":  # Ministral 3's text model scales attention by position
-            raise ValueError(f"Mistral3ForConditionalGeneration with a {text['model_type']!r} text model is not "
+        model_type = text_config(raw).get("model_type", "mistral")
+        if model_type != "mistral":  # Ministral 3's text model scales attention by position
+            raise ValueError(f"Mistral3ForConditionalGeneration with a {model_type!r} text model is not "
                              "supported (its text_config must be Mistral's)")
-        return super().config(text)
+        return super().config(raw)

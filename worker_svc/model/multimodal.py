@@ -2,14 +2,20 @@
 language model's tensors and config; the vision tower and the projector are left unloaded, so prompts are text."""
 from __future__ import annotations
 
+from worker_svc.model.config import ModelConfig
+
 
 class TextOfMultimodal:
     """Mixed in before a text architecture: its checkpoint names (`language_model.model.*` and
     `language_model.lm_head.*` as published; `model.language_model.*` and `lm_head.*` as some transformers releases
-    save them) and its config (`text_config`, see text_config)."""
+    save them) and its config, the text architecture's reading of text_config(raw)."""
     checkpoint_prefixes = ("language_model.model.", "language_model.", "model.language_model.")
     ignored_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                         "model.multi_modal_projector.")
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return super().config(text_config(raw))  # the text architecture's, next in the subclass's order
 
 
 def text_config(raw: dict) -> dict:

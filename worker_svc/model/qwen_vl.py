@@ -5,39 +5,35 @@ frequencies its own position stream (time, height, width), which are the same po
 prompt it is plain rope."""
 from __future__ import annotations
 
+import dataclasses
+
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.multimodal import text_config
+from worker_svc.model.multimodal import TextOfMultimodal
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 
-# the text model's tensors as published (`model.layers.*`) or as transformers 5 saves Qwen3-VL
-# (`model.language_model.layers.*`); the vision tower's left
-PREFIXES = ("model.language_model.", "model.")
-VISION = ("visual.", "model.visual.")
+
+class QwenVLText(TextOfMultimodal):
+    """Qwen-VL's layout: the text model's tensors as published (`model.layers.*`) or as transformers 5 saves
+    Qwen3-VL (`model.language_model.layers.*`); the vision tower's left."""
+    checkpoint_prefixes = ("model.language_model.", "model.")
+    ignored_prefixes = ("visual.", "model.visual.")
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):  # noqa: N801 (transformers' name)
-    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
-
-    @classmethod
-    def config(cls, raw: dict) -> ModelConfig:
-        return super().config(text_config(raw))
+class Qwen2_5_VLForConditionalGeneration(QwenVLText, Qwen2ForCausalLM):  # noqa: N801 (transformers' name)
+    pass
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
-
-    @classmethod
-    def config(cls, raw: dict) -> ModelConfig:
-        return super().config(text_config(raw))
+class Qwen3VLForConditionalGeneration(QwenVLText, Qwen3ForCausalLM):
+    pass
 
 
-class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
-    checkpoint_prefixes, ignored_prefixes = PREFIXES, VISION
+class Qwen3VLMoeForConditionalGeneration(QwenVLText, Qwen3MoeForCausalLM):
     renamed_fragments = {".experts.gate_up_proj": ".experts.gate_up_proj.weight",  # stored without a `.weight`
                          ".experts.down_proj": ".experts.down_proj.weight"}
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        return super().config(text_config(raw) | {"norm_topk_prob": True})  # its router always renormalises
+        cfg = super().config(raw)  # its router always renormalises the top k
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, norm_topk_prob=True))
