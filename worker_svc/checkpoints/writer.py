@@ -79,15 +79,6 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        if kind in ("glm", "glm4"):  # q, k and v with biases, gate and up as one tensor, GLM-4-0414's output norms
-            for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                shapes += [(p + f"self_attn.{name}.weight", (out, h)), (p + f"self_attn.{name}.bias", (out,))]
-            shapes += [(p + "self_attn.o_proj.weight", (h, q)), (p + "mlp.gate_up_proj.weight", (2 * inter, h)),
-                       (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                       (p + "post_attention_layernorm.weight", (h,))]
-            if kind == "glm4":
-                shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
-            continue
         if kind == "phi3":  # q, k and v stored as one tensor, gate and up as another
             shapes += [(p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)),
                        (p + "mlp.gate_up_proj.weight", (2 * inter, h)), (p + "mlp.down_proj.weight", (h, inter)),
@@ -127,7 +118,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 shapes.append((p + "mlp.shared_expert_gate.weight", (1, h)))
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
-        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        mlp = ((("gate_up_proj", (2 * inter, h)),) if kind in ("glm", "glm4")  # GLM: gate and up as one tensor
+               else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
+        for name, shape in (*mlp, ("down_proj", (h, inter))):
             shapes.append((p + f"mlp.{name}.weight", shape))
             if mlp_bias:
                 shapes.append((p + f"mlp.{name}.bias", shape[:1]))
@@ -137,6 +130,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         ]
         if kind in GEMMA:
             shapes += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
+        if kind == "glm4":  # norms on the attention's and the MLP's outputs
+            shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (config["vocab_size"], h)))
