@@ -118,10 +118,13 @@ class Chains:
         self.ss = torch.empty(len(layers) + 1, 2, rows, device=dev, dtype=torch.float32)
         self.out = torch.empty_like(h0)
 
-    def unfused(self, triton_gemms: bool = False) -> None:
+    def unfused(self, gemms: str = "cublas", split_k: int | None = 1) -> None:
         def mm(x, name, w, y):
-            if triton_gemms:
+            if gemms == "triton":
                 gemm(x, w[name], y, self.tiles[name])
+            elif gemms == "quack":  # CuTe-DSL Hopper GEMMs (flash-attn-4's dependency), autotuned per shape
+                from quack.gemm_interface import gemm as quack_gemm
+                quack_gemm(x, w[name].t(), out=y, tuned=True, split_k=split_k)
             else:
                 torch.mm(x, w[name].t(), out=y)
 
@@ -161,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--pdl", action="store_true", help="also the fused chain with programmatic dependent launch")
+    ap.add_argument("--quack", action="store_true", help="also the chain on quack's autotuned GEMMs (with PDL)")
+    ap.add_argument("--only-quack", action="store_true", help="cuBLAS and quack only")
     ap.add_argument("--out", default="bench/results/fused_layer.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -168,8 +173,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
         chains = Chains(layers, torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16), TILES[rows])
-        variants = {"cublas": chains.unfused, "triton": lambda: chains.unfused(True), "fused": chains.fused,
-                    "fused_but_swiglu": lambda: chains.fused(swiglu_prologue=False)}
+        variants = {"cublas": chains.unfused}
+        if not args.only_quack:
+            variants |= {"triton": lambda: chains.unfused("triton"), "fused": chains.fused,
+                         "fused_but_swiglu": lambda: chains.fused(swiglu_prologue=False)}
+        if args.quack or args.only_quack:
+            variants["quack"] = lambda: chains.unfused("quack")
+            variants["quack_split_k"] = lambda: chains.unfused("quack", split_k=None)
         if args.pdl:
             variants["fused_pdl"] = lambda: chains.fused(True)
         row: dict = {"rows": rows}

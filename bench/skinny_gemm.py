@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default="16:256:4:4,32:256:4:4",
                     help="block_n:block_k:num_stages:num_warps, comma-separated")
+    ap.add_argument("--quack", action="store_true", help="also quack's autotuned CuTe-DSL GEMMs (with and without "
+                                                            "split-K in the search)")
     ap.add_argument("--out", default="bench/results/skinny_gemm.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels.skinny_gemm import skinny_linear
@@ -58,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
             reference = F.linear(x.float(), weights[0].float())
             kernels = {"cublas": F.linear}
-            for config in args.configs.split(","):
+            if args.quack:
+                from quack.gemm_interface import gemm as quack_gemm
+                kernels["quack"] = lambda x, w: quack_gemm(x, w.t(), tuned=True)
+                kernels["quack split-k"] = lambda x, w: quack_gemm(x, w.t(), tuned=True, split_k=None)
+            for config in filter(None, args.configs.split(",")):
                 bn, bk, st, wp = (int(v) for v in config.split(":"))
                 kernels[f"triton {config}"] = (lambda x, w, bn=bn, bk=bk, st=st, wp=wp:
                                                skinny_linear(x, w, BLOCK_N=bn, BLOCK_K=bk, num_stages=st,
