@@ -51,7 +51,8 @@ class ModelShape:
         if m.moe is None:
             return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed, windows=windows)
         sparse, experts = len(m.moe.layers), m.moe.num_experts
-        shared = 3 * h * m.moe.shared_intermediate_size + h  # Qwen2-MoE's shared expert and its gate: every token's
+        shared = 3 * h * m.moe.shared_intermediate_size  # the shared expert (and Qwen2-MoE's gate): every token's
+        shared += h if m.moe.shared_intermediate_size and m.moe.shared_expert_gated else 0
         params = layers * attention + (layers - sparse) * 3 * h * i + sparse * (h * experts + shared) + embed
         return cls(layers, heads, kv, d, params, sparse * 3 * h * m.moe.intermediate_size, experts, m.moe.top_k,
                    windows)

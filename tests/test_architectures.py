@@ -169,6 +169,13 @@ CONFIGS = {
         hidden_size=64, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=4,
         num_key_value_heads=2, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
         logits_scaling=4.0, **COMMON),
+    # GLM-4.5: a dense layer 0, then 3 of 8 experts within the better of 2 groups beside an ungated shared expert,
+    # sigmoid routing with a correction bias, weights times 2.5; q/k norms, biases, rope over half of each head
+    "glm4_moe": transformers.Glm4MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),
@@ -193,6 +200,9 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:
                 param.uniform_(-0.5, 0.5).add_(0.0 if "gemma" in name else 1.0)
+        for buffer_name, buffer in hf.named_buffers():  # GLM-4.5's router bias (zeros at init)
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
     folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder, max_shard_size="3MB")
     write_qwen_tokenizer(folder)
@@ -423,6 +433,23 @@ def test_qwen3_vl_moe_experts_as_published_load_the_same(tmp_path_factory, tmp_p
     for path in folder.glob("*.safetensors"):
         tensors |= {n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in load_file(path).items()}
     assert any(".experts.gate_up_proj" in n for n in tensors)
+    _assert_same_logits(folder, tensors, tmp_path)
+
+
+def test_glm4_moe_leaves_the_multi_token_prediction_layer_published_after_the_last(tmp_path_factory, tmp_path):
+    """GLM-4.5's published checkpoints store a multi-token-prediction layer (a decoder layer with its own
+    projections and norms) after the last one, as config.json's num_nextn_predict_layers says; transformers leaves
+    it, and so does the worker: the same logits."""
+    from safetensors.torch import load_file
+
+    _, folder, hf = _write("glm4_moe", tmp_path_factory)
+    layers, h = hf.config.num_hidden_layers, hf.config.hidden_size
+    assert hf.config.num_nextn_predict_layers == 1
+    tensors = {n: t for path in folder.glob("*.safetensors") for n, t in load_file(path).items()}
+    mtp = f"model.layers.{layers}."
+    tensors |= {n.replace("model.layers.1.", mtp): t.clone() for n, t in tensors.items() if "model.layers.1." in n}
+    tensors |= {mtp + "eh_proj.weight": torch.randn(h, 2 * h), mtp + "enorm.weight": torch.ones(h),
+                mtp + "hnorm.weight": torch.ones(h), mtp + "shared_head.norm.weight": torch.ones(h)}
     _assert_same_logits(folder, tensors, tmp_path)
 
 

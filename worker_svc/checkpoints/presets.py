@@ -152,6 +152,17 @@ def _qwen2_moe(hidden, layers, heads, kv_heads, intermediate, experts, top_k, ex
                   output_router_logits=False, router_aux_loss_coef=0.001)
 
 
+def _glm4_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top_k, expert_intermediate,
+              dense_layers, qk_norm, scaling, groups=1, max_pos=131072, dtype="bfloat16"):
+    """GLM-4.5 / 4.6: a shared expert beside the routed ones, sigmoid-routed; rope over half of each head."""
+    return _other("Glm4MoeForCausalLM", "glm4_moe", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  1000000.0, dtype, head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True,
+                  use_qk_norm=qk_norm, n_routed_experts=experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=expert_intermediate, n_shared_experts=1, first_k_dense_replace=dense_layers,
+                  n_group=groups, topk_group=1, routed_scaling_factor=scaling, norm_topk_prob=True,
+                  num_nextn_predict_layers=1)
+
+
 def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("Gemma3ForCausalLM", "gemma3_text", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
                   1000000.0, dtype, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-06,
@@ -198,6 +209,10 @@ PRESETS: dict[str, dict] = {
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
     "smollm3-3b": _smollm3(2048, 36, 16, 4, 11008),
     "glm-4-9b": _glm4(4096, 40, 32, 2, 128, 13696),
+    "glm-4.5-air": _glm4_moe(4096, 46, 96, 8, 128, 10944, experts=128, top_k=8, expert_intermediate=1408,
+                             dense_layers=1, qk_norm=False, scaling=1.0),
+    "glm-4.5": _glm4_moe(5120, 92, 96, 8, 128, 12288, experts=160, top_k=8, expert_intermediate=1536, dense_layers=3,
+                         qk_norm=True, scaling=2.5),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
@@ -231,6 +246,9 @@ PRESETS: dict[str, dict] = {
     "llama-tiny": _llama(96, 2, 6, 2, 160, tied=False, max_pos=512, dtype="float32", rope_original=64, bias=True),
     # layers 1 and 3 without rope (every 2nd: the real one's every 4th)
     "smollm3-tiny": _smollm3(96, 4, 6, 2, 160, max_pos=512, dtype="float32", interval=2),
+    # two groups of 4 experts (a token's 3 from the better group), q/k norms, weights times 2.5
+    "glm4-moe-tiny": _glm4_moe(96, 3, 6, 2, 16, 160, experts=8, top_k=3, expert_intermediate=32, dense_layers=1,
+                               qk_norm=True, scaling=2.5, groups=2, max_pos=512, dtype="float32"),
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),

@@ -1,5 +1,5 @@
-"""Write random-weight checkpoints (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3) in the exact Hugging Face
-layout.
+"""Write random-weight checkpoints (every architecture of the registry but the multimodal ones) in the exact Hugging
+Face layout.
 
 Weights are drawn per tensor from a `torch.Generator` seeded by (seed, tensor name), so a tensor's
 values do not depend on sharding or on which other tensors exist, and are streamed shard by shard:
@@ -70,12 +70,16 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     kind = config["model_type"]
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
-                or (kind in ("glm", "glm4") and config.get("attention_bias", True)))
+                or (kind in ("glm", "glm4") and config.get("attention_bias", True))
+                or (kind == "glm4_moe" and bool(config.get("attention_bias"))))
     mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
+    qk_norm = kind in ("qwen3", "qwen3_moe", "gemma3_text") or (kind == "glm4_moe" and config.get("use_qk_norm"))
     moe_layers = set()
     if kind in ("qwen3_moe", "qwen2_moe"):
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
         moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
+    if kind == "glm4_moe":
+        moe_layers = set(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -91,7 +95,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         shapes.append((p + "self_attn.o_proj.weight", (h, q)))
         if attention_bias:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
+        if qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
             e, e_inter = config["num_local_experts"], inter
@@ -103,19 +107,24 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
             mixtral = kind == "mixtral"
             module = "block_sparse_moe" if mixtral else "mlp"
-            count = config["num_local_experts"] if mixtral else config["num_experts"]
+            count = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
             e_inter = inter if mixtral else config["moe_intermediate_size"]
             widen, narrow = (e_inter, h), (h, e_inter)  # gate and up; down
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
+            if kind == "glm4_moe":  # the router's correction bias
+                shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
-            if kind == "qwen2_moe":  # the shared expert and its gate
-                s_inter = config["shared_expert_intermediate_size"]
-                shapes += [(p + f"mlp.shared_expert.{name}.weight", shape) for name, shape in
+            shared = {"qwen2_moe": ("shared_expert", config.get("shared_expert_intermediate_size")),
+                      "glm4_moe": ("shared_experts", e_inter * config.get("n_shared_experts", 1))}.get(kind)
+            if shared:  # the shared expert (Qwen2-MoE's with its gate)
+                module, s_inter = shared
+                shapes += [(p + f"mlp.{module}.{name}.weight", shape) for name, shape in
                            (("gate_proj", (s_inter, h)), ("up_proj", (s_inter, h)), ("down_proj", (h, s_inter)))]
-                shapes.append((p + "mlp.shared_expert_gate.weight", (1, h)))
+                if kind == "qwen2_moe":
+                    shapes.append((p + "mlp.shared_expert_gate.weight", (1, h)))
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
         mlp = ((("gate_up_proj", (2 * inter, h)),) if kind in ("glm", "glm4")  # GLM: gate and up as one tensor
@@ -147,7 +156,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
                 norm_offset: float = 0.0) -> torch.Tensor:
     """The random value of one parameter (see the module docstring for the scaling)."""
     gen = _generator(seed, name)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "e_score_correction_bias")):
         return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
     if len(shape) == 1 and norm_offset:  # Gemma's (1 + w) norms: the same weights less the 1
         return (init_tensor(name, shape, seed, torch.float32) - norm_offset).to(dtype)

@@ -54,7 +54,16 @@ class MoeConfig:
     intermediate_size: int  # of each expert
     norm_topk_prob: bool    # the top-k routing weights renormalised to sum to 1
     layers: tuple[int, ...]  # the layers whose MLP is the experts (the others keep a dense MLP)
-    shared_intermediate_size: int = 0  # a shared expert every token takes, gated by sigmoid (Qwen2-MoE); 0: none
+    shared_intermediate_size: int = 0  # a shared expert every token takes (0: none)
+    shared_expert_gated: bool = True   # its output scaled by sigmoid(x . shared_expert_gate) (Qwen2-MoE; GLM's not)
+    # "softmax": the top k of a softmax over the router's logits (Qwen, Mixtral). "sigmoid": GLM-4.5's (DeepSeek-V3's)
+    # sigmoid scores, the experts chosen by score plus a learnt per-expert correction bias among the best topk_groups
+    # of num_groups groups of experts, weighted by their scores (renormalised with norm_topk_prob) times
+    # routed_scaling_factor
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,6 +106,7 @@ class ModelConfig:
     # folded into the weights that produce them at load (CausalLM.fold_scales)
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window

@@ -235,6 +235,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.ignored_prefixes = type(self).ignored_prefixes + tuple(
+            f"model.layers.{cfg.num_hidden_layers + i}." for i in range(cfg.mtp_layers))
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:

@@ -1,16 +1,17 @@
 """A sparse mixture-of-experts MLP: a router picks each token's top-k experts, whose SwiGLU outputs are summed
 by their routing weights (kernels.fused_moe: grouped GEMMs on a GPU, a loop over experts elsewhere), plus, where
-the config has one (Qwen2-MoE), a shared expert every token takes, scaled by sigmoid(x . shared_expert_gate).
+the config has one, a shared expert every token takes (Qwen2-MoE's scaled by sigmoid(x . shared_expert_gate)).
 Under tensor parallelism the experts are sharded whole across the ranks (each computes its own experts for every
 token), the shared expert as a dense MLP, and one all-reduce adds both up; the routers are replicated."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.kernels import Kernels
-from worker_svc.model.config import ModelConfig
+from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import GatedMLP
 from worker_svc.model.parallel import _divide, tp_rank, tp_size
 
@@ -55,32 +56,75 @@ class FusedExperts(nn.Module):
         self.down_proj = ExpertWeights(num_experts, hidden, intermediate, halves=None)
 
 
-class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int):
+class Gate(nn.Module):
+    """A projection onto one logit per expert (or one, the shared expert's gate)."""
+
+    def __init__(self, hidden: int, outputs: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(outputs, hidden, dtype=dtype), requires_grad=False)
+
+
+class SoftmaxRouter(Gate):
+    """Each token's top_k experts by softmax probability (one kernel on a GPU), renormalised with norm_topk_prob."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, kernels: Kernels):
+        super().__init__(hidden, moe.num_experts)
+        self.kernels, self.top_k, self.renormalize = kernels, moe.top_k, moe.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.router_topk(self.kernels.linear(x, self.weight), self.top_k, self.renormalize)
+
+
+class SigmoidRouter(Gate):
+    """GLM-4.5's (DeepSeek-V3's) routing, in float32 as transformers computes it: sigmoid scores; a token's experts
+    the top_k of score + e_score_correction_bias within its best topk_groups groups (a group ranked by the sum of its
+    two best); their weights the scores themselves, renormalised with norm_topk_prob, times routed_scaling_factor.
+    Torch ops of static shapes, so a decode step with them stays one CUDA graph."""
+
+    def __init__(self, hidden: int, moe: MoeConfig):
+        super().__init__(hidden, moe.num_experts, torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        scores = torch.sigmoid(F.linear(x.float(), self.weight))
+        choice = scores + self.e_score_correction_bias
+        if moe.num_groups > 1:
+            groups = choice.view(len(x), moe.num_groups, -1)
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_groups, dim=-1).indices
+            kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         moe = cfg.moe
-        self.kernels, self.top_k, self.norm_topk_prob = kernels, moe.top_k, moe.norm_topk_prob
-        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.kernels = kernels
+        self.gate = (SigmoidRouter(cfg.hidden_size, moe) if moe.scoring == "sigmoid"
+                     else SoftmaxRouter(cfg.hidden_size, moe, kernels))
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg, kernels, moe.shared_intermediate_size, reduce=False)
-            self.shared_expert_gate = Router(cfg.hidden_size, 1)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Gate(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.kernels.router_topk(self.kernels.linear(x, self.gate.weight), self.top_k,
-                                                self.norm_topk_prob)
+        weights, ids = self.gate(x)
         experts = self.experts
         y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights, ids,
                                    experts.gate_up_proj.first)
-        if self.shared_expert is not None:  # rounded as transformers rounds: the gated output, then the sum
+        if self.shared_expert_gate is not None:  # rounded as transformers rounds: the gated output, then the sum
             y = y + torch.sigmoid(self.kernels.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         if tp_size() > 1:
             dist.all_reduce(y)
         return y

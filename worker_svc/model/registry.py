@@ -4,6 +4,7 @@ from __future__ import annotations
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
+from worker_svc.model.glm4_moe import Glm4MoeForCausalLM
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
                                     MistralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,

@@ -1,0 +1,27 @@
+"""GLM-4.5 and GLM-4.6 (zai-org/GLM-4.5, GLM-4.5-Air, GLM-4.6): attention with q, k and v biases (and, where
+`use_qk_norm` is set, Qwen3's q/k norms) and rope over the first half of each head, its dims paired as Llama pairs
+them (not GLM-4's neighbouring dims); dense MLPs on the first `first_k_dense_replace` layers, then routed experts
+beside an ungated shared expert, routed by DeepSeek-V3's sigmoid scores with a correction bias (model/moe.py). The
+published checkpoints store a multi-token-prediction layer after the last one, which this model leaves."""
+from __future__ import annotations
+
+from worker_svc.model.config import ModelConfig, MoeConfig
+from worker_svc.model.layers import CausalLM
+
+
+class Glm4MoeForCausalLM(CausalLM):
+    renamed_fragments = {".mlp.shared_experts.": ".mlp.shared_expert."}
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        layers, expert_size = raw["num_hidden_layers"], raw["moe_intermediate_size"]
+        moe = MoeConfig(num_experts=raw.get("n_routed_experts") or raw["num_local_experts"],
+                        top_k=raw["num_experts_per_tok"], intermediate_size=expert_size,
+                        norm_topk_prob=raw.get("norm_topk_prob", True),
+                        layers=tuple(range(raw.get("first_k_dense_replace", 1), layers)),
+                        shared_intermediate_size=expert_size * raw.get("n_shared_experts", 1),
+                        shared_expert_gated=False, scoring="sigmoid", num_groups=raw.get("n_group", 1),
+                        topk_groups=raw.get("topk_group", 1),
+                        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0))
+        return ModelConfig.common(raw, qkv_bias=bool(raw.get("attention_bias")), qk_norm=bool(raw.get("use_qk_norm")),
+                                  moe=moe, mtp_layers=raw.get("num_nextn_predict_layers", 0))
