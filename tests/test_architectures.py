@@ -176,6 +176,13 @@ CONFIGS = {
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         num_attention_heads=6, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
         partial_rotary_factor=0.5, **COMMON),
+    # dots.llm1: Qwen3's attention with biases on all four projections, GLM-4.5's routing (2 of 8 experts, not
+    # renormalised, times 2.5) beside two shared experts from layer 1 on; a 12-token window on layer 2
+    "dots1_moe": transformers.Dots1Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=2.5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, sliding_window=12,
+        max_window_layers=2, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

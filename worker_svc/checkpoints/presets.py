@@ -163,6 +163,16 @@ def _glm4_moe(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, 
                   num_nextn_predict_layers=1)
 
 
+def _dots1(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top_k, expert_intermediate, shared,
+           max_pos=32768, dtype="bfloat16"):
+    """dots.llm1: Qwen3's attention over GLM-4.5's sigmoid-routed experts beside `shared` shared ones."""
+    return _other("Dots1ForCausalLM", "dots1", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  10000000.0, dtype, head_dim=head_dim, rms_norm_eps=1e-06, attention_bias=False,
+                  n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate,
+                  n_shared_experts=shared, first_k_dense_replace=1, n_group=1, topk_group=1,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=None, max_window_layers=layers)
+
+
 def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("Gemma3ForCausalLM", "gemma3_text", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
                   1000000.0, dtype, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-06,
@@ -211,6 +221,7 @@ PRESETS: dict[str, dict] = {
     "glm-4-9b": _glm4(4096, 40, 32, 2, 128, 13696),
     "glm-4.5-air": _glm4_moe(4096, 46, 96, 8, 128, 10944, experts=128, top_k=8, expert_intermediate=1408,
                              dense_layers=1, qk_norm=False, scaling=1.0),
+    "dots.llm1": _dots1(4096, 62, 32, 32, 128, 10944, experts=128, top_k=6, expert_intermediate=1408, shared=2),
     "glm-4.5": _glm4_moe(5120, 92, 96, 8, 128, 12288, experts=160, top_k=8, expert_intermediate=1536, dense_layers=3,
                          qk_norm=True, scaling=2.5),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -249,6 +260,8 @@ PRESETS: dict[str, dict] = {
     # two groups of 4 experts (a token's 3 from the better group), q/k norms, weights times 2.5
     "glm4-moe-tiny": _glm4_moe(96, 3, 6, 2, 16, 160, experts=8, top_k=3, expert_intermediate=32, dense_layers=1,
                                qk_norm=True, scaling=2.5, groups=2, max_pos=512, dtype="float32"),
+    "dots1-tiny": _dots1(64, 3, 4, 2, 16, 96, experts=8, top_k=2, expert_intermediate=24, shared=2, max_pos=512,
+                         dtype="float32"),
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),

@@ -68,17 +68,18 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
-    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe")
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
                 or (kind in ("glm", "glm4") and config.get("attention_bias", True))
                 or (kind == "glm4_moe" and bool(config.get("attention_bias"))))
     mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
-    qk_norm = kind in ("qwen3", "qwen3_moe", "gemma3_text") or (kind == "glm4_moe" and config.get("use_qk_norm"))
+    qk_norm = (kind in ("qwen3", "qwen3_moe", "gemma3_text", "dots1")
+               or (kind == "glm4_moe" and bool(config.get("use_qk_norm"))))
     moe_layers = set()
     if kind in ("qwen3_moe", "qwen2_moe"):
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
         moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
-    if kind == "glm4_moe":
+    if kind in ("glm4_moe", "dots1"):  # DeepSeek-V3's layout: dense first layers, then experts
         moe_layers = set(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
@@ -113,12 +114,13 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
-            if kind == "glm4_moe":  # the router's correction bias
+            if kind in ("glm4_moe", "dots1"):  # the router's correction bias
                 shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
             shared = {"qwen2_moe": ("shared_expert", config.get("shared_expert_intermediate_size")),
-                      "glm4_moe": ("shared_experts", e_inter * config.get("n_shared_experts", 1))}.get(kind)
+                      "glm4_moe": ("shared_experts", e_inter * config.get("n_shared_experts", 1)),
+                      "dots1": ("shared_experts", e_inter * config.get("n_shared_experts", 1))}.get(kind)
             if shared:  # the shared expert (Qwen2-MoE's with its gate)
                 module, s_inter = shared
                 shapes += [(p + f"mlp.{module}.{name}.weight", shape) for name, shape in

@@ -9,19 +9,25 @@ from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import CausalLM
 
 
+def sigmoid_routed_experts(raw: dict) -> MoeConfig:
+    """DeepSeek-V3's experts as GLM-4.5 and dots.llm1 configure them: n_routed_experts sigmoid-routed beside
+    n_shared_experts shared ones (one MLP of their summed width), dense MLPs on the first first_k_dense_replace
+    layers."""
+    expert_size = raw["moe_intermediate_size"]
+    return MoeConfig(num_experts=raw.get("n_routed_experts") or raw["num_local_experts"],
+                     top_k=raw["num_experts_per_tok"], intermediate_size=expert_size,
+                     norm_topk_prob=raw.get("norm_topk_prob", True),
+                     layers=tuple(range(raw.get("first_k_dense_replace", 1), raw["num_hidden_layers"])),
+                     shared_intermediate_size=expert_size * (raw.get("n_shared_experts") or 0),
+                     shared_expert_gated=False, scoring="sigmoid", num_groups=raw.get("n_group") or 1,
+                     topk_groups=raw.get("topk_group") or 1,
+                     routed_scaling_factor=raw.get("routed_scaling_factor", 1.0))
+
+
 class Glm4MoeForCausalLM(CausalLM):
     renamed_fragments = {".mlp.shared_experts.": ".mlp.shared_expert."}
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        layers, expert_size = raw["num_hidden_layers"], raw["moe_intermediate_size"]
-        moe = MoeConfig(num_experts=raw.get("n_routed_experts") or raw["num_local_experts"],
-                        top_k=raw["num_experts_per_tok"], intermediate_size=expert_size,
-                        norm_topk_prob=raw.get("norm_topk_prob", True),
-                        layers=tuple(range(raw.get("first_k_dense_replace", 1), layers)),
-                        shared_intermediate_size=expert_size * raw.get("n_shared_experts", 1),
-                        shared_expert_gated=False, scoring="sigmoid", num_groups=raw.get("n_group", 1),
-                        topk_groups=raw.get("topk_group", 1),
-                        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0))
         return ModelConfig.common(raw, qkv_bias=bool(raw.get("attention_bias")), qk_norm=bool(raw.get("use_qk_norm")),
-                                  moe=moe, mtp_layers=raw.get("num_nextn_predict_layers", 0))
+                                  moe=sigmoid_routed_experts(raw), mtp_layers=raw.get("num_nextn_predict_layers", 0))

@@ -1,6 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
+from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
@@ -35,6 +36,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
