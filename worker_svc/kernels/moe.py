@@ -61,6 +61,18 @@ HOPPER_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
         1024: MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
         2048: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
     },
+    (4096, 1408): {  # GLM-4.5-Air: 128 experts, top 8 (dots.llm1's experts too: top 6)
+        2: MoeConfig(16, Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3)),
+        16: MoeConfig(16, Tiles(64, 128, 4, 5), Tiles(64, 128, 4, 4)),
+        32: MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(128, 128, 4, 4)),
+        80: MoeConfig(16, Tiles(64, 256, 4, 2), Tiles(32, 128, 4, 5)),
+        176: MoeConfig(16, Tiles(128, 256, 4, 2), Tiles(128, 128, 4, 2)),
+        352: MoeConfig(32, Tiles(64, 128, 4, 2), Tiles(256, 128, 4, 2)),
+        720: MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 2)),
+        2048: MoeConfig(64, Tiles(256, 64, 4, 4), Tiles(256, 64, 8, 4)),
+        8192: MoeConfig(128, Tiles(256, 64, 8, 3), Tiles(256, 64, 8, 4)),
+        16384: MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 8, 4)),
+    },
     (4096, 14336): {  # Mixtral-8x7B: 8 experts, top 2
         2: MoeConfig(16, Tiles(64, 128, 4, 2), Tiles(64, 64, 4, 5)),
         16: MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(64, 64, 4, 3)),
