@@ -15,7 +15,7 @@ stops at --budget-s (shared out over the token counts; what it skipped is marked
 Reports per token count the table's config (moe_config: what serves now) and the best found, each as
 microseconds and as the ratio to reading the routed experts' weights (distinct experts x their bytes) at
 --bandwidth, the best's time per stage, and prints the shape's HOPPER_CONFIGS entry to paste into moe.py (also
-written next to --out as *_table.py); every trial goes to *_trials.json.
+written next to --out as *_table.txt: an entry, not a module); every trial goes to *_trials.json.
 
 python -m bench moe-kernel
 python -m bench moe-kernel --tokens 1,130 --budget-s 60
@@ -418,13 +418,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _write(argv: Sequence[str] | None, args: argparse.Namespace, shape: Shape, rows: list[dict], trials: list[dict],
            best: dict[int, MoeConfig], quiet: bool) -> str:
-    """The results so far (JSON, .md, *_trials.json, *_table.py): a run cut short keeps what it measured."""
+    """The results so far (JSON, .md, *_trials.json, *_table.txt): a run cut short keeps what it measured."""
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         save("bench.moe_kernel", argv, args.out, "moe_kernel", args, rows)
     out = Path(args.out)
     out.with_name(out.stem + "_trials.json").write_text(json.dumps(trials, indent=1) + "\n")
     literal = paste_table(best, shape)
-    out.with_name(out.stem + "_table.py").write_text(literal + "\n")
+    out.with_name(out.stem + "_table.txt").write_text(literal + "\n")
     return literal
 
 

@@ -37,7 +37,7 @@ def test_the_sweep_writes_results_and_a_table_that_pastes_into_moe_py(tmp_path):
     trials = json.loads((tmp_path / "moe_kernel_trials.json").read_text())
     assert trials and not [t for t in trials if "error" in t]
     table = {}
-    exec("HOPPER_CONFIGS = {\n" + (tmp_path / "moe_kernel_table.py").read_text() + "}",
+    exec("HOPPER_CONFIGS = {\n" + (tmp_path / "moe_kernel_table.txt").read_text() + "}",
          {"MoeConfig": MoeConfig, "Tiles": Tiles}, table)
     table = table["HOPPER_CONFIGS"][(64, 32)]  # the shape's entry: (hidden, intermediate)
     for r in rows:
