@@ -183,6 +183,15 @@ CONFIGS = {
         n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=2.5,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, sliding_window=12,
         max_window_layers=2, **COMMON),
+    # ERNIE 4.5: rope on neighbouring dims, a tied head; 3 of 8 experts on layers 1 and 2 beside a shared one, chosen
+    # by softmax score plus a correction bias
+    "ernie4_5": transformers.Ernie4_5Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        **(COMMON | {"tie_word_embeddings": True})),
+    "ernie4_5_moe": transformers.Ernie4_5_MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, moe_num_experts=8, moe_k=3,
+        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, num_attention_heads=4,
+        num_key_value_heads=2, **(COMMON | {"tie_word_embeddings": True})),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),
@@ -207,9 +216,12 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:
                 param.uniform_(-0.5, 0.5).add_(0.0 if "gemma" in name else 1.0)
-        for buffer_name, buffer in hf.named_buffers():  # GLM-4.5's router bias (zeros at init)
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.3, 0.3)
+        for tensor_name, tensor in (*hf.named_buffers(), *hf.named_parameters()):  # routers' biases (zeros at init)
+            if tensor_name.endswith("e_score_correction_bias"):  # against sigmoid scores, or softmax ones (ERNIE's)
+                bound = 0.03 if "ernie" in name else 0.3
+                tensor.uniform_(-bound, bound)
+            elif tensor_name.endswith("mlp.gate.weight") and not tensor.any():  # ERNIE's router: zeros at init
+                tensor.normal_(0.0, 0.25)
     folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder, max_shard_size="3MB")
     write_qwen_tokenizer(folder)
@@ -457,6 +469,21 @@ def test_glm4_moe_leaves_the_multi_token_prediction_layer_published_after_the_la
     tensors |= {n.replace("model.layers.1.", mtp): t.clone() for n, t in tensors.items() if "model.layers.1." in n}
     tensors |= {mtp + "eh_proj.weight": torch.randn(h, 2 * h), mtp + "enorm.weight": torch.ones(h),
                 mtp + "hnorm.weight": torch.ones(h), mtp + "shared_head.norm.weight": torch.ones(h)}
+    _assert_same_logits(folder, tensors, tmp_path)
+
+
+def test_ernie4_5_moe_leaves_the_multi_token_prediction_tensors(tmp_path_factory, tmp_path):
+    """ERNIE 4.5's published MoE checkpoints store a multi-token-prediction block (`model.mtp_block.0.*`, its norms
+    and projection); transformers leaves every `mtp` tensor, and so does the worker: the same logits."""
+    from safetensors.torch import load_file
+
+    _, folder, hf = _write("ernie4_5_moe", tmp_path_factory)
+    h = hf.config.hidden_size
+    tensors = {n: t for path in folder.glob("*.safetensors") for n, t in load_file(path).items()}
+    tensors |= {n.replace("model.layers.1.", "model.mtp_block.0."): t.clone() for n, t in tensors.items()
+                if "model.layers.1." in n}
+    tensors |= {"model.mtp_emb_norm.0.weight": torch.ones(h), "model.mtp_hidden_norm.0.weight": torch.ones(h),
+                "model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h)}
     _assert_same_logits(folder, tensors, tmp_path)
 
 

@@ -38,7 +38,8 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
             "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny", "phi4-mini-tiny", "smollm3-tiny",
-            "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny"]
+            "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
+            "ernie4_5-tiny", "ernie4_5-moe-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -117,7 +118,9 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "Phi3ForCausalLM": transformers.Phi3Config, "GraniteForCausalLM": transformers.GraniteConfig,
                   "MixtralForCausalLM": transformers.MixtralConfig, "SmolLM3ForCausalLM": transformers.SmolLM3Config,
                   "GraniteMoeForCausalLM": transformers.GraniteMoeConfig, "Glm4ForCausalLM": transformers.Glm4Config,
-                  "Glm4MoeForCausalLM": transformers.Glm4MoeConfig, "Dots1ForCausalLM": transformers.Dots1Config}
+                  "Glm4MoeForCausalLM": transformers.Glm4MoeConfig, "Dots1ForCausalLM": transformers.Dots1Config,
+                  "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
+                  "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

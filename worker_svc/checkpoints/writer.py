@@ -81,6 +81,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
     if kind in ("glm4_moe", "dots1"):  # DeepSeek-V3's layout: dense first layers, then experts
         moe_layers = set(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
+    if kind == "ernie4_5_moe":
+        first, last, step = config["moe_layer_start_index"], config["moe_layer_end_index"], config["moe_layer_interval"]
+        moe_layers = {i for i in range(config["num_hidden_layers"]) if first <= i <= last and (i + 1) % step == 0}
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -108,19 +111,23 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
             mixtral = kind == "mixtral"
             module = "block_sparse_moe" if mixtral else "mlp"
-            count = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
+            count = (config.get("num_local_experts") or config.get("num_experts") or config.get("moe_num_experts")
+                     or config["n_routed_experts"])
             e_inter = inter if mixtral else config["moe_intermediate_size"]
             widen, narrow = (e_inter, h), (h, e_inter)  # gate and up; down
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
-            if kind in ("glm4_moe", "dots1"):  # the router's correction bias
+            if kind in ("glm4_moe", "dots1"):  # the router's correction bias (ERNIE's beside it, as a row)
                 shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
+            if kind == "ernie4_5_moe":
+                shapes.append((p + "mlp.moe_statics.e_score_correction_bias", (1, count)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
             shared = {"qwen2_moe": ("shared_expert", config.get("shared_expert_intermediate_size")),
                       "glm4_moe": ("shared_experts", e_inter * config.get("n_shared_experts", 1)),
-                      "dots1": ("shared_experts", e_inter * config.get("n_shared_experts", 1))}.get(kind)
+                      "dots1": ("shared_experts", e_inter * config.get("n_shared_experts", 1)),
+                      "ernie4_5_moe": ("shared_experts", e_inter * config.get("moe_num_shared_experts", 0))}.get(kind)
             if shared:  # the shared expert (Qwen2-MoE's with its gate)
                 module, s_inter = shared
                 shapes += [(p + f"mlp.{module}.{name}.weight", shape) for name, shape in
@@ -158,8 +165,8 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
                 norm_offset: float = 0.0) -> torch.Tensor:
     """The random value of one parameter (see the module docstring for the scaling)."""
     gen = _generator(seed, name)
-    if name.endswith((".bias", "e_score_correction_bias")):
-        return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+    if name.endswith((".bias", "e_score_correction_bias")):  # ERNIE's router bias against softmax scores: smaller
+        return (torch.randn(shape, generator=gen) * (0.001 if ".moe_statics." in name else 0.1)).to(dtype)
     if len(shape) == 1 and norm_offset:  # Gemma's (1 + w) norms: the same weights less the 1
         return (init_tensor(name, shape, seed, torch.float32) - norm_offset).to(dtype)
     if len(shape) == 1:

@@ -56,11 +56,12 @@ class MoeConfig:
     layers: tuple[int, ...]  # the layers whose MLP is the experts (the others keep a dense MLP)
     shared_intermediate_size: int = 0  # a shared expert every token takes (0: none)
     shared_expert_gated: bool = True   # its output scaled by sigmoid(x . shared_expert_gate) (Qwen2-MoE; GLM's not)
-    # "softmax": the top k of a softmax over the router's logits (Qwen, Mixtral). "sigmoid": GLM-4.5's (DeepSeek-V3's)
-    # sigmoid scores, the experts chosen by score plus a learnt per-expert correction bias among the best topk_groups
-    # of num_groups groups of experts, weighted by their scores (renormalised with norm_topk_prob) times
-    # routed_scaling_factor
+    # the router's scores: "softmax" (Qwen, Mixtral, ERNIE 4.5) or "sigmoid" (GLM-4.5's, DeepSeek-V3's). With
+    # score_correction_bias (GLM-4.5, ERNIE 4.5) the experts are chosen by score plus a learnt per-expert bias, among
+    # the best topk_groups of num_groups groups of experts, and weighted by their scores (renormalised with
+    # norm_topk_prob) times routed_scaling_factor; without, the top k scores are the weights
     scoring: str = "softmax"
+    score_correction_bias: bool = False
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0

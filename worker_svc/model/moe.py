@@ -75,20 +75,24 @@ class SoftmaxRouter(Gate):
         return self.kernels.router_topk(self.kernels.linear(x, self.weight), self.top_k, self.renormalize)
 
 
-class SigmoidRouter(Gate):
-    """GLM-4.5's (DeepSeek-V3's) routing, in float32 as transformers computes it: sigmoid scores; a token's experts
-    the top_k of score + e_score_correction_bias within its best topk_groups groups (a group ranked by the sum of its
-    two best); their weights the scores themselves, renormalised with norm_topk_prob, times routed_scaling_factor.
-    Torch ops of static shapes, so a decode step with them stays one CUDA graph."""
+class BiasedRouter(Gate):
+    """GLM-4.5's (DeepSeek-V3's) and ERNIE 4.5's routing, in float32 as transformers computes it: sigmoid (or
+    softmax) scores; a token's experts the top_k of score + e_score_correction_bias within its best topk_groups groups
+    (a group ranked by the sum of its two best); their weights the scores themselves, renormalised with
+    norm_topk_prob, times routed_scaling_factor. Torch ops of static shapes, so a decode step with them stays one CUDA
+    graph."""
 
     def __init__(self, hidden: int, moe: MoeConfig):
         super().__init__(hidden, moe.num_experts, torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        # ERNIE 4.5 stores it as [1, experts]
+        self.e_score_correction_bias.weight_loader = lambda param, w: param.data.copy_(w.reshape(-1))
         self.moe = moe
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))
+        logits = F.linear(x.float(), self.weight)
+        scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + self.e_score_correction_bias
         if moe.num_groups > 1:
             groups = choice.view(len(x), moe.num_groups, -1)
@@ -107,7 +111,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.kernels = kernels
-        self.gate = (SigmoidRouter(cfg.hidden_size, moe) if moe.scoring == "sigmoid"
+        self.gate = (BiasedRouter(cfg.hidden_size, moe) if moe.score_correction_bias
                      else SoftmaxRouter(cfg.hidden_size, moe, kernels))
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
         self.shared_expert = self.shared_expert_gate = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from worker_svc.model.dots1 import Dots1ForCausalLM
+from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
@@ -37,6 +38,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
