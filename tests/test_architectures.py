@@ -56,6 +56,10 @@ CONFIGS = {
     "smollm3": transformers.SmolLM3Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, no_rope_layer_interval=2,
         use_sliding_window=True, sliding_window=12, **COMMON),
+    # Seed-OSS: q/k/v biases without the output's
+    "seed_oss": transformers.SeedOssConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        attention_bias=True, attention_out_bias=False, **COMMON),
     "qwen2": transformers.Qwen2Config(
         hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
     # Qwen2's window where use_sliding_window sets it: layers 1 and 2 (from max_window_layers on), 12 tokens
@@ -192,6 +196,11 @@ CONFIGS = {
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, moe_num_experts=8, moe_k=3,
         moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, num_attention_heads=4,
         num_key_value_heads=2, **(COMMON | {"tie_word_embeddings": True})),
+    # Solar Open: GLM-4.5's routing (3 of 8 experts beside a shared one) on every layer, q/k/v biases
+    "solar_open_moe": transformers.SolarOpenConfig(
+        hidden_size=64, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.0, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, attention_bias=True, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

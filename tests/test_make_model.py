@@ -39,7 +39,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
             "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny", "phi4-mini-tiny", "smollm3-tiny",
             "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
-            "ernie4_5-tiny", "ernie4_5-moe-tiny"]
+            "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -120,7 +120,8 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "GraniteMoeForCausalLM": transformers.GraniteMoeConfig, "Glm4ForCausalLM": transformers.Glm4Config,
                   "Glm4MoeForCausalLM": transformers.Glm4MoeConfig, "Dots1ForCausalLM": transformers.Dots1Config,
                   "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
-                  "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig}
+                  "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
+                  "SeedOssForCausalLM": transformers.SeedOssConfig, "SolarOpenForCausalLM": transformers.SolarOpenConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

@@ -173,10 +173,10 @@ def _dots1(hidden, layers, heads, kv_heads, head_dim, intermediate, experts, top
                   routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=None, max_window_layers=layers)
 
 
-def _ernie4_5(hidden, layers, heads, kv_heads, intermediate, max_pos=131072, dtype="bfloat16", **moe):
+def _ernie4_5(hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos=131072, dtype="bfloat16", **moe):
     """ERNIE 4.5 (a tied head); with `moe` (experts, top_k, expert_intermediate, shared) Ernie4_5_MoeForCausalLM's
     experts from layer 1 on."""
-    arch, kind, extra = "Ernie4_5ForCausalLM", "ernie4_5", {"head_dim": hidden // heads}
+    arch, kind, extra = "Ernie4_5ForCausalLM", "ernie4_5", {"head_dim": head_dim}
     if moe:
         arch, kind = "Ernie4_5_MoeForCausalLM", "ernie4_5_moe"
         extra |= {"moe_num_experts": moe["experts"], "moe_k": moe["top_k"], "moe_num_shared_experts": moe["shared"],
@@ -184,6 +184,23 @@ def _ernie4_5(hidden, layers, heads, kv_heads, intermediate, max_pos=131072, dty
                   "moe_layer_end_index": layers - 1, "moe_layer_interval": 1, "moe_norm_min": 1e-12}
     return _other(arch, kind, hidden, layers, heads, kv_heads, intermediate, True, max_pos, 500000.0, dtype,
                   use_bias=False, **extra)
+
+
+def _seed_oss(hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos=524288, dtype="bfloat16"):
+    return _other("SeedOssForCausalLM", "seed_oss", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  10000000.0, dtype, head_dim=head_dim, rms_norm_eps=1e-06, attention_bias=True,
+                  attention_out_bias=False, mlp_bias=False)
+
+
+def _solar_open(hidden, layers, heads, kv_heads, head_dim, experts, top_k, expert_intermediate, max_pos=131072,
+                dtype="bfloat16"):
+    """Solar Open: sigmoid-routed experts beside a shared one on every layer (no dense MLP: no intermediate_size)."""
+    config = _other("SolarOpenForCausalLM", "solar_open", hidden, layers, heads, kv_heads, 0, False, max_pos,
+                    1000000.0, dtype, head_dim=head_dim, attention_bias=False,
+                    n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate,
+                    n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
+    del config["intermediate_size"]
+    return config
 
 
 def _gemma3(hidden, layers, heads, kv_heads, head_dim, intermediate, window, max_pos=32768, dtype="bfloat16"):
@@ -235,8 +252,11 @@ PRESETS: dict[str, dict] = {
     "glm-4.5-air": _glm4_moe(4096, 46, 96, 8, 128, 10944, experts=128, top_k=8, expert_intermediate=1408,
                              dense_layers=1, qk_norm=False, scaling=1.0),
     "dots.llm1": _dots1(4096, 62, 32, 32, 128, 10944, experts=128, top_k=6, expert_intermediate=1408, shared=2),
-    "ernie-4.5-0.3b": _ernie4_5(1024, 18, 16, 2, 3072),
-    "ernie-4.5-21b-a3b": _ernie4_5(2560, 28, 20, 4, 12288, experts=64, top_k=6, expert_intermediate=1536, shared=2),
+    "ernie-4.5-0.3b": _ernie4_5(1024, 18, 16, 2, 128, 3072),
+    "ernie-4.5-21b-a3b": _ernie4_5(2560, 28, 20, 4, 128, 12288, experts=64, top_k=6, expert_intermediate=1536,
+                                   shared=2),
+    "seed-oss-36b": _seed_oss(5120, 64, 80, 8, 128, 27648),
+    "solar-open-100b": _solar_open(4096, 48, 64, 8, 128, experts=128, top_k=8, expert_intermediate=1280),
     "glm-4.5": _glm4_moe(5120, 92, 96, 8, 128, 12288, experts=160, top_k=8, expert_intermediate=1536, dense_layers=3,
                          qk_norm=True, scaling=2.5),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -277,9 +297,12 @@ PRESETS: dict[str, dict] = {
                                qk_norm=True, scaling=2.5, groups=2, max_pos=512, dtype="float32"),
     "dots1-tiny": _dots1(64, 3, 4, 2, 16, 96, experts=8, top_k=2, expert_intermediate=24, shared=2, max_pos=512,
                          dtype="float32"),
-    "ernie4_5-tiny": _ernie4_5(96, 2, 6, 2, 160, max_pos=512, dtype="float32"),
-    "ernie4_5-moe-tiny": _ernie4_5(64, 3, 4, 2, 96, max_pos=512, dtype="float32", experts=8, top_k=3,
+    "ernie4_5-tiny": _ernie4_5(96, 2, 6, 2, 32, 160, max_pos=512, dtype="float32"),
+    "ernie4_5-moe-tiny": _ernie4_5(64, 3, 4, 2, 16, 96, max_pos=512, dtype="float32", experts=8, top_k=3,
                                    expert_intermediate=24, shared=1),
+    "seed-oss-tiny": _seed_oss(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
+    "solar-open-tiny": _solar_open(64, 2, 4, 2, 16, experts=8, top_k=3, expert_intermediate=24, max_pos=512,
+                                   dtype="float32"),
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),

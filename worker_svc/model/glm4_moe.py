@@ -32,3 +32,14 @@ class Glm4MoeForCausalLM(CausalLM):
     def config(cls, raw: dict) -> ModelConfig:
         return ModelConfig.common(raw, qkv_bias=bool(raw.get("attention_bias")), qk_norm=bool(raw.get("use_qk_norm")),
                                   moe=sigmoid_routed_experts(raw), mtp_layers=raw.get("num_nextn_predict_layers", 0))
+
+
+class SolarOpenForCausalLM(CausalLM):
+    """Solar Open (upstage/Solar-Open-100B): GLM-4.5's layers without q/k norms, rope over whole heads, and experts on
+    every layer (no dense MLP)."""
+    renamed_fragments = Glm4MoeForCausalLM.renamed_fragments
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        raw = raw | {"first_k_dense_replace": 0, "intermediate_size": raw.get("intermediate_size", 0)}
+        return ModelConfig.common(raw, qkv_bias=bool(raw.get("attention_bias")), moe=sigmoid_routed_experts(raw))

@@ -1,4 +1,4 @@
-"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), SmolLM3 (HuggingFaceTB/SmolLM3-3B), Mistral
+"""Llama 2 and 3.x (meta-llama/Llama-3.1-8B, 3.2-1B, ...), Seed-OSS, SmolLM3 (HuggingFaceTB/SmolLM3-3B), Mistral
 (mistralai/Mistral-7B-*), Phi-3 / Phi-4 (microsoft/Phi-3-mini-4k-instruct, Phi-3.5-mini-instruct,
 Phi-4-mini-instruct, phi-4) and Granite 3 (ibm-granite/granite-3.1-8b-instruct): the plain decoder; Llama's
 `attention_bias` / `mlp_bias` when set, Llama 3's rope scaling, SmolLM3's layers without rope, Mistral's and Phi-3's
@@ -19,6 +19,16 @@ class LlamaForCausalLM(CausalLM):
     def config(cls, raw: dict) -> ModelConfig:
         bias = bool(raw.get("attention_bias"))
         return ModelConfig.common(raw, qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")))
+
+
+class SeedOssForCausalLM(CausalLM):
+    """Seed-OSS (ByteDance-Seed/Seed-OSS-36B-Instruct): Llama's layers, the q, k and v biases (`attention_bias`) apart
+    from the output's (`attention_out_bias`)."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return ModelConfig.common(raw, qkv_bias=bool(raw.get("attention_bias")),
+                                  o_bias=bool(raw.get("attention_out_bias")), mlp_bias=bool(raw.get("mlp_bias")))
 
 
 class GraniteForCausalLM(CausalLM):

@@ -6,10 +6,10 @@ from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausal
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
-from worker_svc.model.glm4_moe import Glm4MoeForCausalLM
+from worker_svc.model.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
-                                    MistralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)
+                                    MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
