@@ -121,7 +121,8 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "Glm4MoeForCausalLM": transformers.Glm4MoeConfig, "Dots1ForCausalLM": transformers.Dots1Config,
                   "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
                   "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
-                  "SeedOssForCausalLM": transformers.SeedOssConfig, "SolarOpenForCausalLM": transformers.SolarOpenConfig}
+                  "SeedOssForCausalLM": transformers.SeedOssConfig,
+                  "SolarOpenForCausalLM": transformers.SolarOpenConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):
