@@ -35,7 +35,6 @@ from safetensors.torch import save_file
 
 from worker_svc.checkpoints.presets import DEFAULT_PRESET, GENERATION_CONFIG, get_preset
 from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, write_qwen_tokenizer
-from worker_svc.model.registry import architecture_of
 
 LOGIT_SCALE = 8.0
 QK_NORM_SCALE = 2.0
@@ -59,19 +58,35 @@ def parse_size(size: str | int) -> int:
 
 
 GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w) and norms around the MLP
+# model types with DeepSeek-V3's experts: dense first layers, a router bias, n_shared_experts shared ones
+DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open")
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter names and shapes in transformers' state_dict order for the config's architecture, under its
-    published names: which a layer holds (biases, q/k norms, experts, shared experts, router biases) as the worker
-    reads the config, so that is decided in one place (model/registry.py's classes)."""
-    h, inter = config["hidden_size"], config.get("intermediate_size", 0)
+    """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
+    for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's (and SmolLM3's) attention and MLP biases where its
+    config sets them, experts (and Qwen2-MoE's shared one; GraniteMoE's stored whole per projection)."""
+    h, inter = config["hidden_size"], config.get("intermediate_size", 0)  # Solar Open has no dense MLP
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
-    features = architecture_of(config).config(config)
-    qkv_bias, o_bias, mlp_bias, qk_norm = features.qkv_bias, features.o_bias, features.mlp_bias, features.qk_norm
-    moe_layers = set(features.moe.layers) if features.moe is not None else set()
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1")
+    qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
+                or (kind in ("glm", "glm4") and config.get("attention_bias", True))
+                or (kind in ("glm4_moe", "solar_open", "seed_oss") and bool(config.get("attention_bias"))))
+    o_bias = attention_bias or (kind == "seed_oss" and bool(config.get("attention_out_bias")))
+    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
+    qk_norm = (kind in ("qwen3", "qwen3_moe", "gemma3_text", "dots1")
+               or (kind == "glm4_moe" and bool(config.get("use_qk_norm"))))
+    moe_layers = set()
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+        moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
+    if kind in DEEPSEEK_MOE:
+        moe_layers = set(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
+    if kind == "ernie4_5_moe":
+        first, last, step = config["moe_layer_start_index"], config["moe_layer_end_index"], config["moe_layer_interval"]
+        moe_layers = {i for i in range(config["num_hidden_layers"]) if first <= i <= last and (i + 1) % step == 0}
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -96,24 +111,31 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                        (p + "block_sparse_moe.router.layer.weight", (e, h)),
                        (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
-        if i in moe_layers:  # routed experts, under Mixtral's names or Qwen's
-            moe, mixtral = features.moe, kind == "mixtral"
-            module, count, e_inter = "block_sparse_moe" if mixtral else "mlp", moe.num_experts, moe.intermediate_size
+        if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
+            mixtral = kind == "mixtral"
+            module = "block_sparse_moe" if mixtral else "mlp"
+            count = (config.get("num_local_experts") or config.get("num_experts") or config.get("moe_num_experts")
+                     or config["n_routed_experts"])
+            e_inter = inter if mixtral else config["moe_intermediate_size"]
             widen, narrow = (e_inter, h), (h, e_inter)  # gate and up; down
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
-            if moe.score_correction_bias:  # the router's (ERNIE's as a row of its own module)
-                shapes.append((p + "mlp.moe_statics.e_score_correction_bias", (1, count)) if kind == "ernie4_5_moe"
-                              else (p + "mlp.gate.e_score_correction_bias", (count,)))
+            if kind in DEEPSEEK_MOE:  # the router's correction bias (ERNIE's beside it, as a row)
+                shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
+            if kind == "ernie4_5_moe":
+                shapes.append((p + "mlp.moe_statics.e_score_correction_bias", (1, count)))
             for e in range(count):
                 shapes += [(p + f"{module}.experts.{e}.{name}.weight", shape) for name, shape in names]
-            if moe.shared_intermediate_size:  # the shared expert (Qwen2-MoE's one with its gate; the others' summed)
-                shared = "shared_expert" if moe.shared_expert_gated else "shared_experts"
-                width = moe.shared_intermediate_size
-                shapes += [(p + f"mlp.{shared}.{name}.weight", shape) for name, shape in
-                           (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width)))]
-                if moe.shared_expert_gated:
+            shared = {"qwen2_moe": ("shared_expert", config.get("shared_expert_intermediate_size")),
+                      "ernie4_5_moe": ("shared_experts", e_inter * config.get("moe_num_shared_experts", 0))}.get(kind)
+            if kind in DEEPSEEK_MOE:
+                shared = ("shared_experts", e_inter * config.get("n_shared_experts", 1))
+            if shared:  # the shared expert (Qwen2-MoE's with its gate)
+                module, s_inter = shared
+                shapes += [(p + f"mlp.{module}.{name}.weight", shape) for name, shape in
+                           (("gate_proj", (s_inter, h)), ("up_proj", (s_inter, h)), ("down_proj", (h, s_inter)))]
+                if kind == "qwen2_moe":
                     shapes.append((p + "mlp.shared_expert_gate.weight", (1, h)))
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue

@@ -10,8 +10,8 @@ from worker_svc.model.layers import CausalLM
 
 
 def sigmoid_routed_experts(raw: dict) -> MoeConfig:
-    """DeepSeek-V3's experts as GLM-4.5 and dots.llm1 configure them: n_routed_experts sigmoid-routed beside
-    n_shared_experts shared ones (one MLP of their summed width), dense MLPs on the first first_k_dense_replace
+    """DeepSeek-V3's experts as GLM-4.5, dots.llm1 and Solar Open configure them: n_routed_experts sigmoid-routed
+    beside n_shared_experts shared ones (one MLP of their summed width), dense MLPs on the first first_k_dense_replace
     layers."""
     expert_size = raw["moe_intermediate_size"]
     return MoeConfig(num_experts=raw.get("n_routed_experts") or raw["num_local_experts"],
