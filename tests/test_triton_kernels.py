@@ -565,6 +565,30 @@ def test_router_topk_kernel_matches_the_torch_choice(dtype, tokens, experts, top
             assert row[a] > row[b] or a < b
 
 
+@pytest.mark.parametrize("sigmoid", [True, False])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (13, 128, 8), (17, 60, 4)])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_router_topk_kernel_with_a_bias_matches_the_torch_choice(sigmoid, tokens, experts, top_k, per_token):
+    """DeepSeek-V3's choice (GLM-4.5's, ERNIE 4.5's) in the same kernel: the experts by sigmoid (or softmax) score
+    plus a bias, weighted by their scores, renormalised and scaled, as the torch reference; a per-token bias of -inf
+    keeps a token off those experts (how expert groups reach it)."""
+    from worker_svc.kernels import moe, reference
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    bias = torch.randn(experts, generator=gen) * 0.1
+    if per_token:
+        bias = bias.expand(tokens, experts).clone()
+        bias[:, ::3] = float("-inf")
+    weights, ids = moe.router_topk(logits, top_k, True, sigmoid=sigmoid, bias=bias, scale=2.5)
+    ref_weights, ref_ids = reference.router_topk(logits, top_k, True, sigmoid=sigmoid, bias=bias, scale=2.5)
+    assert weights.dtype == ref_weights.dtype == torch.float32 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.full((tokens,), 2.5))
+    if per_token:
+        assert not (ids % 3 == 0).any()
+
+
 def test_fused_moe_takes_its_tiles_from_moe_config():
     from worker_svc.kernels import moe
 

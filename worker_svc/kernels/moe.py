@@ -136,45 +136,60 @@ def num_blocks(slots: int, num_experts: int, block_m: int) -> int:
     return cdiv(slots + min(num_experts, slots) * (block_m - 1), block_m)
 
 
-# ---- the router's choice: softmax, top-k and renormalisation in one launch ------------------------------
+# ---- the router's choice: softmax (or sigmoid, and a bias), top-k and renormalisation in one launch ---------
 @triton.jit(do_not_specialize=["num_tokens"])
-def _router_topk(Logits, Weights, Ids, num_tokens, num_experts, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                 E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
+def _router_topk(Logits, Bias, Weights, Ids, num_tokens, num_experts, stride_t, stride_bias_t, scale,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_PAD)
     live = t < num_tokens
-    x = tl.load(Logits + t[:, None].to(tl.int64) * stride_t + e[None, :],
-                mask=live[:, None] & (e[None, :] < num_experts), other=float("-inf")).to(tl.float32)
+    experts = live[:, None] & (e[None, :] < num_experts)
+    x = tl.load(Logits + t[:, None].to(tl.int64) * stride_t + e[None, :], mask=experts,
+                other=float("-inf")).to(tl.float32)
     x = tl.where(live[:, None], x, 0.0)  # rows past the last token: finite, never stored
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]  # padding experts: 0, after every real one in index order
+    if SIGMOID:
+        p = tl.where(experts, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    else:
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]  # padding experts: 0, after every real one in index order
+    choice = p
+    if HAS_BIAS:  # chosen by score + bias (-inf: an expert the token may not take), weighted by score
+        bias = tl.load(Bias + t[:, None].to(tl.int64) * stride_bias_t + e[None, :], mask=experts, other=0.0)
+        choice = tl.where(experts, p + bias, float("-inf"))
     k = tl.arange(0, K_PAD)
     weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     for j in tl.static_range(TOP_K):  # the largest left, the lowest index among equals; then taken out
-        best = tl.max(p, 1)
-        idx = tl.min(tl.where(p == best[:, None], e[None, :], E_PAD), 1)
-        weights = tl.where(k[None, :] == j, best[:, None], weights)
+        best = tl.max(choice, 1)
+        idx = tl.min(tl.where(choice == best[:, None], e[None, :], E_PAD), 1)
+        taken = e[None, :] == idx[:, None]
+        weights = tl.where(k[None, :] == j, tl.sum(tl.where(taken, p, 0.0), 1)[:, None], weights)
         ids = tl.where(k[None, :] == j, idx[:, None], ids)
-        p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+        choice = tl.where(taken, float("-inf"), choice)
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, 1)[:, None]
+        weights = weights / (tl.sum(weights, 1)[:, None] + (1e-20 if HAS_BIAS else 0.0))
     out = t[:, None].to(tl.int64) * TOP_K + k[None, :]
     mask = live[:, None] & (k[None, :] < TOP_K)
-    tl.store(Weights + out, weights.to(Weights.dtype.element_ty), mask=mask)
+    tl.store(Weights + out, (weights * scale).to(Weights.dtype.element_ty), mask=mask)
     tl.store(Ids + out, ids.to(Ids.dtype.element_ty), mask=mask)
 
 
-def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.router_topk in one kernel (it takes six, torch.topk two of them): [T, top_k] weights in the
-    logits' dtype and int64 expert ids, most probable first."""
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, sigmoid: bool = False,
+                bias: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.router_topk in one kernel (it takes six, torch.topk two of them): [T, top_k] weights (in the
+    logits' dtype; float32 with a bias or sigmoid scores) and int64 expert ids, the first choice first."""
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    plain = bias is None and not sigmoid
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype if plain else torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     block_t = 16
-    _router_topk[(cdiv(tokens, block_t),)](logits, weights, ids, tokens, experts, logits.stride(0), TOP_K=top_k,
+    _router_topk[(cdiv(tokens, block_t),)](logits, bias if bias is not None else logits, weights, ids, tokens,
+                                          experts, logits.stride(0), bias.stride(0) if bias is not None and
+                                          bias.dim() == 2 else 0, scale, TOP_K=top_k,
                                           K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(experts),
-                                          BLOCK_T=block_t, RENORMALIZE=renormalize)
+                                          BLOCK_T=block_t, RENORMALIZE=renormalize, SIGMOID=sigmoid,
+                                          HAS_BIAS=bias is not None)
     return weights, ids
 
 

@@ -79,31 +79,30 @@ class BiasedRouter(Gate):
     """GLM-4.5's (DeepSeek-V3's) and ERNIE 4.5's routing, in float32 as transformers computes it: sigmoid (or
     softmax) scores; a token's experts the top_k of score + e_score_correction_bias within its best topk_groups groups
     (a group ranked by the sum of its two best); their weights the scores themselves, renormalised with
-    norm_topk_prob, times routed_scaling_factor. Torch ops of static shapes, so a decode step with them stays one CUDA
-    graph."""
+    norm_topk_prob, times routed_scaling_factor. The choice is kernels.router_topk's (one kernel on a GPU); the
+    groups reach it as a bias of -inf on the experts outside a token's, from torch ops of static shapes (a decode
+    step stays one CUDA graph)."""
 
-    def __init__(self, hidden: int, moe: MoeConfig):
+    def __init__(self, hidden: int, moe: MoeConfig, kernels: Kernels):
         super().__init__(hidden, moe.num_experts, torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         # ERNIE 4.5 stores it as [1, experts]
         self.e_score_correction_bias.weight_loader = lambda param, w: param.data.copy_(w.reshape(-1))
-        self.moe = moe
+        self.moe, self.kernels = moe, kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        moe = self.moe
+        moe, bias = self.moe, self.e_score_correction_bias
         logits = F.linear(x.float(), self.weight)
-        scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias
+        sigmoid = moe.scoring == "sigmoid"
         if moe.num_groups > 1:
-            groups = choice.view(len(x), moe.num_groups, -1)
+            scores = torch.sigmoid(logits) if sigmoid else logits.softmax(-1)
+            groups = (scores + bias).view(len(x), moe.num_groups, -1)
             best = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_groups, dim=-1).indices
             kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            choice = groups.masked_fill(~kept[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(moe.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
+            outside = torch.zeros_like(groups).masked_fill_(~kept[..., None], float("-inf"))
+            bias = bias + outside.view_as(logits)
+        return self.kernels.router_topk(logits, moe.top_k, moe.norm_topk_prob, sigmoid=sigmoid, bias=bias,
+                                        scale=moe.routed_scaling_factor)
 
 
 class SparseMoE(nn.Module):
@@ -111,7 +110,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.kernels = kernels
-        self.gate = (BiasedRouter(cfg.hidden_size, moe) if moe.score_correction_bias
+        self.gate = (BiasedRouter(cfg.hidden_size, moe, kernels) if moe.score_correction_bias
                      else SoftmaxRouter(cfg.hidden_size, moe, kernels))
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
         self.shared_expert = self.shared_expert_gate = None
