@@ -92,3 +92,34 @@ def test_router_topk_kernel_makes_a_valid_choice_in_bf16(tokens):
     logits.copy_((torch.randn(tokens, EXPERTS, generator=gen) * 2).to("cuda", torch.bfloat16))
     graph.replay()
     check_router_choice(logits, *replayed, True, 1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 130, 16384])
+@pytest.mark.parametrize("sigmoid", [True, False])
+def test_router_topk_kernel_with_a_bias_matches_the_reference(tokens, sigmoid):
+    """DeepSeek-V3's choice (GLM-4.5's sigmoid scores, ERNIE 4.5's softmax ones) on the GPU, float32 logits as the
+    router computes them: the reference's experts and weights, with groups as a per-token -inf bias, and the same in a
+    CUDA graph replayed for new logits."""
+    from worker_svc.kernels import reference
+
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, EXPERTS, generator=gen).cuda()
+    bias = (torch.randn(EXPERTS, generator=gen) * 0.1).expand(tokens, EXPERTS).clone()
+    bias[:, : EXPERTS // 2] = float("-inf")
+    bias = bias.cuda()
+
+    def check(weights, ids):
+        ref_weights, ref_ids = reference.router_topk(logits, TOP_K, True, sigmoid=sigmoid, bias=bias, scale=2.5)
+        assert torch.equal(ids, ref_ids) and bool((ids >= EXPERTS // 2).all())
+        torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+
+    check(*moe.router_topk(logits, TOP_K, True, sigmoid=sigmoid, bias=bias, scale=2.5))
+    if tokens > GRAPH_TOKENS:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe.router_topk(logits, TOP_K, True, sigmoid=sigmoid, bias=bias, scale=2.5)
+    logits.copy_(torch.randn(tokens, EXPERTS, generator=gen).cuda())
+    graph.replay()
+    check(*replayed)
+
