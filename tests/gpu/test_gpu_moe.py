@@ -100,8 +100,6 @@ def test_router_topk_kernel_with_a_bias_matches_the_reference(tokens, sigmoid):
     """DeepSeek-V3's choice (GLM-4.5's sigmoid scores, ERNIE 4.5's softmax ones) on the GPU, float32 logits as the
     router computes them: the reference's experts and weights, with groups as a per-token -inf bias, and the same in a
     CUDA graph replayed for new logits."""
-    from worker_svc.kernels import reference
-
     gen = torch.Generator().manual_seed(tokens)
     logits = torch.randn(tokens, EXPERTS, generator=gen).cuda()
     bias = (torch.randn(EXPERTS, generator=gen) * 0.1).expand(tokens, EXPERTS).clone()
