@@ -154,6 +154,22 @@ CONFIGS = {
                                           "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **COMMON),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, deepstack_visual_indexes=[0]), tie_word_embeddings=False),
+    # GLM-4.1V and GLM-4.5V served as text: GLM-4-0414's and GLM-4.5's layers, their multimodal rope's three sections
+    # (2 + 1 + 1 of the 4 rotated frequencies) over text positions
+    "glm4v": transformers.Glm4vConfig(
+        text_config=dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                          "partial_rotary_factor": 0.5}, **COMMON),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14), tie_word_embeddings=False),
+    "glm4v_moe": transformers.Glm4vMoeConfig(
+        text_config=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8,
+                         num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, attention_bias=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                          "partial_rotary_factor": 0.5}, **COMMON),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14), tie_word_embeddings=False),
     # experts on layers 0 and 2, a dense MLP on layer 1; 3 of 10 experts per token, renormalised
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=10, num_experts_per_tok=3,
@@ -216,7 +232,7 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
     eager = getattr(config, "attn_logit_softcapping", None) is not None
     # Mistral 3's and Qwen-VL's multimodal models are no AutoModelForCausalLM (Gemma 3's is)
-    multimodal = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    multimodal = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
     auto = transformers.AutoModelForCausalLM
     if config.model_type in multimodal:
         auto = transformers.AutoModelForImageTextToText

@@ -7,6 +7,7 @@ from worker_svc.model.gemma2 import Gemma2ForCausalLM
 from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_svc.model.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
+from worker_svc.model.glm_vl import Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
                                     MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
@@ -38,6 +39,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Glm4vForConditionalGeneration": Glm4vForConditionalGeneration,
+    "Glm4vMoeForConditionalGeneration": Glm4vMoeForConditionalGeneration,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
