@@ -480,35 +480,26 @@ def test_qwen3_vl_moe_experts_as_published_load_the_same(tmp_path_factory, tmp_p
     _assert_same_logits(folder, tensors, tmp_path)
 
 
-def test_glm4_moe_leaves_the_multi_token_prediction_layer_published_after_the_last(tmp_path_factory, tmp_path):
-    """GLM-4.5's published checkpoints store a multi-token-prediction layer (a decoder layer with its own
-    projections and norms) after the last one, as config.json's num_nextn_predict_layers says; transformers leaves
-    it, and so does the worker: the same logits."""
+@pytest.mark.parametrize("name,block,extras", [
+    # GLM-4.5: a decoder layer after the last of the 3 (num_nextn_predict_layers 1), with its own norms and projection
+    ("glm4_moe", "model.layers.3.", ("model.layers.3.eh_proj", "model.layers.3.enorm", "model.layers.3.hnorm",
+                                     "model.layers.3.shared_head.norm")),
+    # ERNIE 4.5 MoE: `model.mtp_block.0.*`, its norms and projection (transformers leaves every `mtp` tensor)
+    ("ernie4_5_moe", "model.mtp_block.0.", ("model.mtp_emb_norm.0", "model.mtp_hidden_norm.0",
+                                            "model.mtp_linear_proj.0")),
+])
+def test_the_published_multi_token_prediction_tensors_are_left(name, block, extras, tmp_path_factory, tmp_path):
+    """GLM-4.5's and ERNIE 4.5's published checkpoints store a multi-token-prediction block beside the model's layers;
+    transformers leaves it, and so does the worker: the same logits."""
     from safetensors.torch import load_file
 
-    _, folder, hf = _write("glm4_moe", tmp_path_factory)
-    layers, h = hf.config.num_hidden_layers, hf.config.hidden_size
-    assert hf.config.num_nextn_predict_layers == 1
-    tensors = {n: t for path in folder.glob("*.safetensors") for n, t in load_file(path).items()}
-    mtp = f"model.layers.{layers}."
-    tensors |= {n.replace("model.layers.1.", mtp): t.clone() for n, t in tensors.items() if "model.layers.1." in n}
-    tensors |= {mtp + "eh_proj.weight": torch.randn(h, 2 * h), mtp + "enorm.weight": torch.ones(h),
-                mtp + "hnorm.weight": torch.ones(h), mtp + "shared_head.norm.weight": torch.ones(h)}
-    _assert_same_logits(folder, tensors, tmp_path)
-
-
-def test_ernie4_5_moe_leaves_the_multi_token_prediction_tensors(tmp_path_factory, tmp_path):
-    """ERNIE 4.5's published MoE checkpoints store a multi-token-prediction block (`model.mtp_block.0.*`, its norms
-    and projection); transformers leaves every `mtp` tensor, and so does the worker: the same logits."""
-    from safetensors.torch import load_file
-
-    _, folder, hf = _write("ernie4_5_moe", tmp_path_factory)
+    _, folder, hf = _write(name, tmp_path_factory)
     h = hf.config.hidden_size
+    if name == "glm4_moe":
+        assert (hf.config.num_hidden_layers, hf.config.num_nextn_predict_layers) == (3, 1)
     tensors = {n: t for path in folder.glob("*.safetensors") for n, t in load_file(path).items()}
-    tensors |= {n.replace("model.layers.1.", "model.mtp_block.0."): t.clone() for n, t in tensors.items()
-                if "model.layers.1." in n}
-    tensors |= {"model.mtp_emb_norm.0.weight": torch.ones(h), "model.mtp_hidden_norm.0.weight": torch.ones(h),
-                "model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h)}
+    tensors |= {n.replace("model.layers.1.", block): t.clone() for n, t in tensors.items() if "model.layers.1." in n}
+    tensors |= {f"{e}.weight": torch.randn(h, 2 * h) if "proj" in e else torch.ones(h) for e in extras}
     _assert_same_logits(folder, tensors, tmp_path)
 
 

@@ -97,17 +97,13 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, sigmoid: bo
     With a bias ([experts], or [tokens, experts] with -inf on experts a token may not take), DeepSeek-V3's choice
     (GLM-4.5's, ERNIE 4.5's): the top_k of score + bias, by sigmoid scores where asked, weighted by their scores
     (renormalised as transformers does, over sum + 1e-20) times `scale`, in float32."""
-    if bias is None and not sigmoid:
-        weights, ids = torch.topk(logits.float().softmax(-1), top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(logits.dtype), ids
     scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
     ids = torch.topk(scores if bias is None else scores + bias, top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+        weights = weights / (weights.sum(-1, keepdim=True) + (0.0 if bias is None else 1e-20))
+    weights = weights * scale
+    return (weights.to(logits.dtype) if bias is None and not sigmoid else weights), ids
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
