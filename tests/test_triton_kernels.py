@@ -184,6 +184,36 @@ def test_both_attention_kernels_cap_scores_as_the_reference(window, softcap):
         assert not torch.allclose(ref, TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_both_attention_kernels_add_each_heads_sink_as_the_reference(window):
+    """gpt-oss's sinks, one more logit per head in its softmax: prefill, decode in one split and decode merged over
+    several, with and without a window, against the reference; a sink of -inf changes nothing and a sink far above
+    every score leaves (nearly) no weight to the keys."""
+    query_lens = [37, 1, 20, 1, 5]
+    context_lens = [37, 90, 52, 2, 5]
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    k, v, table = _paged(context_lens, page, kv_heads, dim, torch.float32)
+    q = 2 * torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(9))
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window, sinks=sinks)
+    plain = TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window)
+    assert not torch.allclose(ref, plain)
+    none = torch.full((heads,), float("-inf"))
+    torch.testing.assert_close(TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window, sinks=none), plain)
+    assert TorchAttention().forward(q, k, v, meta, dim ** -0.5, window=window, sinks=sinks + 100).abs().max() < 1e-6
+    out = paged_prefill_attention(q, k, v, cu, seqused, table, query_blocks(query_lens, 16, q.device),
+                                  dim ** -0.5, window=window, sinks=sinks, block_m=16, block_n=16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    last = cu[1:] - 1
+    for split in (32, 128):  # contexts over several splits (merged), then each in one
+        out = paged_decode_attention(q[last], k, v, seqused, table, dim ** -0.5, window=window, sinks=sinks,
+                                     base_split=split, block_n=16)
+        torch.testing.assert_close(out, ref[last], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [1, 6, 16, 40])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (32, 32, 16)])
 def test_prefill_attention_with_a_sliding_window_matches_reference(window, page, block_m, block_n):

@@ -65,15 +65,16 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; the new K/V are already in the cache (q's dtype, or fp8 holding
         k / k_scale and v / v_scale). With a sliding `window`, a query at position p sees keys in
-        (p - window, p]; with `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
-        Returns q's shape."""
+        (p - window, p]; with `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); with
+        `sinks` (float32 [heads]: gpt-oss's), each head's softmax has one more logit, its sink, which takes a share
+        of the weight and adds nothing to the output. Returns q's shape."""
         ...
 
 
-# (q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap) -> out
+# (q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks) -> out
 Prefill = Callable[..., torch.Tensor]
 
 
@@ -90,12 +91,13 @@ class TritonDecode:
         self._counters: list[torch.Tensor] = []
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                 v_scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                 v_scale: float, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
             self._counters.append(self._kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
         return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
                                                    k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
-                                                   counters=self._counters[-1])
+                                                   sinks=sinks, counters=self._counters[-1])
 
 
 class TritonPrefill:
@@ -110,14 +112,15 @@ class TritonPrefill:
         self._blocks_of: tuple[AttentionMetadata, int] | None = None  # the step and block_m _blocks lists
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                 v_scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                 v_scale: float, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         kernel = self._kernel
         block_m = kernel.block_m_for(q.shape[1] // k_cache.shape[2], q.shape[2])
         if self._blocks_of is None or self._blocks_of[0] is not meta or self._blocks_of[1] != block_m:
             self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, block_m, q.device), (meta, block_m)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                               meta.page_table, self._blocks, scale, k_scale=k_scale, v_scale=v_scale,
-                                              window=window, softcap=softcap, block_m=block_m)
+                                              window=window, softcap=softcap, sinks=sinks, block_m=block_m)
 
 
 class FlashAttnPrefill:
@@ -130,12 +133,13 @@ class FlashAttnPrefill:
         self._fn = flash_attn_varlen_func
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                 v_scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                 v_scale: float, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         # flash-attn's window counts the keys left of the query, (p - window, p] being window - 1 of them
         out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
                        page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q, softmax_scale=scale,
                        causal=True, window_size=(None, None) if window is None else (window - 1, 0),
-                       **({"softcap": softcap} if softcap else {}))
+                       learnable_sink=sinks, **({"softcap": softcap} if softcap else {}))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -168,15 +172,16 @@ class PagedAttention:
         self._chosen_for: AttentionMetadata | None = None
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if meta.max_seqlen_q == 1:
-            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
         if self._chosen_for is not meta:  # the first layer of a step decides for all
             name = self.forced or (prefill_kernel(meta, q.shape[1], q.shape[2]) if len(self.prefills) > 1
                                    else next(iter(self.prefills)))
             self._chosen, self._chosen_for = self.prefills[name], meta
             self.steps[name] += 1
-        return self._chosen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+        return self._chosen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
 
 
 def flash_attn_available(device: torch.device) -> bool:

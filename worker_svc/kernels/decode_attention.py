@@ -64,13 +64,23 @@ def capped(s, softcap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale, window,
+def with_sinks(l, m, Sinks, heads, live, SINKS: tl.constexpr):
+    """A softmax denominator l over scores whose max is m (log2 units) with each head's sink added where SINKS
+    (gpt-oss's: one more logit per head, which takes a share of the weight and adds nothing to the output). A sink
+    far above m makes l infinite and the output 0, its limit."""
+    if SINKS:
+        l = l + tl.exp2(tl.load(Sinks + heads, mask=live, other=0.0).to(tl.float32) * 1.4426950408889634 - m)
+    return l
+
+
+@triton.jit
+def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, Sinks, scale_log2e, v_scale, window,
                   softcap_log2,
                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_out_t, stride_out_h,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                  TMA: tl.constexpr, F16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr):
+                  TMA: tl.constexpr, F16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     # KV heads vary fastest: the programs running side by side read neighbouring 256-byte rows of the
     # same pages (3 % faster than sequence-major at 256 x 800)
     kvh, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -121,6 +131,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
     out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + d[None, :]
     splits = tl.cdiv(ctx, SPLIT)
     if splits - first_split == 1:  # the whole context (window) in one split: no partials, no merge
+        l = with_sinks(l, m, Sinks, heads, h < GROUP, SINKS)
         tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
         return
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -147,6 +158,7 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, sc
             acc = acc * a[:, None] + part * b[:, None]
             l = l * a + b
             m = m_new
+        l = with_sinks(l, m, Sinks, heads, h < GROUP, SINKS)
         tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
 
 
@@ -201,13 +213,15 @@ def merge_counters(batch: int, kv_heads: int, device: torch.device | str) -> tor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqused_k: torch.Tensor, page_table: torch.Tensor, scale: float, *,
                            k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
-                           softcap: float | None = None, counters: torch.Tensor | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           counters: torch.Tensor | None = None,
                            base_split: int | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, tma: bool | None = None, f16_dots: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
-    only; with `softcap`, scores capped to softcap * tanh(score / softcap) (Gemma 2). Returns q's shape and dtype.
+    only; with `softcap`, scores capped to softcap * tanh(score / softcap) (Gemma 2); with `sinks` ([heads]), each head's
+    sink as one more logit of its softmax (gpt-oss). Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
     tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power
@@ -238,12 +252,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kv = tuple(TensorDescriptor(c, [c.shape[0] * page, kv_heads * head_dim], [c.stride(1), 1], [block_n, head_dim])
                    for c in kv)
     _split_kernel[(kv_heads, num_splits, batch)](
-        q, *kv, page_table, seqused_k, part_o, part_lse, out, counters,
+        q, *kv, page_table, seqused_k, part_o, part_lse, out, counters, q if sinks is None else sinks,
         scale * k_scale * LOG2E, v_scale, window or NO_WINDOW, (softcap or 0.0) * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n, SPLIT=split, TMA=tma,
-        F16_DOTS=f16_dots, SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages)
+        F16_DOTS=f16_dots, SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -16,18 +16,19 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
-from worker_svc.kernels.decode_attention import LOG2E, NO_WINDOW, capped, head_cols, page_of
+from worker_svc.kernels.decode_attention import LOG2E, NO_WINDOW, capped, head_cols, page_of, with_sinks
 from worker_svc.kernels.precision import dot
 from worker_svc.kernels.uploads import upload
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, scale_log2e, v_scale, window,
+def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart, Sinks, scale_log2e, v_scale, window,
                     softcap_log2,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_pt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SOFTCAP: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
+                    SINKS: tl.constexpr):
     blk, kvh = tl.program_id(0), tl.program_id(1)
     seq = tl.load(BlockSeq + blk)
     start = tl.load(BlockStart + blk)
@@ -68,6 +69,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         v = tl.load(V + kvh * stride_vh + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
+    l = with_sinks(l, m, Sinks, head, live, SINKS)
     out = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     o_rows = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(Out + o_rows[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
@@ -99,13 +101,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, page_table: torch.Tensor,
                             blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, k_scale: float = 1.0,
                             v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
-                            block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
+                            sinks: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
                             num_stages: int = 2) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache, q's dtype or
     fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m), block_m by default
     block_m_for(the GQA group, head_dim). With a sliding `window`, the
-    query at position p sees keys in (p - window, p]; `softcap` caps scores as paged_decode_attention's. Returns q's
-    shape and dtype."""
+    query at position p sees keys in (p - window, p]; `softcap` caps scores and `sinks` join each head's softmax as
+    paged_decode_attention's. Returns q's shape and dtype."""
     q = q.contiguous()
     tokens, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -117,10 +119,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if block_seq.numel():
         _prefill_kernel[(block_seq.numel(), kv_heads)](
             q, k_cache, v_cache, out, cu_seqlens_q, seqused_k, page_table, block_seq, block_start,
+            q if sinks is None else sinks,
             scale * k_scale * LOG2E, v_scale, window or NO_WINDOW, (softcap or 0.0) * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
             out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
             HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page,
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=triton.next_power_of_2(block_m * heads // kv_heads),
-            SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages)
+            SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     return out

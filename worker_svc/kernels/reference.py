@@ -180,13 +180,15 @@ class TorchAttention:
     scale, the output times v_scale.
 
     With a sliding `window`, query position p attends to keys in (p - window, p]; with `softcap`, each scaled
-    score s becomes softcap * tanh(s / softcap) before the mask, as Gemma 2's attention computes it.
+    score s becomes softcap * tanh(s / softcap) before the mask, as Gemma 2's attention computes it; with `sinks`,
+    each head's softmax takes its sink as one more logit (gpt-oss's), which weighs on the others and adds nothing.
 
     One loop iteration per sequence, so it is for CPUs, tests and checking the fast backends."""
 
     name = "torch"
 
-    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
         out = torch.empty_like(q)
         block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
         start = 0
@@ -200,9 +202,14 @@ class TorchAttention:
             if window is not None:
                 mask &= kpos > qpos[:, None] - window
             qs = q[start:start + n].transpose(0, 1)
-            if softcap:
-                scores = torch.tanh(qs @ k.transpose(1, 2) * (scale * k_scale / softcap)) * softcap
-                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            if softcap or sinks is not None:
+                scores = qs @ k.transpose(1, 2)
+                scores = (torch.tanh(scores * (scale * k_scale / softcap)) * softcap if softcap
+                          else scores * (scale * k_scale))
+                scores = scores.masked_fill(~mask, float("-inf"))
+                if sinks is not None:  # one more logit per head, dropped after the softmax
+                    scores = torch.cat([scores.float(), sinks.float()[:, None, None].expand(-1, n, 1)], -1)
+                probs = scores.softmax(-1, dtype=torch.float32)[..., :ctx].to(q.dtype)
                 o = probs @ v
             else:
                 o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale * k_scale)
