@@ -292,6 +292,19 @@ def test_gated_activation_kernels_match_eager(dtype, n, act):
     torch.testing.assert_close(fast(x), eager(x), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_clamped_swiglu_kernel_matches_eager(dtype):
+    """gpt-oss's activation, values of |x| up to ~16 so that both clamps (at 3 here) bite; float32 inside the kernel,
+    so float16 rounds once where the eager pieces round at each op."""
+    from worker_svc.kernels import reference
+
+    x = (torch.randn(7, 2 * 1100, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    want = reference.clamped_swiglu(x.float(), 3.0).to(dtype)
+    torch.testing.assert_close(elementwise.clamped_swiglu(x, 3.0), want, atol=1e-5, rtol=1e-5 if dtype == torch.float32
+                               else 2 ** -9)
+    assert not torch.allclose(want, reference.clamped_swiglu(x.float(), 100.0).to(dtype))
+
+
 def test_gumbel_argmax_matches_torch_sampler_and_breaks_ties_low():
     gen = torch.Generator().manual_seed(4)
     rows, vocab = 6, 5000
@@ -569,6 +582,24 @@ def test_fused_moe_matches_the_loop_over_experts(tokens, top_k, experts, first, 
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if first:
         assert (ref[(topk_ids < first).all(-1)] == 0).all()
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (40, 4, 8, 4, 4)])
+def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(tokens, top_k, experts, first, local):
+    """gpt-oss's experts: a bias on gate_up and on down (before the routing weight), the clamped SwiGLU."""
+    import functools
+
+    from worker_svc.kernels import moe, reference
+
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(tokens, top_k, experts, local, 32, 24, seed=tokens)
+    gen = torch.Generator().manual_seed(5)
+    b13, b2 = torch.randn(local, 48, generator=gen), torch.randn(local, 32, generator=gen)
+    ref = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first, b13=b13, b2=b2,
+                              act=functools.partial(reference.clamped_swiglu, limit=1.0))
+    out = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first, moe.MoeConfig(16), b13=b13, b2=b2,
+                        act=functools.partial(elementwise.clamped_swiglu, limit=1.0))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -19,13 +19,15 @@ class Kernels:
     rms_norm: Callable
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     gelu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # GeGLU, tanh approximation
+    clamped_swiglu: Callable[..., torch.Tensor]  # (x, limit, alpha=1.702): gpt-oss's experts' activation
     # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads,
     #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]  # (x, weight, bias=None)
     # (router logits, top_k, renormalize) -> each token's top-k (weights, expert ids) (model/moe.py)
     router_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    # (x, w13, w2, topk_weights, topk_ids, first_expert) -> the routed experts' weighted sum
+    # (x, w13, w2, topk_weights, topk_ids, first_expert, *, b13=None, b2=None, act=None) -> the routed experts'
+    # weighted sum (act: the activation of [gate | up], SwiGLU if None)
     fused_moe: Callable[..., torch.Tensor]
     # (logits, temperature, seeds, positions) -> tokens: temperature sampling or greedy, no filters
     gumbel_argmax: Callable[..., torch.Tensor]
@@ -40,10 +42,10 @@ def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool 
         from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 
         return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.gelu_and_mul,
-                       elementwise.qk_norm_rope_store, skinny_gemm.linear, moe.router_topk, moe.fused_moe,
+                       elementwise.clamped_swiglu, elementwise.qk_norm_rope_store, skinny_gemm.linear, moe.router_topk, moe.fused_moe,
                        gumbel.gumbel_argmax, None, backend)
     from worker_svc.kernels import reference
 
     return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.gelu_and_mul,
-                   reference.qk_norm_rope_store, reference.linear, reference.router_topk, reference.fused_moe,
+                   reference.clamped_swiglu, reference.qk_norm_rope_store, reference.linear, reference.router_topk, reference.fused_moe,
                    reference.gumbel_argmax, torch.float32, backend)

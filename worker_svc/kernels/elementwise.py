@@ -144,38 +144,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, res_out)
 
 
+SILU, GELU, CLAMPED_SWIGLU = 0, 1, 2  # _act_and_mul's activations
+
+
 @triton.jit
-def _act_and_mul(X, Out, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _act_and_mul(X, Out, stride_x, stride_o, limit, alpha, N: tl.constexpr, BLOCK: tl.constexpr,
+                 ACT: tl.constexpr):
     row, col = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = col * BLOCK + tl.arange(0, BLOCK)
     live = c < N
     gate = tl.load(X + row * stride_x + c, mask=live, other=0.0)
     up = tl.load(X + row * stride_x + N + c, mask=live, other=0.0)
     g = gate.to(tl.float32)
-    if GELU:  # tanh approximation
-        act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    if ACT == 2:  # gpt-oss's, in float32 throughout
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+        out = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     else:
-        act = g / (1.0 + tl.exp(-g))
-    act = act.to(gate.dtype)  # rounded, as F.silu's and F.gelu's outputs are
-    tl.store(Out + row * stride_o + c, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=live)
+        if ACT == 1:  # tanh approximation
+            act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        else:
+            act = g / (1.0 + tl.exp(-g))
+        act = act.to(gate.dtype)  # rounded, as F.silu's and F.gelu's outputs are
+        out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(Out + row * stride_o + c, out.to(gate.dtype), mask=live)
 
 
-def _gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+def _gated(x: torch.Tensor, act: int, limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     assert x.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows:
-        _act_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
-                                                     GELU=gelu, num_warps=4)
+        _act_and_mul[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), limit, alpha, N=n,
+                                                     BLOCK=block, ACT=act, num_warps=4)
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2 * n], gate then up. Returns silu(gate) * up, [rows, n]."""
-    return _gated(x, False)
+    return _gated(x, SILU)
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2 * n], gate then up. Returns gelu(gate) * up (tanh approximation: GeGLU, Gemma), [rows, n]."""
-    return _gated(x, True)
+    return _gated(x, GELU)
+
+
+def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
+    """reference.clamped_swiglu (gpt-oss's experts' activation) in one kernel."""
+    return _gated(x, CLAMPED_SWIGLU, limit, alpha)

@@ -13,6 +13,7 @@ The tiles come from `moe_config` (token count -> MoeConfig): a table per expert 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -296,9 +297,9 @@ def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
 
 # ---- the grouped GEMM ----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_slots"])
-def _moe_gemm(A, W, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
-              stride_am, stride_we, stride_wn, stride_cm,
-              A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+def _moe_gemm(A, W, Bias, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
+              stride_am, stride_we, stride_wn, stride_be, stride_cm,
+              A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BlockExpert + pid_m).to(tl.int64)
@@ -316,6 +317,8 @@ def _moe_gemm(A, W, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
         w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
                     mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
         acc += dot(a, w)
+    if HAS_BIAS:  # the expert's bias, before the routing weight (gpt-oss's)
+        acc += tl.load(Bias + expert * stride_be + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(RoutedWeights + slot, mask=live, other=0.0).to(tl.float32)[:, None]
     tl.store(C + slot.to(tl.int64)[:, None] * stride_cm + n[None, :], acc.to(C.dtype.element_ty),
@@ -328,17 +331,20 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
-                 weights: torch.Tensor | None, top_k: int, per_slot: bool, block_m: int, tiles: Tiles) -> torch.Tensor:
-    """[slots, N]: row s = a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T (times weights[s]),
-    for every slot the blocks list; the other rows (another rank's experts) are left unwritten."""
+                 weights: torch.Tensor | None, top_k: int, per_slot: bool, block_m: int, tiles: Tiles,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[slots, N]: row s = (a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T + bias[s's expert])
+    (times weights[s]), for every slot the blocks list; the other rows (another rank's experts) are left
+    unwritten."""
     slots = a.shape[0] if per_slot else a.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(slots, n, dtype=a.dtype, device=a.device)
     block_n, block_k = _tile(n, tiles.block_n), _tile(k, tiles.block_k)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm[grid](a, w, out, sorted_slots, block_expert, weights, n, k, slots,
-                    a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                    A_PER_SLOT=per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, BLOCK_M=block_m,
+    _moe_gemm[grid](a, w, w if bias is None else bias, out, sorted_slots, block_expert, weights, n, k, slots,
+                    a.stride(0), w.stride(0), w.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
+                    A_PER_SLOT=per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None,
+                    BLOCK_M=block_m,
                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -371,10 +377,13 @@ def topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_exp
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int = 0, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, first_expert: int = 0, config: MoeConfig | None = None, *,
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
-    (ids global, this rank holding experts first_expert .. first_expert + E - 1). Returns [T, H] in x's dtype:
-    sum over k of weight_k * down(silu(gate(x)) * up(x)) of expert id_k. config: moe_config()'s by default."""
+    (ids global, this rank holding experts first_expert .. first_expert + E - 1); b13 [E, 2I] and b2 [E, H]: the
+    experts' biases, if any (gpt-oss's). Returns [T, H] in x's dtype: sum over k of weight_k * down(act(gate_up(x)))
+    of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config: moe_config()'s by default."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
     tokens, top_k = topk_ids.shape
@@ -383,7 +392,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     config = config or moe_config(tokens, top_k, hopper_table(w2.shape[1], w2.shape[2], x.dtype, x.device))
     experts = w13.shape[0]
     sorted_slots, block_expert = align(topk_ids, first_expert, experts, config.block_m)
-    inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up)
-    y = grouped_gemm(silu_and_mul(inter), w2, sorted_slots, block_expert, topk_weights.reshape(-1), top_k, True,
-                     config.block_m, config.down)
+    inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up,
+                         b13)
+    y = grouped_gemm((act or silu_and_mul)(inter), w2, sorted_slots, block_expert, topk_weights.reshape(-1), top_k,
+                     True, config.block_m, config.down, b2)
     return topk_sum(y, topk_ids, first_expert, experts)

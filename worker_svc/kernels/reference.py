@@ -106,16 +106,25 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, sigmoid: bo
     return (weights.to(logits.dtype) if bias is None and not sigmoid else weights), ids
 
 
+def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's experts' activation of x [rows, 2 * n] (gate then up): gate clamped above at `limit`, up to
+    [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+              topk_ids: torch.Tensor, first_expert: int = 0, *, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums)."""
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, k = torch.where(topk_ids == first_expert + e)
         if token.numel():
-            gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, k, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            gate_up = F.linear(x[token], w13[e], None if b13 is None else b13[e])
+            y = F.linear((act or silu_and_mul)(gate_up), w2[e], None if b2 is None else b2[e])
+            out.index_add_(0, token, (y * topk_weights[token, k, None]).to(out.dtype))
     return out
 
 
