@@ -217,6 +217,13 @@ CONFIGS = {
         hidden_size=64, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
         n_group=2, topk_group=1, routed_scaling_factor=2.0, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, attention_bias=True, **COMMON),
+    # gpt-oss: 2 of 6 experts with biases and the clamped SwiGLU on every layer, a biased router; an 8-token window on
+    # layers 0 and 2, a sink per head, q/k/v/o biases, YaRN over an original length of 64
+    "gpt_oss_moe": transformers.GptOssConfig(
+        hidden_size=64, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0}, **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),
@@ -247,6 +254,8 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
                 tensor.uniform_(-bound, bound)
             elif tensor_name.endswith("mlp.gate.weight") and not tensor.any():  # ERNIE's router: zeros at init
                 tensor.normal_(0.0, 0.25)
+            elif tensor_name.endswith(("self_attn.sinks", "mlp.router.bias", "_proj_bias")):  # gpt-oss's
+                tensor.normal_(0.0, 1.0 if tensor_name.endswith("sinks") else 0.3)
     folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder, max_shard_size="3MB")
     write_qwen_tokenizer(folder)
@@ -427,8 +436,9 @@ def test_every_expert_is_used(moe_checkpoint):
         if isinstance(layer.mlp, SparseMoE):
             chosen[i] = set()
             fused = layer.mlp.kernels.fused_moe
-            layer.mlp.kernels = dataclasses.replace(layer.mlp.kernels, fused_moe=lambda *a, _s=chosen[i], _f=fused: (
-                _s.update(a[4].flatten().tolist()), _f(*a))[1])
+            layer.mlp.kernels = dataclasses.replace(
+                layer.mlp.kernels, fused_moe=lambda *a, _s=chosen[i], _f=fused, **kw: (
+                    _s.update(a[4].flatten().tolist()), _f(*a, **kw))[1])
     driver = PagedDriver(runner)
     for p in _prompts():
         driver.add(p, 4)

@@ -65,6 +65,8 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    bias: bool = False  # gpt-oss: biases on the router's logits and on every expert's projections
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (kernels.clamped_swiglu); None: plain SwiGLU
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +105,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
+    attention_sinks: bool = False  # gpt-oss: a learnt logit per head joins its softmax (AttentionBackend.forward)
     # Granite: the attention's and the MLP's outputs scaled before the residual add, and the logits scaled; both
     # folded into the weights that produce them at load (CausalLM.fold_scales)
     residual_scale: float = 1.0

@@ -11,7 +11,7 @@ from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import ModelConfig, RopeScaling
 from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                       RowParallelLinear, VocabParallelEmbedding)
+                                       RowParallelLinear, VocabParallelEmbedding, tp_rank)
 
 
 class RMSNorm(nn.Module):
@@ -122,6 +122,11 @@ class Attention(nn.Module):
         self.window = cfg.window_of(layer)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.softcap = cfg.attn_logit_softcapping
+        self.sinks = None
+        if cfg.attention_sinks:  # this rank's heads' (float32, as the kernels read them)
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = lambda param, w: param.data.copy_(w.narrow(0, tp_rank() * len(param),
+                                                                                  len(param)))
         # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
@@ -132,7 +137,8 @@ class Attention(nn.Module):
                                             self.eps, self.k_cache, self.v_cache, meta.slot_mapping,
                                             self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
         o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
-                                           self.v_scale, window=self.window, softcap=self.softcap)
+                                           self.v_scale, window=self.window, softcap=self.softcap,
+                                           sinks=self.sinks)
         return self.o_proj(o.flatten(1))
 
 

@@ -3,8 +3,10 @@ model.safetensors.index.json) into a model, mapping HF names onto packed layers 
 this rank's shard of each tensor."""
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,48 +28,65 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")  # an fp8 KV cache's scales, as vLLM names them
 
 
+# (checkpoint name, its tensor when asked for, the file it is in)
+CheckpointTensor = tuple[str, Callable[[], torch.Tensor], str]
+
+
+def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
+    """Every tensor of the checkpoint, read only when asked for (a model leaves some: vision towers)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, functools.partial(f.get_tensor, name), path.name
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
-    missing name. Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale`
-    gives both), for an fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
+    missing name. A model's `converted` (if it has one) turns its checkpoint's own forms into the layout its
+    parameters load (gpt-oss's MXFP4 experts). Returns the checkpoint's KV-cache scales
+    (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an fp8 cache: a scale per layer and tensor
+    (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
     ignored = getattr(model, "ignored_prefixes", ())
     renamed = getattr(model, "renamed_fragments", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    tensors = checkpoint_tensors(Path(model_dir))
+    if hasattr(model, "converted"):
+        tensors = model.converted(tensors)
     loaded: set[str] = set()
     kv_scales: dict[str, float] = {}
-    for path in checkpoint_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                if hf_name.startswith(ignored):
-                    continue
-                name, shard_id = _our_name(hf_name, packed, prefixes, renamed)
-                prefix, _, leaf = name.rpartition(".")
-                if leaf in KV_SCALE_NAMES:
-                    value = float(f.get_tensor(hf_name).float().max())
-                    for which in ("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,):
-                        kv_scales[f"{prefix}.{which}"] = value
-                    continue
-                if name == "lm_head.weight" and tied:
-                    continue  # tied checkpoints may still store the head; the embedding is the source
-                if name not in params:
-                    raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {path.name}")
-                param = params[name]
-                tensor = f.get_tensor(hf_name).to(param.dtype)
-                loader = getattr(param, "weight_loader", None)
-                # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
-                fused = shard_id is None and hasattr(param, "split_fused")
-                for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
-                    with torch.no_grad():
-                        if loader is None:
-                            param.data.copy_(part)
-                        elif shard_id is None:
-                            loader(param, part)
-                        else:
-                            loader(param, part, shard_id)
-                    loaded.add(f"{name}:{shard_id}")
+    for hf_name, get_tensor, file in tensors:
+        if hf_name.startswith(ignored):
+            continue
+        name, shard_id = _our_name(hf_name, packed, prefixes, renamed)
+        if name not in params and f"{name}.weight" in params:
+            name += ".weight"  # stored without its `.weight` (experts as transformers 5 saves them)
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in KV_SCALE_NAMES:
+            value = float(get_tensor().float().max())
+            for which in ("k_scale", "v_scale") if leaf == "kv_scale" else (leaf,):
+                kv_scales[f"{prefix}.{which}"] = value
+            continue
+        if name == "lm_head.weight" and tied:
+            continue  # tied checkpoints may still store the head; the embedding is the source
+        if name not in params:
+            raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {file}")
+        param = params[name]
+        tensor = get_tensor().to(param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
+        fused = shard_id is None and hasattr(param, "split_fused")
+        for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
+            with torch.no_grad():
+                if loader is None:
+                    param.data.copy_(part)
+                elif shard_id is None:
+                    loader(param, part)
+                else:
+                    loader(param, part, shard_id)
+            loaded.add(f"{name}:{shard_id}")
     expected = {f"{name}:{shard}" for name, param in params.items() for shard in _shards_of(name, param, packed)}
     if tied:
         expected = {e for e in expected if not e.startswith("lm_head.")}

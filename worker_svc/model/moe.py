@@ -5,6 +5,8 @@ Under tensor parallelism the experts are sharded whole across the ranks (each co
 token), the shared expert as a dense MLP, and one all-reduce adds both up; the routers are replicated."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,7 +25,8 @@ class ExpertWeights(nn.Module):
     transformers saves it) or [experts, in, out] (Qwen3-VL-MoE's as published), told apart by shape as transformers
     does."""
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None):
+    def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None,
+                 bias: bool = False):
         super().__init__()
         local = _divide(num_experts, tp_size())
         self.first, self.out = tp_rank() * local, out_features
@@ -32,6 +35,11 @@ class ExpertWeights(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_ids = [(e, h) for e in range(num_experts) for h in (halves or (None,))]
         self.weight.split_fused = self.split_fused
+        self.bias = None
+        if bias:  # [experts, out] of every expert at once (gpt-oss's): this rank's rows
+            self.bias = nn.Parameter(torch.empty(local, self.weight.shape[1]), requires_grad=False)
+            self.bias.weight_loader = lambda param, b: param.data.copy_(b.narrow(0, self.first, local))
+            self.bias.shard_ids = [None]  # one tensor, however the weight is stored
 
     def split_fused(self, loaded: torch.Tensor) -> list[tuple[tuple[int, int | None], torch.Tensor]]:
         if loaded.shape[1:] != self.weight.shape[1:]:
@@ -50,10 +58,10 @@ class ExpertWeights(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = ExpertWeights(num_experts, intermediate, hidden, halves=(0, 1))
-        self.down_proj = ExpertWeights(num_experts, hidden, intermediate, halves=None)
+        self.gate_up_proj = ExpertWeights(num_experts, intermediate, hidden, halves=(0, 1), bias=bias)
+        self.down_proj = ExpertWeights(num_experts, hidden, intermediate, halves=None, bias=bias)
 
 
 class Gate(nn.Module):
@@ -65,14 +73,16 @@ class Gate(nn.Module):
 
 
 class SoftmaxRouter(Gate):
-    """Each token's top_k experts by softmax probability (one kernel on a GPU), renormalised with norm_topk_prob."""
+    """Each token's top_k experts by softmax probability (one kernel on a GPU), renormalised with norm_topk_prob;
+    gpt-oss's logits take a bias (its softmax over the top k logits is the same renormalised choice)."""
 
     def __init__(self, hidden: int, moe: MoeConfig, kernels: Kernels):
         super().__init__(hidden, moe.num_experts)
         self.kernels, self.top_k, self.renormalize = kernels, moe.top_k, moe.norm_topk_prob
+        self.bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.router_topk(self.kernels.linear(x, self.weight), self.top_k, self.renormalize)
+        return self.kernels.router_topk(self.kernels.linear(x, self.weight, self.bias), self.top_k, self.renormalize)
 
 
 class BiasedRouter(Gate):
@@ -112,7 +122,9 @@ class SparseMoE(nn.Module):
         self.kernels = kernels
         self.gate = (BiasedRouter(cfg.hidden_size, moe, kernels) if moe.score_correction_bias
                      else SoftmaxRouter(cfg.hidden_size, moe, kernels))
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.bias)
+        self.act = None if moe.swiglu_limit is None else functools.partial(kernels.clamped_swiglu,
+                                                                           limit=moe.swiglu_limit)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg, kernels, moe.shared_intermediate_size, reduce=False)
@@ -123,7 +135,8 @@ class SparseMoE(nn.Module):
         weights, ids = self.gate(x)
         experts = self.experts
         y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights, ids,
-                                   experts.gate_up_proj.first)
+                                   experts.gate_up_proj.first, b13=experts.gate_up_proj.bias,
+                                   b2=experts.down_proj.bias, act=self.act)
         if self.shared_expert_gate is not None:  # rounded as transformers rounds: the gated output, then the sum
             y = y + torch.sigmoid(self.kernels.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         elif self.shared_expert is not None:
@@ -134,5 +147,7 @@ class SparseMoE(nn.Module):
 
     def scale_output(self, factor: float) -> None:
         self.experts.down_proj.weight.mul_(factor)  # each expert's output, so their weighted sum
+        if self.experts.down_proj.bias is not None:
+            self.experts.down_proj.bias.mul_(factor)
         if self.shared_expert is not None:
             self.shared_expert.scale_output(factor)

@@ -30,9 +30,6 @@ class Qwen3VLForConditionalGeneration(QwenVLText, Qwen3ForCausalLM):
 
 
 class Qwen3VLMoeForConditionalGeneration(QwenVLText, Qwen3MoeForCausalLM):
-    renamed_fragments = {".experts.gate_up_proj": ".experts.gate_up_proj.weight",  # stored without a `.weight`
-                         ".experts.down_proj": ".experts.down_proj.weight"}
-
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
         cfg = super().config(raw)  # its router always renormalises the top k

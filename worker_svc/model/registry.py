@@ -8,6 +8,7 @@ from worker_svc.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGener
 from worker_svc.model.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_svc.model.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
 from worker_svc.model.glm_vl import Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration
+from worker_svc.model.gpt_oss import GptOssForCausalLM
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
                                     MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
@@ -45,6 +46,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
