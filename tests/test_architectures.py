@@ -220,7 +220,7 @@ CONFIGS = {
     # gpt-oss: 2 of 6 experts with biases and the clamped SwiGLU on every layer, a biased router; an 8-token window on
     # layers 0 and 2, a sink per head, q/k/v/o biases, YaRN over an original length of 64
     "gpt_oss_moe": transformers.GptOssConfig(
-        hidden_size=64, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=6,
+        hidden_size=64, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=16, sliding_window=8,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 150000.0}, **COMMON),
@@ -445,6 +445,46 @@ def test_every_expert_is_used(moe_checkpoint):
     driver.run_all()
     experts = runner.model_config.moe.num_experts
     assert chosen and all(c == set(range(experts)) for c in chosen.values()), chosen
+
+
+def test_gpt_oss_loads_its_experts_from_mxfp4_as_transformers_does(tmp_path_factory):
+    """gpt-oss's published layout: each expert projection as MXFP4 `_blocks` and `_scales` ([experts, out, in / 32,
+    16] and [experts, out, in / 32]; quantised here by the project's writer), the scales in a file of their own.
+    transformers dequantises them on a CPU; our logits equal its logits on the same checkpoint, and differ from the
+    unquantised model's."""
+    from safetensors.torch import load_file, save_file
+
+    from worker_svc.checkpoints.writer import quantize_mxfp4
+
+    _, folder, hf = _write("gpt_oss_moe", tmp_path_factory)
+    mx = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    weight_map, scales = {}, {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for name, t in load_file(folder / file).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[f"{name}_blocks"], scales[f"{name}_scales"] = quantize_mxfp4(t.transpose(1, 2))
+            else:
+                tensors[name] = t
+        save_file(tensors, mx / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+    save_file(scales, mx / "scales.safetensors", metadata={"format": "pt"})
+    weight_map |= dict.fromkeys(scales, "scales.safetensors")
+    (mx / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx / "config.json").write_text(json.dumps(config))
+    write_qwen_tokenizer(mx)
+    hf_mx = transformers.AutoModelForCausalLM.from_pretrained(
+        mx, quantization_config=transformers.Mxfp4Config(dequantize=True)).float().eval()  # bf16 values: exact
+    prompts = _prompts(4)
+    with torch.inference_mode():
+        for p, ours in zip(prompts, prefill_logits(_runner(mx), prompts)):
+            theirs = hf_mx(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+            assert (theirs - hf(torch.tensor([p])).logits[0]).abs().max() > 1e-3
 
 
 def test_a_multimodal_gemma3_saved_in_the_newer_layout_loads_the_same(tmp_path_factory, tmp_path):

@@ -159,6 +159,24 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # MXFP4's magnitudes; code | 8: negative
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., n] (n a multiple of 32) in MXFP4 as gpt-oss publishes it: blocks uint8 [..., n / 32, 16] of two e2m1 codes
+    a byte (the first value in the low nibble), scales uint8 [..., n / 32] of 2^(scale - 127), the OCP choice
+    floor(log2 max|x|) - 2 (e2m1's largest exponent); each value rounded to the nearest code (ties to the lower
+    magnitude), those past 6 to 6."""
+    x = w.float().unflatten(-1, (-1, 32))
+    amax = x.abs().amax(-1, keepdim=True)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, -127.0).clamp(-127, 127)
+    scaled = (x / torch.exp2(exponent)).clamp(-6.0, 6.0)
+    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | (scaled < 0).to(torch.int64) << 3
+    pairs = code.unflatten(-1, (16, 2))
+    blocks = (pairs[..., 0] | pairs[..., 1] << 4).to(torch.uint8)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
