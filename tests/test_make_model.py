@@ -39,7 +39,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
             "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny", "phi4-mini-tiny", "smollm3-tiny",
             "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
-            "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny"]
+            "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny", "gpt-oss-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -51,8 +51,11 @@ def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_pat
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
+    # gpt-oss's MXFP4 experts, which transformers dequantises into bfloat16 (exactly) on a CPU
+    mxfp4 = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if "gpt-oss" in preset else {}
     model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True,
-                                                                    attn_implementation="eager")
+                                                                    attn_implementation="eager", **mxfp4)
+    model = model.float()
     assert type(model).__name__ == PRESETS[preset]["architectures"][0]
     assert not any(info.values()), info
     prompts = _prompts(2, 40).tolist()
@@ -101,7 +104,9 @@ def test_real_presets_have_published_sizes():
                           "qwen2.5-0.5b": 0.36, "mistral-7b": 6.98, "phi-4": 13.63, "mixtral-8x7b": 46.44,
                           "phi-3-mini": 3.62, "phi-3.5-mini": 3.62, "phi-4-mini": 3.22, "granite-3.1-8b": 7.97,
                           "smollm3-3b": 2.81, "granite-3.0-1b-a400m": 1.28,
-                          "glm-4-9b": 8.16}
+                          "glm-4-9b": 8.16,
+                          # gpt-oss's cards: 20.9 B and 116.8 B with its 201,088-row untied vocabulary (1.16 B)
+                          "gpt-oss-20b": 19.76, "gpt-oss-120b": 115.67}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
@@ -122,7 +127,8 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
                   "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
                   "SeedOssForCausalLM": transformers.SeedOssConfig,
-                  "SolarOpenForCausalLM": transformers.SolarOpenConfig}
+                  "SolarOpenForCausalLM": transformers.SolarOpenConfig,
+                  "GptOssForCausalLM": transformers.GptOssConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import json
 import multiprocessing as mp
 import os
 import random
@@ -46,7 +47,11 @@ def _prompts(seed: int = 8) -> list[list[int]]:
 def _hf(model_dir: Path):
     import transformers  # not at module level: the spawned ranks import this module
 
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # gpt-oss's MXFP4 experts, which transformers dequantises (exactly) into bfloat16 on a CPU
+    mxfp4 = "quantization_config" in json.loads((model_dir / "config.json").read_text())
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        **({"quantization_config": transformers.Mxfp4Config(dequantize=True)} if mxfp4 else {})).float().eval()
 
 
 def _hf_generate(model_dir: Path, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:
@@ -345,7 +350,7 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny", "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny",
                                     "phi4-mini-tiny", "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny",
-                                    "dots1-tiny", "ernie4_5-moe-tiny"])
+                                    "dots1-tiny", "ernie4_5-moe-tiny", "gpt-oss-tiny"])
 def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     """Under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the row-parallel bias added
     once after the all-reduce), no q/k norms, scaled rope, 6 heads over 2 KV heads; Qwen3-MoE with each rank
@@ -354,7 +359,9 @@ def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     in that one all-reduce; Granite's residual multiplier folded into each rank's share of o_proj and down_proj;
     Phi-4-mini's partial rope, each rank reordering its own heads' q and k rows (layers.rotary_order); GraniteMoE's
     experts stored whole per projection, each rank taking its experts from the one tensor, its residual multiplier
-    folded into them; GLM-4's interleaved half-head rope and q/k/v biases, each rank reordering its heads' rows."""
+    folded into them; GLM-4's interleaved half-head rope and q/k/v biases, each rank reordering its heads' rows;
+    gpt-oss's sinks cut with their heads and its experts' biases with their experts (the MXFP4 experts dequantised on
+    each rank)."""
     model_dir = make_model(preset, tmp_path / preset, seed=4)
     cluster = _cluster(model_dir, 2, tmp_path / "logs")
     try:

@@ -235,6 +235,20 @@ def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, att
                   attention_bias=False)
 
 
+def _gpt_oss(layers, experts, hidden=2880, heads=64, kv_heads=8, head_dim=64, intermediate=2880, top_k=4, window=128,
+             original=4096, factor=32.0, max_pos=131072, dtype="bfloat16"):
+    """gpt-oss: windowed and global layers alternating, its experts in MXFP4 as published."""
+    return _other("GptOssForCausalLM", "gpt_oss", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  150000.0, dtype, head_dim=head_dim, attention_bias=True, num_local_experts=experts,
+                  num_experts_per_tok=top_k, experts_per_token=top_k, sliding_window=window, swiglu_limit=7.0,
+                  initial_context_length=original, router_aux_loss_coef=0.9, output_router_logits=False,
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                  rope_scaling={"rope_type": "yarn", "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": original},
+                  quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                      "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
@@ -259,6 +273,8 @@ PRESETS: dict[str, dict] = {
     "solar-open-100b": _solar_open(4096, 48, 64, 8, 128, experts=128, top_k=8, expert_intermediate=1280),
     "glm-4.5": _glm4_moe(5120, 92, 96, 8, 128, 12288, experts=160, top_k=8, expert_intermediate=1536, dense_layers=3,
                          qk_norm=True, scaling=2.5),
+    "gpt-oss-20b": _gpt_oss(24, experts=32),
+    "gpt-oss-120b": _gpt_oss(36, experts=128),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
@@ -300,6 +316,9 @@ PRESETS: dict[str, dict] = {
     "ernie4_5-tiny": _ernie4_5(96, 2, 6, 2, 32, 160, max_pos=512, dtype="float32"),
     "ernie4_5-moe-tiny": _ernie4_5(64, 3, 4, 2, 16, 96, max_pos=512, dtype="float32", experts=8, top_k=3,
                                    expert_intermediate=24, shared=1),
+    # 2 of 8 experts, 16-token windows on layers 0 and 2, rope scaled from position 64 on
+    "gpt-oss-tiny": _gpt_oss(3, experts=8, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, top_k=2,
+                             window=16, original=64, factor=4.0, max_pos=512, dtype="float32"),
     "seed-oss-tiny": _seed_oss(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "solar-open-tiny": _solar_open(64, 2, 4, 2, 16, experts=8, top_k=3, expert_intermediate=24, max_pos=512,
                                    dtype="float32"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -70,6 +71,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     kind = config["model_type"]
+    if kind == "gpt_oss":
+        return _gpt_oss_shapes(config)
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
                 or (kind in ("glm", "glm4") and config.get("attention_bias", True))
@@ -84,6 +87,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         moe_layers = {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
     if kind in DEEPSEEK_MOE:
         moe_layers = set(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
+    if kind == "gpt_oss":
+        return _gpt_oss_shapes(config)
     if kind == "ernie4_5_moe":
         first, last, step = config["moe_layer_start_index"], config["moe_layer_end_index"], config["moe_layer_interval"]
         moe_layers = {i for i in range(config["num_hidden_layers"]) if first <= i <= last and (i + 1) % step == 0}
@@ -177,6 +182,32 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent[..., 0] + 127).to(torch.uint8)
 
 
+def _gpt_oss_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss's tensors as published: each expert projection of every expert as one [experts, out, in] tensor (its
+    MXFP4 `_blocks` and `_scales`, make_model writes), with `_bias`; the router's bias; a sink per head."""
+    h, inter, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    hd, heads, kv_heads = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], h))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, out in (("q_proj", heads * hd), ("k_proj", kv_heads * hd), ("v_proj", kv_heads * hd)):
+            shapes += [(p + f"self_attn.{name}.weight", (out, h)), (p + f"self_attn.{name}.bias", (out,))]
+        shapes += [(p + "self_attn.o_proj.weight", (h, heads * hd)), (p + "self_attn.o_proj.bias", (h,)),
+                   (p + "self_attn.sinks", (heads,)),
+                   (p + "mlp.router.weight", (e, h)), (p + "mlp.router.bias", (e,)),
+                   (p + "mlp.experts.gate_up_proj", (e, 2 * inter, h)), (p + "mlp.experts.gate_up_proj_bias", (e, 2 * inter)),
+                   (p + "mlp.experts.down_proj", (e, h, inter)), (p + "mlp.experts.down_proj_bias", (e, h)),
+                   (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (config["vocab_size"], h))]
+    return shapes
+
+
+def _mxfp4(config: dict, name: str) -> bool:
+    """Whether make_model writes the tensor in MXFP4 (gpt-oss's experts, as its config says)."""
+    quantized = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return quantized and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
@@ -197,9 +228,9 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
             t *= QK_NORM_SCALE
         return t.to(dtype)
-    std = shape[1] ** -0.5  # fan_in; for embeddings and lm_head 1/sqrt(hidden) gives unit-norm rows
+    std = shape[-1] ** -0.5  # fan_in; for embeddings and lm_head 1/sqrt(hidden) gives unit-norm rows
     out = torch.empty(shape, dtype=dtype)
-    rows = max(1, _CHUNK_ELEMENTS // shape[1])
+    rows = max(1, _CHUNK_ELEMENTS // math.prod(shape[1:]))
     for start in range(0, shape[0], rows):
         chunk = out[start : start + rows]
         chunk.copy_(torch.randn(chunk.shape, generator=gen).mul_(std))
@@ -265,7 +296,9 @@ def make_model(
 
     shapes = dict(tensor_shapes(config))
     itemsize = torch_dtype.itemsize
-    sizes = [(name, itemsize * torch.Size(shape).numel()) for name, shape in shapes.items()]
+    # MXFP4: half a byte a value and a byte a block of 32
+    sizes = [(name, math.prod(shape) * 17 // 32 if _mxfp4(config, name) else math.prod(shape) * itemsize)
+             for name, shape in shapes.items()]
     shards = plan_shards(sizes, parse_size(max_shard_size))
     if len(shards) == 1:
         files = ["model.safetensors"]
@@ -275,9 +308,15 @@ def make_model(
     weight_map = {}
     for file, names in zip(files, shards):
         offset = 1.0 if config["model_type"] in GEMMA else 0.0
-        tensors = {name: init_tensor(name, shapes[name], seed, torch_dtype, offset) for name in names}
+        tensors = {}
+        for name in names:
+            if _mxfp4(config, name):
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(
+                    init_tensor(name, shapes[name], seed, torch.float32))
+            else:
+                tensors[name] = init_tensor(name, shapes[name], seed, torch_dtype, offset)
         save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
+        weight_map.update(dict.fromkeys(tensors, file))
         del tensors  # free this shard before drawing the next one
     if len(files) > 1:
         total = sum(nbytes for _, nbytes in sizes)
