@@ -66,6 +66,33 @@ def test_fused_moe_of_a_rank_holding_half_the_experts(weights):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 130, 4096])
+def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(weights, tokens):
+    """gpt-oss's experts: biases on gate_up and down, the clamped SwiGLU (a limit of 1, which these activations
+    pass), in bf16 against the loop in float32, and inside a CUDA graph."""
+    import functools
+
+    from worker_svc.kernels import elementwise
+
+    w13, w2, w13_f, w2_f = weights
+    gen = torch.Generator().manual_seed(7)
+    b13, b2 = torch.randn(EXPERTS, 2 * INTER, generator=gen) * 0.5, torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.5
+    x, topk_weights, ids = _batch(tokens, seed=tokens + 2)
+    ref = reference.fused_moe(x.float(), w13_f, w2_f, topk_weights.float(), ids, b13=b13.cuda(), b2=b2.cuda(),
+                              act=functools.partial(reference.clamped_swiglu, limit=1.0))
+    plain = _loop(x, topk_weights, ids, w13_f, w2_f)
+    assert (ref - plain).abs().max() > 0.1
+    call = functools.partial(moe.fused_moe, x, w13, w2, topk_weights, ids, b13=b13.to("cuda", torch.bfloat16),
+                             b2=b2.to("cuda", torch.bfloat16), act=functools.partial(elementwise.clamped_swiglu,
+                                                                                     limit=1.0))
+    torch.testing.assert_close(call().float(), ref, atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = call()
+    graph.replay()
+    torch.testing.assert_close(replayed.float(), ref, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("tokens", [1, 130, 4096])
 def test_moe_align_matches_a_stable_sort_by_expert(tokens, block_m):

@@ -114,6 +114,30 @@ def test_fast_backends_with_a_score_cap_match_torch_backend(backend, dim, window
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
+                                     pytest.param("auto", marks=_NEEDS_FA4)])
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_backends_with_sinks_match_torch_backend(backend, window, case):
+    """gpt-oss's attention: 64 heads of 64 over 8 KV heads, a sink per head (some far above the scores, some
+    below), with and without its 128-token window, in every backend over every step kind."""
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, block_size, num_blocks = 64, 8, 64, 256, 128
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    sinks = (torch.randn(heads, generator=gen) * 3).to("cuda")
+    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5,
+                                                                 window=window, sinks=sinks)
+    ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5, window=window,
+                                   sinks=sinks)
+    plain = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5, window=window)
+    assert (ref - plain).abs().max() > 0.05  # the sinks change the output: a backend ignoring them would fail
+    torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):
