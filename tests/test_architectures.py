@@ -224,6 +224,29 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=16, sliding_window=8,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 150000.0}, **COMMON),
+    # DeepSeek-V2-Lite's shape: latent attention with q straight from the hidden state (no q_lora_rank), rope on
+    # interleaved pairs; a dense layer 0, then 2 of 6 experts by softmax score beside 2 shared ones, not renormalised
+    "deepseek_v2_moe": transformers.DeepseekV2Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, num_attention_heads=8, topk_method="greedy", **COMMON),
+    # DeepSeek-V2's (236B): q through a rank-24 bottleneck; 2 of 6 experts within the best of 3 groups by their best
+    # softmax score (group_limited_greedy), weights times 4
+    "deepseek_v2_moe-grouped": transformers.DeepseekV2Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=0, n_group=3, topk_group=1, topk_method="group_limited_greedy",
+        routed_scaling_factor=4.0, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_attention_heads=4, **COMMON),
+    # DeepSeek-V3's: q through a rank-24 bottleneck, YaRN with mscale_all_dim (the softmax scale grows with it);
+    # 3 of 8 experts within the better of 2 groups by sigmoid score plus a correction bias, times 2.5
+    "deepseek_v3_moe": transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_attention_heads=4, rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0},
+        **COMMON),
     "qwen3_moe-unnormalised": transformers.Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=2, num_attention_heads=4, num_key_value_heads=4, **COMMON),

@@ -65,8 +65,25 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # a group's rank: the sum of its two best scores (DeepSeek-V3's, GLM-4.5's) or its best one (DeepSeek-V2's)
+    group_score: str = "top2"
+    # "softmax": logits in the model's dtype, the top k of their softmax (Qwen, Mixtral); "deepseek": float32 logits,
+    # the choice above (sigmoid or softmax scores, a correction bias, groups, a scaling factor) as DeepSeek's
+    router: str = "softmax"
     bias: bool = False  # gpt-oss: biases on the router's logits and on every expert's projections
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (kernels.clamped_swiglu); None: plain SwiGLU
+
+
+@dataclass(slots=True, frozen=True)
+class MlaConfig:
+    """DeepSeek-V2/V3's multi-head latent attention: q from the hidden state (through a rank-q_lora_rank bottleneck
+    where set), K's rope part (qk_rope_head_dim, one for every head) and a kv_lora_rank latent from which each head's
+    K (qk_nope_head_dim more dims) and V (v_head_dim) are projected."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,6 +123,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
     attention_sinks: bool = False  # gpt-oss: a learnt logit per head joins its softmax (AttentionBackend.forward)
+    # DeepSeek-V2/V3: latent attention (model/mla.py), its K and V cached per head (head_dim = nope + rope dims)
+    mla: MlaConfig | None = None
     # Granite: the attention's and the MLP's outputs scaled before the residual add, and the logits scaled; both
     # folded into the weights that produce them at load (CausalLM.fold_scales)
     residual_scale: float = 1.0

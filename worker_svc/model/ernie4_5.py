@@ -2,7 +2,7 @@
 Ernie4_5_MoeForCausalLM): Llama's layers with rope turning neighbouring dims together (GLM's pairing,
 layers.rotary_order) and a tied head; the MoE models put routed experts on the layers from `moe_layer_start_index` to
 `moe_layer_end_index`, every `moe_layer_interval`-th, beside ungated shared experts, chosen by softmax score plus a
-correction bias (`moe_statics`) and weighted by their renormalised scores (model/moe.py's BiasedRouter). The
+correction bias (`moe_statics`) and weighted by their renormalised scores (model/moe.py's DeepSeekRouter). The
 published checkpoints' multi-token-prediction tensors (`mtp*`) are left unloaded, as transformers leaves them."""
 from __future__ import annotations
 
@@ -35,5 +35,6 @@ class Ernie4_5_MoeForCausalLM(CausalLM):  # noqa: N801
                         norm_topk_prob=True, layers=tuple(i for i in range(layers) if first <= i <= last
                                                           and (i + 1) % step == 0),
                         shared_intermediate_size=expert_size * raw.get("moe_num_shared_experts", 0),
-                        shared_expert_gated=False, scoring="softmax", score_correction_bias=True)
+                        shared_expert_gated=False, scoring="softmax", score_correction_bias=True,
+                        router="deepseek")
         return ernie_config(raw, moe=moe)

@@ -19,7 +19,7 @@ def sigmoid_routed_experts(raw: dict) -> MoeConfig:
                      norm_topk_prob=raw.get("norm_topk_prob", True),
                      layers=tuple(range(raw.get("first_k_dense_replace", 1), raw["num_hidden_layers"])),
                      shared_intermediate_size=expert_size * (raw.get("n_shared_experts") or 0),
-                     shared_expert_gated=False, scoring="sigmoid", score_correction_bias=True,
+                     shared_expert_gated=False, scoring="sigmoid", score_correction_bias=True, router="deepseek",
                      num_groups=raw.get("n_group") or 1,
                      topk_groups=raw.get("topk_group") or 1,
                      routed_scaling_factor=raw.get("routed_scaling_factor", 1.0))

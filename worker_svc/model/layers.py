@@ -186,7 +186,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)  # noqa: E731
-        self.self_attn = Attention(cfg, layer, rotary, kernels)
+        if cfg.mla is not None:
+            from worker_svc.model.mla import MultiLatentAttention
+
+            self.self_attn = MultiLatentAttention(cfg, layer, rotary, kernels)
+        else:
+            self.self_attn = Attention(cfg, layer, rotary, kernels)
         self.mlp = make_mlp(cfg, layer, kernels)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None

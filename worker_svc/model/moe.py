@@ -85,19 +85,22 @@ class SoftmaxRouter(Gate):
         return self.kernels.router_topk(self.kernels.linear(x, self.weight, self.bias), self.top_k, self.renormalize)
 
 
-class BiasedRouter(Gate):
-    """GLM-4.5's (DeepSeek-V3's) and ERNIE 4.5's routing, in float32 as transformers computes it: sigmoid (or
-    softmax) scores; a token's experts the top_k of score + e_score_correction_bias within its best topk_groups groups
-    (a group ranked by the sum of its two best); their weights the scores themselves, renormalised with
-    norm_topk_prob, times routed_scaling_factor. The choice is kernels.router_topk's (one kernel on a GPU); the
-    groups reach it as a bias of -inf on the experts outside a token's, from torch ops of static shapes (a decode
-    step stays one CUDA graph)."""
+class DeepSeekRouter(Gate):
+    """DeepSeek's routing (V2's and V3's; GLM-4.5's, ERNIE 4.5's, dots.llm1's, Solar Open's), in float32 as transformers
+    computes it: sigmoid (or softmax) scores; a token's experts the top_k of score (+ e_score_correction_bias, where
+    the model has one) within its best topk_groups of num_groups groups of experts (a group ranked by the sum of its
+    two best or by its best, moe.group_score); their weights the scores themselves, renormalised with
+    norm_topk_prob, times routed_scaling_factor. The choice is kernels.router_topk's (one kernel on a GPU); the groups
+    reach it as a bias of -inf on the experts outside a token's, from torch ops of static shapes (a decode step stays
+    one CUDA graph)."""
 
     def __init__(self, hidden: int, moe: MoeConfig, kernels: Kernels):
         super().__init__(hidden, moe.num_experts, torch.float32)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
-        # ERNIE 4.5 stores it as [1, experts]
-        self.e_score_correction_bias.weight_loader = lambda param, w: param.data.copy_(w.reshape(-1))
+        self.e_score_correction_bias = None
+        if moe.score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+            # ERNIE 4.5 stores it as [1, experts]
+            self.e_score_correction_bias.weight_loader = lambda param, w: param.data.copy_(w.reshape(-1))
         self.moe, self.kernels = moe, kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +109,12 @@ class BiasedRouter(Gate):
         sigmoid = moe.scoring == "sigmoid"
         if moe.num_groups > 1:
             scores = torch.sigmoid(logits) if sigmoid else logits.softmax(-1)
-            groups = (scores + bias).view(len(x), moe.num_groups, -1)
-            best = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_groups, dim=-1).indices
+            groups = (scores if bias is None else scores + bias).view(len(x), moe.num_groups, -1)
+            rank = groups.topk(2, dim=-1).values.sum(-1) if moe.group_score == "top2" else groups.amax(-1)
+            best = rank.topk(moe.topk_groups, dim=-1).indices
             kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            outside = torch.zeros_like(groups).masked_fill_(~kept[..., None], float("-inf"))
-            bias = bias + outside.view_as(logits)
+            outside = torch.zeros_like(groups).masked_fill_(~kept[..., None], float("-inf")).view_as(logits)
+            bias = outside if bias is None else bias + outside
         return self.kernels.router_topk(logits, moe.top_k, moe.norm_topk_prob, sigmoid=sigmoid, bias=bias,
                                         scale=moe.routed_scaling_factor)
 
@@ -120,8 +124,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.kernels = kernels
-        self.gate = (BiasedRouter(cfg.hidden_size, moe, kernels) if moe.score_correction_bias
-                     else SoftmaxRouter(cfg.hidden_size, moe, kernels))
+        self.gate = (DeepSeekRouter if moe.router == "deepseek" else SoftmaxRouter)(cfg.hidden_size, moe, kernels)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, moe.bias)
         self.act = None if moe.swiglu_limit is None else functools.partial(kernels.clamped_swiglu,
                                                                            limit=moe.swiglu_limit)

@@ -63,6 +63,19 @@ class ColumnParallelLinear(nn.Module):
         return self.kernels.linear(x, self.weight, self.bias)
 
 
+class HeadParallelLinear(ColumnParallelLinear):
+    """A column-parallel projection onto `heads` heads of head_dim rows each, split by heads; `head_order`: each head's
+    rows as stored here (MLA's q, its rope dims where the rope kernels pair them)."""
+
+    def __init__(self, in_features: int, heads: int, head_dim: int, kernels: Kernels, head_order: list[int]):
+        self.head_dim, self.head_order = head_dim, head_order
+        super().__init__(in_features, heads * head_dim, kernels)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        ordered = loaded.unflatten(0, (-1, self.head_dim))[:, self.head_order].flatten(0, 1)
+        param.data.copy_(_shard(ordered, 0, self.tp_rank, self.tp_size))
+
+
 def _split_on_load(layer: ColumnParallelLinear) -> None:
     """The packed layer's parameters take a fused checkpoint tensor too (load_weights splits it by shard)."""
     for param in (layer.weight, layer.bias):
@@ -154,6 +167,21 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and (self.reduce or self.tp_rank == 0):  # once in the sum, however reduced
             y = y + self.bias
         return y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every rank (a projection too small to shard: MLA's latent ones). `row_order`:
+    the checkpoint's rows as stored here."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels, row_order: list[int] | None = None):
+        super().__init__()
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        if row_order is not None:
+            self.weight.weight_loader = lambda param, w: param.data.copy_(w[row_order])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,6 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
+from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
@@ -42,6 +43,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Glm4vForConditionalGeneration": Glm4vForConditionalGeneration,
     "Glm4vMoeForConditionalGeneration": Glm4vMoeForConditionalGeneration,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
