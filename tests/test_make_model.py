@@ -39,7 +39,8 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma2-tiny", "phi3-tiny",
             "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny", "phi4-mini-tiny", "smollm3-tiny",
             "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
-            "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny", "gpt-oss-tiny"]
+            "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny", "gpt-oss-tiny",
+            "deepseek-v2-tiny", "deepseek-v3-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -106,7 +107,10 @@ def test_real_presets_have_published_sizes():
                           "smollm3-3b": 2.81, "granite-3.0-1b-a400m": 1.28,
                           "glm-4-9b": 8.16,
                           # gpt-oss's cards: 20.9 B and 116.8 B with its 201,088-row untied vocabulary (1.16 B)
-                          "gpt-oss-20b": 19.76, "gpt-oss-120b": 115.67}
+                          "gpt-oss-20b": 19.76, "gpt-oss-120b": 115.67,
+                          # DeepSeek-V2-Lite's 15.7 B with 102,400 rows untied, V3's 671 B with 129,280 (its MTP
+                          # layer, which the card counts apart, not written)
+                          "deepseek-v2-lite": 15.29, "deepseek-v3": 669.17}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
@@ -128,7 +132,9 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
                   "SeedOssForCausalLM": transformers.SeedOssConfig,
                   "SolarOpenForCausalLM": transformers.SolarOpenConfig,
-                  "GptOssForCausalLM": transformers.GptOssConfig}
+                  "GptOssForCausalLM": transformers.GptOssConfig,
+                  "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+                  "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):
@@ -283,3 +289,17 @@ def test_num_layers_keeps_the_first_layers_of_the_presets_shape(tmp_path):
     assert config["num_hidden_layers"] == 3 and config["hidden_size"] == PRESETS["gemma3-tiny"]["hidden_size"]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert len(model.model.layers) == 3 and not any(info.values())
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "mistral-tiny", "deepseek-v2-tiny"])
+def test_kv_bytes_per_token_is_what_the_runner_caches(preset, tmp_path):
+    """common.model_files.kv_bytes_per_token (the simulated worker's and the benchmarks' figure) from config.json alone
+    equals a token's share of the runner's KV cache: GQA's KV heads, a latent-attention model's per-head cache."""
+    from common.model_files import kv_bytes_per_token
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = make_model(preset, tmp_path / preset)
+    runner = ModelRunner(model_dir, RunnerConfig(num_blocks=4, block_size=16))
+    cache = runner.kv_cache  # [2, layers, blocks, block_size, kv heads, head_dim]
+    per_token = cache[:, :, 0, 0].numel() * cache.element_size()
+    assert kv_bytes_per_token(json.loads((model_dir / "config.json").read_text()), cache.element_size()) == per_token

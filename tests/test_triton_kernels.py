@@ -533,7 +533,8 @@ def test_query_blocks_cover_every_token_once():
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny", "phi3-tiny",
-                                    "gemma2-tiny", "phi4-mini-tiny", "smollm3-tiny", "glm4-tiny", "gpt-oss-tiny"])
+                                    "gemma2-tiny", "phi4-mini-tiny", "smollm3-tiny", "glm4-tiny", "gpt-oss-tiny",
+                                    "deepseek-v2-tiny"])
 def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
     beside them, blocks out of order; greedy tokens equal the torch backend's. For Qwen3 (q/k norms), Llama
@@ -541,7 +542,8 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
     (windows of 16 on some layers only), Phi-3 (heads of 24, padded to 32 in the kernels, as Phi-3-mini's
     96), Gemma 2 (attention scores capped at 5), Phi-4-mini (rope over 24 of 32 dims: a table whose last
     columns turn by 0), SmolLM3 (layers without rope: a table that turns nothing), GLM-4 (rope over half of each
-    head, on neighbouring dims: rows reordered at load) and gpt-oss (a sink per head, windows of 16 on some layers)."""
+    head, on neighbouring dims: rows reordered at load), gpt-oss (a sink per head, windows of 16 on some layers) and
+    DeepSeek-V2 (latent attention cached per head: heads of 24, rope over 8 of them, V padded to K's width)."""
     from worker_svc.checkpoints.writer import make_model
     from tests.paged_driver import PagedDriver
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig

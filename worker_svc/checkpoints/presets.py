@@ -235,6 +235,26 @@ def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, att
                   attention_bias=False)
 
 
+def _deepseek(version, hidden, layers, heads, intermediate, experts, top_k, expert_intermediate, shared, dense_layers,
+              q_lora, mscale, kv_lora=512, nope=128, rope=64, v=128, original=4096, factor=40.0, max_pos=163840,
+              dtype="bfloat16", **routing):
+    """DeepSeek-V2 (softmax-routed) or V3 (sigmoid-routed with a correction bias, an MTP layer published after the
+    last): latent attention, dense first layers, shared experts beside the routed ones; YaRN as published."""
+    arch, kind = ("DeepseekV2ForCausalLM", "deepseek_v2") if version == 2 else ("DeepseekV3ForCausalLM", "deepseek_v3")
+    extra = ({"topk_method": "greedy", "norm_topk_prob": False, "n_group": 1, "topk_group": 1,
+              "routed_scaling_factor": 1.0} if version == 2 else
+             {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+              "num_nextn_predict_layers": 1})
+    return _other(arch, kind, hidden, layers, heads, heads, intermediate, False, max_pos, 10000.0, dtype,
+                  rms_norm_eps=1e-06, attention_bias=False, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+                  qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=experts,
+                  num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate, n_shared_experts=shared,
+                  first_k_dense_replace=dense_layers, moe_layer_freq=1,
+                  rope_scaling={"type": "yarn", "factor": factor, "beta_fast": 32, "beta_slow": 1, "mscale": mscale,
+                                "mscale_all_dim": mscale, "original_max_position_embeddings": original},
+                  **(extra | routing))
+
+
 def _gpt_oss(layers, experts, hidden=2880, heads=64, kv_heads=8, head_dim=64, intermediate=2880, top_k=4, window=128,
              original=4096, factor=32.0, max_pos=131072, dtype="bfloat16"):
     """gpt-oss: windowed and global layers alternating, its experts in MXFP4 as published."""
@@ -273,6 +293,11 @@ PRESETS: dict[str, dict] = {
     "solar-open-100b": _solar_open(4096, 48, 64, 8, 128, experts=128, top_k=8, expert_intermediate=1280),
     "glm-4.5": _glm4_moe(5120, 92, 96, 8, 128, 12288, experts=160, top_k=8, expert_intermediate=1536, dense_layers=3,
                          qk_norm=True, scaling=2.5),
+    "deepseek-v2-lite": _deepseek(2, 2048, 27, 16, 10944, experts=64, top_k=6, expert_intermediate=1408, shared=2,
+                                  dense_layers=1, q_lora=None, mscale=0.707),
+    "deepseek-v3": _deepseek(3, 7168, 61, 128, 18432, experts=256, top_k=8, expert_intermediate=2048, shared=1,
+                             dense_layers=3, q_lora=1536, mscale=1.0, n_group=8, topk_group=4,
+                             routed_scaling_factor=2.5),
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -316,6 +341,14 @@ PRESETS: dict[str, dict] = {
     "ernie4_5-tiny": _ernie4_5(96, 2, 6, 2, 32, 160, max_pos=512, dtype="float32"),
     "ernie4_5-moe-tiny": _ernie4_5(64, 3, 4, 2, 16, 96, max_pos=512, dtype="float32", experts=8, top_k=3,
                                    expert_intermediate=24, shared=1),
+    # rope scaled from position 64 on; V3's: q through a rank-24 bottleneck, 3 of 8 experts from the better of 2 groups
+    "deepseek-v2-tiny": _deepseek(2, 64, 3, 4, 96, experts=8, top_k=2, expert_intermediate=24, shared=2,
+                                  dense_layers=1, q_lora=None, mscale=0.707, kv_lora=32, nope=16, rope=8, v=16,
+                                  original=64, factor=4.0, max_pos=512, dtype="float32"),
+    "deepseek-v3-tiny": _deepseek(3, 64, 3, 4, 96, experts=8, top_k=3, expert_intermediate=24, shared=1,
+                                  dense_layers=1, q_lora=24, mscale=1.0, kv_lora=32, nope=16, rope=8, v=16,
+                                  original=64, factor=4.0, max_pos=512, dtype="float32", n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5),
     # 2 of 8 experts, 16-token windows on layers 0 and 2, rope scaled from position 64 on
     "gpt-oss-tiny": _gpt_oss(3, experts=8, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, top_k=2,
                              window=16, original=64, factor=4.0, max_pos=512, dtype="float32"),

@@ -59,8 +59,9 @@ def parse_size(size: str | int) -> int:
 
 
 GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w) and norms around the MLP
-# model types with DeepSeek-V3's experts: dense first layers, a router bias, n_shared_experts shared ones
-DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open")
+# model types with DeepSeek's experts: dense first layers, n_shared_experts shared ones; all but V2 a router bias
+DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3")
+MLA = ("deepseek_v2", "deepseek_v3")  # model types with DeepSeek's latent attention
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -100,15 +101,18 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                        (p + "mlp.gate_up_proj.weight", (2 * inter, h)), (p + "mlp.down_proj.weight", (h, inter)),
                        (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
-        for name, out, bias in (("q_proj", q, qkv_bias), ("k_proj", kv, qkv_bias), ("v_proj", kv, qkv_bias)):
-            shapes.append((p + f"self_attn.{name}.weight", (out, h)))
-            if bias:
-                shapes.append((p + f"self_attn.{name}.bias", (out,)))
-        shapes.append((p + "self_attn.o_proj.weight", (h, q)))
-        if o_bias:
-            shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if qk_norm:
-            shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if kind in MLA:
+            shapes += _mla_shapes(config, p + "self_attn.")
+        else:
+            for name, out, bias in (("q_proj", q, qkv_bias), ("k_proj", kv, qkv_bias), ("v_proj", kv, qkv_bias)):
+                shapes.append((p + f"self_attn.{name}.weight", (out, h)))
+                if bias:
+                    shapes.append((p + f"self_attn.{name}.bias", (out,)))
+            shapes.append((p + "self_attn.o_proj.weight", (h, q)))
+            if o_bias:
+                shapes.append((p + "self_attn.o_proj.bias", (h,)))
+            if qk_norm:
+                shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
             e, e_inter = config["num_local_experts"], inter
             shapes += [(p + "block_sparse_moe.input_linear.weight", (e, 2 * e_inter, h)),
@@ -126,7 +130,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
             shapes.append((p + f"{module}.gate.weight", (count, h)))
-            if kind in DEEPSEEK_MOE:  # the router's correction bias (ERNIE's beside it, as a row)
+            if kind in DEEPSEEK_MOE and kind != "deepseek_v2":  # the router's correction bias (ERNIE's below)
                 shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
             if kind == "ernie4_5_moe":
                 shapes.append((p + "mlp.moe_statics.e_score_correction_bias", (1, count)))
@@ -180,6 +184,18 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = code.unflatten(-1, (16, 2))
     blocks = (pairs[..., 0] | pairs[..., 1] << 4).to(torch.uint8)
     return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def _mla_shapes(config: dict, a: str) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek's latent attention's tensors under `a` (a layer's `self_attn.`): q straight from the hidden state or
+    through its rank-q_lora_rank bottleneck, the latent and the rope dims of K, each head's K and V from the latent."""
+    h, heads, rank = config["hidden_size"], config["num_attention_heads"], config.get("q_lora_rank")
+    nope, rope, v, latent = (config[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
+    q = [(a + "q_proj.weight", (heads * (nope + rope), h))] if rank is None else [
+        (a + "q_a_proj.weight", (rank, h)), (a + "q_a_layernorm.weight", (rank,)),
+        (a + "q_b_proj.weight", (heads * (nope + rope), rank))]
+    return q + [(a + "kv_a_proj_with_mqa.weight", (latent + rope, h)), (a + "kv_a_layernorm.weight", (latent,)),
+                (a + "kv_b_proj.weight", (heads * (nope + v), latent)), (a + "o_proj.weight", (h, heads * v))]
 
 
 def _gpt_oss_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
