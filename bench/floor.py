@@ -47,7 +47,7 @@ class ModelShape:
         h, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
         heads, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
         attention = h * (heads + 2 * kv) * d + heads * d * h
-        if m.mla is not None:  # DeepSeek's latent attention: its projections (its cache is per head, as served)
+        if m.mla is not None:  # DeepSeek's latent attention: its projections (its cache: one head of the latent)
             a = m.mla
             q = heads * d * (h if a.q_lora_rank is None else a.q_lora_rank) + (a.q_lora_rank or 0) * h
             attention = (q + h * (a.kv_lora_rank + a.qk_rope_head_dim)

@@ -294,7 +294,7 @@ def test_num_layers_keeps_the_first_layers_of_the_presets_shape(tmp_path):
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "mistral-tiny", "deepseek-v2-tiny"])
 def test_kv_bytes_per_token_is_what_the_runner_caches(preset, tmp_path):
     """common.model_files.kv_bytes_per_token (the simulated worker's and the benchmarks' figure) from config.json alone
-    equals a token's share of the runner's KV cache: GQA's KV heads, a latent-attention model's per-head cache."""
+    equals a token's share of the runner's KV cache: GQA's KV heads, a latent-attention model's latent."""
     from common.model_files import kv_bytes_per_token
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 

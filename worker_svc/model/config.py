@@ -123,7 +123,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
     attention_sinks: bool = False  # gpt-oss: a learnt logit per head joins its softmax (AttentionBackend.forward)
-    # DeepSeek-V2/V3: latent attention (model/mla.py), its K and V cached per head (head_dim = nope + rope dims)
+    # DeepSeek-V2/V3: latent attention (model/mla.py), one "KV head" of the latent and K's rope dims cached (head_dim)
     mla: MlaConfig | None = None
     # Granite: the attention's and the MLP's outputs scaled before the residual add, and the logits scaled; both
     # folded into the weights that produce them at load (CausalLM.fold_scales)

@@ -14,21 +14,22 @@ from worker_svc.model.layers import CausalLM
 
 
 def mla_config(raw: dict, moe: MoeConfig, interleaved: bool) -> ModelConfig:
-    """The reading V2 and V3 share: every head's K and V cached (head_dim: nope + rope), rope over the rope dims,
-    the softmax scale qk_head_dim^-0.5 times YaRN's mscale(mscale_all_dim) squared."""
+    """The reading V2 and V3 share: one "KV head" cached, the latent and K's rope dims (head_dim: kv_lora_rank +
+    qk_rope_head_dim), rope over the rope dims, the softmax scale qk_head_dim^-0.5 times YaRN's
+    mscale(mscale_all_dim) squared."""
     if raw.get("attention_bias"):  # on q_a_proj, kv_a_proj_with_mqa and o_proj: no published model sets it
         raise ValueError("DeepSeek attention with attention_bias is not supported")
     mla = MlaConfig(raw.get("q_lora_rank"), raw["kv_lora_rank"], raw["qk_nope_head_dim"], raw["qk_rope_head_dim"],
                     raw["v_head_dim"])
-    head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    cfg = ModelConfig.common(raw | {"head_dim": head_dim, "num_key_value_heads": raw["num_attention_heads"],
+    cfg = ModelConfig.common(raw | {"head_dim": mla.kv_lora_rank + mla.qk_rope_head_dim, "num_key_value_heads": 1,
                                     "partial_rotary_factor": None},
                              mla=mla, moe=moe, rope_interleaved=interleaved,
                              mtp_layers=raw.get("num_nextn_predict_layers", 0))
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     mscale = _yarn_mscale(rope["factor"], rope.get("mscale_all_dim") or 0) if cfg.rope_scaling and rope.get(
         "mscale_all_dim") else 1.0
-    return dataclasses.replace(cfg, rotary_dim=mla.qk_rope_head_dim, attention_scale=head_dim ** -0.5 * mscale ** 2)
+    qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    return dataclasses.replace(cfg, rotary_dim=mla.qk_rope_head_dim, attention_scale=qk_head_dim ** -0.5 * mscale ** 2)
 
 
 class DeepseekV2ForCausalLM(CausalLM):
