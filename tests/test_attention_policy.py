@@ -30,6 +30,8 @@ def test_small_steps_take_triton_and_large_ones_flash_attn():
     assert prefill_kernel(meta([128] * 8 + [1] * 200, [128] * 8 + [900] * 200), HEADS, DIM) == "triton"
     # twice the heads, half the tokens' worth of pairs: the same work
     assert prefill_kernel(meta([long // 2 + 2] * 2, [long // 2 + 2] * 2), 4 * HEADS, DIM) == "flash_attn"
+    # DeepSeek's cached latent (576 wide): past flash-attn-4's heads, the Triton kernel however large the step
+    assert prefill_kernel(meta([long], [long]), HEADS, 576) == "triton"
 
 
 class Recorder:

@@ -214,6 +214,27 @@ def test_both_attention_kernels_add_each_heads_sink_as_the_reference(window):
         torch.testing.assert_close(out, ref[last], atol=1e-5, rtol=1e-5)
 
 
+def test_both_attention_kernels_take_a_wide_latent_head():
+    """DeepSeek's latent attention: every query head over one KV head wider than 256 (its 576; 288 here, padded to
+    512), K and V the same cache, in the 16-token tiles wide heads take, over contexts of one and several splits."""
+    query_lens, context_lens = [19, 1, 1], [19, 70, 3]
+    heads, dim, page = 8, 288, 16
+    k, _, table = _paged(context_lens, page, 1, dim, torch.float32)
+    q = torch.randn(sum(query_lens), heads, dim, generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(context_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, context_lens)
+    ref = TorchAttention().forward(q, k, k, meta, 0.1)
+    from worker_svc.kernels.prefill_attention import block_m_for
+
+    blocks = query_blocks(query_lens, block_m_for(heads, dim), q.device)
+    out = paged_prefill_attention(q, k, k, cu, seqused, table, blocks, 0.1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    last = cu[1:] - 1
+    out = paged_decode_attention(q[last], k, k, seqused, table, 0.1, base_split=32)
+    torch.testing.assert_close(out, ref[last], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [1, 6, 16, 40])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (32, 32, 16)])
 def test_prefill_attention_with_a_sliding_window_matches_reference(window, page, block_m, block_n):

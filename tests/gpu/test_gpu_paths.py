@@ -138,6 +138,22 @@ def test_fast_backends_with_sinks_match_torch_backend(backend, window, case):
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("auto", marks=_NEEDS_FA4)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_backends_take_deepseeks_latent_head(backend, case):
+    """DeepSeek's latent attention as served (model/mla.py): 16 query heads over one KV head of 576 (the 512-dim latent
+    and 64 rope dims), K and V the same cache, in every backend over every step kind."""
+    gen = torch.Generator().manual_seed(7)
+    heads, dim, block_size, num_blocks = 16, 576, 256, 128
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    kv = torch.randn(num_blocks, block_size, 1, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    fast = make_attention(backend, torch.device("cuda")).forward(q, kv, kv, meta, 192 ** -0.5)
+    ref = TorchAttention().forward(q.float(), kv.float(), kv.float(), meta, 192 ** -0.5)
+    torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (14, 2), (8, 8)])
 def test_triton_decode_matches_torch_backend(block_size, heads, kv_heads):

@@ -155,9 +155,13 @@ def attention_flops(meta: AttentionMetadata, heads: int, head_dim: int) -> float
     return 4.0 * heads * head_dim * pairs
 
 
+FLASH_ATTN_MAX_HEAD = 256  # flash-attn-4's widest head (DeepSeek's cached latent, 576, is Triton's alone)
+
+
 def prefill_kernel(meta: AttentionMetadata, heads: int, head_dim: int) -> str:
     """`auto`'s choice for a step with prefills."""
-    return "flash_attn" if attention_flops(meta, heads, head_dim) >= FLASH_ATTN_MIN_FLOPS else "triton"
+    big = attention_flops(meta, heads, head_dim) >= FLASH_ATTN_MIN_FLOPS
+    return "flash_attn" if big and head_dim <= FLASH_ATTN_MAX_HEAD else "triton"
 
 
 class PagedAttention:

@@ -32,6 +32,7 @@ from worker_svc.kernels.precision import dot
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 LOG2E = 1.4426950408889634  # the kernels' scores are in log2 units (exp2)
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
+WIDE_HEAD = 256  # heads wider than this (DeepSeek's cached latent, 576) take 16-token tiles in both kernels
 
 
 @triton.jit
@@ -235,6 +236,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_n = min(block_n, base_split)
+    if head_dim > WIDE_HEAD:  # latent attention's 576 (padded to 1024): K and V tiles that fit shared memory
+        block_n, num_stages = min(block_n, 16), min(num_stages, 2)
     if page % block_n and block_n % page:
         raise ValueError(f"block size {page} and tile {block_n} must divide one another")
     split = split_size(page_table.shape[1], page, block_n, base_split)
