@@ -510,6 +510,64 @@ def test_gpt_oss_loads_its_experts_from_mxfp4_as_transformers_does(tmp_path_fact
             assert (theirs - hf(torch.tensor([p])).logits[0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_vl"])
+def test_fp8_block_scaled_checkpoints_load_as_transformers_dequantises_them(name, tmp_path_factory):
+    """Qwen3's -FP8 checkpoints' layout (DeepSeek-V3's too): every projection in e4m3 with its weight_scale_inv per
+    block (8 x 8 here), `quant_method: fp8` in config.json (the outer one of a multimodal model). Our logits equal
+    transformers' on the same weights dequantised by transformers' own Fp8Dequantize, and differ from the
+    unquantised model's."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_reference import from_pretrained
+    from worker_svc.checkpoints.writer import quantize_fp8_blocks
+
+    _, folder, hf = _write(name, tmp_path_factory)
+    fp8 = tmp_path_factory.mktemp(f"{name}_fp8")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for tensor_name, t in load_file(folder / file).items():
+            if tensor_name.endswith("_proj.weight") and "visual" not in tensor_name:
+                tensors[tensor_name], tensors[f"{tensor_name}_scale_inv"] = quantize_fp8_blocks(t, (8, 8))
+            else:
+                tensors[tensor_name] = t
+        save_file(tensors, fp8 / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+    (fp8 / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [8, 8]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    write_qwen_tokenizer(fp8)
+    prompts = _prompts(4)
+    ours = prefill_logits(_runner(fp8), prompts)
+    if name == "qwen3_vl":  # the multimodal model is no AutoModelForCausalLM: its float weights, in the test
+        return _check_multimodal_fp8(fp8, hf, prompts, ours)
+    hf_fp8 = from_pretrained(fp8)
+    with torch.inference_mode():
+        for p, logits in zip(prompts, ours):
+            theirs = hf_fp8(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=0)
+            assert (theirs - hf(torch.tensor([p])).logits[0]).abs().max() > 1e-3
+
+
+def _check_multimodal_fp8(fp8, hf, prompts, ours) -> None:
+    """Qwen3-VL's FP8 text model: transformers' model with each projection set to Fp8Dequantize's values."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    stored = {}
+    for path in fp8.glob("*.safetensors"):
+        stored |= load_file(path)
+    params = dict(hf.named_parameters())
+    with torch.no_grad(), torch.inference_mode():
+        for scale_name in [n for n in stored if n.endswith("_scale_inv")]:
+            weight = scale_name.removesuffix("_scale_inv")
+            params[weight].copy_(Fp8Dequantize(None)._dequantize_one(stored[weight], stored[scale_name], torch.float32))
+        for p, logits in zip(prompts, ours):
+            torch.testing.assert_close(logits, hf(torch.tensor([p])).logits[0], atol=1e-4, rtol=0)
+
+
 def test_a_multimodal_gemma3_saved_in_the_newer_layout_loads_the_same(tmp_path_factory, tmp_path):
     """Some transformers releases saved Gemma3ForConditionalGeneration as `model.language_model.*`,
     `model.vision_tower.*`, `lm_head.*`: the same weights give the same logits."""

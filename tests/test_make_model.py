@@ -13,6 +13,7 @@ import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 
+from tests import hf_reference
 from worker_svc.checkpoints.presets import PRESETS, get_preset
 from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE
 from worker_svc.checkpoints.writer import (
@@ -52,11 +53,7 @@ def test_other_families_load_into_transformers_with_every_tensor(preset, tmp_pat
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     model_dir = make_model(preset, tmp_path / preset, max_shard_size="1MB")
-    # gpt-oss's MXFP4 experts, which transformers dequantises into bfloat16 (exactly) on a CPU
-    mxfp4 = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if "gpt-oss" in preset else {}
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True,
-                                                                    attn_implementation="eager", **mxfp4)
-    model = model.float()
+    model, info = hf_reference.from_pretrained(model_dir, output_loading_info=True, attn_implementation="eager")
     assert type(model).__name__ == PRESETS[preset]["architectures"][0]
     assert not any(info.values()), info
     prompts = _prompts(2, 40).tolist()
@@ -303,3 +300,32 @@ def test_kv_bytes_per_token_is_what_the_runner_caches(preset, tmp_path):
     cache = runner.kv_cache  # [2, layers, blocks, block_size, kv heads, head_dim]
     per_token = cache[:, :, 0, 0].numel() * cache.element_size()
     assert kv_bytes_per_token(json.loads((model_dir / "config.json").read_text()), cache.element_size()) == per_token
+
+
+def test_fp8_blocks_round_trip_with_partial_blocks():
+    """The writer's FP8 block quantiser and the loader's dequantiser over a matrix whose last blocks are partial:
+    each block's scale is its largest magnitude over e4m3's 448, and every value comes back within e4m3's step
+    (2^-3 of its binade) times that scale; the blocks are where the scales say."""
+    from worker_svc.checkpoints.writer import quantize_fp8_blocks
+    from worker_svc.model.quantized import dequantize_fp8_blocks
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    w[:128, :128] *= 100  # one block far larger than the others
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    assert scale[0, 0] == w[:128, :128].abs().max() / 448 and scale[2, 1] == w[256:, 128:].abs().max() / 448
+    back = dequantize_fp8_blocks(q, scale, (128, 128))
+    assert back.shape == w.shape
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[
+        :, :200] * 2 ** -9).all()
+    with pytest.raises(ValueError, match="does not match its scales"):
+        dequantize_fp8_blocks(q, scale, (64, 128))
+
+
+def test_an_unsupported_quantization_is_refused_by_name(tmp_path):
+    from worker_svc.model.config import ModelConfig
+
+    config = get_preset("qwen3-tiny") | {"quantization_config": {"quant_method": "awq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported quantization_config.*awq.*fp8 with weight_block_size"):
+        ModelConfig.from_dir(tmp_path)

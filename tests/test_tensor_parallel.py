@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import json
 import multiprocessing as mp
 import os
 import random
@@ -45,13 +44,9 @@ def _prompts(seed: int = 8) -> list[list[int]]:
 
 
 def _hf(model_dir: Path):
-    import transformers  # not at module level: the spawned ranks import this module
+    from tests.hf_reference import from_pretrained  # transformers: not at module level (the spawned ranks import this)
 
-    # gpt-oss's MXFP4 experts, which transformers dequantises (exactly) into bfloat16 on a CPU
-    mxfp4 = "quantization_config" in json.loads((model_dir / "config.json").read_text())
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32,
-        **({"quantization_config": transformers.Mxfp4Config(dequantize=True)} if mxfp4 else {})).float().eval()
+    return from_pretrained(model_dir, dtype=torch.float32)
 
 
 def _hf_generate(model_dir: Path, prompts: list[list[int]], n: int = MAX_NEW) -> list[list[int]]:

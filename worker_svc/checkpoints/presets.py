@@ -235,6 +235,10 @@ def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, att
                   attention_bias=False)
 
 
+# DeepSeek-V3's published quantization: every projection in e4m3 with a float32 scale per 128 x 128 block
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
 def _deepseek(version, hidden, layers, heads, intermediate, experts, top_k, expert_intermediate, shared, dense_layers,
               q_lora, mscale, kv_lora=512, nope=128, rope=64, v=128, original=4096, factor=40.0, max_pos=163840,
               dtype="bfloat16", **routing):
@@ -297,7 +301,7 @@ PRESETS: dict[str, dict] = {
                                   dense_layers=1, q_lora=None, mscale=0.707),
     "deepseek-v3": _deepseek(3, 7168, 61, 128, 18432, experts=256, top_k=8, expert_intermediate=2048, shared=1,
                              dense_layers=3, q_lora=1536, mscale=1.0, n_group=8, topk_group=4,
-                             routed_scaling_factor=2.5),
+                             routed_scaling_factor=2.5, quantization_config=FP8_BLOCKS),
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -341,14 +345,16 @@ PRESETS: dict[str, dict] = {
     "ernie4_5-tiny": _ernie4_5(96, 2, 6, 2, 32, 160, max_pos=512, dtype="float32"),
     "ernie4_5-moe-tiny": _ernie4_5(64, 3, 4, 2, 16, 96, max_pos=512, dtype="float32", experts=8, top_k=3,
                                    expert_intermediate=24, shared=1),
-    # rope scaled from position 64 on; V3's: q through a rank-24 bottleneck, 3 of 8 experts from the better of 2 groups
+    # rope scaled from position 64 on; V3's: q through a rank-24 bottleneck, 3 of 8 experts from the better of 2 groups,
+    # its projections in FP8 in blocks of 8 x 8 (as published: 128 x 128)
     "deepseek-v2-tiny": _deepseek(2, 64, 3, 4, 96, experts=8, top_k=2, expert_intermediate=24, shared=2,
                                   dense_layers=1, q_lora=None, mscale=0.707, kv_lora=32, nope=16, rope=8, v=16,
                                   original=64, factor=4.0, max_pos=512, dtype="float32"),
     "deepseek-v3-tiny": _deepseek(3, 64, 3, 4, 96, experts=8, top_k=3, expert_intermediate=24, shared=1,
                                   dense_layers=1, q_lora=24, mscale=1.0, kv_lora=32, nope=16, rope=8, v=16,
                                   original=64, factor=4.0, max_pos=512, dtype="float32", n_group=2, topk_group=1,
-                                  routed_scaling_factor=2.5),
+                                  routed_scaling_factor=2.5,
+                                  quantization_config=FP8_BLOCKS | {"weight_block_size": [8, 8]}),
     # 2 of 8 experts, 16-token windows on layers 0 and 2, rope scaled from position 64 on
     "gpt-oss-tiny": _gpt_oss(3, experts=8, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, top_k=2,
                              window=16, original=64, factor=4.0, max_pos=512, dtype="float32"),

@@ -224,6 +224,27 @@ def _mxfp4(config: dict, name: str) -> bool:
     return quantized and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] as an FP8 block-scaled checkpoint stores it (DeepSeek-V3's): float8_e4m3fn values and their
+    weight_scale_inv, float32 [cdiv(rows, block[0]), cdiv(cols, block[1])], each block's largest magnitude at e4m3's
+    largest (448)."""
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = w.float()
+    tiles = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _fp8(config: dict, name: str) -> bool:
+    """Whether make_model writes the tensor in FP8 with block scales: every projection (`*_proj.weight`) of a config
+    that says so, as DeepSeek-V3 is published (embeddings, norms, routers and the head in 16 bits)."""
+    quantized = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    return quantized and name.endswith("_proj.weight")
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
@@ -313,8 +334,8 @@ def make_model(
     shapes = dict(tensor_shapes(config))
     itemsize = torch_dtype.itemsize
     # MXFP4: half a byte a value and a byte a block of 32
-    sizes = [(name, math.prod(shape) * 17 // 32 if _mxfp4(config, name) else math.prod(shape) * itemsize)
-             for name, shape in shapes.items()]
+    sizes = [(name, math.prod(shape) * 17 // 32 if _mxfp4(config, name) else math.prod(shape) if _fp8(config, name)
+              else math.prod(shape) * itemsize) for name, shape in shapes.items()]
     shards = plan_shards(sizes, parse_size(max_shard_size))
     if len(shards) == 1:
         files = ["model.safetensors"]
@@ -329,6 +350,10 @@ def make_model(
             if _mxfp4(config, name):
                 tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(
                     init_tensor(name, shapes[name], seed, torch.float32))
+            elif _fp8(config, name):
+                tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(
+                    init_tensor(name, shapes[name], seed, torch.float32),
+                    tuple(config["quantization_config"]["weight_block_size"]))
             else:
                 tensors[name] = init_tensor(name, shapes[name], seed, torch_dtype, offset)
         save_file(tensors, str(out / file), metadata={"format": "pt"})

@@ -130,6 +130,7 @@ class ModelConfig:
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
+    fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
@@ -160,6 +161,7 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(ACTIVATIONS)})")
         return cls(
+            fp8_weight_block=fp8_weight_block(raw.get("quantization_config")),
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -178,6 +180,22 @@ class ModelConfig:
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             **features,
         )
+
+
+QUANTIZATIONS = ("fp8 with weight_block_size", "mxfp4 (gpt-oss)")
+
+
+def fp8_weight_block(quantization: dict | None) -> tuple[int, int] | None:
+    """The blocks of an FP8 block-scaled checkpoint (`quant_method: fp8`); None for one not quantized or in MXFP4
+    (gpt-oss's experts, model/gpt_oss.py); any other quantization refused with the supported list."""
+    method = (quantization or {}).get("quant_method")
+    if method is None or method == "mxfp4":
+        return None
+    if method == "fp8" and quantization.get("weight_block_size"):
+        rows, cols = quantization["weight_block_size"]
+        return rows, cols
+    raise ValueError(f"unsupported quantization_config {quantization!r} (supported: {', '.join(QUANTIZATIONS)}); its "
+                     "weights would not load")
 
 
 def rope_scaling(rope: dict, max_positions: int, original: int | None = None) -> RopeScaling | None:

@@ -1,7 +1,7 @@
 """gpt-oss (openai/gpt-oss-20b, gpt-oss-120b): sliding-window (128) and global layers alternating, a learnt sink per
 head in each attention softmax, q/k/v/o biases, YaRN rope; routed experts on every layer with biases on the router
 and on every expert's projections, the top k's logits softmaxed among themselves, and a clamped SwiGLU
-(kernels.clamped_swiglu). Published checkpoints store the experts in MXFP4 (model/mxfp4.py: dequantised at load);
+(kernels.clamped_swiglu). Published checkpoints store the experts in MXFP4 (model/quantized.py: dequantised at load);
 transformers saves them in 16 or 32 bits, each projection of every expert as one [experts, in, out] tensor with gate
 and up interleaved by column: `converted` brings both to the [experts, out, in] halves the experts load."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.loader import CheckpointTensor
-from worker_svc.model.mxfp4 import dequantize_mxfp4
+from worker_svc.model.quantized import dequantize_mxfp4
 
 EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 

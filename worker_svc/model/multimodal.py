@@ -20,9 +20,10 @@ class TextOfMultimodal:
 
 def text_config(raw: dict) -> dict:
     """A multimodal config.json's language model, as transformers builds it: its text_config (or, in configs
-    written before there was one, the outer fields: Qwen2.5-VL's), the outer dtype where that names none, and the
-    outer tie_word_embeddings where set (the whole model ties its head by it)."""
+    written before there was one, the outer fields: Qwen2.5-VL's), the outer dtype where that names none, the
+    outer tie_word_embeddings where set (the whole model ties its head by it) and the outer quantization_config."""
     dtype = {k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}
     tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+    quantized = {"quantization_config": raw["quantization_config"]} if "quantization_config" in raw else {}
     text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
-    return dtype | text | tie | {"architectures": raw["architectures"]}
+    return dtype | text | tie | quantized | {"architectures": raw["architectures"]}

@@ -1,0 +1,71 @@
+"""Checkpoints whose weights are stored quantized, dequantized at load: the experts then run as 16-bit weights.
+
+- MXFP4 (the OCP microscaling format gpt-oss publishes its experts in): each block of 32 values is 16 bytes of
+  e2m1 codes, two a byte (the low nibble first), and one e8m0 scale, a power of two biased by 127; dequantised into
+  bfloat16, where every such value is exact (model/gpt_oss.py pairs the tensors).
+- FP8 with block scales (`quant_method: fp8`, `weight_block_size`: DeepSeek-V3 / R1, Kimi-K2, Qwen3's -FP8
+  checkpoints): a linear's `weight` in float8_e4m3fn and its `weight_scale_inv`, one float32 factor per block of
+  weight_block_size (the last blocks of a row or column may be partial); every other tensor as it is."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.util import cdiv
+
+if TYPE_CHECKING:
+    from worker_svc.model.loader import CheckpointTensor
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks uint8 [E, rows, G, 16] and scales uint8 [E, rows, G] -> bfloat16 [E, rows, G * 32], one leading index
+    at a time (the codes' table lookup takes 8 bytes an element)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * 32, dtype=torch.bfloat16)
+    for i in range(blocks.shape[0]):
+        codes = blocks[i].to(torch.int64)
+        values = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
+        out[i] = torch.ldexp(values, scales[i].to(torch.int32)[..., None] - 127).flatten(-2)
+    return out
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float8 [..., rows, cols] times its scales [..., cdiv(rows, block[0]), cdiv(cols, block[1])] -> float32."""
+    rows, cols = weight.shape[-2:]
+    if scale_inv.shape[-2:] != (cdiv(rows, block[0]), cdiv(cols, block[1])):
+        raise ValueError(f"FP8 weight {tuple(weight.shape)} in blocks of {block} does not match its scales "
+                         f"{tuple(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
+    return weight.float() * scale[..., :cols]
+
+
+def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int]) -> Iterator[CheckpointTensor]:
+    """The checkpoint's tensors with each FP8 `*.weight` and its `*.weight_scale_inv` as one float32 `*.weight`."""
+    weights: dict[str, tuple[torch.Tensor, str]] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, get, file in tensors:
+        if name.endswith(".weight_scale_inv"):
+            base = name.removesuffix("_scale_inv")
+            scales[base] = get()
+        elif name.endswith(".weight"):
+            t = get()
+            if t.dtype not in FP8_DTYPES:  # a tensor left in 16 bits (embeddings, norms, routers)
+                yield name, lambda t=t: t, file
+                continue
+            weights[name], base = (t, file), name
+        else:
+            yield name, get, file
+            continue
+        if base in weights and base in scales:
+            (weight, file), scale = weights.pop(base), scales.pop(base)
+            yield base, lambda w=weight, s=scale: dequantize_fp8_blocks(w, s, block), file
+    if weights or scales:
+        raise KeyError(f"FP8 weights without their scales or scales without weights: "
+                       f"{sorted({*weights, *scales})[:3]}")
