@@ -48,6 +48,16 @@ CONFIGS = {
     "llama-tied": transformers.LlamaConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=6, head_dim=24,
         **(COMMON | {"tie_word_embeddings": True})),
+    # OLMo 2: q and k normed over all their heads, norms only on the attention's and the MLP's outputs
+    "olmo2": transformers.Olmo2Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, **COMMON),
+    # OLMo 3: OLMo 2's layers, a 12-token window on layers 0-1 (3 of 4), the global layer 2's rope scaled (YaRN)
+    "olmo3": transformers.Olmo3Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                            "rope_theta": 500000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}, **COMMON),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,
@@ -217,6 +227,10 @@ CONFIGS = {
         hidden_size=64, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
         n_group=2, topk_group=1, routed_scaling_factor=2.0, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, attention_bias=True, **COMMON),
+    # OLMoE: Llama's pre-norms, q and k normed over all their heads, 3 of 8 experts on every layer, not renormalised
+    "olmoe_moe": transformers.OlmoeConfig(
+        hidden_size=64, intermediate_size=40, num_experts=8, num_experts_per_tok=3, num_attention_heads=4,
+        num_key_value_heads=4, **COMMON),
     # gpt-oss: 2 of 6 experts with biases and the clamped SwiGLU on every layer, a biased router; an 8-token window on
     # layers 0 and 2, a sink per head, q/k/v/o biases, YaRN over an original length of 64
     "gpt_oss_moe": transformers.GptOssConfig(

@@ -346,7 +346,7 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny", "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny",
                                     "phi4-mini-tiny", "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny",
                                     "dots1-tiny", "ernie4_5-moe-tiny", "gpt-oss-tiny",
-                                    "deepseek-v3-tiny"])
+                                    "deepseek-v3-tiny", "olmo2-tiny"])
 def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     """Under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the row-parallel bias added
     once after the all-reduce), no q/k norms, scaled rope, 6 heads over 2 KV heads; Qwen3-MoE with each rank
@@ -358,7 +358,7 @@ def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     folded into them; GLM-4's interleaved half-head rope and q/k/v biases, each rank reordering its heads' rows;
     gpt-oss's sinks cut with their heads and its experts' biases with their experts (the MXFP4 experts dequantised on
     each rank); DeepSeek-V3's latent attention with its q and per-head K / V projections cut by heads, the latent
-    ones whole on each rank."""
+    ones whole on each rank; OLMo 2's q/k norms over all heads, each rank's sum of squares all-reduced."""
     model_dir = make_model(preset, tmp_path / preset, seed=4)
     cluster = _cluster(model_dir, 2, tmp_path / "logs")
     try:

@@ -235,6 +235,23 @@ def _gemma2(hidden, layers, heads, kv_heads, head_dim, intermediate, window, att
                   attention_bias=False)
 
 
+def _olmo(version, hidden, layers, heads, kv_heads, intermediate, max_pos=4096, dtype="bfloat16", window=4096,
+          **rope):
+    """OLMo 2 or 3 (3: windows on three layers of four; `rope`: its global layers' scaling, as published)."""
+    arch, kind = ("Olmo2ForCausalLM", "olmo2") if version == 2 else ("Olmo3ForCausalLM", "olmo3")
+    extra = {} if version == 2 else {
+        "sliding_window": window, "rope_scaling": rope or None,
+        "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]}
+    return _other(arch, kind, hidden, layers, heads, kv_heads, intermediate, False, max_pos, 500000.0, dtype,
+                  rms_norm_eps=1e-06, attention_bias=False, **extra)
+
+
+def _olmoe(hidden, layers, heads, intermediate, experts, top_k, max_pos=4096, dtype="bfloat16"):
+    return _other("OlmoeForCausalLM", "olmoe", hidden, layers, heads, heads, intermediate, False, max_pos, 10000.0,
+                  dtype, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=False, clip_qkv=None,
+                  attention_bias=False, output_router_logits=False, router_aux_loss_coef=0.01)
+
+
 # DeepSeek-V3's published quantization: every projection in e4m3 with a float32 scale per 128 x 128 block
 FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -302,6 +319,11 @@ PRESETS: dict[str, dict] = {
     "deepseek-v3": _deepseek(3, 7168, 61, 128, 18432, experts=256, top_k=8, expert_intermediate=2048, shared=1,
                              dense_layers=3, q_lora=1536, mscale=1.0, n_group=8, topk_group=4,
                              routed_scaling_factor=2.5, quantization_config=FP8_BLOCKS),
+    "olmo-2-7b": _olmo(2, 4096, 32, 32, 32, 11008),
+    "olmo-3-7b": _olmo(3, 4096, 32, 32, 32, 11008, max_pos=65536, rope_type="yarn", factor=8.0,
+                       original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
+                       attention_factor=1.2079441541679836),
+    "olmoe-1b-7b": _olmoe(2048, 16, 16, 1024, experts=64, top_k=8),
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -355,6 +377,11 @@ PRESETS: dict[str, dict] = {
                                   original=64, factor=4.0, max_pos=512, dtype="float32", n_group=2, topk_group=1,
                                   routed_scaling_factor=2.5,
                                   quantization_config=FP8_BLOCKS | {"weight_block_size": [8, 8]}),
+    # OLMo 3: windows of 16 on layers 0-2, a global layer 3 with YaRN from position 64 on
+    "olmo2-tiny": _olmo(2, 96, 2, 6, 2, 160, max_pos=512, dtype="float32"),
+    "olmo3-tiny": _olmo(3, 96, 4, 6, 3, 160, max_pos=512, dtype="float32", window=16, rope_type="yarn", factor=4.0,
+                        original_max_position_embeddings=64),
+    "olmoe-tiny": _olmoe(64, 2, 4, 32, experts=8, top_k=3, max_pos=512, dtype="float32"),
     # 2 of 8 experts, 16-token windows on layers 0 and 2, rope scaled from position 64 on
     "gpt-oss-tiny": _gpt_oss(3, experts=8, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, top_k=2,
                              window=16, original=64, factor=4.0, max_pos=512, dtype="float32"),

@@ -62,6 +62,7 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 # model types with DeepSeek's experts: dense first layers, n_shared_experts shared ones; all but V2 a router bias
 DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3")
 MLA = ("deepseek_v2", "deepseek_v3")  # model types with DeepSeek's latent attention
+OLMO = ("olmo2", "olmo3", "olmoe")  # model types whose q/k norms span all heads
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -90,6 +91,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         moe_layers = set(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
     if kind == "gpt_oss":
         return _gpt_oss_shapes(config)
+    if kind == "olmoe":
+        moe_layers = set(range(config["num_hidden_layers"]))
     if kind == "ernie4_5_moe":
         first, last, step = config["moe_layer_start_index"], config["moe_layer_end_index"], config["moe_layer_interval"]
         moe_layers = {i for i in range(config["num_hidden_layers"]) if first <= i <= last and (i + 1) % step == 0}
@@ -113,6 +116,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 shapes.append((p + "self_attn.o_proj.bias", (h,)))
             if qk_norm:
                 shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+            if kind in OLMO:  # q/k norms over all heads
+                shapes += [(p + "self_attn.q_norm.weight", (q,)), (p + "self_attn.k_norm.weight", (kv,))]
         if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
             e, e_inter = config["num_local_experts"], inter
             shapes += [(p + "block_sparse_moe.input_linear.weight", (e, 2 * e_inter, h)),
@@ -125,7 +130,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             module = "block_sparse_moe" if mixtral else "mlp"
             count = (config.get("num_local_experts") or config.get("num_experts") or config.get("moe_num_experts")
                      or config["n_routed_experts"])
-            e_inter = inter if mixtral else config["moe_intermediate_size"]
+            e_inter = inter if mixtral or kind == "olmoe" else config["moe_intermediate_size"]
             widen, narrow = (e_inter, h), (h, e_inter)  # gate and up; down
             names = ((("w1", widen), ("w2", narrow), ("w3", widen)) if mixtral else
                      (("gate_proj", widen), ("up_proj", widen), ("down_proj", narrow)))
@@ -154,6 +159,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + f"mlp.{name}.weight", shape))
             if mlp_bias:
                 shapes.append((p + f"mlp.{name}.bias", shape[:1]))
+        if kind in ("olmo2", "olmo3"):  # norms on the attention's and the MLP's outputs only
+            shapes += [(p + "post_attention_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
+            continue
         shapes += [
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),

@@ -102,6 +102,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     dtype: torch.dtype
     qk_norm: bool = False          # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm_over_heads: bool = False  # RMSNorm of q and of k over all their heads at once (OLMo 2, OLMoE)
+    post_norms: bool = False       # OLMo 2: no norm before the attention or the MLP, one on each's output
     qkv_bias: bool = False         # biases on the q, k and v projections (Qwen2, Llama's attention_bias)
     o_bias: bool = False           # a bias on the output projection (Llama's attention_bias)
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
@@ -229,6 +231,24 @@ def rope_scaling(rope: dict, max_positions: int, original: int | None = None) ->
                            attention_factor=float(attention), short_factor=tuple(rope["short_factor"]),
                            long_factor=tuple(rope["long_factor"]))
     raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn, longrope)")
+
+
+def rope_by_layer_type(raw: dict, theta: float, local_theta_key: str | None = None,
+                       local_theta: float | None = None) -> tuple[float, float, RopeScaling | None]:
+    """(global layers' rope base, sliding-window layers' base, global layers' scaling) of a model whose two kinds of
+    layers take their own rope (Gemma 3, OLMo 3): transformers 5's `rope_parameters` by layer type, or the published
+    rope_theta and rope_scaling (global layers' scaling only) with the local base at `local_theta_key` (else the
+    global one); `theta` and `local_theta`: the architecture's defaults."""
+    rope, positions = raw.get("rope_parameters") or {}, raw["max_position_embeddings"]
+    if "full_attention" in rope:
+        full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+        theta = full.get("rope_theta", theta)
+        if rope_scaling(local, positions) is not None:
+            raise ValueError("a scaled rope on sliding-window layers is not supported")
+        return theta, local.get("rope_theta", local_theta or theta), rope_scaling(full, positions)
+    theta = raw.get("rope_theta", theta)
+    local = raw.get(local_theta_key, local_theta) if local_theta_key else theta
+    return theta, local, rope_scaling(raw.get("rope_scaling") or {}, positions)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig, rope_scaling
+from worker_svc.model.config import ModelConfig, rope_by_layer_type
 from worker_svc.model.gemma2 import gemma_config
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.multimodal import TextOfMultimodal
@@ -28,16 +28,7 @@ class Gemma3ForCausalLM(CausalLM):
         raw = TEXT_DEFAULTS | raw
         if raw.get("use_bidirectional_attention"):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
-        rope, positions = raw.get("rope_parameters") or {}, raw["max_position_embeddings"]
-        if "full_attention" in rope:  # transformers 5's layout: one rope per layer type
-            full, local = rope["full_attention"], rope.get("sliding_attention") or {}
-            theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
-            scaling = rope_scaling(full, positions)
-            if rope_scaling(local, positions) is not None:
-                raise ValueError("a scaled rope on Gemma 3's sliding-window layers is not supported")
-        else:  # the published configs: rope_theta and rope_scaling for global layers, rope_local_base_freq
-            theta, local_theta = raw.get("rope_theta", 1e6), raw.get("rope_local_base_freq", 1e4)
-            scaling = rope_scaling(raw.get("rope_scaling") or {}, positions)
+        theta, local_theta, scaling = rope_by_layer_type(raw, 1e6, "rope_local_base_freq", 1e4)
         cfg = gemma_config(raw, raw.get("sliding_window_pattern", 6), qk_norm=True, local_rope_theta=local_theta)
         return dataclasses.replace(cfg, rope_theta=theta, rope_scaling=scaling)
 

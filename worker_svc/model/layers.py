@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import ModelConfig, RopeScaling
 from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                       RowParallelLinear, VocabParallelEmbedding, tp_rank)
+                                       RowParallelLinear, VocabParallelEmbedding, tp_rank, tp_size)
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +100,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
 
 
+class NormOverHeads(nn.Module):
+    """RMSNorm over all of q's (or k's) heads at once (OLMo 2's q/k norms): this rank's heads' share of the weight
+    (each head's dims in rotary_order), the sum of squares all-reduced over the ranks the heads are split across."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, kernels: Kernels, order: list[int] | None):
+        super().__init__()
+        self.eps, self.kernels, self.width = eps, kernels, heads * head_dim
+        self.weight = nn.Parameter(torch.ones(heads * head_dim // tp_size()), requires_grad=False)
+
+        def load(param: nn.Parameter, w: torch.Tensor) -> None:
+            if order is not None:
+                w = w.unflatten(0, (-1, head_dim))[:, order].flatten()
+            param.data.copy_(w.narrow(0, tp_rank() * len(param), len(param)))
+
+        self.weight.weight_loader = load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares)
+        return self.weight * (x.float() * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Packed QKV projection, (q/k norm,) rope and the KV-cache store in one kernel, paged attention (over the
     layer's window, if any), output projection."""
@@ -117,6 +142,13 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
+        self.norm_over_heads = cfg.qk_norm_over_heads
+        if self.norm_over_heads:
+            if cfg.num_key_value_heads < tp_size():
+                raise ValueError(f"q/k norms over all heads need the {cfg.num_key_value_heads} KV heads split, not "
+                                 f"replicated, over tensor-parallel size {tp_size()}")
+            self.q_norm = NormOverHeads(cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps, kernels, order)
+            self.k_norm = NormOverHeads(cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, kernels, order)
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.window = cfg.window_of(layer)
@@ -132,8 +164,15 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q = self.kernels.qk_norm_rope_store(self.qkv_proj(x), positions, self.rotary.cos_sin, q_weight, k_weight,
+        qkv = self.qkv_proj(x)
+        q_weight = k_weight = None
+        if self.norm_over_heads:  # before the fused kernel, which norms a head at a time
+            q, k, v = qkv.split([self.q_norm.weight.numel(), self.k_norm.weight.numel(), self.k_norm.weight.numel()],
+                                dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        elif self.q_norm is not None:
+            q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        q = self.kernels.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, q_weight, k_weight,
                                             self.eps, self.k_cache, self.v_cache, meta.slot_mapping,
                                             self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
         o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
@@ -181,11 +220,14 @@ def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, the residual added inside the next norm. With sandwich norms (Gemma) the
     attention's and the MLP's outputs are normed too before they join the residual stream (post_attention_layernorm
-    then norms the attention output, and pre_feedforward_layernorm the MLP's input)."""
+    then norms the attention output, and pre_feedforward_layernorm the MLP's input); with post norms (OLMo 2) only
+    those outputs are (post_attention_layernorm and post_feedforward_layernorm), the layers passing the whole hidden
+    state."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)  # noqa: E731
+        self.post_norms = cfg.post_norms
         if cfg.mla is not None:
             from worker_svc.model.mla import MultiLatentAttention
 
@@ -197,8 +239,14 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        if cfg.post_norms:
+            self.input_layernorm, self.post_feedforward_layernorm = None, norm()
 
     def forward(self, positions, x, residual, meta):
+        if self.post_norms:  # OLMo 2: the layer's input whole, each output normed before its residual add
+            x = x if residual is None else x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(positions, x, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(x)), None
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -275,8 +323,7 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)  # rounded to the dtype, as Gemma's
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.lm_head(hidden, out)

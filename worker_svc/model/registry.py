@@ -14,6 +14,7 @@ from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
                                     MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
+from worker_svc.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
@@ -50,6 +51,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
