@@ -231,6 +231,12 @@ CONFIGS = {
     "olmoe_moe": transformers.OlmoeConfig(
         hidden_size=64, intermediate_size=40, num_experts=8, num_experts_per_tok=3, num_attention_heads=4,
         num_key_value_heads=4, **COMMON),
+    # MiniMax-M2: OLMo's q/k norms under pre-norms, rope over half of each head, 3 of 8 experts on every layer by
+    # sigmoid score plus a correction bias, renormalised
+    "minimax_m2_moe": transformers.MiniMaxM2Config(
+        hidden_size=64, intermediate_size=24, num_local_experts=8, num_experts_per_tok=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5}, **COMMON),
     # gpt-oss: 2 of 6 experts with biases and the clamped SwiGLU on every layer, a biased router; an 8-token window on
     # layers 0 and 2, a sink per head, q/k/v/o biases, YaRN over an original length of 64
     "gpt_oss_moe": transformers.GptOssConfig(

@@ -252,6 +252,17 @@ def _olmoe(hidden, layers, heads, intermediate, experts, top_k, max_pos=4096, dt
                   attention_bias=False, output_router_logits=False, router_aux_loss_coef=0.01)
 
 
+def _minimax_m2(hidden, layers, heads, kv_heads, head_dim, experts, top_k, expert_intermediate, rotary_dim,
+                max_pos=196608, dtype="bfloat16", **extra):
+    """MiniMax-M2: q/k norms over all heads, partial rope, sigmoid-routed experts with a correction bias."""
+    return _other("MiniMaxM2ForCausalLM", "minimax_m2", hidden, layers, heads, kv_heads, expert_intermediate, False,
+                  max_pos, 5000000.0, dtype, head_dim=head_dim, rotary_dim=rotary_dim,
+                  partial_rotary_factor=rotary_dim / head_dim, rms_norm_eps=1e-06,
+                  num_local_experts=experts, num_experts_per_tok=top_k, scoring_func="sigmoid",
+                  use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer", num_mtp_modules=0,
+                  router_aux_loss_coef=0.001, output_router_logits=False, **extra)
+
+
 # DeepSeek-V3's published quantization: every projection in e4m3 with a float32 scale per 128 x 128 block
 FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -319,6 +330,8 @@ PRESETS: dict[str, dict] = {
     "deepseek-v3": _deepseek(3, 7168, 61, 128, 18432, experts=256, top_k=8, expert_intermediate=2048, shared=1,
                              dense_layers=3, q_lora=1536, mscale=1.0, n_group=8, topk_group=4,
                              routed_scaling_factor=2.5, quantization_config=FP8_BLOCKS),
+    "minimax-m2": _minimax_m2(3072, 62, 48, 8, 128, experts=256, top_k=8, expert_intermediate=1536, rotary_dim=64,
+                              quantization_config=FP8_BLOCKS),
     "olmo-2-7b": _olmo(2, 4096, 32, 32, 32, 11008),
     "olmo-3-7b": _olmo(3, 4096, 32, 32, 32, 11008, max_pos=65536, rope_type="yarn", factor=8.0,
                        original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
@@ -378,6 +391,8 @@ PRESETS: dict[str, dict] = {
                                   routed_scaling_factor=2.5,
                                   quantization_config=FP8_BLOCKS | {"weight_block_size": [8, 8]}),
     # OLMo 3: windows of 16 on layers 0-2, a global layer 3 with YaRN from position 64 on
+    "minimax-m2-tiny": _minimax_m2(64, 2, 4, 2, 16, experts=8, top_k=3, expert_intermediate=24, rotary_dim=8,
+                                   max_pos=512, dtype="float32"),
     "olmo2-tiny": _olmo(2, 96, 2, 6, 2, 160, max_pos=512, dtype="float32"),
     "olmo3-tiny": _olmo(3, 96, 4, 6, 3, 160, max_pos=512, dtype="float32", window=16, rope_type="yarn", factor=4.0,
                         original_max_position_embeddings=64),

@@ -62,7 +62,8 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 # model types with DeepSeek's experts: dense first layers, n_shared_experts shared ones; all but V2 a router bias
 DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3")
 MLA = ("deepseek_v2", "deepseek_v3")  # model types with DeepSeek's latent attention
-OLMO = ("olmo2", "olmo3", "olmoe")  # model types whose q/k norms span all heads
+OLMO = ("olmo2", "olmo3", "olmoe", "minimax_m2")  # model types whose q/k norms span all heads
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # experts on every layer as `block_sparse_moe.experts.N.w1` (w3, w2)
 
 
 def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -125,8 +126,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                        (p + "block_sparse_moe.router.layer.weight", (e, h)),
                        (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
-        if kind == "mixtral" or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
-            mixtral = kind == "mixtral"
+        if kind in MIXTRAL_NAMES or i in moe_layers:  # routed experts, under Mixtral's names (every layer) or Qwen's
+            mixtral = kind in MIXTRAL_NAMES
             module = "block_sparse_moe" if mixtral else "mlp"
             count = (config.get("num_local_experts") or config.get("num_experts") or config.get("moe_num_experts")
                      or config["n_routed_experts"])
@@ -137,6 +138,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + f"{module}.gate.weight", (count, h)))
             if kind in DEEPSEEK_MOE and kind != "deepseek_v2":  # the router's correction bias (ERNIE's below)
                 shapes.append((p + "mlp.gate.e_score_correction_bias", (count,)))
+            if kind == "minimax_m2":  # its router's correction bias, beside the router
+                shapes.append((p + "block_sparse_moe.e_score_correction_bias", (count,)))
             if kind == "ernie4_5_moe":
                 shapes.append((p + "mlp.moe_statics.e_score_correction_bias", (1, count)))
             for e in range(count):

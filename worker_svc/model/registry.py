@@ -13,6 +13,7 @@ from worker_svc.model.gpt_oss import GptOssForCausalLM
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
                                     MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
+from worker_svc.model.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
