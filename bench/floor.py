@@ -36,6 +36,7 @@ class ModelShape:
     num_experts: int = 0
     top_k: int = 0
     windows: tuple[int, ...] = ()  # the sliding window of each layer that has one (a layer reads its last w keys)
+    kv_planes: int = 2  # K and V, or K alone where V is K (latent attention)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
@@ -46,21 +47,23 @@ class ModelShape:
         windows = tuple(w for n in range(m.num_hidden_layers) if (w := m.window_of(n)))
         h, i, layers = m.hidden_size, m.intermediate_size, m.num_hidden_layers
         heads, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
-        attention = h * (heads + 2 * kv) * d + heads * d * h
-        if m.mla is not None:  # DeepSeek's latent attention: its projections (its cache: one head of the latent)
-            a = m.mla
-            q = heads * d * (h if a.q_lora_rank is None else a.q_lora_rank) + (a.q_lora_rank or 0) * h
+        attention, planes = h * (heads + 2 * kv) * d + heads * d * h, 2
+        if m.mla is not None:  # DeepSeek's latent attention: its projections; its cache one plane of the latent
+            a, planes = m.mla, 1
+            q_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+            q = heads * q_dim * (h if a.q_lora_rank is None else a.q_lora_rank) + (a.q_lora_rank or 0) * h
             attention = (q + h * (a.kv_lora_rank + a.qk_rope_head_dim)
                          + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) + heads * a.v_head_dim * h)
         embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
         if m.moe is None:
-            return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed, windows=windows)
+            return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed, windows=windows,
+                       kv_planes=planes)
         sparse, experts = len(m.moe.layers), m.moe.num_experts
         shared = 3 * h * m.moe.shared_intermediate_size  # the shared expert (and Qwen2-MoE's gate): every token's
         shared += h if m.moe.shared_intermediate_size and m.moe.shared_expert_gated else 0
         params = layers * attention + (layers - sparse) * 3 * h * i + sparse * (h * experts + shared) + embed
         return cls(layers, heads, kv, d, params, sparse * 3 * h * m.moe.intermediate_size, experts, m.moe.top_k,
-                   windows)
+                   windows, planes)
 
     def weights_read(self, tokens: int) -> float:
         """Parameters a step of `tokens` tokens reads: the dense ones and the experts routed to."""
@@ -74,7 +77,7 @@ class ModelShape:
         return self.params + self.top_k * self.expert_params
 
     def kv_bytes_per_token(self, kv_element_bytes: float) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * kv_element_bytes
+        return self.kv_planes * self.layers * self.kv_heads * self.head_dim * kv_element_bytes
 
     def keys_read(self, ctx: int) -> int:
         """Keys, summed over the layers, that a query after `ctx` tokens reads."""

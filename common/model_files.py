@@ -26,10 +26,9 @@ def eos_token_ids(model_dir: str | Path) -> list[int]:
 
 def kv_bytes_per_token(config: dict[str, Any], element_bytes: int) -> int:
     """K and V of one token over every layer of a config.json's model, at element_bytes an element (DeepSeek's latent
-    attention as the worker caches it, its latent and K's rope dims as K and again as V: worker_svc/model/mla.py)."""
+    attention as the worker caches it, its latent and K's rope dims once, V being K: worker_svc/model/mla.py)."""
     if "kv_lora_rank" in config:
-        heads, head_dim = 1, config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    else:
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * element_bytes
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return 2 * config["num_hidden_layers"] * heads * head_dim * element_bytes

@@ -252,6 +252,26 @@ def test_prefill_attention_with_a_sliding_window_matches_reference(window, page,
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_store_into_one_plane_keeps_the_rotated_k():
+    """Latent attention's cache: V is K (the same memory), so the store writes K alone, rotated, in the kernel and in
+    the reference; a V written after it would have put the unrotated values back."""
+    from worker_svc.kernels import reference
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, dim = 5, 4, 32
+    rotary = RotaryEmbedding(dim, 64, 1e4, rotary_dim=8)
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen)
+    qkv[:, (heads + 1) * dim:] = qkv[:, heads * dim:(heads + 1) * dim]  # V's part: K's values, as MLA passes them
+    positions, slots = torch.arange(3, 3 + tokens), torch.tensor([9, 2, 14, 5, 0])
+    planes = [torch.zeros(4, 4, 1, dim), torch.zeros(4, 4, 1, dim)]
+    reference.qk_norm_rope_store(qkv, positions, rotary.cos_sin, None, None, 1e-6, *planes, slots, heads, 1)
+    for store in (elementwise.qk_norm_rope_store, reference.qk_norm_rope_store):
+        cache = torch.zeros(4, 4, 1, dim)
+        store(qkv, positions, rotary.cos_sin, None, None, 1e-6, cache, cache, slots, heads, 1)
+        torch.testing.assert_close(cache, planes[0], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(planes[0], planes[1])  # rope turned K's first dims
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (6, 2, 24), (8, 8, 32)])
 @pytest.mark.parametrize("norm", [True, False])

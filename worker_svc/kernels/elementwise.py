@@ -64,7 +64,8 @@ def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, e
                         stride_qkv, stride_cs, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h,
                         stride_vc_s, stride_vc_h,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr,
+                        STORE_V: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dtype = QOut.dtype.element_ty
     pos = tl.load(Pos + t)
@@ -84,10 +85,11 @@ def _qk_norm_rope_store(QKV, Pos, CosSin, QW, KW, QOut, KCache, VCache, Slots, e
     _norm_rope_store(row + (HEADS + h[:, None]) * (2 * HALF) + c[None, :],
                      KCache + slot * stride_kc_s + h[:, None] * stride_kc_h + c[None, :],
                      KW, cos, sin, eps, live, k_scale_inv, dtype, HALF, HALF_PAD, NORM)
-    src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
-    dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
-    tl.store(dst, _to_cache(tl.load(src, mask=live), dst, v_scale_inv, dtype), mask=live)
-    tl.store(dst + HALF, _to_cache(tl.load(src + HALF, mask=live), dst, v_scale_inv, dtype), mask=live)
+    if STORE_V:
+        src = row + (HEADS + KV_HEADS + h[:, None]) * (2 * HALF) + c[None, :]
+        dst = VCache + slot * stride_vc_s + h[:, None] * stride_vc_h + c[None, :]
+        tl.store(dst, _to_cache(tl.load(src, mask=live), dst, v_scale_inv, dtype), mask=live)
+        tl.store(dst + HALF, _to_cache(tl.load(src + HALF, mask=live), dst, v_scale_inv, dtype), mask=live)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -96,7 +98,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
                        v_scale: float = 1.0) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * head_dim] straight from the projection. Writes k and v at
     slot_mapping in the caches ([num_blocks, block_size, kv_heads, head_dim]; into fp8 ones as k / k_scale and
-    v / v_scale); returns q [tokens, heads, head_dim]. Without norm weights, rope and the store only."""
+    v / v_scale); returns q [tokens, heads, head_dim]. Without norm weights, rope and the store only. Where the V
+    cache is the K cache (latent attention's), V is not written: K, rotated, is what the cache holds."""
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     for cache in (k_cache, v_cache):  # slots index (block, offset) pairs flattened
         assert cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
@@ -109,7 +112,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
             1.0 / v_scale, qkv.stride(0), cos_sin.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(1), v_cache.stride(2), HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
             HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_Q=triton.next_power_of_2(num_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, num_warps=4)
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm,
+            STORE_V=v_cache.data_ptr() != k_cache.data_ptr(), num_warps=4)
     return q
 
 

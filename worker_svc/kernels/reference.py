@@ -61,8 +61,10 @@ def _put_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k and v at slot_mapping; where the V cache is the K cache (latent attention's), k alone."""
     _put_rows(k_cache, slot_mapping, to_cache(k, k_cache.dtype, k_scale))
-    _put_rows(v_cache, slot_mapping, to_cache(v, v_cache.dtype, v_scale))
+    if v_cache.data_ptr() != k_cache.data_ptr():
+        _put_rows(v_cache, slot_mapping, to_cache(v, v_cache.dtype, v_scale))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -197,12 +197,12 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
-        """One allocation for every layer's K and V, plus one scratch block (the last) that the
+        """One allocation for every layer's K and V (K alone where V is K), plus one scratch block (the last) that the
         scheduler never owns: padded rows of graph-captured steps write there. Returns how many blocks the
         host pool asked for holds (the same on every TP rank)."""
         mc, cfg = self.model_config, self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        per_block = 2 * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.kv_dtype.itemsize
+        per_block = self._planes * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.kv_dtype.itemsize
         if cfg.num_blocks:
             self.num_blocks = cfg.num_blocks
         elif self.device.type == "cuda":
@@ -210,11 +210,20 @@ class ModelRunner:
         else:
             self.num_blocks = max(1, cfg.kv_cache_memory // per_block)
         self.num_blocks = min_over_ranks(self.num_blocks, self.device)  # one block pool for all TP ranks
-        shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
+        shape = (self._planes, mc.num_hidden_layers, self.num_blocks + 1, self.block_size, kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self._bind_caches(self.kv_cache)
         return min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
+
+    @property
+    def _planes(self) -> int:
+        """K and V planes of the cache: 2, or 1 where a layer's V is its K (latent attention, model/mla.py)."""
+        return 1 if getattr(self.model.layers[0].self_attn, "v_is_k", False) else 2
+
+    def _bind_caches(self, cache: torch.Tensor) -> None:
+        """Each layer's K and V views of a [planes, layers, ...] cache."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0, i], cache[-1, i]
 
     @torch.inference_mode()
     def _profile_num_blocks(self, per_block: int) -> int:
@@ -227,10 +236,9 @@ class ModelRunner:
         lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
         blocks_each = cdiv(max(lens), self.block_size)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        scratch = torch.zeros(2, mc.num_hidden_layers, blocks_each, self.block_size, kv_heads, mc.head_dim,
+        scratch = torch.zeros(self._planes, mc.num_hidden_layers, blocks_each, self.block_size, kv_heads, mc.head_dim,
                               dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = scratch[0, i], scratch[1, i]
+        self._bind_caches(scratch)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
