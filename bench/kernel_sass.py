@@ -34,10 +34,11 @@ def compile_kernel(kv: str, block_n: int, split: int, tma: bool, f16: bool, arch
 
     group = heads // kv_heads
     const = dict(KV_HEADS=kv_heads, GROUP=group, BLOCK_H=query_rows(group), HEAD_DIM=128, HEAD_PAD=128,
-                 PAGE=256, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16, SOFTCAP=False)
+                 PAGE=256, BLOCK_N=block_n, SPLIT=split, TMA=tma, F16_DOTS=f16, SOFTCAP=False, SINKS=False)
     cache = f"tensordesc<{TYPES[kv]}[{block_n}, 128]>" if tma else f"*{TYPES[kv]}"
     pointers = {"Q": "*bf16", "Out": "*bf16", "K": cache, "V": cache, "PageTable": "*i32", "SeqUsed": "*i32",
-                "Counters": "*i32", "PartO": "*fp32", "PartLse": "*fp32", "scale_log2e": "fp32", "v_scale": "fp32",
+                "Counters": "*i32", "Sinks": "*fp32", "PartO": "*fp32", "PartLse": "*fp32", "scale_log2e": "fp32",
+                "v_scale": "fp32",
                 "softcap_log2": "fp32"}
     signature = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in _split_kernel.arg_names}
     return triton.compile(ASTSource(_split_kernel, signature, constexprs=const), target=GPUTarget("cuda", arch, 32),
