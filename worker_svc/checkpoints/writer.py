@@ -222,7 +222,8 @@ def _gpt_oss_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         shapes += [(p + "self_attn.o_proj.weight", (h, heads * hd)), (p + "self_attn.o_proj.bias", (h,)),
                    (p + "self_attn.sinks", (heads,)),
                    (p + "mlp.router.weight", (e, h)), (p + "mlp.router.bias", (e,)),
-                   (p + "mlp.experts.gate_up_proj", (e, 2 * inter, h)), (p + "mlp.experts.gate_up_proj_bias", (e, 2 * inter)),
+                   (p + "mlp.experts.gate_up_proj", (e, 2 * inter, h)),
+                   (p + "mlp.experts.gate_up_proj_bias", (e, 2 * inter)),
                    (p + "mlp.experts.down_proj", (e, h, inter)), (p + "mlp.experts.down_proj_bias", (e, h)),
                    (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
     shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (config["vocab_size"], h))]

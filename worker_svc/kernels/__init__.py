@@ -42,10 +42,10 @@ def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool 
         from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 
         return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.gelu_and_mul,
-                       elementwise.clamped_swiglu, elementwise.qk_norm_rope_store, skinny_gemm.linear, moe.router_topk, moe.fused_moe,
-                       gumbel.gumbel_argmax, None, backend)
+                       elementwise.clamped_swiglu, elementwise.qk_norm_rope_store, skinny_gemm.linear,
+                       moe.router_topk, moe.fused_moe, gumbel.gumbel_argmax, None, backend)
     from worker_svc.kernels import reference
 
     return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.gelu_and_mul,
-                   reference.clamped_swiglu, reference.qk_norm_rope_store, reference.linear, reference.router_topk, reference.fused_moe,
-                   reference.gumbel_argmax, torch.float32, backend)
+                   reference.clamped_swiglu, reference.qk_norm_rope_store, reference.linear, reference.router_topk,
+                   reference.fused_moe, reference.gumbel_argmax, torch.float32, backend)

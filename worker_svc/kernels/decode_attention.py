@@ -221,8 +221,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q: [batch, heads, head_dim], one token per sequence whose K/V are already in the cache.
     k_cache/v_cache: [num_blocks, page, kv_heads, head_dim], q's dtype or fp8 (read in q's dtype, k_scale
     folded into the softmax scale, the output times v_scale). With a sliding `window`, the last `window` tokens
-    only; with `softcap`, scores capped to softcap * tanh(score / softcap) (Gemma 2); with `sinks` ([heads]), each head's
-    sink as one more logit of its softmax (gpt-oss). Returns q's shape and dtype.
+    only; with `softcap`, scores capped to softcap * tanh(score / softcap) (Gemma 2); with `sinks` ([heads]), each
+    head's sink as one more logit of its softmax (gpt-oss). Returns q's shape and dtype.
     counters: from merge_counters, for at least this batch (default: fresh ones, a memset per call).
     Tiles default to tile_config(batch); `tma` (K and V tiles loaded by the tensor memory accelerator, where
     tma_fits) to tile_config's choice. f16_dots: both dots in fp16 rather than q's dtype, q scaled by a power

@@ -102,7 +102,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, page_table: torch.Tensor,
                             blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, k_scale: float = 1.0,
                             v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
-                            sinks: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
+                            sinks: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
+                            num_warps: int = 8,
                             num_stages: int = 2) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache, q's dtype or
     fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m), block_m by default

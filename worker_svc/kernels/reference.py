@@ -118,7 +118,8 @@ def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float = 1.702) -> torch
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0, *, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              b2: torch.Tensor | None = None,
+              act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums)."""
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):

@@ -243,8 +243,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm, self.post_feedforward_layernorm = None, norm()
 
     def forward(self, positions, x, residual, meta):
-        if self.post_norms:  # OLMo 2: the layer's input whole, each output normed before its residual add
-            x = x if residual is None else x + residual
+        if self.post_norms:  # OLMo 2: the layer's input whole (no residual apart), each output normed before its add
             x = x + self.post_attention_layernorm(self.self_attn(positions, x, meta))
             return x + self.post_feedforward_layernorm(self.mlp(x)), None
         if residual is None:

@@ -43,9 +43,9 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
 def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
     missing name. FP8 block-scaled weights are dequantised (model/quantized.py), and a model's `converted` (if it
-    has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts). Returns the checkpoint's KV-cache scales
-    (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an fp8 cache: a scale per layer and tensor
-    (the largest, where one is stored per head)."""
+    has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
+    Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an
+    fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     prefixes = getattr(model, "checkpoint_prefixes", ("model.",))

@@ -202,7 +202,8 @@ class ModelRunner:
         host pool asked for holds (the same on every TP rank)."""
         mc, cfg = self.model_config, self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        per_block = self._planes * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim * self.kv_dtype.itemsize
+        per_block = (self._planes * mc.num_hidden_layers * self.block_size * kv_heads * mc.head_dim
+                     * self.kv_dtype.itemsize)
         if cfg.num_blocks:
             self.num_blocks = cfg.num_blocks
         elif self.device.type == "cuda":
