@@ -70,6 +70,12 @@ CONFIGS = {
     "seed_oss": transformers.SeedOssConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         attention_bias=True, attention_out_bias=False, **COMMON),
+    # Ministral 3: Mistral's layers, q scaled by position from 32 on (Llama 4's log scaling), YaRN
+    "ministral3": transformers.Ministral3Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        rope_parameters={"type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0,
+                         "mscale": 1.0, "llama_4_scaling_beta": 0.3}, **COMMON),
     "qwen2": transformers.Qwen2Config(
         hidden_size=112, intermediate_size=176, num_attention_heads=7, num_key_value_heads=1, **COMMON),
     # Qwen2's window where use_sliding_window sets it: layers 1 and 2 (from max_window_layers on), 12 tokens
@@ -138,6 +144,17 @@ CONFIGS = {
         text_config=transformers.MistralConfig(
             hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             sliding_window=16, **COMMON),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, image_size=28, patch_size=14),
+        tie_word_embeddings=False),
+    # Ministral 3's multimodal checkpoints: its text model (q scaled by position from 32 on) from text_config
+    "mistral3_mm-ministral3": transformers.Mistral3Config(
+        text_config=transformers.Ministral3Config(
+            hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_parameters={"type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32, "max_position_embeddings": 512,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                             "llama_4_scaling_beta": 0.3}, **COMMON),
         vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=2, image_size=28, patch_size=14),
         tie_word_embeddings=False),
@@ -257,6 +274,12 @@ CONFIGS = {
         n_shared_experts=1, first_k_dense_replace=0, n_group=3, topk_group=1, topk_method="group_limited_greedy",
         routed_scaling_factor=4.0, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, num_attention_heads=4, **COMMON),
+    # GLM-4.7-Flash: DeepSeek-V3's attention (V wider than the nope dims) and GLM-4.5's routing, layer 0 dense
+    "glm4_moe_lite_moe": transformers.Glm4MoeLiteConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, num_attention_heads=4, num_key_value_heads=4,
+        **COMMON),
     # DeepSeek-V3's: q through a rank-24 bottleneck, YaRN with mscale_all_dim (the softmax scale grows with it);
     # 3 of 8 experts within the better of 2 groups by sigmoid score plus a correction bias, times 2.5
     "deepseek_v3_moe": transformers.DeepseekV3Config(

@@ -42,7 +42,7 @@ FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma
             "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
             "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny", "gpt-oss-tiny",
             "deepseek-v2-tiny", "deepseek-v3-tiny", "olmo2-tiny", "olmo3-tiny", "olmoe-tiny",
-            "minimax-m2-tiny"]
+            "minimax-m2-tiny", "glm4-moe-lite-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -112,7 +112,9 @@ def test_real_presets_have_published_sizes():
                           # OLMo-2-1124-7B's 7.30 B and Olmo-3-7B's with ~100k rows untied; OLMoE-1B-7B's 6.92 B, 50,304
                           "olmo-2-7b": 6.48, "olmo-3-7b": 6.48, "olmoe-1b-7b": 6.71,
                           # MiniMax-M2's 229 B with 200,064 rows untied (its MTP modules not written)
-                          "minimax-m2": 227.46}
+                          "minimax-m2": 227.46,
+                          # GLM-4.7-Flash's 30 B (29.9 B with its 154,880 rows untied; its MTP layer not written)
+                          "glm-4.7-flash": 29.31}
     for name in (*expected, *non_embedding_only):
         config = get_preset(name)
         params = sum(torch.Size(shape).numel() for _, shape in tensor_shapes(config))
@@ -138,7 +140,8 @@ CONFIG_CLASSES = {"Qwen3ForCausalLM": transformers.Qwen3Config, "Qwen3MoeForCaus
                   "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
                   "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
                   "Olmo2ForCausalLM": transformers.Olmo2Config, "Olmo3ForCausalLM": transformers.Olmo3Config,
-                  "OlmoeForCausalLM": transformers.OlmoeConfig, "MiniMaxM2ForCausalLM": transformers.MiniMaxM2Config}
+                  "OlmoeForCausalLM": transformers.OlmoeConfig, "MiniMaxM2ForCausalLM": transformers.MiniMaxM2Config,
+                  "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

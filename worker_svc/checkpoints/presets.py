@@ -269,22 +269,24 @@ FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
 
 def _deepseek(version, hidden, layers, heads, intermediate, experts, top_k, expert_intermediate, shared, dense_layers,
               q_lora, mscale, kv_lora=512, nope=128, rope=64, v=128, original=4096, factor=40.0, max_pos=163840,
-              dtype="bfloat16", **routing):
+              dtype="bfloat16", theta=10000.0, **routing):
     """DeepSeek-V2 (softmax-routed) or V3 (sigmoid-routed with a correction bias, an MTP layer published after the
-    last): latent attention, dense first layers, shared experts beside the routed ones; YaRN as published."""
-    arch, kind = ("DeepseekV2ForCausalLM", "deepseek_v2") if version == 2 else ("DeepseekV3ForCausalLM", "deepseek_v3")
+    last; "glm": GLM-4.7-Flash, V3's architecture): latent attention, dense first layers, shared experts beside the
+    routed ones; YaRN as published."""
+    arch, kind = {2: ("DeepseekV2ForCausalLM", "deepseek_v2"), 3: ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                  "glm": ("Glm4MoeLiteForCausalLM", "glm4_moe_lite")}[version]
     extra = ({"topk_method": "greedy", "norm_topk_prob": False, "n_group": 1, "topk_group": 1,
               "routed_scaling_factor": 1.0} if version == 2 else
              {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
               "num_nextn_predict_layers": 1})
-    return _other(arch, kind, hidden, layers, heads, heads, intermediate, False, max_pos, 10000.0, dtype,
+    return _other(arch, kind, hidden, layers, heads, heads, intermediate, False, max_pos, theta, dtype,
                   rms_norm_eps=1e-06, attention_bias=False, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=experts,
                   num_experts_per_tok=top_k, moe_intermediate_size=expert_intermediate, n_shared_experts=shared,
                   first_k_dense_replace=dense_layers, moe_layer_freq=1,
-                  rope_scaling={"type": "yarn", "factor": factor, "beta_fast": 32, "beta_slow": 1, "mscale": mscale,
-                                "mscale_all_dim": mscale, "original_max_position_embeddings": original},
-                  **(extra | routing))
+                  **({"rope_scaling": {"type": "yarn", "factor": factor, "beta_fast": 32, "beta_slow": 1,
+                                       "mscale": mscale, "mscale_all_dim": mscale,
+                                       "original_max_position_embeddings": original}} | extra | routing))
 
 
 def _gpt_oss(layers, experts, hidden=2880, heads=64, kv_heads=8, head_dim=64, intermediate=2880, top_k=4, window=128,
@@ -337,6 +339,10 @@ PRESETS: dict[str, dict] = {
                        original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
                        attention_factor=1.2079441541679836),
     "olmoe-1b-7b": _olmoe(2048, 16, 16, 1024, experts=64, top_k=8),
+    "glm-4.7-flash": _deepseek("glm", 2048, 47, 20, 10240, experts=64, top_k=4, expert_intermediate=1536, shared=1,
+                               dense_layers=1, q_lora=768, mscale=1.0, nope=192, v=256, max_pos=202752,
+                               routed_scaling_factor=1.8, n_group=1, topk_group=1, rope_scaling=None,
+                               theta=1000000.0),
     "gpt-oss-20b": _gpt_oss(24, experts=32),
     "gpt-oss-120b": _gpt_oss(36, experts=128),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
@@ -390,6 +396,11 @@ PRESETS: dict[str, dict] = {
                                   original=64, factor=4.0, max_pos=512, dtype="float32", n_group=2, topk_group=1,
                                   routed_scaling_factor=2.5,
                                   quantization_config=FP8_BLOCKS | {"weight_block_size": [8, 8]}),
+    # V wider than the nope dims, as GLM-4.7-Flash's
+    "glm4-moe-lite-tiny": _deepseek("glm", 64, 3, 4, 96, experts=8, top_k=3, expert_intermediate=24, shared=1,
+                                    dense_layers=1, q_lora=24, mscale=1.0, kv_lora=32, nope=16, rope=8, v=24,
+                                    max_pos=512, dtype="float32", routed_scaling_factor=1.8, n_group=1, topk_group=1,
+                                    rope_scaling=None),
     # OLMo 3: windows of 16 on layers 0-2, a global layer 3 with YaRN from position 64 on
     "minimax-m2-tiny": _minimax_m2(64, 2, 4, 2, 16, experts=8, top_k=3, expert_intermediate=24, rotary_dim=8,
                                    max_pos=512, dtype="float32"),

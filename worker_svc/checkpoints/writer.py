@@ -60,8 +60,8 @@ def parse_size(size: str | int) -> int:
 
 GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w) and norms around the MLP
 # model types with DeepSeek's experts: dense first layers, n_shared_experts shared ones; all but V2 a router bias
-DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3")
-MLA = ("deepseek_v2", "deepseek_v3")  # model types with DeepSeek's latent attention
+DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # model types with DeepSeek's latent attention
 OLMO = ("olmo2", "olmo3", "olmoe", "minimax_m2")  # model types whose q/k norms span all heads
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # experts on every layer as `block_sparse_moe.experts.N.w1` (w3, w2)
 

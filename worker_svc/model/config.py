@@ -125,6 +125,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores capped to c * tanh(s / c)
     attention_sinks: bool = False  # gpt-oss: a learnt logit per head joins its softmax (AttentionBackend.forward)
+    # Llama 4's and Mistral 4's (Ministral 3's): q times 1 + beta * log(1 + floor(position / length)), (beta, length)
+    query_log_scale: tuple[float, int] | None = None
     # DeepSeek-V2/V3: latent attention (model/mla.py), one "KV head" of the latent and K's rope dims cached (head_dim)
     mla: MlaConfig | None = None
     # Granite: the attention's and the MLP's outputs scaled before the residual add, and the logits scaled; both
@@ -249,6 +251,14 @@ def rope_by_layer_type(raw: dict, theta: float, local_theta_key: str | None = No
     theta = raw.get("rope_theta", theta)
     local = raw.get(local_theta_key, local_theta) if local_theta_key else theta
     return theta, local, rope_scaling(raw.get("rope_scaling") or {}, positions)
+
+
+def query_log_scale(raw: dict) -> tuple[float, int] | None:
+    """(beta, length) of a config whose rope parameters carry `llama_4_scaling_beta` (Mistral 4's, Ministral 3's):
+    the length is the rope's original_max_position_embeddings."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    return (float(beta), int(rope["original_max_position_embeddings"])) if beta else None
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -57,3 +57,19 @@ class DeepseekV3ForCausalLM(CausalLM):
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
         return mla_config(raw, sigmoid_routed_experts(raw), interleaved=raw.get("rope_interleave", True))
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash (zai-org/GLM-4.7-Flash): DeepSeek-V3's latent attention and routing, the experts on the layers
+    `mlp_layer_types` marks sparse (or past first_k_dense_replace)."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        types = raw.get("mlp_layer_types")
+        if types:
+            dense = types.index("sparse") if "sparse" in types else len(types)
+            if types != ["dense"] * dense + ["sparse"] * (len(types) - dense):
+                raise ValueError("GLM-4.7-Flash with dense layers after its first sparse one is not supported")
+            raw = raw | {"first_k_dense_replace": dense}
+        return super().config(raw)
+

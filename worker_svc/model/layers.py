@@ -100,6 +100,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
 
 
+def scale_queries(q: torch.Tensor, positions: torch.Tensor, log_scale: tuple[float, int] | None) -> torch.Tensor:
+    """q [tokens, heads, dim] times 1 + beta * log(1 + floor(position / length)) (ModelConfig.query_log_scale), in
+    q's dtype as transformers rounds it; q itself without one."""
+    if log_scale is None:
+        return q
+    beta, length = log_scale
+    scale = 1 + beta * torch.log1p(torch.floor(positions.float() / length))
+    return q * scale.to(q.dtype)[:, None, None]
+
+
 class NormOverHeads(nn.Module):
     """RMSNorm over all of q's (or k's) heads at once (OLMo 2's q/k norms): this rank's heads' share of the weight
     (each head's dims in rotary_order), the sum of squares all-reduced over the ranks the heads are split across."""
@@ -154,6 +164,7 @@ class Attention(nn.Module):
         self.window = cfg.window_of(layer)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.softcap = cfg.attn_logit_softcapping
+        self.query_log_scale = cfg.query_log_scale
         self.sinks = None
         if cfg.attention_sinks:  # this rank's heads' (float32, as the kernels read them)
             self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -175,6 +186,7 @@ class Attention(nn.Module):
         q = self.kernels.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, q_weight, k_weight,
                                             self.eps, self.k_cache, self.v_cache, meta.slot_mapping,
                                             self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+        q = scale_queries(q, positions, self.query_log_scale)
         o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
                                            self.v_scale, window=self.window, softcap=self.softcap,
                                            sinks=self.sinks)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig, optional_windows
+from worker_svc.model.config import ModelConfig, optional_windows, query_log_scale
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.multimodal import TextOfMultimodal, text_config
 
@@ -59,6 +59,15 @@ class MistralForCausalLM(CausalLM):
         return ModelConfig.common(raw, sliding_window=raw.get("sliding_window"))
 
 
+class Ministral3ForCausalLM(CausalLM):
+    """Ministral 3 (mistralai/Ministral-3-3B / 8B / 14B, the text model): Mistral's layers with q scaled by position
+    (Llama 4's log scaling, `llama_4_scaling_beta`)."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        return dataclasses.replace(MistralForCausalLM.config(raw), query_log_scale=query_log_scale(raw))
+
+
 class Phi3ForCausalLM(MistralForCausalLM):
     """Mistral's reading of the config; its fused q, k, v and gate, up tensors are split by the loader."""
 
@@ -69,8 +78,8 @@ class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        model_type = text_config(raw).get("model_type", "mistral")
-        if model_type != "mistral":  # Ministral 3's text model scales attention by position
-            raise ValueError(f"Mistral3ForConditionalGeneration with a {model_type!r} text model is not "
-                             "supported (its text_config must be Mistral's)")
-        return super().config(raw)
+        text = text_config(raw)
+        if text.get("model_type", "mistral") not in ("mistral", "ministral3"):
+            raise ValueError(f"Mistral3ForConditionalGeneration with a {text['model_type']!r} text model is not "
+                             "supported (its text_config must be Mistral's or Ministral 3's)")
+        return dataclasses.replace(super().config(raw), query_log_scale=query_log_scale(text))

@@ -16,7 +16,7 @@ from torch import nn
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import MlaConfig, ModelConfig
-from worker_svc.model.layers import RMSNorm, RotaryEmbedding
+from worker_svc.model.layers import RMSNorm, RotaryEmbedding, scale_queries
 from worker_svc.model.parallel import (ColumnParallelLinear, HeadParallelLinear, ReplicatedLinear, RowParallelLinear,
                                        _divide, tp_size)
 
@@ -62,7 +62,7 @@ class MultiLatentAttention(nn.Module):
         # each head's W_UK (nope rows) then W_UV (v_head_dim rows) over the latent: absorbed, never run as a linear
         self.kv_b_proj = ColumnParallelLinear(latent, heads * (nope + mla.v_head_dim), kernels)
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, kernels)
-        self.scale = cfg.attention_scale
+        self.scale, self.query_log_scale = cfg.attention_scale, cfg.query_log_scale
         # bound by the ModelRunner once allocated, as Attention's
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
@@ -79,6 +79,7 @@ class MultiLatentAttention(nn.Module):
         qkv = torch.cat([in_rope_order(q_rope, q_latent).flatten(1), k, k], dim=-1)
         q = self.kernels.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, None, None, self.eps, self.k_cache,
                                             self.v_cache, meta.slot_mapping, heads, 1, self.k_scale, self.v_scale)
+        q = scale_queries(q, positions, self.query_log_scale)
         o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
                                            self.v_scale)
         half, latent_half = mla.qk_rope_head_dim // 2, mla.kv_lora_rank // 2

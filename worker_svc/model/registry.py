@@ -1,7 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
-from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
 from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
 from worker_svc.model.gemma2 import Gemma2ForCausalLM
@@ -12,7 +12,7 @@ from worker_svc.model.glm_vl import Glm4vForConditionalGeneration, Glm4vMoeForCo
 from worker_svc.model.gpt_oss import GptOssForCausalLM
 from worker_svc.model.layers import CausalLM
 from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
-                                    MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
+                                    Ministral3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
@@ -39,6 +39,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
@@ -48,6 +49,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Glm4vMoeForConditionalGeneration": Glm4vMoeForConditionalGeneration,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
