@@ -11,8 +11,9 @@ from worker_svc.model.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
 from worker_svc.model.glm_vl import Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration
 from worker_svc.model.gpt_oss import GptOssForCausalLM
 from worker_svc.model.layers import CausalLM
-from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Mistral3ForConditionalGeneration,
-                                    Ministral3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM)
+from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Ministral3ForCausalLM,
+                                    Mistral3ForConditionalGeneration, MistralForCausalLM, Phi3ForCausalLM,
+                                    SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
 from worker_svc.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
