@@ -58,6 +58,11 @@ CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                             "rope_theta": 500000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}, **COMMON),
+    # EXAONE 4: OLMo 2's output norms, per-head q/k norms, 12-token windows with rope on layers 0-1, layer 2 global
+    # without rope (its sliding_window_pattern of 3)
+    "exaone4": transformers.Exaone4Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        sliding_window=12, sliding_window_pattern=3, **COMMON),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,

@@ -2,7 +2,8 @@
 q and k each normed over all their heads at once (layers.NormOverHeads, before the fused rope kernel). OLMo 2 and 3
 norm only the attention's and the MLP's outputs, before their residual adds (no norm before either); OLMo 3 puts a
 sliding window on three layers of four, its global layers taking the rope scaling. OLMoE keeps Llama's pre-norms and
-routes each token to its top k of 64 experts (not renormalised)."""
+routes each token to its top k of 64 experts (not renormalised). EXAONE 4 takes OLMo 2's layers with per-head q/k
+norms and global layers without rope."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,3 +44,23 @@ class OlmoeForCausalLM(CausalLM):
                         intermediate_size=raw["intermediate_size"], norm_topk_prob=bool(raw.get("norm_topk_prob")),
                         layers=tuple(range(layers)))
         return olmo_config(raw, moe=moe)
+
+
+class Exaone4ForCausalLM(CausalLM):
+    """EXAONE 4.0 (LGAI-EXAONE/EXAONE-4.0-32B, 1.2B): OLMo 2's norms on the attention's and the MLP's outputs only,
+    per-head q/k norms, and (with a sliding window) three windowed layers of four with rope, the fourth global and
+    without rope (`layer_types`, else `sliding_window_pattern`)."""
+
+    @classmethod
+    def config(cls, raw: dict) -> ModelConfig:
+        layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+        types = raw.get("layer_types")
+        if types is None:
+            pattern = raw.get("sliding_window_pattern") or 0
+            types = [("sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention")
+                     if isinstance(pattern, str) else
+                     "sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
+                     for i in range(layers)]
+        windows = tuple(window if window and t == "sliding_attention" else None for t in types)
+        nope = tuple(i for i, w in enumerate(windows) if window and w is None)  # global layers: no rope when hybrid
+        return ModelConfig.common(raw, qk_norm=True, post_norms=True, layer_windows=windows, nope_layers=nope)

@@ -16,7 +16,7 @@ from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Minist
                                     SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
-from worker_svc.model.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from worker_svc.model.olmo import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
 from worker_svc.model.qwen3 import Qwen3ForCausalLM
@@ -59,6 +59,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
