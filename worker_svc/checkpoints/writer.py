@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.util import cdiv
 from worker_svc.checkpoints.presets import DEFAULT_PRESET, GENERATION_CONFIG, get_preset
 from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, write_qwen_tokenizer
 
@@ -241,7 +242,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     weight_scale_inv, float32 [cdiv(rows, block[0]), cdiv(cols, block[1])], each block's largest magnitude at e4m3's
     largest (448)."""
     rows, cols = w.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    grid = (cdiv(rows, block[0]), cdiv(cols, block[1]))
     padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
     padded[:rows, :cols] = w.float()
     tiles = padded.view(grid[0], block[0], grid[1], block[1])
