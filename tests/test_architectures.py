@@ -806,11 +806,11 @@ def test_longrope_frequencies_and_scale_are_transformers(served):
     assert attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
 
 
-def test_a_mistral3_checkpoint_whose_text_model_is_not_mistral_is_refused(tmp_path):
+def test_a_mistral3_checkpoint_whose_text_model_is_neither_mistral_nor_ministral3_is_refused(tmp_path):
     raw = CONFIGS["mistral3_mm"].to_dict() | {"architectures": ["Mistral3ForConditionalGeneration"]}
-    raw["text_config"] = transformers.Ministral3Config(hidden_size=64, num_attention_heads=4).to_dict()
+    raw["text_config"] = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict()
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="'ministral3' text model is not supported"):
+    with pytest.raises(ValueError, match="'llama' text model is not supported"):
         ModelConfig.from_dir(tmp_path)
 
 
