@@ -26,7 +26,7 @@ class GatewayConfig:
     api_keys: frozenset[str] = frozenset()  # of this HTTP API
     served_model_names: tuple[str, ...] = ()  # empty: the scheduler's model name
     tokenizer: str | None = None  # checkpoint folder or tokenizer.json, for logprob token strings
-    reasoning_parser: str | None = None  # "qwen3": thinking apart, as reasoning_content
+    reasoning_parser: str | None = None  # "qwen3" or "deepseek_r1": thinking apart (gateway/reasoning.py)
     tool_call_parser: str = "hermes"  # how "auto" tool choice finds the model's calls (gateway/tool_parsers.py)
     request_timeout: float | None = None  # gRPC deadline of a generation, seconds (504 past it)
     allowed_origins: tuple[str, ...] = ()  # CORS

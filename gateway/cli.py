@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder or tokenizer.json, to name logprob tokens by their text "
                         "(default: `token_id:N`)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                   help="return a Qwen3 answer's <think> part apart, as reasoning_content")
+                   help="return a thinking model's reasoning apart, as reasoning_content: qwen3 (an answer "
+                        "that opens <think>), deepseek_r1 (an answer that starts inside it: DeepSeek-R1, GLM-4.5, "
+                        "Qwen3-Thinking-2507)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default="hermes",
                    help="how tool_choice auto finds the calls a model writes (hermes: Qwen2.5 / Qwen3 <tool_call> "
                         "JSON blocks; default)")

@@ -60,7 +60,8 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
 async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: str, created: int,
                        body: ChatCompletionRequest, include_usage: bool) -> AsyncGenerator[str, None]:
     usage = Usage()
-    parsers = [ReasoningStream() for _ in range(job.num_choices)] if backend.config.reasoning_parser else None
+    parser = backend.config.reasoning_parser
+    parsers = [ReasoningStream(parser) for _ in range(job.num_choices)] if parser else None
     include_reasoning = body.include_reasoning is not False
     tools = [ToolStream(job.tools, backend.config.tool_call_parser) for _ in range(job.num_choices)] \
         if job.tools is not None else None

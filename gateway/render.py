@@ -111,7 +111,7 @@ def chat_message(text: str, reasoning_parser: str | None, include_reasoning: boo
     """The assistant message of a whole answer; with a reasoning parser, its thinking apart."""
     if reasoning_parser is None:
         return {"role": "assistant", "content": text}
-    thought, content = split_reasoning(text)
+    thought, content = split_reasoning(text, reasoning_parser)
     return {"role": "assistant", "content": content, "reasoning_content": thought if include_reasoning else None}
 
 

@@ -600,9 +600,27 @@ def test_the_documented_limits_are_the_schedulers():
     ("", None, ""),
 ])
 def test_reasoning_split(text, reasoning, content):
-    assert split_reasoning(text) == (reasoning, content)
+    _check_split("qwen3", text, reasoning, content)
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("\nLet me see.\n</think>\n\nBlue.", "Let me see.\n", "Blue."),  # the prompt opened the block
+    ("<think>\nLet me see.</think>Blue.", "Let me see.", "Blue."),  # a model that opens it again
+    ("</think>\n\nBlue.", "", "Blue."),
+    ("still thinking when cut off", "still thinking when cut off", ""),
+    ("Blue <think>inside</think> then", "Blue <think>inside", "then"),
+    ("<thin", "<thin", ""),
+    ("", None, ""),
+])
+def test_deepseek_r1_reasoning_split(text, reasoning, content):
+    """DeepSeek-R1's answers (GLM-4.5's, Qwen3-Thinking-2507's) start inside their reasoning."""
+    _check_split("deepseek_r1", text, reasoning, content)
+
+
+def _check_split(parser: str, text: str, reasoning: str | None, content: str) -> None:
+    assert split_reasoning(text, parser) == (reasoning, content)
     for size in (1, 2, 3, 5):  # streamed in pieces, tags split anywhere: the same result
-        stream, r, c = ReasoningStream(), "", ""
+        stream, r, c = ReasoningStream(parser), "", ""
         for i in range(0, len(text), size):
             dr, dc = stream.feed(text[i:i + size])
             r, c = r + dr, c + dc
@@ -610,9 +628,11 @@ def test_reasoning_split(text, reasoning, content):
         assert ((r + dr) if stream.saw_reasoning else None, c + dc) == (reasoning, content)
 
 
-def test_reasoning_in_chat_answers():
-    """The chat renderers with the parser on, fed deltas as the scheduler sends them (one Qwen3 answer
-    that thinks), stream and whole: reasoning_content apart, the same split both ways."""
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_reasoning_in_chat_answers(parser):
+    """The chat renderers with the parser on, fed deltas as the scheduler sends them (one answer that thinks:
+    Qwen3's opens its think block, DeepSeek-R1's starts inside it), stream and whole: reasoning_content apart, the
+    same split both ways."""
     import asyncio
     from types import SimpleNamespace
 
@@ -622,10 +642,10 @@ def test_reasoning_in_chat_answers():
     from gateway.render import chat_message
     from gateway.tokens import TokenRenderer
 
-    pieces = ["<think>", "\nThe user", " wants a colour.\n", "</think>", "\n\nBlue", "."]
+    pieces = ["<think>", "\nThe user", " wants a colour.\n", "</think>", "\n\nBlue", "."][parser == "deepseek_r1":]
     deltas = [Delta(0, [i], t) for i, t in enumerate(pieces)]
     deltas[-1].finish_reason, deltas[-1].usage = "stop", Usage(9, len(pieces), 0)
-    backend = SimpleNamespace(config=SimpleNamespace(reasoning_parser="qwen3"), tokens=TokenRenderer())
+    backend = SimpleNamespace(config=SimpleNamespace(reasoning_parser=parser), tokens=TokenRenderer())
     body = SimpleNamespace(include_reasoning=True)
 
     async def source():
@@ -641,7 +661,7 @@ def test_reasoning_in_chat_answers():
     assert "".join(d.get("reasoning_content", "") for d in streamed) == "The user wants a colour.\n"
     assert "".join(d.get("content", "") for d in streamed) == "Blue."
     assert chunks[-1]["usage"]["completion_tokens"] == len(pieces)
-    whole = chat_message("".join(pieces), "qwen3", include_reasoning=True)
+    whole = chat_message("".join(pieces), parser, include_reasoning=True)
     assert whole == {"role": "assistant", "content": "Blue.", "reasoning_content": "The user wants a colour.\n"}
     assert chat_message("Blue.", None, include_reasoning=True) == {"role": "assistant", "content": "Blue."}
 

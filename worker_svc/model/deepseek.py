@@ -2,8 +2,9 @@
 moonshotai/Moonlight-16B-A3B, Kimi-K2): multi-head latent attention (model/mla.py) and, after the first
 `first_k_dense_replace` dense layers, routed experts beside shared ones. V2 routes by softmax scores, greedily or
 (`group_limited_greedy`) within the best groups of experts by their best score, weights not renormalised; V3 as
-GLM-4.5 (model/glm4_moe.py): sigmoid scores, a correction bias, groups by their two best. The published V3 checkpoints
-store a multi-token-prediction layer after the last one, which this model leaves."""
+GLM-4.5 (model/glm4_moe.py): sigmoid scores, a correction bias, groups by their two best; GLM-4.7-Flash is V3's
+architecture. The published V3 checkpoints store a multi-token-prediction layer after the last one, which this model
+leaves."""
 from __future__ import annotations
 
 import dataclasses
