@@ -1,5 +1,6 @@
 """Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
-(like vLLM's flag of that name). One parser so far, `hermes`.
+(like vLLM's flag of that name): `hermes`, and `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
+JSON: Qwen3CoderParser below).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -29,8 +30,10 @@ closes (or at `finish`).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.text import held_back
 
@@ -87,9 +90,11 @@ def _as_call(block: str) -> ToolCall | None:
 
 class HermesParser:
     """Splits one answer into content and tool calls: `parse` for a whole answer, `feed`/`finish` for
-    its deltas (one parser per answer)."""
+    its deltas (one parser per answer). `schemas`: each function's parameters schema (formats whose values are
+    text read them by it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
+        self._schemas = schemas or {}
         self._text = ""  # outside a block: text held back (a possible start of OPEN)
         self._blank = ""  # whitespace starting the current piece, sent only if the piece turns out not blank
         self._piece_started = False  # the current piece has sent content
@@ -102,7 +107,7 @@ class HermesParser:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, stripped, "" if none; the calls in order) of a whole answer. Leaves this parser's
         stream alone."""
-        stream = type(self)()
+        stream = type(self)(self._schemas)
         events = stream.feed(text) + stream.finish()
         content = "".join(e.content for e in events).strip()
         return content, [e.call for e in events if e.call is not None]
@@ -193,13 +198,16 @@ class HermesParser:
 
     def _end_block(self, block: str, raw: str, events: list[StreamEvent]) -> None:
         self._in_block, self._block, self._scan = False, "", 0
-        call = _as_call(block)
+        call = self._call(block)
         if call is None:
             self._content(raw, events)
             return
         events.append(StreamEvent(call=call, index=self._calls))
         self._calls += 1
         self._blank, self._piece_started = "", False  # a new piece; a blank one before the call is dropped
+
+    def _call(self, block: str) -> ToolCall | None:
+        return _as_call(block)
 
     def _content(self, text: str, events: list[StreamEvent]) -> None:
         """Sends content text, holding the whitespace that starts a piece until the piece has more."""
@@ -214,12 +222,52 @@ class HermesParser:
         events.append(StreamEvent(content=text))
 
 
-PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser}
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def make_parser(name: str) -> HermesParser:
-    """A new parser (one per answer) of the `--tool-call-parser` name."""
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's calls (Qwen3.5's too): Hermes' blocks holding
+
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+
+    instead of JSON. A value loses the newline on each side of it; it stays text where the function's schema
+    types the parameter a string (or does not know it), and is read as JSON where the schema gives another type
+    (a number, boolean, array or object), staying text if it is not JSON. A block of any other shape is content,
+    as Hermes'."""
+
+    def _call(self, block: str) -> ToolCall | None:
+        match = _FUNCTION.fullmatch(block)
+        if match is None:
+            return None
+        name, body = match[1].strip(), match[2]
+        params = (self._schemas.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        for key, value in _PARAMETER.findall(body):
+            key, value = key.strip(), value.removeprefix("\n").removesuffix("\n")
+            kind = (params.get(key) or {}).get("type", "string")
+            if kind != "string":
+                try:
+                    value = _loads(value)
+                except (ValueError, RecursionError):
+                    pass
+            args[key] = value
+        if not name or _PARAMETER.sub("", body).strip():  # text beside the parameters: not a call
+            return None
+        return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser}
+
+
+def make_parser(name: str, schemas: dict[str, Any] | None = None) -> HermesParser:
+    """A new parser (one per answer) of the `--tool-call-parser` name; `schemas`: the request's functions'
+    parameters schemas."""
     try:
-        return PARSERS[name]()
+        return PARSERS[name](schemas)
     except KeyError:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None

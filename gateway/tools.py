@@ -109,7 +109,7 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan, parser: str):
         self.plan = plan
-        self.parser = make_parser(parser) if plan.mode == "auto" else None
+        self.parser = make_parser(parser, plan.schemas) if plan.mode == "auto" else None
         self.held: list[str] = []
         self.called = 0  # calls emitted so far
 
@@ -143,7 +143,7 @@ def with_tool_calls(message: dict[str, Any], finish: str | None, plan: ToolPlan,
     if plan.mode == "none":
         return message, finish
     if plan.mode == "auto":
-        content, calls = make_parser(parser).parse(text)
+        content, calls = make_parser(parser, plan.schemas).parse(text)
     else:
         content, calls = "", plan.calls(text)
     if not calls:

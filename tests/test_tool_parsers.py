@@ -1,4 +1,5 @@
-"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3) tool-call parser, on whole answers and streams."""
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3) and Qwen3-Coder tool-call parsers, on whole answers and
+streams."""
 from __future__ import annotations
 
 import json
@@ -271,7 +272,7 @@ def test_written_calls_are_read_back(items, last, pad, data):
 def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
-    assert set(PARSERS) == {"hermes"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("mistral")
 
@@ -280,3 +281,67 @@ def test_new_call_id():
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+
+
+# ---- Qwen3-Coder's XML-like parameters ---------------------------------------------------------------------
+
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "where": {"type": "object"}, "zip": {"type": "string"}}}}
+
+
+def coder_block(name: str, params: dict[str, str]) -> str:
+    """A block as Qwen3-Coder's chat template shows calls to the model: each value on lines of its own."""
+    inner = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"{OPEN}\n<function={name}>\n{inner}</function>\n{CLOSE}"
+
+
+def test_qwen3_coder_reads_values_by_their_schema_types():
+    text = "Let me look.\n" + coder_block("get_weather", {
+        "city": "New York", "days": "3", "metric": "true", "hours": "[9, 12]", "where": '{"lat": 40.7}',
+        "zip": "10001", "note": "not in the schema"})
+    content, calls = make_parser("qwen3_coder", SCHEMAS).parse(text)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather"]
+    # a string (or unknown) parameter stays text, even one that reads as a number; the others are JSON
+    assert json.loads(calls[0].arguments) == {"city": "New York", "days": 3, "metric": True, "hours": [9, 12],
+                                              "where": {"lat": 40.7}, "zip": "10001", "note": "not in the schema"}
+
+
+def test_qwen3_coder_keeps_multiline_values_and_unparsable_typed_ones():
+    text = coder_block("run", {"code": "print('a')\n\nprint('</parameter')", "n": "three"})
+    calls = make_parser("qwen3_coder", {"run": {"properties": {"n": {"type": "integer"}}}}).parse(text)[1]
+    assert json.loads(calls[0].arguments) == {"code": "print('a')\n\nprint('</parameter')", "n": "three"}
+
+
+def test_qwen3_coder_blocks_of_another_shape_stay_content():
+    for inner in ('{"name": "get_time", "arguments": {}}', "<function=f>\n<parameter=a>\n1\n</parameter>\nchatter\n"
+                  "</function>", "no function here"):
+        text = f"{OPEN}\n{inner}\n{CLOSE}"
+        assert make_parser("qwen3_coder").parse(text) == (text, [])
+
+
+def test_qwen3_coder_streams_as_it_parses():
+    text = ("I'll check both.\n\n" + coder_block("get_weather", {"city": "Paris", "days": "2"}) + "\n"
+            + coder_block("get_time", {"tz": "Europe/Paris"}))
+    whole = make_parser("qwen3_coder", SCHEMAS).parse(text)
+    for size in (1, 3, 7, 50):
+        parser = make_parser("qwen3_coder", SCHEMAS)
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+        content = "".join(e.content for e in events).strip()
+        calls = [(e.index, e.call.name, e.call.arguments) for e in events if e.call]
+        assert content == whole[0] == "I'll check both."
+        assert calls == [(i, c.name, c.arguments) for i, c in enumerate(whole[1])]
+        assert json.loads(calls[0][2]) == {"city": "Paris", "days": 2}
+
+
+def test_a_whole_chat_answer_and_a_stream_read_qwen3_coder_calls_by_the_requests_schemas():
+    """gateway/tools.py hands the request's schemas to the parser: `days` comes back a number both ways."""
+    from gateway.tools import ToolPlan, ToolStream, with_tool_calls
+
+    plan = ToolPlan("auto", [], schemas=SCHEMAS)
+    text = coder_block("get_weather", {"city": "Oslo", "days": "4"})
+    message, finish = with_tool_calls({"role": "assistant", "content": text}, "stop", plan, "qwen3_coder")
+    assert finish == "tool_calls" and message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "days": 4}
+    content, deltas = ToolStream(plan, "qwen3_coder").feed(text, last=True)
+    assert content == "" and json.loads(deltas[0]["function"]["arguments"]) == {"city": "Oslo", "days": 4}
