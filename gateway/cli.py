@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen3-Thinking-2507)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default="hermes",
                    help="how tool_choice auto finds the calls a model writes (qwen3_coder: Qwen3-Coder's and Qwen3.5's "
-                        "<function=...> blocks, values read by the tool's schema; hermes: Qwen2.5 / Qwen3 <tool_call> "
-                        "JSON blocks; default)")
+                        "<function=...> blocks; minimax_m2: MiniMax-M2's <invoke> blocks; both with values read by the "
+                        "tool's schema; hermes: Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",
                    help="deadline of one generation; past it the answer is 504 (default: none)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",

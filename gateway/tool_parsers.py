@@ -1,6 +1,6 @@
 """Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
-(like vLLM's flag of that name): `hermes`, and `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
-JSON: Qwen3CoderParser below).
+(like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
+JSON: Qwen3CoderParser below) and `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -93,6 +93,8 @@ class HermesParser:
     its deltas (one parser per answer). `schemas`: each function's parameters schema (formats whose values are
     text read them by it)."""
 
+    OPEN, CLOSE = OPEN, CLOSE  # a block's tags
+
     def __init__(self, schemas: dict[str, Any] | None = None) -> None:
         self._schemas = schemas or {}
         self._text = ""  # outside a block: text held back (a possible start of OPEN)
@@ -123,7 +125,7 @@ class HermesParser:
         """What is still held, at the end of the answer."""
         events: list[StreamEvent] = []
         if self._in_block:
-            self._end_block(self._block, OPEN + self._block, events)
+            self._end_block(self._block, self.OPEN + self._block, events)
         else:
             self._content(self._text, events)
             self._text = ""
@@ -132,13 +134,13 @@ class HermesParser:
     def _feed_text(self, delta: str, events: list[StreamEvent]) -> str:
         """Takes text outside a block; returns what follows an OPEN it reaches (to be fed to the block)."""
         text = self._text + delta
-        start = text.find(OPEN)
+        start = text.find(self.OPEN)
         if start >= 0:
             self._content(text[:start], events)
             self._text = ""
             self._open_block()
-            return text[start + len(OPEN):]
-        keep = held_back(text, OPEN)
+            return text[start + len(self.OPEN):]
+        keep = held_back(text, self.OPEN)
         self._content(text[:len(text) - keep], events)
         self._text = text[len(text) - keep:]
         return ""
@@ -149,8 +151,8 @@ class HermesParser:
         end = self._find_close()
         if end < 0:
             return ""
-        block, after = self._block[:end], self._block[end + len(CLOSE):]
-        self._end_block(block, OPEN + block + CLOSE, events)
+        block, after = self._block[:end], self._block[end + len(self.CLOSE):]
+        self._end_block(block, self.OPEN + block + self.CLOSE, events)
         return after
 
     def _open_block(self) -> None:
@@ -164,9 +166,9 @@ class HermesParser:
             i = self._scan
             c = block[i]
             if c == "<" and not self._in_str:
-                if block.startswith(CLOSE, i):
+                if block.startswith(self.CLOSE, i):
                     return i
-                if CLOSE.startswith(block[i:]):  # the tag may be arriving: wait for the next delta
+                if self.CLOSE.startswith(block[i:]):  # the tag may be arriving: wait for the next delta
                     return -1
             self._lex(c)
             self._scan += 1
@@ -198,16 +200,34 @@ class HermesParser:
 
     def _end_block(self, block: str, raw: str, events: list[StreamEvent]) -> None:
         self._in_block, self._block, self._scan = False, "", 0
-        call = self._call(block)
-        if call is None:
+        calls = self._block_calls(block)
+        if calls is None:
             self._content(raw, events)
             return
-        events.append(StreamEvent(call=call, index=self._calls))
-        self._calls += 1
+        for call in calls:
+            events.append(StreamEvent(call=call, index=self._calls))
+            self._calls += 1
         self._blank, self._piece_started = "", False  # a new piece; a blank one before the call is dropped
 
-    def _call(self, block: str) -> ToolCall | None:
-        return _as_call(block)
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
+        """The calls a block's inner text holds (Hermes': one), or None when it is not a block of calls."""
+        call = _as_call(block)
+        return None if call is None else [call]
+
+    def _typed(self, name: str, params: list[tuple[str, str]]) -> ToolCall:
+        """A call of `name` whose parameter values are text: each stays text where the function's schema types
+        the parameter a string (or does not know it), and is read as JSON where the schema gives another type (a
+        number, boolean, array or object), staying text if it is not JSON."""
+        schema = (self._schemas.get(name) or {}).get("properties") or {}
+        args: dict[str, Any] = {}
+        for key, value in params:
+            if (schema.get(key) or {}).get("type", "string") != "string":
+                try:
+                    value = _loads(value)
+                except (ValueError, RecursionError):
+                    pass
+            args[key] = value
+        return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
 
     def _content(self, text: str, events: list[StreamEvent]) -> None:
         """Sends content text, holding the whitespace that starts a piece until the piece has more."""
@@ -235,33 +255,44 @@ class Qwen3CoderParser(HermesParser):
         </parameter>
         </function>
 
-    instead of JSON. A value loses the newline on each side of it; it stays text where the function's schema
-    types the parameter a string (or does not know it), and is read as JSON where the schema gives another type
-    (a number, boolean, array or object), staying text if it is not JSON. A block of any other shape is content,
-    as Hermes'."""
+    instead of JSON. A value loses the newline on each side of it and is read by the function's schema
+    (HermesParser._typed). A block of any other shape is content, as Hermes'."""
 
-    def _call(self, block: str) -> ToolCall | None:
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
         match = _FUNCTION.fullmatch(block)
-        if match is None:
+        if match is None or not match[1].strip() or _PARAMETER.sub("", match[2]).strip():  # text beside: no call
             return None
-        name, body = match[1].strip(), match[2]
-        params = (self._schemas.get(name) or {}).get("properties") or {}
-        args: dict[str, Any] = {}
-        for key, value in _PARAMETER.findall(body):
-            key, value = key.strip(), value.removeprefix("\n").removesuffix("\n")
-            kind = (params.get(key) or {}).get("type", "string")
-            if kind != "string":
-                try:
-                    value = _loads(value)
-                except (ValueError, RecursionError):
-                    pass
-            args[key] = value
-        if not name or _PARAMETER.sub("", body).strip():  # text beside the parameters: not a call
-            return None
-        return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+        params = [(k.strip(), v.removeprefix("\n").removesuffix("\n")) for k, v in _PARAMETER.findall(match[2])]
+        return [self._typed(match[1].strip(), params)]
 
 
-PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser}
+_INVOKE = re.compile(r'<invoke name="([^"\n]+)">(.*?)</invoke>', re.DOTALL)
+_NAMED_PARAMETER = re.compile(r'<parameter name="([^"\n]+)">(.*?)</parameter>', re.DOTALL)
+
+
+class MiniMaxM2Parser(HermesParser):
+    """MiniMax-M2's calls: blocks of its own tags holding one or more
+
+        <invoke name="get_weather">
+        <parameter name="city">Paris</parameter>
+        </invoke>
+
+    each value read by the function's schema (HermesParser._typed). A block holding anything but invokes is
+    content."""
+
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
+        invokes = _INVOKE.findall(block)
+        if not invokes or _INVOKE.sub("", block).strip() or any(_NAMED_PARAMETER.sub("", body).strip()
+                                                                 for _, body in invokes):
+            return None
+        return [self._typed(name, [(k, v.strip("\n")) for k, v in _NAMED_PARAMETER.findall(body)])
+                for name, body in invokes]
+
+
+PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
+                                          "minimax_m2": MiniMaxM2Parser}
 
 
 def make_parser(name: str, schemas: dict[str, Any] | None = None) -> HermesParser:

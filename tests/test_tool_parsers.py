@@ -1,5 +1,5 @@
-"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3) and Qwen3-Coder tool-call parsers, on whole answers and
-streams."""
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder and MiniMax-M2 tool-call parsers, on whole
+answers and streams."""
 from __future__ import annotations
 
 import json
@@ -272,7 +272,7 @@ def test_written_calls_are_read_back(items, last, pad, data):
 def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
-    assert set(PARSERS) == {"hermes", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("mistral")
 
@@ -345,3 +345,35 @@ def test_a_whole_chat_answer_and_a_stream_read_qwen3_coder_calls_by_the_requests
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "days": 4}
     content, deltas = ToolStream(plan, "qwen3_coder").feed(text, last=True)
     assert content == "" and json.loads(deltas[0]["function"]["arguments"]) == {"city": "Oslo", "days": 4}
+
+
+# ---- MiniMax-M2's invokes ----------------------------------------------------------------------------------
+
+
+def minimax_block(*invokes: tuple[str, dict[str, str]]) -> str:
+    inner = "".join(f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{v}</parameter>\n'
+                                                          for k, v in params.items()) + "</invoke>\n"
+                    for name, params in invokes)
+    return f"<minimax:tool_call>\n{inner}</minimax:tool_call>"
+
+
+def test_minimax_m2_reads_every_invoke_of_a_block_by_the_schemas():
+    text = "Checking.\n" + minimax_block(("get_weather", {"city": "Paris", "days": "2", "hours": "[8]"}),
+                                          ("get_time", {"tz": "Europe/Paris"}))
+    content, calls = make_parser("minimax_m2", SCHEMAS).parse(text)
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2, "hours": [8]}), ("get_time", {"tz": "Europe/Paris"})]
+    for size in (1, 4, 9):  # streamed in pieces: the same calls, numbered in order
+        parser = make_parser("minimax_m2", SCHEMAS)
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+        assert "".join(e.content for e in events).strip() == "Checking."
+        assert [(e.index, e.call.name, e.call.arguments) for e in events if e.call] == [
+            (i, c.name, c.arguments) for i, c in enumerate(calls)]
+
+
+def test_minimax_m2_blocks_of_another_shape_and_hermes_blocks_stay_content():
+    for text in ("<minimax:tool_call>\nchatter\n</minimax:tool_call>",
+                 '<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter>x</invoke></minimax:tool_call>',
+                 block(WEATHER)):
+        assert make_parser("minimax_m2").parse(text) == (text.strip(), [])
