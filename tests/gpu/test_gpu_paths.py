@@ -38,6 +38,17 @@ def _meta(query_lens, context_lens, block_size, num_blocks, gen):
         max_seqlen_q=max(query_lens), query_lens=list(query_lens), context_lens=list(context_lens))
 
 
+def _step(case: str, heads: int, kv_heads: int, dim: int, gen: torch.Generator, block_size: int = 256,
+          num_blocks: int = 128):
+    """(meta, q, k_cache, v_cache) in bf16 on the GPU for one of CASES' steps."""
+    q_lens, c_lens = CASES[case]
+    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    return meta, q, k_cache, v_cache
+
+
 CASES = {
     "prefill": ([37, 300, 1], [37, 300, 1]),
     "chunk_over_prefix": ([64, 129, 5], [64 + 256, 129 + 512, 5 + 17]),
@@ -57,11 +68,7 @@ _NEEDS_FA4 = pytest.mark.skipif(not flash_attn_available(torch.device("cuda")), 
 def test_fast_backends_match_torch_backend(backend, block_size, case):
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, num_blocks = 16, 8, 128, 4096 // block_size * 8
-    q_lens, c_lens = CASES[case]
-    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    meta, q, k_cache, v_cache = _step(case, heads, kv_heads, dim, gen, block_size, num_blocks)
     paged = make_attention(backend, torch.device("cuda"))
     fast = paged.forward(q, k_cache, v_cache, meta, dim ** -0.5)
     ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
@@ -78,11 +85,7 @@ def test_fast_backends_with_a_sliding_window_match_torch_backend(backend, window
     """Mistral's sliding window in every backend, over every step kind (block size 256)."""
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, block_size, num_blocks = 16, 8, 128, 256, 128
-    q_lens, c_lens = CASES[case]
-    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    meta, q, k_cache, v_cache = _step(case, heads, kv_heads, dim, gen, block_size, num_blocks)
     fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5,
                                                                  window=window)
     ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5, window=window)
@@ -99,11 +102,7 @@ def test_fast_backends_with_a_score_cap_match_torch_backend(backend, dim, window
     bent by the cap."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, block_size, num_blocks = 8, 4, 256, 128
-    q_lens, c_lens = CASES[case]
-    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    meta, q, k_cache, v_cache = _step(case, heads, kv_heads, dim, gen, block_size, num_blocks)
     scale = 3.4 / dim ** 0.5
     fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, scale, window=window,
                                                                  softcap=3.0)
@@ -123,11 +122,7 @@ def test_fast_backends_with_sinks_match_torch_backend(backend, window, case):
     below), with and without its 128-token window, in every backend over every step kind."""
     gen = torch.Generator().manual_seed(6)
     heads, kv_heads, dim, block_size, num_blocks = 64, 8, 64, 256, 128
-    q_lens, c_lens = CASES[case]
-    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    meta, q, k_cache, v_cache = _step(case, heads, kv_heads, dim, gen, block_size, num_blocks)
     sinks = (torch.randn(heads, generator=gen) * 3).to("cuda")
     fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5,
                                                                  window=window, sinks=sinks)
@@ -443,11 +438,7 @@ def test_fused_moe_matches_the_loop_and_replays_in_a_cuda_graph(tokens):
 def test_triton_backend_at_head_dim_256_with_a_window_matches_torch_backend(heads, kv_heads, case):
     gen = torch.Generator().manual_seed(3)
     dim, block_size, num_blocks = 256, 256, 128
-    q_lens, c_lens = CASES[case]
-    meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    meta, q, k_cache, v_cache = _step(case, heads, kv_heads, dim, gen, block_size, num_blocks)
     for window in (None, 512):
         fast = make_attention("triton", torch.device("cuda")).forward(q, k_cache, v_cache, meta, 0.0625, window=window)
         ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, 0.0625, window=window)
