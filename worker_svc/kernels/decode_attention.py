@@ -32,7 +32,7 @@ from worker_svc.kernels.precision import dot
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
 LOG2E = 1.4426950408889634  # the kernels' scores are in log2 units (exp2)
 MAX_SPLITS = 32  # bounds the partial-output buffer; long contexts get longer splits instead
-WIDE_HEAD = 256  # heads wider than this (DeepSeek's cached latent, 576) take 16-token tiles in both kernels
+WIDE_HEAD = 256  # heads wider than this (DeepSeek's cached latent, 576) take narrower tiles: wide_head_tiles
 
 
 @triton.jit
@@ -163,6 +163,12 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, Si
         tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
 
 
+def wide_head_tiles(head_dim: int, block_n: int, num_stages: int) -> tuple[int, int]:
+    """(block_n, num_stages) for both attention kernels: heads past WIDE_HEAD (padded to 1,024 for latent
+    attention's 576) take 16-token K and V tiles in at most two stages, which fit shared memory."""
+    return (min(block_n, 16), min(num_stages, 2)) if head_dim > WIDE_HEAD else (block_n, num_stages)
+
+
 def split_size(page_table_width: int, page: int, block_n: int, base: int) -> int:
     """Tokens per split: `base`, or more when the page table is so wide that MAX_SPLITS would not cover it."""
     longest = page_table_width * page
@@ -236,8 +242,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_n = min(block_n, base_split)
-    if head_dim > WIDE_HEAD:  # latent attention's 576 (padded to 1024): K and V tiles that fit shared memory
-        block_n, num_stages = min(block_n, 16), min(num_stages, 2)
+    block_n, num_stages = wide_head_tiles(head_dim, block_n, num_stages)
     if page % block_n and block_n % page:
         raise ValueError(f"block size {page} and tile {block_n} must divide one another")
     split = split_size(page_table.shape[1], page, block_n, base_split)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
-from worker_svc.kernels.decode_attention import (LOG2E, NO_WINDOW, WIDE_HEAD, capped, head_cols, page_of,
+from worker_svc.kernels.decode_attention import (LOG2E, NO_WINDOW, capped, head_cols, page_of, wide_head_tiles,
                                                  with_sinks)
 from worker_svc.kernels.precision import dot
 from worker_svc.kernels.uploads import upload
@@ -113,8 +113,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = q.contiguous()
     tokens, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if head_dim > WIDE_HEAD:  # K and V tiles that fit shared memory (as paged_decode_attention's)
-        block_n = min(block_n, 16)
+    block_n, num_stages = wide_head_tiles(head_dim, block_n, num_stages)
     if page % block_n and block_n % page:
         raise ValueError(f"block size {page} and tile {block_n} must divide one another")
     block_m = block_m or block_m_for(heads // kv_heads, head_dim)

@@ -12,7 +12,7 @@ from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import ModelConfig, RopeScaling
 from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                       RowParallelLinear, VocabParallelEmbedding, tp_rank, tp_size)
+                                       RowParallelLinear, VocabParallelEmbedding, _shard, tp_rank, tp_size)
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +122,7 @@ class NormOverHeads(nn.Module):
         def load(param: nn.Parameter, w: torch.Tensor) -> None:
             if order is not None:
                 w = w.unflatten(0, (-1, head_dim))[:, order].flatten()
-            param.data.copy_(w.narrow(0, tp_rank() * len(param), len(param)))
+            param.data.copy_(_shard(w, 0, tp_rank(), tp_size()))
 
         self.weight.weight_loader = load
 
@@ -168,8 +168,7 @@ class Attention(nn.Module):
         self.sinks = None
         if cfg.attention_sinks:  # this rank's heads' (float32, as the kernels read them)
             self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
-            self.sinks.weight_loader = lambda param, w: param.data.copy_(w.narrow(0, tp_rank() * len(param),
-                                                                                  len(param)))
+            self.sinks.weight_loader = lambda param, w: param.data.copy_(_shard(w, 0, tp_rank(), tp_size()))
         # bound by the ModelRunner once allocated; an fp8 cache holds k / k_scale and v / v_scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
