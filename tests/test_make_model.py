@@ -339,3 +339,27 @@ def test_an_unsupported_quantization_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported quantization_config.*awq.*fp8 with weight_block_size"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_an_fp8_weight_without_its_scale_is_refused(tmp_path):
+    """A block-scaled checkpoint missing one weight_scale_inv: the load fails naming the weight, never casting the
+    e4m3 values unscaled."""
+    from safetensors.torch import load_file, save_file
+
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = make_model("deepseek-v3-tiny", tmp_path / "m")
+    files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        tensors = load_file(path)
+        name = next((n for n in tensors if n.endswith(".o_proj.weight_scale_inv")), None)
+        if name:
+            del tensors[name]
+            save_file(tensors, path, metadata={"format": "pt"})
+            break
+    if (model_dir / "model.safetensors.index.json").exists():
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        del index["weight_map"][name]
+        (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(KeyError, match=f"FP8 weight '{name.removesuffix('_scale_inv')}'.*without its weight_scale_inv"):
+        ModelRunner(model_dir, RunnerConfig(num_blocks=4, block_size=16))

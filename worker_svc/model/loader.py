@@ -32,6 +32,15 @@ KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")  # an fp8 KV cache's scales,
 CheckpointTensor = tuple[str, Callable[[], torch.Tensor], str]
 
 
+def checkpoint_names(model_dir: Path) -> set[str]:
+    """Every tensor name of the checkpoint, from its index or its file's header (no tensor read)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(checkpoint_files(model_dir)[0]), framework="pt", device="cpu") as f:
+        return set(f.keys())
+
+
 def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
     """Every tensor of the checkpoint, read only when asked for (a model leaves some: vision towers)."""
     for path in checkpoint_files(model_dir):
@@ -57,7 +66,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     if block is not None:
         from worker_svc.model.quantized import fp8_dequantized
 
-        tensors = fp8_dequantized(tensors, block)
+        tensors = fp8_dequantized(tensors, block, checkpoint_names(Path(model_dir)))
     if hasattr(model, "converted"):
         tensors = model.converted(tensors)
     loaded: set[str] = set()
@@ -79,7 +88,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
         if name not in params:
             raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {file}")
         param = params[name]
-        tensor = get_tensor().to(param.dtype)
+        tensor = get_tensor()
+        if tensor.dtype == torch.float8_e4m3fn:  # dequantised with its scale before this, where it has one
+            raise KeyError(f"FP8 weight {hf_name!r} in {file} without its weight_scale_inv")
+        tensor = tensor.to(param.dtype)
         loader = getattr(param, "weight_loader", None)
         # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
         fused = shard_id is None and hasattr(param, "split_fused")

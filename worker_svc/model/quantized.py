@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from worker_svc.model.loader import CheckpointTensor
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -46,20 +45,18 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     return weight.float() * scale[..., :cols]
 
 
-def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int]) -> Iterator[CheckpointTensor]:
-    """The checkpoint's tensors with each FP8 `*.weight` and its `*.weight_scale_inv` as one float32 `*.weight`."""
+def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
+                    names: set[str]) -> Iterator[CheckpointTensor]:
+    """The checkpoint's tensors with each `*.weight` that has a `*.weight_scale_inv` among its `names` and that scale
+    as one float32 `*.weight`; every other tensor as it is, still unread."""
     weights: dict[str, tuple[torch.Tensor, str]] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, get, file in tensors:
         if name.endswith(".weight_scale_inv"):
             base = name.removesuffix("_scale_inv")
             scales[base] = get()
-        elif name.endswith(".weight"):
-            t = get()
-            if t.dtype not in FP8_DTYPES:  # a tensor left in 16 bits (embeddings, norms, routers)
-                yield name, lambda t=t: t, file
-                continue
-            weights[name], base = (t, file), name
+        elif f"{name}_scale_inv" in names:
+            weights[name], base = (get(), file), name  # now: its scale may lie in another file
         else:
             yield name, get, file
             continue
