@@ -30,8 +30,18 @@ def test_small_steps_take_triton_and_large_ones_flash_attn():
     assert prefill_kernel(meta([128] * 8 + [1] * 200, [128] * 8 + [900] * 200), HEADS, DIM) == "triton"
     # twice the heads, half the tokens' worth of pairs: the same work
     assert prefill_kernel(meta([long // 2 + 2] * 2, [long // 2 + 2] * 2), 4 * HEADS, DIM) == "flash_attn"
-    # DeepSeek's cached latent (576 wide): past flash-attn-4's heads, the Triton kernel however large the step
-    assert prefill_kernel(meta([long], [long]), HEADS, 576) == "triton"
+
+
+def test_heads_wider_than_flash_attn_takes_keep_it_out_of_every_step(monkeypatch):
+    """DeepSeek's cached latent (576 wide): `auto` is Triton's alone, so no step (the warm-up's forced ones included)
+    reaches flash-attn-4, and asking for flash_attn names why it cannot be."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "flash_attn_available", lambda device: True)
+    monkeypatch.setattr(attention, "cuda_capability_at_least", lambda device, major: True)
+    assert attention.resolve("auto", cuda, head_dim=256) == "auto"
+    assert attention.resolve("auto", cuda, head_dim=576) == "triton"
+    with pytest.raises(ValueError, match="heads up to 256 wide and this model caches 576"):
+        attention.resolve("flash_attn", cuda, head_dim=576)
 
 
 class Recorder:

@@ -144,7 +144,7 @@ def test_fast_backends_take_deepseeks_latent_head(backend, case):
     meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
     kv = torch.randn(num_blocks, block_size, 1, dim, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = make_attention(backend, torch.device("cuda")).forward(q, kv, kv, meta, 192 ** -0.5)
+    fast = make_attention(backend, torch.device("cuda"), head_dim=dim).forward(q, kv, kv, meta, 192 ** -0.5)
     ref = TorchAttention().forward(q.float(), kv.float(), kv.float(), meta, 192 ** -0.5)
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 

@@ -35,9 +35,11 @@ class Kernels:
     attention: AttentionBackend
 
 
-def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool = False) -> Kernels:
+def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool = False,
+           head_dim: int = 128) -> Kernels:
+    """`head_dim`: the width of the KV cache's heads (attention.resolve)."""
     device = torch.device(device)
-    backend = make_attention(attention, device, fp8_cache)
+    backend = make_attention(attention, device, fp8_cache, head_dim)
     if device.type == "cuda":
         from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 

@@ -155,13 +155,12 @@ def attention_flops(meta: AttentionMetadata, heads: int, head_dim: int) -> float
     return 4.0 * heads * head_dim * pairs
 
 
-FLASH_ATTN_MAX_HEAD = 256  # flash-attn-4's widest head (DeepSeek's cached latent, 576, is Triton's alone)
+FLASH_ATTN_MAX_HEAD = 256  # flash-attn-4's widest head on Hopper (DeepSeek's cached latent, 576, is Triton's alone)
 
 
 def prefill_kernel(meta: AttentionMetadata, heads: int, head_dim: int) -> str:
     """`auto`'s choice for a step with prefills."""
-    big = attention_flops(meta, heads, head_dim) >= FLASH_ATTN_MIN_FLOPS
-    return "flash_attn" if big and head_dim <= FLASH_ATTN_MAX_HEAD else "triton"
+    return "flash_attn" if attention_flops(meta, heads, head_dim) >= FLASH_ATTN_MIN_FLOPS else "triton"
 
 
 class PagedAttention:
@@ -202,24 +201,28 @@ def cuda_capability_at_least(device: torch.device, major: int) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
 
 
-def resolve(name: str, device: torch.device, fp8_cache: bool = False) -> str:
-    """What `auto` stands for on this device: itself (a choice per step) where flash-attn-4 runs and the cache is
-    in the model's dtype (its paged call reads no fp8), else triton on a CUDA GPU, else torch; other names as they
-    are."""
+def resolve(name: str, device: torch.device, fp8_cache: bool = False, head_dim: int = 128) -> str:
+    """What `auto` stands for on this device for a cache of `head_dim`-wide heads: itself (a choice per step) where
+    flash-attn-4 runs and takes the cache (the model's dtype, as its paged call reads no fp8, and heads up to
+    FLASH_ATTN_MAX_HEAD), else triton on a CUDA GPU, else torch; other names as they are."""
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
     if name == "flash_attn" and fp8_cache:
         raise ValueError("--attention flash_attn cannot read an fp8 KV cache (flash-attn-4's paged call takes "
                          "the model's dtype): use --attention triton or auto")
+    if name == "flash_attn" and head_dim > FLASH_ATTN_MAX_HEAD:
+        raise ValueError(f"--attention flash_attn takes heads up to {FLASH_ATTN_MAX_HEAD} wide and this model caches "
+                         f"{head_dim}: use --attention triton or auto")
     if name != "auto":
         return name
-    if flash_attn_available(device) and not fp8_cache:
+    if flash_attn_available(device) and not fp8_cache and head_dim <= FLASH_ATTN_MAX_HEAD:
         return "auto"
     return "triton" if cuda_capability_at_least(device, 8) else "torch"
 
 
-def make_attention(name: str, device: torch.device, fp8_cache: bool = False) -> AttentionBackend:
-    name = resolve(name, device, fp8_cache)
+def make_attention(name: str, device: torch.device, fp8_cache: bool = False,
+                   head_dim: int = 128) -> AttentionBackend:
+    name = resolve(name, device, fp8_cache, head_dim)
     if name == "torch":
         from worker_svc.kernels.reference import TorchAttention
 
