@@ -13,6 +13,7 @@ import grpc
 
 from client.channel import ChannelSecurity
 from client.client import AsyncClient
+from gateway import harmony
 from gateway.errors import APIError
 from gateway.tokens import TokenRenderer
 
@@ -26,12 +27,24 @@ class GatewayConfig:
     api_keys: frozenset[str] = frozenset()  # of this HTTP API
     served_model_names: tuple[str, ...] = ()  # empty: the scheduler's model name
     tokenizer: str | None = None  # checkpoint folder or tokenizer.json, for logprob token strings
-    reasoning_parser: str | None = None  # "qwen3" or "deepseek_r1": thinking apart (gateway/reasoning.py)
-    tool_call_parser: str = "hermes"  # how "auto" tool choice finds the model's calls (gateway/tool_parsers.py)
+    # "qwen3" or "deepseek_r1": thinking apart (gateway/reasoning.py); "openai_gptoss": harmony (gateway/harmony.py)
+    reasoning_parser: str | None = None
+    # how "auto" tool choice finds the model's calls (gateway/tool_parsers.py; "openai": harmony)
+    tool_call_parser: str = "hermes"
     request_timeout: float | None = None  # gRPC deadline of a generation, seconds (504 past it)
     allowed_origins: tuple[str, ...] = ()  # CORS
     rpc_timeout: float = 10.0  # model info, tokenize, health
     model_info_ttl: float = 30.0
+
+    @property
+    def harmony(self) -> bool:
+        """Chat answers are read as gpt-oss's harmony messages (gateway/harmony.py)."""
+        return harmony.on(self.reasoning_parser, self.tool_call_parser)
+
+    @property
+    def text_reasoning_parser(self) -> str | None:
+        """The reasoning parser of answers not read as harmony (gateway/reasoning.py), if any."""
+        return None if self.harmony else self.reasoning_parser
 
 
 class Backend:

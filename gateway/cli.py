@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from client.channel import add_security_arguments, security_from_args
 from common.cli_help import use_everywhere
 from common.util import available_cpus
+from gateway import harmony
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_parsers import PARSERS
 
@@ -59,14 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH",
                    help="checkpoint folder or tokenizer.json, to name logprob tokens by their text "
                         "(default: `token_id:N`)")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+    p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER),
                    help="return a thinking model's reasoning apart, as reasoning_content: qwen3 (an answer "
                         "that opens <think>), deepseek_r1 (an answer that starts inside it: DeepSeek-R1, GLM-4.5, "
-                        "Qwen3-Thinking-2507)")
-    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default="hermes",
+                        "Qwen3-Thinking-2507), openai_gptoss (gpt-oss's harmony messages: its analysis channel, and "
+                        "its calls as with --tool-call-parser openai)")
+    p.add_argument("--tool-call-parser", choices=sorted((*PARSERS, harmony.TOOL_CALL_PARSER)), default="hermes",
                    help="how tool_choice auto finds the calls a model writes (qwen3_coder: Qwen3-Coder's and Qwen3.5's "
                         "<function=...> blocks; minimax_m2: MiniMax-M2's <invoke> blocks; both with values read by the "
-                        "tool's schema; hermes: Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")
+                        "tool's schema; openai: gpt-oss's harmony messages to functions.NAME, and its analysis "
+                        "channel as reasoning; hermes: Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",
                    help="deadline of one generation; past it the answer is 504 (default: none)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",

@@ -12,12 +12,13 @@ import grpc
 from client.client import Delta
 from gateway.backend import Backend
 from gateway.errors import from_grpc
+from gateway.harmony import HarmonyStream, Split
 from gateway.jobs import Job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningStream
 from gateway.render import (DONE, Usage, chat_logprobs, chunker, completion_logprobs, echo_logprobs, joined_logprobs,
                             sse_event)
-from gateway.tools import ToolStream
+from gateway.tools import ToolStream, call_bodies
 
 log = logging.getLogger("splitserve.gateway")
 
@@ -60,11 +61,14 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
 async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: str, created: int,
                        body: ChatCompletionRequest, include_usage: bool) -> AsyncGenerator[str, None]:
     usage = Usage()
-    parser = backend.config.reasoning_parser
+    parser = backend.config.text_reasoning_parser
     parsers = [ReasoningStream(parser) for _ in range(job.num_choices)] if parser else None
     include_reasoning = body.include_reasoning is not False
     tools = [ToolStream(job.tools, backend.config.tool_call_parser) for _ in range(job.num_choices)] \
         if job.tools is not None else None
+    harmonies = [HarmonyStream(calls=job.tools is not None and job.tools.mode == "auto")
+                 for _ in range(job.num_choices)] if job.harmony else None
+    called = [0] * job.num_choices  # harmony's calls sent so far, by choice
 
     chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
 
@@ -72,7 +76,22 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
         usage.add(prompt_index, delta)
         index = prompt_index * job.n + delta.index
         message: dict[str, Any] = {}
-        if parsers is None:
+        finish = delta.finish_reason
+        if harmonies is not None:
+            split = harmonies[index].feed(delta.text)
+            if finish is not None:
+                rest = harmonies[index].finish()
+                split = Split(split.reasoning + rest.reasoning, split.content + rest.content, split.calls + rest.calls)
+            if split.reasoning and include_reasoning:
+                message["reasoning_content"] = split.reasoning
+            if split.content:
+                message["content"] = split.content
+            if split.calls:
+                message["tool_calls"] = call_bodies(split.calls, streamed=True, first=called[index])
+                called[index] += len(split.calls)
+            if finish == "stop" and called[index]:
+                finish = "tool_calls"
+        elif parsers is None:
             if delta.text:
                 message["content"] = delta.text
         else:
@@ -84,8 +103,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
                 message["reasoning_content"] = thought
             if content:
                 message["content"] = content
-        finish = delta.finish_reason
-        if tools is not None:
+        if tools is not None and harmonies is None:
             content, calls = tools[index].feed(message.pop("content", ""), finish is not None)
             if content:
                 message["content"] = content

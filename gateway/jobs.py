@@ -31,6 +31,7 @@ class Job:
     param_names: dict[str, str] = field(default_factory=dict)  # OpenAI names of ambiguous fields
     failed: bool = False  # a stream failed after its start (no usage chunk then)
     tools: ToolPlan | None = None  # a chat request with tools
+    harmony: bool = False  # a chat answer read as gpt-oss's harmony messages (gateway/harmony.py)
 
     @property
     def num_choices(self) -> int:
@@ -232,4 +233,8 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     params = _sampling(body, max_tokens, logprobs)
     if plan is not None and plan.structured is not None:
         params["structured"] = plan.structured
-    return Job([prompt], params, body.n or 1, names, tools=plan)
+    # a constrained answer is JSON, not harmony's messages; harmony's markers are special tokens, kept in the text
+    harmony = backend.config.harmony and (plan is None or plan.structured is None)
+    if harmony:
+        params["skip_special_tokens"] = False
+    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=harmony)

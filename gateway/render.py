@@ -12,9 +12,10 @@ from client.client import Delta
 from gateway.backend import Backend
 from gateway.jobs import Job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.harmony import split_answer
 from gateway.reasoning import split_reasoning
 from gateway.tokens import TokenRenderer
-from gateway.tools import with_tool_calls
+from gateway.tools import ToolPlan, call_bodies, with_tool_calls
 
 LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
 
@@ -115,6 +116,19 @@ def chat_message(text: str, reasoning_parser: str | None, include_reasoning: boo
     return {"role": "assistant", "content": content, "reasoning_content": thought if include_reasoning else None}
 
 
+def harmony_message(text: str, finish: str | None, tools: ToolPlan | None, include_reasoning: bool
+                    ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a whole harmony answer (gateway/harmony.py), and its finish reason (tool_calls when
+    a call ended it)."""
+    split = split_answer(text, calls=tools is not None and tools.mode == "auto")
+    message = {"role": "assistant", "content": split.content,
+               "reasoning_content": split.reasoning or None if include_reasoning else None}
+    if not split.calls:
+        return message, finish
+    message.update(content=split.content or None, tool_calls=call_bodies(split.calls))
+    return message, "tool_calls" if finish == "stop" else finish
+
+
 @dataclass
 class Choice:
     index: int
@@ -160,9 +174,12 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
     out = []
     include_reasoning = body.include_reasoning is not False
     for c in choices:
-        message = chat_message("".join(c.text), backend.config.reasoning_parser, include_reasoning)
         finish = c.finish_reason
-        if job.tools is not None:
+        if job.harmony:
+            message, finish = harmony_message("".join(c.text), finish, job.tools, include_reasoning)
+        else:
+            message = chat_message("".join(c.text), backend.config.text_reasoning_parser, include_reasoning)
+        if job.tools is not None and not job.harmony:
             message, finish = with_tool_calls(message, finish, job.tools, backend.config.tool_call_parser)
         logprobs = {"content": chat_logprobs(backend.tokens, c.token_ids, c.logprobs)} if c.logprobs else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs,

@@ -94,12 +94,12 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
                                  "\"function\": {\"name\": ...}}")
 
 
-def call_bodies(calls: list[ToolCall], streamed: bool = False) -> list[dict[str, Any]]:
-    """OpenAI's tool_calls entries (with their index where streamed)."""
+def call_bodies(calls: list[ToolCall], streamed: bool = False, first: int = 0) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls entries (with their index where streamed, from `first`: the calls sent before)."""
     out = []
     for i, c in enumerate(calls):
         body = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        out.append({"index": i, **body} if streamed else body)
+        out.append({"index": first + i, **body} if streamed else body)
     return out
 
 
@@ -129,8 +129,7 @@ class ToolStream:
         return content, self._deltas([e.call for e in events if e.call is not None])
 
     def _deltas(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        out = [{"index": self.called + i, "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+        out = call_bodies(calls, streamed=True, first=self.called)
         self.called += len(calls)
         return out
 

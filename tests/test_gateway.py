@@ -637,6 +637,7 @@ def test_reasoning_in_chat_answers(parser):
     from types import SimpleNamespace
 
     from client.client import Delta, Usage
+    from gateway.backend import GatewayConfig
     from gateway.events import chat_events
     from gateway.jobs import Job
     from gateway.render import chat_message
@@ -645,7 +646,7 @@ def test_reasoning_in_chat_answers(parser):
     pieces = ["<think>", "\nThe user", " wants a colour.\n", "</think>", "\n\nBlue", "."][parser == "deepseek_r1":]
     deltas = [Delta(0, [i], t) for i, t in enumerate(pieces)]
     deltas[-1].finish_reason, deltas[-1].usage = "stop", Usage(9, len(pieces), 0)
-    backend = SimpleNamespace(config=SimpleNamespace(reasoning_parser=parser), tokens=TokenRenderer())
+    backend = SimpleNamespace(config=GatewayConfig(reasoning_parser=parser), tokens=TokenRenderer())
     body = SimpleNamespace(include_reasoning=True)
 
     async def source():
@@ -664,6 +665,27 @@ def test_reasoning_in_chat_answers(parser):
     whole = chat_message("".join(pieces), parser, include_reasoning=True)
     assert whole == {"role": "assistant", "content": "Blue.", "reasoning_content": "The user wants a colour.\n"}
     assert chat_message("Blue.", None, include_reasoning=True) == {"role": "assistant", "content": "Blue."}
+
+
+def test_a_harmony_gateway_keeps_the_special_tokens_in_chat_text(cluster, tiny_model_dir, tmp_path_factory, oai):
+    """With --reasoning-parser openai_gptoss a chat answer's text keeps the tokenizer's special tokens (harmony's
+    markers are special tokens of gpt-oss's tokenizer) through the services: a special token the sampler is pushed to
+    write stays in the content (not harmony, so all content), where the default gateway's answer drops it."""
+    from tokenizers import Tokenizer
+
+    special = "<|im_start|>"
+    token = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id(special)
+    kwargs = dict(model="", messages=MESSAGES, max_tokens=3, temperature=0, logit_bias={str(token): 100.0},
+                  extra_body={"ignore_eos": True})
+    assert oai.chat.completions.create(**kwargs).choices[0].message.content == ""
+    g = Gateway(cluster.address, tmp_path_factory.mktemp("gw-harmony") / "gateway.log", "--reasoning-parser",
+                "openai_gptoss", "--workers", "1")
+    try:
+        with g.wait_healthy().openai() as client:
+            message = client.chat.completions.create(**kwargs).choices[0].message
+            assert message.content == special * 3 and message.model_extra.get("reasoning_content") is None
+    finally:
+        g.stop()
 
 
 # ---- load, disconnects, deadlines, dead workers (slow cluster) --------------------------------------
