@@ -1,6 +1,7 @@
 """Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
-JSON: Qwen3CoderParser below) and `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below).
+JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below) and `glm45` or
+`glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -291,8 +292,30 @@ class MiniMaxM2Parser(HermesParser):
                 for name, body in invokes]
 
 
+_GLM_CALL = re.compile(r"\s*([\w.\-]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+class Glm45Parser(HermesParser):
+    """GLM-4.5's, 4.6's and 4.7's calls: Hermes' blocks holding the function's name and its arguments as key and value
+    tags (4.7 writes them without the newlines)
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Paris</arg_value>
+        </tool_call>
+
+    each value read by the function's schema (HermesParser._typed). A block of any other shape is content."""
+
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
+        match = _GLM_CALL.fullmatch(block)
+        if match is None:
+            return None
+        return [self._typed(match[1], [(k.strip(), v) for k, v in _GLM_ARG.findall(match[2])])]
+
+
 PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                                          "minimax_m2": MiniMaxM2Parser}
+                                          "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser}
 
 
 def make_parser(name: str, schemas: dict[str, Any] | None = None) -> HermesParser:

@@ -1,4 +1,4 @@
-"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder and MiniMax-M2 tool-call parsers, on whole
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder, MiniMax-M2 and GLM-4.5 tool-call parsers, on whole
 answers and streams."""
 from __future__ import annotations
 
@@ -272,7 +272,7 @@ def test_written_calls_are_read_back(items, last, pad, data):
 def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
-    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("mistral")
 
@@ -377,3 +377,39 @@ def test_minimax_m2_blocks_of_another_shape_and_hermes_blocks_stay_content():
                  '<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter>x</invoke></minimax:tool_call>',
                  block(WEATHER)):
         assert make_parser("minimax_m2").parse(text) == (text.strip(), [])
+
+
+# ---- GLM-4.5's to 4.7's key and value tags -----------------------------------------------------------------
+
+
+def glm_block(name: str, params: dict[str, str], sep: str = "\n") -> str:
+    """A block as GLM-4.5's chat template shows calls to the model (4.7's: no newlines, sep "")."""
+    inner = "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}" for k, v in params.items())
+    return f"{OPEN}{name}{sep}{inner}{CLOSE}"
+
+
+@pytest.mark.parametrize("name, sep", [("glm45", "\n"), ("glm47", "")])
+def test_glm_reads_names_and_values_by_the_schemas_whole_and_streamed(name, sep):
+    text = ("Let me check.\n" + glm_block("get_weather", {"city": "New York", "days": "3", "hours": "[9, 12]",
+                                                          "zip": "10001"}, sep)
+            + "\n" + glm_block("get_time", {}, sep))
+    content, calls = make_parser(name, SCHEMAS).parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "hours": [9, 12], "zip": "10001"}), ("get_time", {})]
+    for size in (1, 5, 40):
+        parser = make_parser(name, SCHEMAS)
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+        assert "".join(e.content for e in events).strip() == "Let me check."
+        assert [(e.index, e.call.name, e.call.arguments) for e in events if e.call] == [
+            (i, c.name, c.arguments) for i, c in enumerate(calls)]
+
+
+def test_glm_keeps_multiline_values_and_blocks_of_another_shape_stay_content():
+    code = "for i in range(3):\n    print(i)\n"
+    (call,) = make_parser("glm45").parse(glm_block("run", {"code": code}))[1]
+    assert json.loads(call.arguments) == {"code": code}
+    for inner in ("", "f\n<arg_key>a</arg_key>\nchatter\n<arg_value>1</arg_value>",
+                  "f\n<arg_key>a</arg_key>\n", "two words", json.dumps(WEATHER)):
+        text = f"{OPEN}{inner}{CLOSE}"
+        assert make_parser("glm45").parse(text) == (text, []), inner
