@@ -9,9 +9,9 @@ its text and an end:
 
     ...<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.<|return|>
 
-(one line: the header runs from `<|start|>` to `<|message|>`). `<|call|>` and `<|return|>` end the generation (they are the checkpoint's end-of-sequence tokens, so the text the
-scheduler sends stops before them); `<|end|>` ends one message of several. The rules, the same for streams and whole
-answers (a whole answer is one feed):
+(one line: the header runs from `<|start|>` to `<|message|>`). `<|call|>` and `<|return|>` end the generation (they
+are the checkpoint's end-of-sequence tokens, so the text the scheduler sends stops before them); `<|end|>` ends one
+message of several. The rules, the same for streams and whole answers (a whole answer is one feed):
 - a message on the analysis channel is reasoning;
 - a message to a recipient `functions.NAME` (written in the header, before or after the channel) is a call of NAME, its
   text the arguments (re-serialised when it is a JSON object, else as written), sent when the message ends; with
