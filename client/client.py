@@ -75,6 +75,7 @@ class GenerateParams(TypedDict, total=False):
     messages: list[dict[str, Any]] | None
     tools: list[dict[str, Any]] | None
     enable_thinking: bool | None
+    chat_template_kwargs: dict[str, Any] | None
     max_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -106,6 +107,7 @@ def build_request(
     messages: list[dict[str, Any]] | None = None,
     tools: list[dict[str, Any]] | None = None,
     enable_thinking: bool | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -141,9 +143,9 @@ def build_request(
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     if messages is not None:
-        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools))
-    elif enable_thinking is not None or tools:
-        raise ValueError("enable_thinking and tools apply to chat messages only")
+        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs))
+    elif enable_thinking is not None or tools or chat_template_kwargs:
+        raise ValueError("enable_thinking, tools and chat_template_kwargs apply to chat messages only")
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -196,11 +198,14 @@ def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
 
 
 def _chat_prompt(messages: list[dict[str, Any]], enable_thinking: bool | None,
-                 tools: list[dict[str, Any]] | None = None) -> pb.ChatPrompt:
+                 tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> pb.ChatPrompt:
     """Messages in OpenAI's shape: content (None for an assistant's tool calls), tool_calls
-    ([{"id", "function": {"name", "arguments": JSON text or dict}}]), tool_call_id (a tool's answer)."""
+    ([{"id", "function": {"name", "arguments": JSON text or dict}}]), tool_call_id (a tool's answer).
+    template_kwargs: more keyword arguments of the chat template (gpt-oss's reasoning_effort, ...)."""
     chat = pb.ChatPrompt(messages=[_chat_message(m) for m in messages],
-                         tools=[json.dumps(t) for t in tools or ()])
+                         tools=[json.dumps(t) for t in tools or ()],
+                         template_kwargs=json.dumps(template_kwargs) if template_kwargs else "")
     if enable_thinking is not None:
         chat.enable_thinking = enable_thinking
     return chat
@@ -219,15 +224,15 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
 
 def _tokenize_request(
     text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
     if messages is None:
-        if enable_thinking is not None:
-            raise ValueError("enable_thinking applies to chat messages only")
+        if enable_thinking is not None or chat_template_kwargs:
+            raise ValueError("enable_thinking and chat_template_kwargs apply to chat messages only")
         return pb.TokenizeRequest(text=text)
-    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools))
+    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs))
 
 
 def _logprobs(entries) -> list[TokenLogprob]:
@@ -385,8 +390,8 @@ class Client(_Connection):
 
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
-                 timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking, tools)
+                 chat_template_kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs)
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 
@@ -458,8 +463,9 @@ class AsyncClient(_Connection):
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking, tools)
+        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 

@@ -1,10 +1,15 @@
 """What a checkpoint's own files say that both the scheduler and the worker read: its EOS token ids, the
-size of a token's K and V."""
+size of a token's K and V; and the arguments its chat template is rendered with, which the scheduler passes and the
+gateway's document keeps requests from giving."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")  # tokenizer_config.json's, for the template
+# what the chat template is rendered with besides a request's keyword arguments
+TEMPLATE_ARGUMENTS = ("messages", "tools", "add_generation_prompt", *SPECIAL_TOKEN_KEYS)
 
 
 def read_json(path: Path) -> dict[str, Any]:

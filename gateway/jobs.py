@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from common.model_files import TEMPLATE_ARGUMENTS
 from gateway.backend import Backend
 from gateway.errors import from_grpc, invalid
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -196,13 +197,16 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     if not body.messages:
         raise invalid("messages", "messages must not be empty")
     messages = chat_messages(body.messages)
-    kwargs = body.chat_template_kwargs or {}
-    for key in sorted(set(kwargs) - {"enable_thinking"}):
-        raise invalid(f"chat_template_kwargs.{key}", "only chat_template_kwargs.enable_thinking is supported",
-                      "unsupported_parameter")
-    enable_thinking = kwargs.get("enable_thinking")
+    kwargs = dict(body.chat_template_kwargs or {})
+    for key in kwargs:
+        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
+            raise invalid(f"chat_template_kwargs.{key[:32]}", "a keyword argument's name is an identifier, not one of "
+                                                              f"the template's own ({', '.join(TEMPLATE_ARGUMENTS)})")
+    enable_thinking = kwargs.pop("enable_thinking", None)
     if enable_thinking is not None and not isinstance(enable_thinking, bool):
         raise invalid("chat_template_kwargs.enable_thinking", "enable_thinking must be true or false")
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -216,12 +220,14 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
         names["structured_param"] = constraint[0]
     tools = plan.tools if plan is not None else None
     if max_tokens is not None:
-        prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools}
+        prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools,
+                                  "chat_template_kwargs": kwargs or None}
     else:
         # OpenAI's default for chat: up to the model's length. That needs the prompt's length, so the
         # template is applied once, by the scheduler's Tokenize, and the ids are sent.
         try:
             ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking, tools=tools,
+                                                chat_template_kwargs=kwargs or None,
                                                 timeout=backend.config.rpc_timeout)
             limit = await backend.token_limit()
         except grpc.RpcError as e:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from common.model_files import TEMPLATE_ARGUMENTS
+
 from gateway.schemas import (CHOICES, CONTENT_RULE, MAX_TOKENS_0_RULE, RESPONSE_FORMAT, STREAM_OPTIONS_RULE,
                              STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE, doc)
 from gateway.tools import MAX_TOOLS
@@ -137,9 +139,12 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # keyword arguments of the model's chat template: Qwen3's enable_thinking, DeepSeek-V3.1's thinking, ...
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc({
         "type": "object", "properties": {"enable_thinking": {"type": ["boolean", "null"]}},
-        "additionalProperties": False}))
+        "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": list(TEMPLATE_ARGUMENTS)}}}))
+    # OpenAI's; the chat template's reasoning_effort (gpt-oss's: how long its analysis runs)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool | None = True
     tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))
     tool_choice: str | dict[str, Any] | None = Field(None, **doc(TOOL_CHOICE))

@@ -12,6 +12,7 @@ import xxhash
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import InvalidParam, SamplingParams
 from scheduler_svc.structured import InvalidStructured, grammar_of
+from common.model_files import TEMPLATE_ARGUMENTS
 from scheduler_svc.tokenizer import ModelTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -116,9 +117,8 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
             check_text_size("".join(m.content + "".join(c.arguments for c in m.tool_calls) for m in chat.messages),
                             "prompt.chat.messages[].content (in all)", max_bytes)
             check_text_size("".join(chat.tools), "prompt.chat.tools (in all)", max_bytes)
-        kwargs = {}
-        if chat.HasField("enable_thinking"):
-            kwargs["enable_thinking"] = chat.enable_thinking
+            check_text_size(chat.template_kwargs, "prompt.chat.template_kwargs", max_bytes)
+        kwargs = _template_kwargs(chat)
         try:
             text = tokenizer.apply_chat_template(
                 [_chat_message(i, m) for i, m in enumerate(chat.messages)], tools=_tools(chat) or None,
@@ -142,6 +142,19 @@ def _json_object(text: str, field: str) -> dict:
     if not isinstance(value, dict):
         raise InvalidRequest(f"{field} must be a JSON object")
     return value
+
+
+def _template_kwargs(chat: api.ChatPrompt) -> dict:
+    """The chat template's keyword arguments beyond the messages and tools; none may stand for one the renderer passes
+    itself."""
+    kwargs = _json_object(chat.template_kwargs, "prompt.chat.template_kwargs") if chat.template_kwargs else {}
+    for key in kwargs:
+        if key in TEMPLATE_ARGUMENTS or not key.isidentifier():
+            raise InvalidRequest(f"prompt.chat.template_kwargs.{key[:32]} is not a keyword argument a request may "
+                                 f"give the chat template ({', '.join(TEMPLATE_ARGUMENTS)} are the renderer's own)")
+    if chat.HasField("enable_thinking"):
+        kwargs["enable_thinking"] = chat.enable_thinking
+    return kwargs
 
 
 def _tools(chat: api.ChatPrompt) -> list[dict]:

@@ -14,9 +14,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from common.model_files import eos_token_ids, read_json
+from common.model_files import SPECIAL_TOKEN_KEYS, eos_token_ids, read_json
 
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 @dataclass(slots=True)
@@ -86,7 +85,7 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
         raise FileNotFoundError(f"{path} not found")
     tokenizer = Tokenizer.from_file(str(path))
     tok_config = read_json(model_dir / "tokenizer_config.json")
-    special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(tok_config.get(k))) is not None}
+    special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(tok_config.get(k))) is not None}
 
     eos = eos_token_ids(model_dir)
     if not eos and "eos_token" in special:

@@ -162,3 +162,33 @@ def test_chat_template_matches_transformers(qwen, model_dir):
         assert got == want
     ids = qwen.apply_chat_template(messages[1:2], tokenize=True)
     assert ids == qwen.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def test_a_requests_template_kwargs_reach_the_chat_template(qwen):
+    """prompt.chat.template_kwargs (a JSON object) are keyword arguments of the template (gpt-oss's reasoning_effort
+    here), beside enable_thinking; names the renderer passes itself, and anything but an object, are refused by
+    name."""
+    import dataclasses
+    import json
+
+    from protos import splitserve_pb2 as api
+    from scheduler_svc.requests import InvalidRequest, prompt_ids
+
+    tok = dataclasses.replace(qwen, chat_template="effort={{ reasoning_effort | default('medium') }} "
+                              "think={{ enable_thinking | default(true) }} {{ messages[0].content }}", _template=None)
+
+    def rendered(**chat) -> str:
+        request = api.TokenizeRequest(chat=api.ChatPrompt(messages=[api.ChatMessage(role="user", content="hi")],
+                                                          **chat))
+        return tok.decode(prompt_ids(request, tok, 1024))
+
+    assert rendered() == "effort=medium think=True hi"
+    assert rendered(template_kwargs=json.dumps({"reasoning_effort": "high"}), enable_thinking=False) == \
+        "effort=high think=False hi"
+    for bad, field in ((json.dumps({"messages": []}), "prompt.chat.template_kwargs.messages"),
+                       (json.dumps({"eos_token": "x"}), "prompt.chat.template_kwargs.eos_token"),
+                       (json.dumps({"a-b": 1}), "prompt.chat.template_kwargs.a-b"),
+                       ("[1]", "prompt.chat.template_kwargs must be a JSON object"),
+                       ("{", "prompt.chat.template_kwargs must be a JSON object")):
+        with pytest.raises(InvalidRequest, match=field.replace(".", r"\.").replace("[", r"\[")):
+            rendered(template_kwargs=bad)

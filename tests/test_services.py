@@ -485,6 +485,9 @@ def test_token_id_and_chat_prompts(client, tok):
     assert client.tokenize(messages=messages) == rendered
     no_think = client.tokenize(messages=messages, enable_thinking=False)
     assert no_think != rendered and "<think>" in tok.decode(no_think, skip_special_tokens=False)
+    # the template's keyword arguments as JSON: the same switch, and one this template does not read
+    assert client.tokenize(messages=messages, chat_template_kwargs={"enable_thinking": False}) == no_think
+    assert client.tokenize(messages=messages, chat_template_kwargs={"reasoning_effort": "low"}) == rendered
     kw = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     (chat,) = client.complete(messages=messages, **kw)
     (ids,) = client.complete(token_ids=rendered, **kw)
