@@ -13,6 +13,7 @@ from gateway.backend import Backend
 from gateway.errors import from_grpc, invalid
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.structured import structured_of
+from gateway.tool_parsers import PARSERS
 from gateway.tokens import TokenRenderer
 from gateway.tools import ToolPlan, plan_tools
 
@@ -239,8 +240,10 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     params = _sampling(body, max_tokens, logprobs)
     if plan is not None and plan.structured is not None:
         params["structured"] = plan.structured
-    # a constrained answer is JSON, not harmony's messages; harmony's markers are special tokens, kept in the text
+    # a constrained answer is JSON, not harmony's messages; harmony's markers, and some parsers' tags, are special
+    # tokens, kept in the text
     harmony = backend.config.harmony and (plan is None or plan.structured is None)
-    if harmony:
+    if harmony or (plan is not None and plan.mode == "auto"
+                   and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
         params["skip_special_tokens"] = False
     return Job([prompt], params, body.n or 1, names, tools=plan, harmony=harmony)

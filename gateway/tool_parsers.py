@@ -1,7 +1,8 @@
 """Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
-JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below) and `glm45` or
-`glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below).
+JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
+`glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below) and `deepseek_v3` / `deepseek_v31`
+(DeepSeek's tool-call tokens: DeepSeekV3Parser below).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -95,6 +96,7 @@ class HermesParser:
     text read them by it)."""
 
     OPEN, CLOSE = OPEN, CLOSE  # a block's tags
+    keeps_special_tokens = False  # the answer's text must keep the tokenizer's special tokens (its tags may be some)
 
     def __init__(self, schemas: dict[str, Any] | None = None) -> None:
         self._schemas = schemas or {}
@@ -314,8 +316,46 @@ class Glm45Parser(HermesParser):
         return [self._typed(match[1], [(k.strip(), v) for k, v in _GLM_ARG.findall(match[2])])]
 
 
+_DEEPSEEK_V3_CALL = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>([^\n<]+)\n```json\n(.*?)\n```"
+                               r"\s*(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+_DEEPSEEK_V31_CALL = re.compile(r"<｜tool▁call▁begin｜>([^<]+?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+
+
+class DeepSeekV3Parser(HermesParser):
+    """DeepSeek-V3's and R1's calls (`deepseek_v3`): one block of calls between its tool-call tokens,
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+    the arguments JSON. A block holding anything else is content. Its end may be missing (the model stops at its
+    end-of-sentence token after the last call); so may the last call's end, where max_tokens cut it."""
+
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    keeps_special_tokens = True  # the tool-call tokens may be special tokens of the checkpoint's tokenizer
+    _CALL = _DEEPSEEK_V3_CALL
+
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
+        calls = []
+        for name, args in self._CALL.findall(block):
+            call = _as_call(json.dumps({"name": name.strip(), "arguments": args}))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls if calls and not self._CALL.sub("", block).strip() else None
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls (`deepseek_v31`): the same tokens, each call `NAME<｜tool▁sep｜>{arguments}` with no type
+    and no code fence."""
+
+    _CALL = _DEEPSEEK_V31_CALL
+
+
 PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                                          "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser}
+                                          "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
+                                          "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser}
 
 
 def make_parser(name: str, schemas: dict[str, Any] | None = None) -> HermesParser:

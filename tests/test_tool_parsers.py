@@ -1,5 +1,5 @@
-"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder, MiniMax-M2 and GLM-4.5 tool-call parsers, on whole
-answers and streams."""
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder, MiniMax-M2, GLM-4.5 and DeepSeek tool-call
+parsers, on whole answers and streams."""
 from __future__ import annotations
 
 import json
@@ -272,7 +272,7 @@ def test_written_calls_are_read_back(items, last, pad, data):
 def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
-    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47", "deepseek_v3", "deepseek_v31"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("mistral")
 
@@ -413,3 +413,64 @@ def test_glm_keeps_multiline_values_and_blocks_of_another_shape_stay_content():
                   "f\n<arg_key>a</arg_key>\n", "two words", json.dumps(WEATHER)):
         text = f"{OPEN}{inner}{CLOSE}"
         assert make_parser("glm45").parse(text) == (text, []), inner
+
+
+# ---- DeepSeek's tool-call tokens ---------------------------------------------------------------------------
+
+DS_OPEN, DS_CLOSE, DS_CALL, DS_SEP, DS_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                              "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
+
+
+def deepseek_call(name: str, args: dict, v31: bool) -> str:
+    if v31:
+        return f"{DS_CALL}{name}{DS_SEP}{json.dumps(args)}{DS_END}"
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{json.dumps(args)}\n```{DS_END}"
+
+
+@pytest.mark.parametrize("v31", [False, True])
+def test_deepseek_reads_every_call_of_its_block_whole_and_streamed(v31):
+    name = "deepseek_v31" if v31 else "deepseek_v3"
+    calls = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]
+    body = "".join(deepseek_call(n, a, v31) for n, a in calls)
+    for text in ("I'll check." + DS_OPEN + body + DS_CLOSE, "I'll check." + DS_OPEN + body):  # the end may be missing
+        content, got = make_parser(name).parse(text)
+        assert content == "I'll check." and [(c.name, json.loads(c.arguments)) for c in got] == calls
+        for size in (1, 6, 33):
+            parser = make_parser(name)
+            events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+            assert "".join(e.content for e in events) == "I'll check."
+            assert [(e.index, e.call.name, json.loads(e.call.arguments)) for e in events if e.call] == [
+                (i, n, a) for i, (n, a) in enumerate(calls)]
+
+
+@pytest.mark.parametrize("v31", [False, True])
+def test_deepseek_blocks_of_another_shape_stay_content(v31):
+    name = "deepseek_v31" if v31 else "deepseek_v3"
+    good = deepseek_call("f", {"a": 1}, v31)
+    bad_args = good.replace('{"a": 1}', '{"a": ')
+    for inner in ("chatter", good + "chatter", bad_args, deepseek_call("f", {"a": 1}, not v31)):
+        text = DS_OPEN + inner + DS_CLOSE
+        assert make_parser(name).parse(text) == (text, []), inner
+    # the last call cut by max_tokens before its end token: still a call where its arguments are whole
+    assert [c.name for c in make_parser(name).parse(DS_OPEN + good.removesuffix(DS_END))[1]] == ["f"]
+
+
+def test_parsers_whose_tags_may_be_special_tokens_keep_them_in_the_answer():
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.backend import GatewayConfig
+    from gateway.jobs import chat_job
+    from gateway.protocol import ChatCompletionRequest
+
+    assert [n for n, p in PARSERS.items() if p.keeps_special_tokens] == ["deepseek_v3", "deepseek_v31"]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+
+    def skip(parser: str, **body) -> bool | None:
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4, **body)
+        backend = SimpleNamespace(config=GatewayConfig(tool_call_parser=parser))
+        return asyncio.run(chat_job(request, backend)).params["skip_special_tokens"]
+
+    assert skip("deepseek_v3", tools=tools) is False and skip("deepseek_v31", tools=tools) is False
+    assert skip("deepseek_v3") is None and skip("deepseek_v3", tools=tools, tool_choice="required") is None
+    assert skip("hermes", tools=tools) is None
