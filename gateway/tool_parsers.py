@@ -1,8 +1,9 @@
 """Tool calls read out of a model's text answer, chosen by the gateway's `--tool-call-parser` flag
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
 JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
-`glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below) and `deepseek_v3` / `deepseek_v31`
-(DeepSeek's tool-call tokens: DeepSeekV3Parser below).
+`glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below), `deepseek_v3` / `deepseek_v31`
+(DeepSeek's tool-call tokens: DeepSeekV3Parser below) and `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
+below, which has no tags and so is no HermesParser).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -353,12 +354,79 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     _CALL = _DEEPSEEK_V31_CALL
 
 
-PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
-                                          "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
-                                          "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser}
+PYTHON_TAG = "<|python_tag|>"
 
 
-def make_parser(name: str, schemas: dict[str, Any] | None = None) -> HermesParser:
+class Llama3JsonParser:
+    """Llama 3.1's to 3.3's calls (`llama3_json`): an answer that is a call is one JSON object, or several joined by
+    `;`, each {"name", "parameters" or "arguments"}, after an optional `<|python_tag|>`:
+
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+    An answer that starts otherwise (after whitespace) is content, streamed as it comes; one that starts like a call
+    is held to its end, then is calls if every object is one, else content as written."""
+
+    keeps_special_tokens = False
+
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
+        self._text = ""
+        self._mode: str | None = None  # None until the answer's start decides: "content" or "calls"
+        self._calls = 0
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """As HermesParser.parse."""
+        stream = type(self)()
+        events = stream.feed(text) + stream.finish()
+        return "".join(e.content for e in events).strip(), [e.call for e in events if e.call is not None]
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        self._text += delta
+        if self._mode is None:
+            start = self._text.lstrip()
+            if not start or PYTHON_TAG.startswith(start):  # "", "<|pyth": wait for more
+                return []
+            self._mode = "calls" if start.startswith(("{", PYTHON_TAG)) else "content"
+        if self._mode == "calls":
+            return []
+        text, self._text = self._text, ""
+        return [StreamEvent(content=text)]
+
+    def finish(self) -> list[StreamEvent]:
+        text, self._text = self._text, ""
+        calls = self._read_calls(text) if self._mode == "calls" else None
+        if calls is None:
+            return [StreamEvent(content=text)] if text.strip() else []
+        events = [StreamEvent(call=c, index=self._calls + i) for i, c in enumerate(calls)]
+        self._calls += len(calls)
+        return events
+
+    @staticmethod
+    def _read_calls(text: str) -> list[ToolCall] | None:
+        text = text.strip().removeprefix(PYTHON_TAG).strip()
+        decoder, calls, i = json.JSONDecoder(parse_constant=_reject_constant), [], 0
+        while i < len(text):
+            try:
+                obj, end = decoder.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                return None
+            call = _as_call(json.dumps(obj)) if isinstance(obj, dict) else None
+            if call is None:
+                return None
+            calls.append(call)
+            i = end
+            while i < len(text) and (text[i].isspace() or text[i] == ";"):
+                i += 1
+        return calls or None
+
+
+ToolParser = HermesParser | Llama3JsonParser
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
+                                        "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
+                                        "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser,
+                                        "llama3_json": Llama3JsonParser}
+
+
+def make_parser(name: str, schemas: dict[str, Any] | None = None) -> ToolParser:
     """A new parser (one per answer) of the `--tool-call-parser` name; `schemas`: the request's functions'
     parameters schemas."""
     try:

@@ -1,5 +1,5 @@
-"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder, MiniMax-M2, GLM-4.5 and DeepSeek tool-call
-parsers, on whole answers and streams."""
+"""gateway/tool_parsers.py: the Hermes (Qwen2.5/Qwen3), Qwen3-Coder, MiniMax-M2, GLM-4.5, DeepSeek and Llama 3 JSON
+tool-call parsers, on whole answers and streams."""
 from __future__ import annotations
 
 import json
@@ -272,7 +272,8 @@ def test_written_calls_are_read_back(items, last, pad, data):
 def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
-    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47", "deepseek_v3", "deepseek_v31"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47", "deepseek_v3", "deepseek_v31",
+                            "llama3_json"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("mistral")
 
@@ -474,3 +475,29 @@ def test_parsers_whose_tags_may_be_special_tokens_keep_them_in_the_answer():
     assert skip("deepseek_v3", tools=tools) is False and skip("deepseek_v31", tools=tools) is False
     assert skip("deepseek_v3") is None and skip("deepseek_v3", tools=tools, tool_choice="required") is None
     assert skip("hermes", tools=tools) is None
+
+
+# ---- Llama 3's bare JSON calls -----------------------------------------------------------------------------
+
+
+def test_llama3_json_reads_an_answer_that_is_calls_whole_and_streamed():
+    weather = {"name": "get_weather", "parameters": {"city": "Paris"}}
+    for text in (json.dumps(weather), "  <|python_tag|>" + json.dumps(weather),
+                 json.dumps(weather) + "; " + json.dumps(TIME)):
+        content, calls = make_parser("llama3_json").parse(text)
+        assert content == "" and calls[0].name == "get_weather"
+        assert json.loads(calls[0].arguments) == {"city": "Paris"} and len(calls) == 1 + text.count(";")
+        for size in (1, 5, 17):
+            parser = make_parser("llama3_json")
+            events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])]
+            assert events == []  # a call is held to the answer's end
+            assert [(e.index, e.call.name) for e in parser.finish()] == [(i, c.name) for i, c in enumerate(calls)]
+
+
+def test_llama3_json_streams_text_and_keeps_what_is_not_a_call_as_content():
+    parser = make_parser("llama3_json")
+    assert parser.feed("  ") == [] and [e.content for e in parser.feed("The sky")] == ["  The sky"]
+    assert [e.content for e in parser.feed(" {is} blue.")] == [" {is} blue."] and parser.finish() == []
+    for text in ('{"name": "f", "parameters": {"a": 1}} and then text', '{"no": "name"}', "{not json",
+                 '{"name": "f", "parameters": 3}', "<|python_tag|>print(1)"):
+        assert make_parser("llama3_json").parse(text) == (text, []), text
