@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<function=...> blocks; minimax_m2: MiniMax-M2's <invoke> blocks; glm45 / glm47: GLM-4.5 to "
                         "4.7's <arg_key> / <arg_value> blocks; all with values read by the tool's schema; "
                         "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's / V3.1's tool-call tokens; llama3_json: "
-                        "Llama 3.1-3.3's answers that are JSON calls; openai: "
+                        "Llama 3.1-3.3's answers that are JSON calls; mistral: Mistral's [TOOL_CALLS]; openai: "
                         "gpt-oss's harmony messages to functions.NAME, and its analysis channel as reasoning; hermes: "
                         "Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",

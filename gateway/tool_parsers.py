@@ -2,8 +2,9 @@
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
 JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
 `glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below), `deepseek_v3` / `deepseek_v31`
-(DeepSeek's tool-call tokens: DeepSeekV3Parser below) and `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
-below, which has no tags and so is no HermesParser).
+(DeepSeek's tool-call tokens: DeepSeekV3Parser below), `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
+below) and `mistral` (calls from a tag to the answer's end: MistralParser below); the last two close no block, so
+they are no HermesParsers.
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -419,11 +420,81 @@ class Llama3JsonParser:
         return calls or None
 
 
-ToolParser = HermesParser | Llama3JsonParser
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MISTRAL_CALL = re.compile(r"\s*([\w.\-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?\[ARGS\](.*)", re.DOTALL)
+
+
+class MistralParser:
+    """Mistral's calls (`mistral`): after optional content, `[TOOL_CALLS]` and the calls to the answer's end, either
+    as the v3 tokenizer's models write them (Mistral-7B v0.3, Mixtral, Mistral Nemo), a JSON array
+
+        [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+    or as the v11 tokenizer's do (Mistral Small 3.2, Magistral, Devstral, Ministral 3), one call after each tag
+
+        [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
+
+    (`[CALL_ID]id` before `[ARGS]` is read too). Content streams up to the first tag; what follows is held to the
+    answer's end and is calls if every call reads, else content as written. The tags are control tokens of Mistral's
+    tokenizers, so the answer's text keeps special tokens."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
+        self._text = ""
+        self._in_calls = False
+        self._calls = 0
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """As HermesParser.parse."""
+        stream = type(self)()
+        events = stream.feed(text) + stream.finish()
+        return "".join(e.content for e in events).strip(), [e.call for e in events if e.call is not None]
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        self._text += delta
+        if self._in_calls:
+            return []
+        start = self._text.find(TOOL_CALLS)
+        if start >= 0:
+            content, self._text, self._in_calls = self._text[:start], self._text[start:], True
+        else:
+            keep = held_back(self._text, TOOL_CALLS)
+            content, self._text = self._text[:len(self._text) - keep], self._text[len(self._text) - keep:]
+        return [StreamEvent(content=content)] if content else []
+
+    def finish(self) -> list[StreamEvent]:
+        text, self._text = self._text, ""
+        calls = self._read_calls(text) if self._in_calls else None
+        if calls is None:
+            return [StreamEvent(content=text)] if text else []
+        events = [StreamEvent(call=c, index=self._calls + i) for i, c in enumerate(calls)]
+        self._calls += len(calls)
+        return events
+
+    @staticmethod
+    def _read_calls(text: str) -> list[ToolCall] | None:
+        pieces = text.split(TOOL_CALLS)[1:]
+        if len(pieces) == 1 and pieces[0].lstrip().startswith("["):
+            try:
+                value = _loads(pieces[0])
+            except (ValueError, RecursionError):
+                return None
+            calls = [_as_call(json.dumps(v)) if isinstance(v, dict) else None
+                     for v in (value if isinstance(value, list) else [])]
+        else:
+            calls = []
+            for piece in pieces:
+                match = _MISTRAL_CALL.fullmatch(piece)
+                calls.append(None if match is None else _as_call(json.dumps({"name": match[1], "arguments": match[2]})))
+        return calls if calls and None not in calls else None
+
+
+ToolParser = HermesParser | Llama3JsonParser | MistralParser
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
                                         "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
                                         "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser,
-                                        "llama3_json": Llama3JsonParser}
+                                        "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 
 
 def make_parser(name: str, schemas: dict[str, Any] | None = None) -> ToolParser:

@@ -273,9 +273,9 @@ def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
     assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47", "deepseek_v3", "deepseek_v31",
-                            "llama3_json"}
+                            "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="hermes"):
-        make_parser("mistral")
+        make_parser("made_up")
 
 
 def test_new_call_id():
@@ -464,7 +464,7 @@ def test_parsers_whose_tags_may_be_special_tokens_keep_them_in_the_answer():
     from gateway.jobs import chat_job
     from gateway.protocol import ChatCompletionRequest
 
-    assert [n for n, p in PARSERS.items() if p.keeps_special_tokens] == ["deepseek_v3", "deepseek_v31"]
+    assert [n for n, p in PARSERS.items() if p.keeps_special_tokens] == ["deepseek_v3", "deepseek_v31", "mistral"]
     tools = [{"type": "function", "function": {"name": "f"}}]
 
     def skip(parser: str, **body) -> bool | None:
@@ -501,3 +501,29 @@ def test_llama3_json_streams_text_and_keeps_what_is_not_a_call_as_content():
     for text in ('{"name": "f", "parameters": {"a": 1}} and then text', '{"no": "name"}', "{not json",
                  '{"name": "f", "parameters": 3}', "<|python_tag|>print(1)"):
         assert make_parser("llama3_json").parse(text) == (text, []), text
+
+
+# ---- Mistral's [TOOL_CALLS] ----------------------------------------------------------------------------------
+
+
+def test_mistral_reads_both_formats_after_content_whole_and_streamed():
+    v3 = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, ' + json.dumps(TIME)
+          + "]")
+    v11 = 'Let me check. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]' \
+          + json.dumps(TIME["arguments"])
+    for text in (v3, v11):
+        content, calls = make_parser("mistral").parse(text)
+        assert content == "Let me check."
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                      ("get_time", TIME["arguments"])]
+        for size in (1, 4, 19):
+            parser = make_parser("mistral")
+            events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+            assert "".join(e.content for e in events) == "Let me check. "
+            assert [(e.index, e.call.name) for e in events if e.call] == [(0, "get_weather"), (1, "get_time")]
+
+
+def test_mistral_keeps_what_is_not_a_call_as_content():
+    for text in ("No calls [TOOL_ here.", "[TOOL_CALLS] not json", "[TOOL_CALLS]f[ARGS]{bad",
+                 '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]chatter', "[TOOL_CALLS] []", '[TOOL_CALLS] [{"x": 1}]'):
+        assert make_parser("mistral").parse(text) == (text, []), text
