@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -487,7 +488,11 @@ class MistralParser:
             for piece in pieces:
                 match = _MISTRAL_CALL.fullmatch(piece)
                 calls.append(None if match is None else _as_call(json.dumps({"name": match[1], "arguments": match[2]})))
-        return calls if calls and None not in calls else None
+        if not calls or None in calls:
+            return None
+        for call in calls:  # Mistral's chat templates take back only ids of 9 letters and digits
+            call.id = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return calls
 
 
 ToolParser = HermesParser | Llama3JsonParser | MistralParser

@@ -516,6 +516,7 @@ def test_mistral_reads_both_formats_after_content_whole_and_streamed():
         assert content == "Let me check."
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                       ("get_time", TIME["arguments"])]
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)  # as Mistral's chat templates take them
         for size in (1, 4, 19):
             parser = make_parser("mistral")
             events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
