@@ -240,6 +240,9 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     params = _sampling(body, max_tokens, logprobs)
     if plan is not None and plan.structured is not None:
         params["structured"] = plan.structured
+    if params.get("structured") and backend.config.text_reasoning_parser:
+        # a thinking model thinks first, free, and the constraint applies after (as vLLM's reasoning parsers have it)
+        params["structured"] = {**params["structured"], "reasoning": backend.config.text_reasoning_parser}
     # a constrained answer is JSON, not harmony's messages; harmony's markers, and some parsers' tags, are special
     # tokens, kept in the text
     harmony = backend.config.harmony and (plan is None or plan.structured is None)

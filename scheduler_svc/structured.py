@@ -1,5 +1,7 @@
 """Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, context-free grammar)
-compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence.
+compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence. For a
+reasoning model the constraint may start after its thinking, which stays free (vLLM's structured outputs with a
+reasoning parser).
 
 The worker holds a matcher per sequence and masks the logits of each step it samples (worker_svc/runtime/
 grammar.py): it has every sampled token first, while the scheduler learns one only a pipeline depth later, so
@@ -31,6 +33,15 @@ class InvalidStructured(ValueError):
         self.field, self.detail = field, detail
 
 
+# The free thinking before a reasoning model's constrained answer (StructuredOutput.reasoning), in llguidance's Lark:
+# a lazy lexeme ends at the first </think>; up to 4 spaces or newlines may follow it (a model writes two newlines
+# there; unbounded, a random one may write nothing else).
+_THINKING = {
+    "qwen3": 'start: (think SEP)? @constraint\nthink[lazy]: /<think>(?s:.*)<\\/think>/\nSEP: /[ \\n]{0,4}/',
+    "deepseek_r1": 'start: think SEP @constraint\nthink[lazy]: /(?s:.*)<\\/think>/\nSEP: /[ \\n]{0,4}/',
+}
+
+
 def grammar_of(structured: api.StructuredOutput) -> str:
     """The llguidance grammar of a public StructuredOutput, or InvalidStructured naming its field."""
     kind = structured.WhichOneof("kind")
@@ -39,13 +50,30 @@ def grammar_of(structured: api.StructuredOutput) -> str:
     if kind == "json_object":
         if not structured.json_object:
             raise InvalidStructured("structured.json_object", "must be true when it is the constraint")
-        return compile_grammar("json_schema", '{"type": "object"}')
-    if kind == "choice":
+        grammar = compile_grammar("json_schema", '{"type": "object"}')
+    elif kind == "choice":
         choices = list(structured.choice.choices)
         if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
             raise InvalidStructured("structured.choice.choices", f"must hold 1 to {MAX_CHOICES} non-empty strings")
-        return compile_grammar("choice", json.dumps(choices))
-    return compile_grammar(kind, getattr(structured, kind))
+        grammar = compile_grammar("choice", json.dumps(choices))
+    else:
+        grammar = compile_grammar(kind, getattr(structured, kind))
+    return after_thinking(grammar, structured.reasoning) if structured.reasoning else grammar
+
+
+@functools.lru_cache(maxsize=256)
+def after_thinking(grammar: str, reasoning: str) -> str:
+    """`grammar` applied after a reasoning model's free thinking (_THINKING[reasoning]): a grammar of two, the
+    thinking's Lark and the constraint by name."""
+    if reasoning not in _THINKING:
+        raise InvalidStructured("structured.reasoning", f"must be one of {', '.join(_THINKING)}, got {reasoning[:32]!r}")
+    inner = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    constraint = [dict(inner["grammars"][0], name="constraint"), *inner["grammars"][1:]]
+    wrapped = json.dumps({"grammars": [{"name": "thinking", "lark_grammar": _THINKING[reasoning]}, *constraint]})
+    error = llguidance.LLMatcher.validate_grammar(wrapped)
+    if error:
+        raise InvalidStructured("structured", f"does not compile after thinking: {error.strip()}")
+    return wrapped
 
 
 @functools.lru_cache(maxsize=256)

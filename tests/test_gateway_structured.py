@@ -107,6 +107,34 @@ def test_json_object_is_an_object_on_chat_and_completions(oai, tiny_model_dir):
     assert json.loads(text) == {}
 
 
+def test_with_a_reasoning_parser_the_constraint_follows_the_thinking(cluster, tiny_model_dir, tmp_path_factory):
+    """--reasoning-parser deepseek_r1: a chat answer thinks first, free (cut short here by a bias on </think>), then
+    its content is valid under the response_format, whole and streamed; a completion is constrained from its start."""
+    from tokenizers import Tokenizer
+
+    end = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("</think>")
+    g = Gateway(cluster.address, tmp_path_factory.mktemp("gws-r1") / "gateway.log", "--reasoning-parser",
+                "deepseek_r1", "--workers", "1")
+    try:
+        client = g.wait_healthy().openai()
+        kwargs = dict(model="model", messages=MESSAGES, max_tokens=300, temperature=0.8, logit_bias={str(end): 30},
+                      response_format={"type": "json_schema", "json_schema": {"name": "item",
+                                                                              "schema": Item.model_json_schema()}})
+        for seed in range(2):
+            whole = client.chat.completions.create(seed=seed, **kwargs).choices[0]
+            assert whole.finish_reason == "stop" and whole.message.model_extra.get("reasoning_content") is not None
+            Item.model_validate_json(whole.message.content)
+            chunks = [c.choices[0] for c in client.chat.completions.create(seed=seed, stream=True, **kwargs)
+                      if c.choices]
+            assert Item.model_validate_json("".join(c.delta.content or "" for c in chunks)) == \
+                Item.model_validate_json(whole.message.content)
+        text = client.completions.create(model="model", prompt="Item:", max_tokens=300, temperature=0.8, seed=0,
+                                         extra_body={"structured_outputs": {"json": Item.model_json_schema()}})
+        Item.model_validate_json(text.choices[0].text)
+    finally:
+        g.stop()
+
+
 def test_vllm_structured_outputs_and_guided_fields_constrain_completions(oai):
     for body, check in [({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, r"[0-9]{3}-[a-z]{2}"),
                         ({"guided_regex": "(ab)+c"}, r"(ab)+c"),

@@ -224,3 +224,58 @@ def test_worker_decode_steps_mixing_free_and_constrained_rows(tiny_model_dir):
     out = d.run_step(only={other.seq_id, dead.seq_id})
     assert list(d.last_result.grammar_dead_ids) == [dead.seq_id]
     assert out[dead.seq_id] in eos
+
+
+def _thinking_matcher(tiny_model_dir, structured: dict):
+    """A worker's matcher of `structured` (with its reasoning) over the tiny model's vocabulary, and the tokenizer."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from client.client import structured_output
+    from scheduler_svc.structured import grammar_of
+    from worker_svc.runtime.grammar import _Vocabulary
+
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    vocab = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tiny_model_dir, tok.get_vocab_size())))
+    grammar = grammar_of(structured_output(structured))
+    return (lambda: llguidance.LLMatcher(vocab, grammar, log_level=0)), tok
+
+
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
+def test_a_reasoning_models_thinking_stays_free_and_the_constraint_follows_it(tiny_model_dir, reasoning):
+    """StructuredOutput.reasoning: any text up to the first </think> (after a <think> the answer opens, for qwen3; from
+    the start, for deepseek_r1), the whitespace after it, then the constraint; nothing else after the thinking."""
+    new, tok = _thinking_matcher(tiny_model_dir, {"json_schema": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}, "reasoning": reasoning})
+
+    def reads(text: str) -> tuple[bool, bool]:
+        m = new()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids), m.is_accepting()
+
+    opened = "<think>" if reasoning == "qwen3" else ""
+    thought = f"{opened}\nThe user wants {{a number}}; </thin or <think> are text here.\n</think>"
+    assert reads(thought + '\n\n{"n":7}') == (True, True)
+    assert reads(thought + '{"n":7}') == (True, True)
+    assert reads(thought + "\n\nSeven.")[0] is False  # after the thinking, only the constraint
+    assert reads(thought + '\n\n{"n":7}</think>')[0] is False
+    assert reads('{"n":7}') == ((True, True) if reasoning == "qwen3" else (True, False))  # r1 must close its thinking
+
+
+def test_an_unknown_reasoning_is_invalid_argument_naming_it(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("x", structured={"regex": "a+", "reasoning": "o1"}, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("structured.reasoning"), e.value.details()
+
+
+def test_a_constrained_answer_after_thinking_through_the_services(client, tiny_model_dir):
+    """deepseek_r1's thinking, cut short by a bias on </think>, then JSON valid under the schema."""
+    from tokenizers import Tokenizer
+
+    end = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("</think>")
+    for seed in range(3):
+        out, = client.complete("Think, then answer:", structured={"json_schema": SCHEMA, "reasoning": "deepseek_r1"},
+                               temperature=0.8, seed=seed, max_tokens=200, logit_bias={end: 30.0})
+        thinking, _, answer = out.text.partition("</think>")
+        assert out.finish_reason == "stop" and "</think>" in out.text, out.text
+        jsonschema.validate(json.loads(answer), SCHEMA)
