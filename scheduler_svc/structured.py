@@ -66,7 +66,8 @@ def after_thinking(grammar: str, reasoning: str) -> str:
     """`grammar` applied after a reasoning model's free thinking (_THINKING[reasoning]): a grammar of two, the
     thinking's Lark and the constraint by name."""
     if reasoning not in _THINKING:
-        raise InvalidStructured("structured.reasoning", f"must be one of {', '.join(_THINKING)}, got {reasoning[:32]!r}")
+        raise InvalidStructured("structured.reasoning",
+                                f"must be one of {', '.join(_THINKING)}, got {reasoning[:32]!r}")
     inner = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
     constraint = [dict(inner["grammars"][0], name="constraint"), *inner["grammars"][1:]]
     wrapped = json.dumps({"grammars": [{"name": "thinking", "lark_grammar": _THINKING[reasoning]}, *constraint]})
