@@ -135,7 +135,8 @@ def build_request(
 
     structured: the output's constraint, one of {"json_schema": a schema (dict or JSON text)},
     {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}, with
-    "reasoning": "qwen3" or "deepseek_r1" beside it where a reasoning model's thinking comes first, free."""
+    "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
+    free."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority)
@@ -188,7 +189,8 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
     """{kind: value} with exactly one of STRUCTURED_KINDS, and optionally "reasoning" (a reasoning model's thinking
-    stays free and the constraint applies after it: "qwen3" or "deepseek_r1"), as the request's StructuredOutput."""
+    stays free and the constraint applies after it: "qwen3", "deepseek_r1" or "openai_gptoss"), as the request's
+    StructuredOutput."""
     kinds = {k: v for k, v in spec.items() if k != "reasoning"}
     if len(kinds) != 1 or next(iter(kinds)) not in STRUCTURED_KINDS:
         raise ValueError(f"structured takes exactly one of {', '.join(STRUCTURED_KINDS)} (and optionally reasoning), "

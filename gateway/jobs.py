@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from common.model_files import TEMPLATE_ARGUMENTS
+from gateway import harmony
 from gateway.backend import Backend
 from gateway.errors import from_grpc, invalid
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -240,13 +241,14 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     params = _sampling(body, max_tokens, logprobs)
     if plan is not None and plan.structured is not None:
         params["structured"] = plan.structured
-    if params.get("structured") and backend.config.text_reasoning_parser:
-        # a thinking model thinks first, free, and the constraint applies after (as vLLM's reasoning parsers have it)
-        params["structured"] = {**params["structured"], "reasoning": backend.config.text_reasoning_parser}
-    # a constrained answer is JSON, not harmony's messages; harmony's markers, and some parsers' tags, are special
-    # tokens, kept in the text
-    harmony = backend.config.harmony and (plan is None or plan.structured is None)
-    if harmony or (plan is not None and plan.mode == "auto"
-                   and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
+    # harmony answers are read as messages, unless tool_choice constrains them (that constraint is read as bare JSON)
+    as_harmony = backend.config.harmony and (plan is None or plan.structured is None)
+    # a thinking model thinks first, free, and the constraint applies after it (as with vLLM's reasoning parsers)
+    reasoning = harmony.REASONING_PARSER if as_harmony else backend.config.text_reasoning_parser
+    if params.get("structured") and reasoning:
+        params["structured"] = {**params["structured"], "reasoning": reasoning}
+    # harmony's markers, and some parsers' tags, are special tokens: kept in the text
+    if as_harmony or (plan is not None and plan.mode == "auto"
+                      and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
         params["skip_special_tokens"] = False
-    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=harmony)
+    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=as_harmony)

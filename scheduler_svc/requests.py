@@ -11,7 +11,7 @@ import xxhash
 
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import InvalidParam, SamplingParams
-from scheduler_svc.structured import InvalidStructured, grammar_of
+from scheduler_svc.structured import THINKING_TOKENS, InvalidStructured, grammar_of
 from common.model_files import TEMPLATE_ARGUMENTS
 from scheduler_svc.tokenizer import ModelTokenizer
 
@@ -205,6 +205,10 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     try:
         if req.HasField("structured"):
             params.grammar = grammar_of(req.structured)
+            missing = [t for t in THINKING_TOKENS.get(req.structured.reasoning, ()) if not tokenizer.is_special(t)]
+            if missing:
+                raise InvalidStructured("structured.reasoning", f"{req.structured.reasoning} needs the special tokens "
+                                        f"{', '.join(missing)}, which this model's tokenizer lacks")
         check_params(params, vocab_size)
     except InvalidStructured as e:
         raise InvalidRequest(f"{e.field} {e.detail}") from None

@@ -39,7 +39,12 @@ class InvalidStructured(ValueError):
 _THINKING = {
     "qwen3": 'start: (think SEP)? @constraint\nthink[lazy]: /<think>(?s:.*)<\\/think>/\nSEP: /[ \\n]{0,4}/',
     "deepseek_r1": 'start: think SEP @constraint\nthink[lazy]: /(?s:.*)<\\/think>/\nSEP: /[ \\n]{0,4}/',
+    # gpt-oss's harmony messages (gateway/harmony.py): an optional analysis message, then the final one's text
+    "openai_gptoss": 'start: (<|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant")? '
+                     '<|channel|> "final" <|message|> @constraint\nANALYSIS: /(?s:.*)/',
 }
+# the special tokens a thinking grammar names, which the model's tokenizer must have (as special tokens)
+THINKING_TOKENS = {"openai_gptoss": ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")}
 
 
 def grammar_of(structured: api.StructuredOutput) -> str:

@@ -26,6 +26,14 @@ class ModelTokenizer:
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... for the template
     _template: jinja2.Template | None = None
+    _specials: frozenset[str] | None = None
+
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one of the tokenizer's special tokens."""
+        if self._specials is None:
+            self._specials = frozenset(t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                                       if t.special)
+        return text in self._specials
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

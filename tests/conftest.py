@@ -19,3 +19,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from worker_svc.checkpoints.writer import make_model
 
     return make_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny") / "model", seed=0)
+
+
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+@pytest.fixture(scope="session")
+def harmony_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """qwen3-tiny whose tokenizer also has gpt-oss's harmony markers as special tokens (ids past Qwen's, inside the
+    model's vocabulary), as gpt-oss's tokenizer has them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out = tmp_path_factory.mktemp("harmony-tiny") / "model"
+    out.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "tokenizer.json").unlink()
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    return out

@@ -131,6 +131,10 @@ def test_a_chat_job_asks_for_the_special_tokens_unless_its_answer_is_constrained
         assert plain.harmony and plain.params["skip_special_tokens"] is False
     for constrained in (job(tools=TOOLS, tool_choice="required"), job(response_format={"type": "json_object"})):
         assert constrained.harmony is (constrained.tools is None)  # a JSON-object format is no tool choice
+    # a response format constrains the final message, after the analysis; tool_choice's constraint is bare JSON
+    assert job(response_format={"type": "json_object"}).params["structured"] == {"json_object": True,
+                                                                                 "reasoning": "openai_gptoss"}
+    assert "reasoning" not in job(tools=TOOLS, tool_choice="required").params["structured"]
     required = job(tools=TOOLS, tool_choice="required")
     assert not required.harmony and required.params["skip_special_tokens"] is None
     assert not asyncio.run(chat_job(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -180,3 +184,38 @@ def test_harmony_chat_answers_streamed_and_whole(with_tools):
         assert calls == [] and content == '{"city":"Paris"}' and streamed[-1]["finish_reason"] == "stop"
         assert whole["finish_reason"] == "stop" and whole["message"]["content"] == '{"city":"Paris"}'
     assert whole["message"]["reasoning_content"] == "The user wants the weather in Paris."
+
+
+def test_a_harmony_answer_under_a_schema_through_the_services(harmony_model_dir, tmp_path_factory):
+    """A gateway with --reasoning-parser openai_gptoss over a model whose tokenizer has harmony's markers: under a
+    response_format the answer is harmony (an analysis message, free, ended early here by a bias on <|end|>, or none),
+    and the final message's text, the content, is valid under the schema, whole and streamed."""
+    import jsonschema
+    from tokenizers import Tokenizer
+
+    from client.launcher import LocalCluster
+    from tests.test_gateway import START_S, WORKER_ARGS, Gateway
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    end = Tokenizer.from_file(str(harmony_model_dir / "tokenizer.json")).token_to_id("<|end|>")
+    cluster = LocalCluster(harmony_model_dir, worker_args=WORKER_ARGS, log_dir=tmp_path_factory.mktemp("harmony-logs"))
+    cluster.start(timeout=START_S)
+    gateway = Gateway(cluster.address, tmp_path_factory.mktemp("harmony-gw") / "gateway.log", "--reasoning-parser",
+                      "openai_gptoss", "--workers", "1")
+    try:
+        client = gateway.wait_healthy().openai()
+        kwargs = dict(model=harmony_model_dir.name, messages=[{"role": "user", "content": "A number?"}],
+                      max_tokens=200, temperature=0.8, logit_bias={str(end): 60.0},
+                      response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        for seed in range(3):
+            whole = client.chat.completions.create(seed=seed, **kwargs).choices[0]
+            assert whole.finish_reason == "stop", whole
+            jsonschema.validate(json.loads(whole.message.content), schema)
+            streamed = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(seed=seed, stream=True, **kwargs) if c.choices)
+            assert json.loads(streamed) == json.loads(whole.message.content)
+    finally:
+        gateway.stop()
+        cluster.stop()

@@ -279,3 +279,28 @@ def test_a_constrained_answer_after_thinking_through_the_services(client, tiny_m
         thinking, _, answer = out.text.partition("</think>")
         assert out.finish_reason == "stop" and "</think>" in out.text, out.text
         jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_harmonys_analysis_stays_free_and_the_final_message_is_constrained(harmony_model_dir):
+    """openai_gptoss: an optional analysis message, free, then the final message's text under the constraint; the
+    markers are special tokens of the model's tokenizer (tests/conftest.py's harmony_model_dir)."""
+    new, tok = _thinking_matcher(harmony_model_dir, {"json_schema": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}, "reasoning": "openai_gptoss"})
+
+    def reads(text: str) -> tuple[bool, bool]:
+        m = new()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids), m.is_accepting()
+
+    analysis = "<|channel|>analysis<|message|>They want {n}: final and <think> are text here.<|end|><|start|>assistant"
+    assert reads(analysis + '<|channel|>final<|message|>{"n":3}') == (True, True)
+    assert reads('<|channel|>final<|message|>{"n":3}') == (True, True)
+    assert reads(analysis + "<|channel|>final<|message|>Three.")[0] is False
+    assert reads(analysis + '<|channel|>commentary<|message|>{"n":3}')[0] is False
+    assert reads('{"n":3}')[0] is False
+
+
+def test_harmony_needs_its_special_tokens_in_the_tokenizer(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("x", structured={"json_object": True, "reasoning": "openai_gptoss"}, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("structured.reasoning openai_gptoss needs the special tokens"), e.value.details()
