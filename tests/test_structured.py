@@ -303,4 +303,5 @@ def test_harmony_needs_its_special_tokens_in_the_tokenizer(client):
     with pytest.raises(grpc.RpcError) as e:
         client.complete("x", structured={"json_object": True, "reasoning": "openai_gptoss"}, max_tokens=4)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.details().startswith("structured.reasoning openai_gptoss needs the special tokens"), e.value.details()
+    details = e.value.details()
+    assert details.startswith("structured.reasoning openai_gptoss needs the special tokens"), details
