@@ -66,8 +66,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
     include_reasoning = body.include_reasoning is not False
     tools = [ToolStream(job.tools, backend.config.tool_call_parser) for _ in range(job.num_choices)] \
         if job.tools is not None else None
-    harmonies = [HarmonyStream(calls=job.tools is not None and job.tools.mode == "auto")
-                 for _ in range(job.num_choices)] if job.harmony else None
+    harmonies = [HarmonyStream(calls=job.reads_calls) for _ in range(job.num_choices)] if job.harmony else None
     called = [0] * job.num_choices  # harmony's calls sent so far, by choice
 
     chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
@@ -78,10 +77,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
         message: dict[str, Any] = {}
         finish = delta.finish_reason
         if harmonies is not None:
-            split = harmonies[index].feed(delta.text)
-            if finish is not None:
-                rest = harmonies[index].finish()
-                split = Split(split.reasoning + rest.reasoning, split.content + rest.content, split.calls + rest.calls)
+            split = harmonies[index].feed(delta.text) + (harmonies[index].finish() if finish is not None else Split())
             if split.reasoning and include_reasoning:
                 message["reasoning_content"] = split.reasoning
             if split.content:

@@ -53,6 +53,9 @@ class Split:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
 
+    def __add__(self, later: Split) -> Split:
+        return Split(self.reasoning + later.reasoning, self.content + later.content, self.calls + later.calls)
+
 
 class HarmonyStream:
     """One answer's text deltas as reasoning, content and calls (one stream per answer). `calls`: whether messages to
@@ -146,5 +149,4 @@ class HarmonyStream:
 def split_answer(text: str, calls: bool = True) -> Split:
     """A whole answer's reasoning, content and calls."""
     stream = HarmonyStream(calls)
-    whole, rest = stream.feed(text), stream.finish()
-    return Split(whole.reasoning + rest.reasoning, whole.content + rest.content, whole.calls + rest.calls)
+    return stream.feed(text) + stream.finish()

@@ -40,6 +40,11 @@ class Job:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
+    @property
+    def reads_calls(self) -> bool:
+        """tool_choice auto: the gateway reads the calls out of the answer's text."""
+        return self.tools is not None and self.tools.mode == "auto"
+
 
 def _logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids as strings (JSON keys) -> bias; the scheduler checks ranges."""

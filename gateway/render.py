@@ -15,7 +15,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.harmony import split_answer
 from gateway.reasoning import split_reasoning
 from gateway.tokens import TokenRenderer
-from gateway.tools import ToolPlan, call_bodies, with_tool_calls
+from gateway.tools import call_bodies, with_tool_calls
 
 LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
 
@@ -116,11 +116,11 @@ def chat_message(text: str, reasoning_parser: str | None, include_reasoning: boo
     return {"role": "assistant", "content": content, "reasoning_content": thought if include_reasoning else None}
 
 
-def harmony_message(text: str, finish: str | None, tools: ToolPlan | None, include_reasoning: bool
+def harmony_message(text: str, finish: str | None, calls: bool, include_reasoning: bool
                     ) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a whole harmony answer (gateway/harmony.py), and its finish reason (tool_calls when
-    a call ended it)."""
-    split = split_answer(text, calls=tools is not None and tools.mode == "auto")
+    """The assistant message of a whole harmony answer (gateway/harmony.py; `calls`: messages to functions are
+    calls), and its finish reason (tool_calls when a call ended it)."""
+    split = split_answer(text, calls=calls)
     message = {"role": "assistant", "content": split.content,
                "reasoning_content": split.reasoning or None if include_reasoning else None}
     if not split.calls:
@@ -176,7 +176,7 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
     for c in choices:
         finish = c.finish_reason
         if job.harmony:
-            message, finish = harmony_message("".join(c.text), finish, job.tools, include_reasoning)
+            message, finish = harmony_message("".join(c.text), finish, job.reads_calls, include_reasoning)
         else:
             message = chat_message("".join(c.text), backend.config.text_reasoning_parser, include_reasoning)
         if job.tools is not None and not job.harmony:

@@ -21,11 +21,9 @@ def stream(text: str, cuts: list[int], calls: bool = True) -> Split:
     """The events of `text` fed in pieces cut at `cuts`, joined."""
     parser, out, start = HarmonyStream(calls), Split(), 0
     for end in [*sorted(cuts), len(text)]:
-        for part in (parser.feed(text[start:end]),):
-            out = Split(out.reasoning + part.reasoning, out.content + part.content, out.calls + part.calls)
+        out += parser.feed(text[start:end])
         start = max(start, end)
-    rest = parser.finish()
-    return Split(out.reasoning + rest.reasoning, out.content + rest.content, out.calls + rest.calls)
+    return out + parser.finish()
 
 
 def calls_of(split: Split) -> list[tuple[str, object]]:
