@@ -3,8 +3,8 @@
 JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
 `glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below), `deepseek_v3` / `deepseek_v31`
 (DeepSeek's tool-call tokens: DeepSeekV3Parser below), `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
-below) and `mistral` (calls from a tag to the answer's end: MistralParser below); the last two close no block, so
-they are no HermesParsers.
+below) and `mistral` (calls from a tag to the answer's end: MistralParser below); the last two close no block
+(TrailingCallsParser).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks
@@ -356,23 +356,17 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     _CALL = _DEEPSEEK_V31_CALL
 
 
-PYTHON_TAG = "<|python_tag|>"
-
-
-class Llama3JsonParser:
-    """Llama 3.1's to 3.3's calls (`llama3_json`): an answer that is a call is one JSON object, or several joined by
-    `;`, each {"name", "parameters" or "arguments"}, after an optional `<|python_tag|>`:
-
-        {"name": "get_weather", "parameters": {"city": "Paris"}}
-
-    An answer that starts otherwise (after whitespace) is content, streamed as it comes; one that starts like a call
-    is held to its end, then is calls if every object is one, else content as written."""
+class TrailingCallsParser:
+    """Calls that run from where they start to the answer's end, closing no block: content streams up to that start
+    (`_calls_start`), and what follows is held to the end, then is calls if `_read_calls` reads every one, else content
+    as written. The interface of HermesParser."""
 
     keeps_special_tokens = False
 
     def __init__(self, schemas: dict[str, Any] | None = None) -> None:
-        self._text = ""
-        self._mode: str | None = None  # None until the answer's start decides: "content" or "calls"
+        self._text = ""  # held: a possible start, or the calls
+        self._held = False  # the calls have started
+        self._sent = False  # content has gone out
         self._calls = 0
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -383,27 +377,55 @@ class Llama3JsonParser:
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self._text += delta
-        if self._mode is None:
-            start = self._text.lstrip()
-            if not start or PYTHON_TAG.startswith(start):  # "", "<|pyth": wait for more
-                return []
-            self._mode = "calls" if start.startswith(("{", PYTHON_TAG)) else "content"
-        if self._mode == "calls":
+        if self._held:
             return []
-        text, self._text = self._text, ""
-        return [StreamEvent(content=text)]
+        start, keep = self._calls_start(self._text)
+        if start >= 0:
+            content, self._text, self._held = self._text[:start], self._text[start:], True
+        else:
+            content, self._text = self._text[:len(self._text) - keep], self._text[len(self._text) - keep:]
+        self._sent = self._sent or bool(content)
+        return [StreamEvent(content=content)] if content else []
 
     def finish(self) -> list[StreamEvent]:
         text, self._text = self._text, ""
-        calls = self._read_calls(text) if self._mode == "calls" else None
+        calls = self._read_calls(text) if self._held else None
         if calls is None:
-            return [StreamEvent(content=text)] if text.strip() else []
+            return [StreamEvent(content=text)] if text else []
         events = [StreamEvent(call=c, index=self._calls + i) for i, c in enumerate(calls)]
         self._calls += len(calls)
         return events
 
-    @staticmethod
-    def _read_calls(text: str) -> list[ToolCall] | None:
+    def _calls_start(self, text: str) -> tuple[int, int]:
+        """Where in the held text the calls start, or -1 and how much of its end to hold back (a possible start)."""
+        raise NotImplementedError
+
+    def _read_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls of the text from their start to the answer's end, or None if any does not read."""
+        raise NotImplementedError
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonParser(TrailingCallsParser):
+    """Llama 3.1's to 3.3's calls (`llama3_json`): an answer that is a call is one JSON object, or several joined by
+    `;`, each {"name", "parameters" or "arguments"}, after an optional `<|python_tag|>`:
+
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+    An answer that starts otherwise (after whitespace) is content, streamed as it comes; one that starts like a call
+    is held to its end, then is calls if every object is one, else content as written."""
+
+    def _calls_start(self, text: str) -> tuple[int, int]:
+        start = text.lstrip()
+        if self._sent:
+            return -1, 0
+        if not start or PYTHON_TAG.startswith(start):  # "", "<|pyth": wait for more
+            return -1, len(text)
+        return (0, 0) if start.startswith(("{", PYTHON_TAG)) else (-1, 0)
+
+    def _read_calls(self, text: str) -> list[ToolCall] | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
         decoder, calls, i = json.JSONDecoder(parse_constant=_reject_constant), [], 0
         while i < len(text):
@@ -425,7 +447,7 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _MISTRAL_CALL = re.compile(r"\s*([\w.\-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?\[ARGS\](.*)", re.DOTALL)
 
 
-class MistralParser:
+class MistralParser(TrailingCallsParser):
     """Mistral's calls (`mistral`): after optional content, `[TOOL_CALLS]` and the calls to the answer's end, either
     as the v3 tokenizer's models write them (Mistral-7B v0.3, Mixtral, Mistral Nemo), a JSON array
 
@@ -441,40 +463,10 @@ class MistralParser:
 
     keeps_special_tokens = True
 
-    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
-        self._text = ""
-        self._in_calls = False
-        self._calls = 0
+    def _calls_start(self, text: str) -> tuple[int, int]:
+        return text.find(TOOL_CALLS), held_back(text, TOOL_CALLS)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """As HermesParser.parse."""
-        stream = type(self)()
-        events = stream.feed(text) + stream.finish()
-        return "".join(e.content for e in events).strip(), [e.call for e in events if e.call is not None]
-
-    def feed(self, delta: str) -> list[StreamEvent]:
-        self._text += delta
-        if self._in_calls:
-            return []
-        start = self._text.find(TOOL_CALLS)
-        if start >= 0:
-            content, self._text, self._in_calls = self._text[:start], self._text[start:], True
-        else:
-            keep = held_back(self._text, TOOL_CALLS)
-            content, self._text = self._text[:len(self._text) - keep], self._text[len(self._text) - keep:]
-        return [StreamEvent(content=content)] if content else []
-
-    def finish(self) -> list[StreamEvent]:
-        text, self._text = self._text, ""
-        calls = self._read_calls(text) if self._in_calls else None
-        if calls is None:
-            return [StreamEvent(content=text)] if text else []
-        events = [StreamEvent(call=c, index=self._calls + i) for i, c in enumerate(calls)]
-        self._calls += len(calls)
-        return events
-
-    @staticmethod
-    def _read_calls(text: str) -> list[ToolCall] | None:
+    def _read_calls(self, text: str) -> list[ToolCall] | None:
         pieces = text.split(TOOL_CALLS)[1:]
         if len(pieces) == 1 and pieces[0].lstrip().startswith("["):
             try:
@@ -495,7 +487,7 @@ class MistralParser:
         return calls
 
 
-ToolParser = HermesParser | Llama3JsonParser | MistralParser
+ToolParser = HermesParser | TrailingCallsParser
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
                                         "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
                                         "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser,
