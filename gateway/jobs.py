@@ -14,8 +14,8 @@ from gateway.backend import Backend
 from gateway.errors import from_grpc, invalid
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.structured import structured_of
-from gateway.tool_parsers import PARSERS
 from gateway.tokens import TokenRenderer
+from gateway.tool_parsers import PARSERS
 from gateway.tools import ToolPlan, plan_tools
 
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
