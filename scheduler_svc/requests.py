@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+from common.model_files import TEMPLATE_ARGUMENTS
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import InvalidParam, SamplingParams
 from scheduler_svc.structured import THINKING_TOKENS, InvalidStructured, grammar_of
-from common.model_files import TEMPLATE_ARGUMENTS
 from scheduler_svc.tokenizer import ModelTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
