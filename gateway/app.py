@@ -34,7 +34,7 @@ from gateway.auth import APIKeys
 from gateway.backend import Backend, GatewayConfig
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.events import chat_events, completion_events
-from gateway.jobs import Job, chat_job, chat_messages, completion_job
+from gateway.jobs import Job, chat_job, chat_messages, completion_job, template_kwargs
 from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
                               CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorBody,
@@ -42,6 +42,7 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
 from gateway.render import chat_completion, collect, text_completion
 from gateway.schemas import event_schema
 from gateway.streams import ClientGone, EventStream, first_delta, merge, open_streams, unless_disconnected
+from gateway.tools import plan_tools
 
 __all__ = ["GatewayConfig", "create_app"]
 
@@ -180,8 +181,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await backend.resolve_model(body.model)
         try:
             if isinstance(body, TokenizeChatRequest):
-                ids = await backend.client.tokenize(messages=chat_messages(body.messages),
-                                                    timeout=backend.config.rpc_timeout)
+                plan = plan_tools(body.tools, None, None)
+                enable_thinking, kwargs = template_kwargs(body.chat_template_kwargs)
+                ids = await backend.client.tokenize(
+                    messages=chat_messages(body.messages), enable_thinking=enable_thinking,
+                    tools=plan.tools if plan else None, chat_template_kwargs=kwargs, timeout=backend.config.rpc_timeout)
             else:
                 ids = await backend.client.tokenize(body.prompt, timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:

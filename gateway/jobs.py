@@ -179,6 +179,23 @@ def _message_text(i: int, message) -> str:
     return "\n".join(texts)
 
 
+def template_kwargs(given: dict[str, Any] | None, reasoning_effort: str | None = None
+                    ) -> tuple[bool | None, dict[str, Any] | None]:
+    """A request's chat_template_kwargs as the client takes them: (enable_thinking, the others or None), OpenAI's
+    reasoning_effort among the others where given; a 400 naming a name the template cannot take."""
+    kwargs = dict(given or {})
+    for key in kwargs:
+        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
+            raise invalid(f"chat_template_kwargs.{key[:32]}", "a keyword argument's name is an identifier, not one of "
+                                                              f"the template's own ({', '.join(TEMPLATE_ARGUMENTS)})")
+    enable_thinking = kwargs.pop("enable_thinking", None)
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise invalid("chat_template_kwargs.enable_thinking", "enable_thinking must be true or false")
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+    return enable_thinking, kwargs or None
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (the same for a chat request and for /tokenize)."""
     out = []
@@ -204,16 +221,7 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     if not body.messages:
         raise invalid("messages", "messages must not be empty")
     messages = chat_messages(body.messages)
-    kwargs = dict(body.chat_template_kwargs or {})
-    for key in kwargs:
-        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
-            raise invalid(f"chat_template_kwargs.{key[:32]}", "a keyword argument's name is an identifier, not one of "
-                                                              f"the template's own ({', '.join(TEMPLATE_ARGUMENTS)})")
-    enable_thinking = kwargs.pop("enable_thinking", None)
-    if enable_thinking is not None and not isinstance(enable_thinking, bool):
-        raise invalid("chat_template_kwargs.enable_thinking", "enable_thinking must be true or false")
-    if body.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    enable_thinking, kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -228,13 +236,13 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     tools = plan.tools if plan is not None else None
     if max_tokens is not None:
         prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools,
-                                  "chat_template_kwargs": kwargs or None}
+                                  "chat_template_kwargs": kwargs}
     else:
         # OpenAI's default for chat: up to the model's length. That needs the prompt's length, so the
         # template is applied once, by the scheduler's Tokenize, and the ids are sent.
         try:
             ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking, tools=tools,
-                                                chat_template_kwargs=kwargs or None,
+                                                chat_template_kwargs=kwargs,
                                                 timeout=backend.config.rpc_timeout)
             limit = await backend.token_limit()
         except grpc.RpcError as e:

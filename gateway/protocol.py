@@ -130,6 +130,9 @@ class ChatMessage(BaseModel):
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+# keyword arguments of the model's chat template: Qwen3's enable_thinking, DeepSeek-V3.1's thinking, ...
+TEMPLATE_KWARGS = {"type": "object", "properties": {"enable_thinking": {"type": ["boolean", "null"]}},
+                   "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": list(TEMPLATE_ARGUMENTS)}}}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -139,10 +142,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # keyword arguments of the model's chat template: Qwen3's enable_thinking, DeepSeek-V3.1's thinking, ...
-    chat_template_kwargs: dict[str, Any] | None = Field(None, **doc({
-        "type": "object", "properties": {"enable_thinking": {"type": ["boolean", "null"]}},
-        "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": list(TEMPLATE_ARGUMENTS)}}}))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
     # OpenAI's; the chat template's reasoning_effort (gpt-oss's: how long its analysis runs)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool | None = True
@@ -161,10 +161,13 @@ class TokenizeCompletionRequest(BaseModel):
 
 
 class TokenizeChatRequest(BaseModel):
-    """vLLM's /tokenize of chat messages (rendered by the model's template)."""
+    """vLLM's /tokenize of chat messages (rendered by the model's template, with the tools and keyword arguments a
+    chat request gives it)."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     messages: Messages
+    tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

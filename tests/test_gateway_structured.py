@@ -276,6 +276,11 @@ def test_models_retrieve_tokenize_and_detokenize(gateway, oai, cluster):
     assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
     r = httpx.post(f"{gateway.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
     assert r["tokens"] == chat_ids
+    with Client(cluster.address, timeout=60) as c:  # the tools and template arguments a chat request gives
+        rendered = c.tokenize(messages=MESSAGES, tools=[WEATHER], enable_thinking=False)
+    r = httpx.post(f"{gateway.url}/tokenize", json={"messages": MESSAGES, "tools": [WEATHER], "chat_template_kwargs": {
+        "enable_thinking": False}}, timeout=30).json()
+    assert r["tokens"] == rendered != chat_ids
     assert httpx.post(f"{gateway.url}/detokenize", json={"tokens": ids}, timeout=30).json() == {"prompt": "Hello there"}
     bad = httpx.post(f"{gateway.url}/detokenize", json={"tokens": [-1]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
