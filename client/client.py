@@ -76,6 +76,7 @@ class GenerateParams(TypedDict, total=False):
     tools: list[dict[str, Any]] | None
     enable_thinking: bool | None
     chat_template_kwargs: dict[str, Any] | None
+    continue_final_message: bool
     max_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -108,6 +109,7 @@ def build_request(
     tools: list[dict[str, Any]] | None = None,
     enable_thinking: bool | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -145,9 +147,11 @@ def build_request(
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     if messages is not None:
-        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs))
-    elif enable_thinking is not None or tools or chat_template_kwargs:
-        raise ValueError("enable_thinking, tools and chat_template_kwargs apply to chat messages only")
+        request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs,
+                                           continue_final_message))
+    elif enable_thinking is not None or tools or chat_template_kwargs or continue_final_message:
+        raise ValueError("enable_thinking, tools, chat_template_kwargs and continue_final_message apply to chat "
+                         "messages only")
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -205,14 +209,16 @@ def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
 
 
 def _chat_prompt(messages: list[dict[str, Any]], enable_thinking: bool | None,
-                 tools: list[dict[str, Any]] | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> pb.ChatPrompt:
+                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                 continue_final_message: bool = False) -> pb.ChatPrompt:
     """Messages in OpenAI's shape: content (None for an assistant's tool calls), tool_calls
     ([{"id", "function": {"name", "arguments": JSON text or dict}}]), tool_call_id (a tool's answer).
-    template_kwargs: more keyword arguments of the chat template (gpt-oss's reasoning_effort, ...)."""
+    template_kwargs: more keyword arguments of the chat template (gpt-oss's reasoning_effort, ...);
+    continue_final_message: the last message is continued (rendered without its end, no generation prompt)."""
     chat = pb.ChatPrompt(messages=[_chat_message(m) for m in messages],
                          tools=[json.dumps(t) for t in tools or ()],
-                         template_kwargs=json.dumps(template_kwargs) if template_kwargs else "")
+                         template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
+                         continue_final_message=continue_final_message)
     if enable_thinking is not None:
         chat.enable_thinking = enable_thinking
     return chat
@@ -232,14 +238,17 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
 def _tokenize_request(
     text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
     tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
     if messages is None:
-        if enable_thinking is not None or chat_template_kwargs:
-            raise ValueError("enable_thinking and chat_template_kwargs apply to chat messages only")
+        if enable_thinking is not None or chat_template_kwargs or continue_final_message:
+            raise ValueError("enable_thinking, chat_template_kwargs and continue_final_message apply to chat "
+                             "messages only")
         return pb.TokenizeRequest(text=text)
-    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs))
+    return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs,
+                                                continue_final_message))
 
 
 def _logprobs(entries) -> list[TokenLogprob]:
@@ -397,8 +406,10 @@ class Client(_Connection):
 
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs)
+                 chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+                 timeout: float | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
+                                    continue_final_message)
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 
@@ -470,9 +481,10 @@ class AsyncClient(_Connection):
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
-                       chat_template_kwargs: dict[str, Any] | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
                        timeout: float | None = None) -> list[int]:
-        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs)
+        request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
+                                    continue_final_message)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 

@@ -34,7 +34,7 @@ from gateway.auth import APIKeys
 from gateway.backend import Backend, GatewayConfig
 from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.events import chat_events, completion_events
-from gateway.jobs import Job, chat_job, chat_messages, completion_job, template_kwargs
+from gateway.jobs import Job, chat_job, chat_messages, completion_job, continues, template_kwargs
 from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
                               CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorBody,
@@ -185,7 +185,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 enable_thinking, kwargs = template_kwargs(body.chat_template_kwargs)
                 ids = await backend.client.tokenize(
                     messages=chat_messages(body.messages), enable_thinking=enable_thinking,
-                    tools=plan.tools if plan else None, chat_template_kwargs=kwargs, timeout=backend.config.rpc_timeout)
+                    tools=plan.tools if plan else None, chat_template_kwargs=kwargs,
+                    continue_final_message=continues(body), timeout=backend.config.rpc_timeout)
             else:
                 ids = await backend.client.tokenize(body.prompt, timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:

@@ -196,6 +196,17 @@ def template_kwargs(given: dict[str, Any] | None, reasoning_effort: str | None =
     return enable_thinking, kwargs or None
 
 
+def continues(body: ChatCompletionRequest | Any) -> bool:
+    """Whether the request continues its last message (vLLM's continue_final_message); its add_generation_prompt, if
+    given, must be the opposite, the one combination the scheduler renders."""
+    cont = bool(body.continue_final_message)
+    if body.add_generation_prompt is not None and body.add_generation_prompt == cont:
+        raise invalid("add_generation_prompt", "add_generation_prompt must be the opposite of continue_final_message "
+                                               "(a generation prompt would close the message it continues)",
+                      "unsupported_parameter" if not cont else "invalid_value")
+    return cont
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (the same for a chat request and for /tokenize)."""
     out = []
@@ -222,6 +233,7 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
         raise invalid("messages", "messages must not be empty")
     messages = chat_messages(body.messages)
     enable_thinking, kwargs = template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+    cont = continues(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -236,13 +248,13 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     tools = plan.tools if plan is not None else None
     if max_tokens is not None:
         prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools,
-                                  "chat_template_kwargs": kwargs}
+                                  "chat_template_kwargs": kwargs, "continue_final_message": cont}
     else:
         # OpenAI's default for chat: up to the model's length. That needs the prompt's length, so the
         # template is applied once, by the scheduler's Tokenize, and the ids are sent.
         try:
             ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking, tools=tools,
-                                                chat_template_kwargs=kwargs,
+                                                chat_template_kwargs=kwargs, continue_final_message=cont,
                                                 timeout=backend.config.rpc_timeout)
             limit = await backend.token_limit()
         except grpc.RpcError as e:

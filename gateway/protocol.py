@@ -143,6 +143,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
+    # vLLM's: the last message (an assistant's start) is continued, with no generation prompt after it
+    continue_final_message: bool | None = False
+    add_generation_prompt: bool | None = None  # only as the opposite of continue_final_message
     # OpenAI's; the chat template's reasoning_effort (gpt-oss's: how long its analysis runs)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool | None = True
@@ -168,6 +171,8 @@ class TokenizeChatRequest(BaseModel):
     messages: Messages
     tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
+    continue_final_message: bool | None = False
+    add_generation_prompt: bool | None = None
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

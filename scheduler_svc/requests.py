@@ -119,11 +119,14 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
             check_text_size("".join(chat.tools), "prompt.chat.tools (in all)", max_bytes)
             check_text_size(chat.template_kwargs, "prompt.chat.template_kwargs", max_bytes)
         kwargs = _template_kwargs(chat)
+        if chat.continue_final_message and chat.add_generation_prompt:
+            raise InvalidRequest("prompt.chat.continue_final_message continues the last message, which a generation "
+                                 "prompt would close: add_generation_prompt must not be true with it")
         try:
             text = tokenizer.apply_chat_template(
                 [_chat_message(i, m) for i, m in enumerate(chat.messages)], tools=_tools(chat) or None,
                 add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt")
-                else True, **kwargs)
+                else not chat.continue_final_message, continue_final_message=chat.continue_final_message, **kwargs)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own checks (raise_exception) or a rendering error

@@ -48,13 +48,20 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render messages (extra kwargs such as enable_thinking reach the template)."""
+        """Render messages (extra kwargs such as enable_thinking reach the template). continue_final_message: the last
+        message's text is left open, as transformers does it: rendered with a tag after it, cut at the tag."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
+        final = messages[-1].get("content") if continue_final_message else None
+        if continue_final_message:
+            if not isinstance(final, str):
+                raise ValueError("continue_final_message needs a final message with text content")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         text = self._template.render(
             messages=messages,
             tools=tools,
@@ -62,7 +69,16 @@ class ModelTokenizer:
             **self.special_tokens,
             **kwargs,
         )
+        if continue_final_message:
+            if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+                raise ValueError("continue_final_message: the chat template does not render the final message's text "
+                                 "as given")
+            cut = text.rindex(_CONTINUE_TAG.strip())
+            text = text[:cut] if text.startswith(_CONTINUE_TAG, cut) else text[:cut].rstrip()
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where a continued message is cut
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -160,6 +160,13 @@ def test_chat_template_matches_transformers(qwen, model_dir):
         want = hf.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kwargs})
         got = qwen.apply_chat_template(messages, **kwargs)
         assert got == want
+    # the last message continued: an assistant's start, and a user's
+    for last in ({"role": "assistant", "content": "The answer is"}, {"role": "user", "content": "And 3+3? "}):
+        want = hf.apply_chat_template([*messages, last], tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+        assert qwen.apply_chat_template([*messages, last], add_generation_prompt=False,
+                                        continue_final_message=True) == want
+        assert want.rstrip().endswith(last["content"].rstrip())
     ids = qwen.apply_chat_template(messages[1:2], tokenize=True)
     assert ids == qwen.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
 

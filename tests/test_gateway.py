@@ -308,6 +308,20 @@ def test_chat_greedy_equal_grpc(oai, grpc_client):
     assert off.usage.prompt_tokens == ref_off.usage.prompt_tokens == ref.usage.prompt_tokens + 4
 
 
+def test_continue_final_message_continues_an_assistants_start(oai, grpc_client):
+    """vLLM's continue_final_message: the last message, an assistant's start, rendered open (no generation prompt), as
+    the scheduler renders it for gRPC; the answer goes on from it."""
+    started = [*MESSAGES, {"role": "assistant", "content": "The colour is"}]
+    (ref,) = grpc_client.complete(messages=started, continue_final_message=True, max_tokens=6, temperature=0,
+                                  ignore_eos=True)
+    ids = grpc_client.tokenize(messages=started, continue_final_message=True)
+    out = oai.chat.completions.create(model="", messages=started, max_tokens=6, temperature=0,
+                                      extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                  "ignore_eos": True})
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(ids)
+    assert ids != grpc_client.tokenize(messages=started)
+
+
 def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
     """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
     out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
@@ -414,6 +428,8 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client):
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
      "chat_template_kwargs.messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+     "add_generation_prompt"),
     # past float32 (the document allowed them; the scheduler refused them as inf)
     ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature"),
     ("/v1/chat/completions", {"messages": MESSAGES, "repetition_penalty": 1e39}, "repetition_penalty"),

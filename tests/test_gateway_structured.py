@@ -245,7 +245,7 @@ def test_parallel_calls_come_back_in_order_with_the_content_before_them(oai):
 
 
 @pytest.mark.parametrize("path,field", [("/v1/chat/completions", "prompt_logprobs"),
-                                        ("/v1/chat/completions", "continue_final_message"),
+                                        ("/v1/chat/completions", "documents"),
                                         ("/v1/chat/completions", "web_search_options"),
                                         ("/v1/completions", "best_of_n_made_up")])
 def test_a_field_the_gateway_does_not_implement_is_400_naming_it(gateway, path, field):

@@ -485,10 +485,18 @@ def test_token_id_and_chat_prompts(client, tok):
     assert client.tokenize(messages=messages) == rendered
     no_think = client.tokenize(messages=messages, enable_thinking=False)
     assert no_think != rendered and "<think>" in tok.decode(no_think, skip_special_tokens=False)
+    kw = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     # the template's keyword arguments as JSON: the same switch, and one this template does not read
     assert client.tokenize(messages=messages, chat_template_kwargs={"enable_thinking": False}) == no_think
     assert client.tokenize(messages=messages, chat_template_kwargs={"reasoning_effort": "low"}) == rendered
-    kw = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    # an assistant's answer started by the client, continued
+    started = [*messages, {"role": "assistant", "content": "It is"}]
+    want = tok.encode(tok.apply_chat_template(started, add_generation_prompt=False, continue_final_message=True),
+                      add_special_tokens=False)
+    assert client.tokenize(messages=started, continue_final_message=True) == want
+    (cont,) = client.complete(messages=started, continue_final_message=True, **kw)
+    (cont_ids,) = client.complete(token_ids=want, **kw)
+    assert cont.token_ids == cont_ids.token_ids
     (chat,) = client.complete(messages=messages, **kw)
     (ids,) = client.complete(token_ids=rendered, **kw)
     assert chat.token_ids == ids.token_ids and chat.usage.prompt_tokens == len(rendered)
