@@ -99,7 +99,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
                 message["reasoning_content"] = thought
             if content:
                 message["content"] = content
-        if tools is not None and harmonies is None:
+        if tools is not None and not (harmonies is not None and job.reads_calls):  # harmony's own calls: above
             content, calls = tools[index].feed(message.pop("content", ""), finish is not None)
             if content:
                 message["content"] = content

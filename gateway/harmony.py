@@ -21,7 +21,9 @@ message of several. The rules, the same for streams and whole answers (a whole a
 - text that never reaches a `<|message|>` within MAX_HEADER characters is not harmony: it and all after it is
   content, as is a header left unfinished at the end of the answer.
 The markers are special tokens of gpt-oss's tokenizer, so the gateway asks for the answer's text with special tokens
-kept (jobs.chat_job); a marker split over two deltas is handled too.
+kept (jobs.chat_job); a marker split over two deltas is handled too. A constraint (response_format, tool_choice
+required or named) applies to the final message's text, after a free analysis (scheduler_svc/structured.py); under
+tool_choice required or named that text is the calls' JSON, read as without harmony (gateway/tools.py).
 """
 from __future__ import annotations
 

@@ -266,14 +266,13 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     params = _sampling(body, max_tokens, logprobs)
     if plan is not None and plan.structured is not None:
         params["structured"] = plan.structured
-    # harmony answers are read as messages, unless tool_choice constrains them (that constraint is read as bare JSON)
-    as_harmony = backend.config.harmony and (plan is None or plan.structured is None)
-    # a thinking model thinks first, free, and the constraint applies after it (as with vLLM's reasoning parsers)
-    reasoning = harmony.REASONING_PARSER if as_harmony else backend.config.text_reasoning_parser
+    # a thinking model thinks first, free, and the constraint applies after it (as with vLLM's reasoning parsers): for
+    # harmony, to the final message's text
+    reasoning = harmony.REASONING_PARSER if backend.config.harmony else backend.config.text_reasoning_parser
     if params.get("structured") and reasoning:
         params["structured"] = {**params["structured"], "reasoning": reasoning}
     # harmony's markers, and some parsers' tags, are special tokens: kept in the text
-    if as_harmony or (plan is not None and plan.mode == "auto"
-                      and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
+    if backend.config.harmony or (plan is not None and plan.mode == "auto"
+                                  and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
         params["skip_special_tokens"] = False
-    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=as_harmony)
+    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=backend.config.harmony)

@@ -179,8 +179,8 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
             message, finish = harmony_message("".join(c.text), finish, job.reads_calls, include_reasoning)
         else:
             message = chat_message("".join(c.text), backend.config.text_reasoning_parser, include_reasoning)
-            if job.tools is not None:
-                message, finish = with_tool_calls(message, finish, job.tools, backend.config.tool_call_parser)
+        if job.tools is not None and not (job.harmony and job.reads_calls):  # harmony's own calls: above
+            message, finish = with_tool_calls(message, finish, job.tools, backend.config.tool_call_parser)
         logprobs = {"content": chat_logprobs(backend.tokens, c.token_ids, c.logprobs)} if c.logprobs else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish, "stop_reason": c.stop_reason})

@@ -117,7 +117,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.mark.parametrize("flags", [{"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}])
-def test_a_chat_job_asks_for_the_special_tokens_unless_its_answer_is_constrained(flags):
+def test_a_harmony_chat_job_keeps_the_special_tokens_and_constrains_the_final_message(flags):
     from gateway.jobs import chat_job
     from gateway.protocol import ChatCompletionRequest
 
@@ -125,18 +125,53 @@ def test_a_chat_job_asks_for_the_special_tokens_unless_its_answer_is_constrained
         return asyncio.run(chat_job(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                           max_tokens=8, **body), _backend(**flags)))
 
-    for plain in (job(), job(tools=TOOLS), job(tools=TOOLS, tool_choice="none")):
-        assert plain.harmony and plain.params["skip_special_tokens"] is False
-    for constrained in (job(tools=TOOLS, tool_choice="required"), job(response_format={"type": "json_object"})):
-        assert constrained.harmony is (constrained.tools is None)  # a JSON-object format is no tool choice
-    # a response format constrains the final message, after the analysis; tool_choice's constraint is bare JSON
+    for one in (job(), job(tools=TOOLS), job(tools=TOOLS, tool_choice="none"), job(tools=TOOLS, tool_choice="required"),
+                job(response_format={"type": "json_object"})):
+        assert one.harmony and one.params["skip_special_tokens"] is False
+    # a response format's or tool_choice's constraint applies to the final message, after a free analysis
     assert job(response_format={"type": "json_object"}).params["structured"] == {"json_object": True,
                                                                                  "reasoning": "openai_gptoss"}
-    assert "reasoning" not in job(tools=TOOLS, tool_choice="required").params["structured"]
-    required = job(tools=TOOLS, tool_choice="required")
-    assert not required.harmony and required.params["skip_special_tokens"] is None
+    assert job(tools=TOOLS, tool_choice="required").params["structured"]["reasoning"] == "openai_gptoss"
     assert not asyncio.run(chat_job(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                           max_tokens=8), _backend())).harmony
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_constrained_tool_choice_reads_the_final_messages_json_streamed_and_whole(choice):
+    """Under harmony, tool_choice required (a JSON array of calls) or a named function (its arguments) constrains the
+    final message's text: its JSON becomes the calls, the analysis stays reasoning."""
+    from client.client import Delta
+    from gateway.events import chat_events
+    from gateway.jobs import Job
+    from gateway.render import Choice, chat_completion
+    from gateway.tools import plan_tools
+
+    final = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]' if choice == "required"
+             else '{"city": "Paris"}')
+    text = ANALYSIS + "<|start|>assistant<|channel|>final<|message|>" + final
+    deltas = [Delta(0, [i], text[i:i + 9]) for i in range(0, len(text), 9)]
+    deltas[-1].finish_reason = "stop"
+    backend, body = _backend(tool_call_parser="openai"), SimpleNamespace(include_reasoning=True)
+    job = Job([{"token_ids": [1]}], {}, 1, tools=plan_tools(TOOLS, choice, None), harmony=True)
+
+    async def events():
+        async def source():
+            for d in deltas:
+                yield 0, d
+        return [e async for e in chat_events(source(), None, job, backend, "id", "m", 0, body, False)]
+
+    chunks = [json.loads(e[len("data: "):])["choices"][0] for e in asyncio.run(events()) if e != "data: [DONE]\n\n"]
+    calls = [c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert "".join(c["delta"].get("reasoning_content", "") for c in chunks) == "The user wants the weather in Paris."
+    whole = chat_completion([Choice(0, [text], finish_reason="stop")], SimpleNamespace(body=lambda: {}), job, backend,
+                            "id", "m", 0, body)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [{"city": "Paris"}]
+    assert whole["message"]["reasoning_content"] == "The user wants the weather in Paris."
 
 
 @pytest.mark.parametrize("with_tools", [False, True])
