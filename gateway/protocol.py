@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from common.model_files import TEMPLATE_ARGUMENTS
 
-from gateway.schemas import (CHOICES, CONTENT_RULE, MAX_TOKENS_0_RULE, RESPONSE_FORMAT, STREAM_OPTIONS_RULE,
-                             STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE, doc)
+from gateway.schemas import (CHOICES, CONTENT_RULE, GENERATION_PROMPT_RULE, MAX_TOKENS_0_RULE, RESPONSE_FORMAT,
+                             STREAM_OPTIONS_RULE, STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE,
+                             TOP_LOGPROBS_RULE, doc)
 from gateway.tools import MAX_TOOLS
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20)
@@ -137,7 +138,7 @@ TEMPLATE_KWARGS = {"type": "object", "properties": {"enable_thinking": {"type": 
 
 class ChatCompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"additionalProperties": False, "allOf": [
-        STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE, TOOL_CHOICE_RULE]})
+        STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE, TOOL_CHOICE_RULE, GENERATION_PROMPT_RULE]})
     messages: Messages
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
@@ -166,7 +167,7 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(BaseModel):
     """vLLM's /tokenize of chat messages (rendered by the model's template, with the tools and keyword arguments a
     chat request gives it)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [GENERATION_PROMPT_RULE]})
     model: str | None = None
     messages: Messages
     tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))

@@ -30,6 +30,12 @@ def _set(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 STREAM_OPTIONS_RULE = _either(_unset_or("stream_options", {"type": "null"}), _set("stream", {"const": True}))
 MAX_TOKENS_0_RULE = _either(_unset_or("max_tokens", {"not": {"const": 0}}), _set("echo", {"const": True}))
 TOP_LOGPROBS_RULE = _either(_unset_or("top_logprobs", {"enum": [None, 0]}), _set("logprobs", {"const": True}))
+# add_generation_prompt, where given, is the opposite of continue_final_message (jobs.continues)
+GENERATION_PROMPT_RULE = {"anyOf": [
+    _unset_or("add_generation_prompt", {"type": "null"}),
+    {"allOf": [_set("continue_final_message", {"const": True}), _set("add_generation_prompt", {"const": False})]},
+    {"allOf": [_unset_or("continue_final_message", {"enum": [False, None]}),
+               _set("add_generation_prompt", {"const": True})]}]}
 TOOL_CHOICE_RULE = _either(_unset_or("tool_choice", {"enum": [None, "none"]}),
                            _set("tools", {"type": "array", "minItems": 1}))
 CONTENT_RULE = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
