@@ -79,15 +79,23 @@ def _loads(text: str) -> object:
 def _as_call(block: str) -> ToolCall | None:
     """The call a block's inner text holds, or None when it is not one."""
     try:
-        obj = _loads(block)
-        if not isinstance(obj, dict):
-            return None
-        name = obj.get("name")
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            args = _loads(args)
+        return _call(_loads(block))
     except (ValueError, RecursionError):
         return None
+
+
+def _call(obj: object) -> ToolCall | None:
+    """The call a decoded JSON value is ({"name", "arguments" or "parameters": an object, or JSON text of one}), or
+    None when it is not one."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = _loads(args)
+        except (ValueError, RecursionError):
+            return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
     return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
@@ -342,7 +350,7 @@ class DeepSeekV3Parser(HermesParser):
     def _block_calls(self, block: str) -> list[ToolCall] | None:
         calls = []
         for name, args in self._CALL.findall(block):
-            call = _as_call(json.dumps({"name": name.strip(), "arguments": args}))
+            call = _call({"name": name.strip(), "arguments": args})
             if call is None:
                 return None
             calls.append(call)
@@ -433,7 +441,7 @@ class Llama3JsonParser(TrailingCallsParser):
                 obj, end = decoder.raw_decode(text, i)
             except (ValueError, RecursionError):
                 return None
-            call = _as_call(json.dumps(obj)) if isinstance(obj, dict) else None
+            call = _call(obj)
             if call is None:
                 return None
             calls.append(call)
@@ -473,13 +481,12 @@ class MistralParser(TrailingCallsParser):
                 value = _loads(pieces[0])
             except (ValueError, RecursionError):
                 return None
-            calls = [_as_call(json.dumps(v)) if isinstance(v, dict) else None
-                     for v in (value if isinstance(value, list) else [])]
+            calls = [_call(v) for v in (value if isinstance(value, list) else [])]
         else:
             calls = []
             for piece in pieces:
                 match = _MISTRAL_CALL.fullmatch(piece)
-                calls.append(None if match is None else _as_call(json.dumps({"name": match[1], "arguments": match[2]})))
+                calls.append(None if match is None else _call({"name": match[1], "arguments": match[2]}))
         if not calls or None in calls:
             return None
         for call in calls:  # Mistral's chat templates take back only ids of 9 letters and digits

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 from common.model_files import SPECIAL_TOKEN_KEYS, eos_token_ids, read_json
 
 
-
 @dataclass(slots=True)
 class ModelTokenizer:
     tokenizer: Tokenizer
