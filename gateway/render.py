@@ -15,7 +15,7 @@ from gateway.jobs import Job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import split_reasoning
 from gateway.tokens import TokenRenderer
-from gateway.tools import call_bodies, with_tool_calls
+from gateway.tools import with_calls, with_tool_calls
 
 LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
 
@@ -123,10 +123,7 @@ def harmony_message(text: str, finish: str | None, calls: bool, include_reasonin
     split = split_answer(text, calls=calls)
     message = {"role": "assistant", "content": split.content,
                "reasoning_content": split.reasoning or None if include_reasoning else None}
-    if not split.calls:
-        return message, finish
-    message.update(content=split.content or None, tool_calls=call_bodies(split.calls))
-    return message, "tool_calls" if finish == "stop" else finish
+    return with_calls(message, split.content, split.calls, finish)
 
 
 @dataclass

@@ -145,6 +145,13 @@ def with_tool_calls(message: dict[str, Any], finish: str | None, plan: ToolPlan,
         content, calls = make_parser(parser, plan.schemas).parse(text)
     else:
         content, calls = "", plan.calls(text)
+    return with_calls(message, content, calls, finish)
+
+
+def with_calls(message: dict[str, Any], content: str, calls: list[ToolCall], finish: str | None
+               ) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's message with the calls read out of it and the content left (None if none), and its finish
+    reason (tool_calls when a call ended it); as it was without calls."""
     if not calls:
         return message, finish
     message = dict(message, content=content or None, tool_calls=call_bodies(calls))
