@@ -12,7 +12,7 @@ import xxhash
 from common.model_files import TEMPLATE_ARGUMENTS
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import InvalidParam, SamplingParams
-from scheduler_svc.structured import THINKING_TOKENS, InvalidStructured, grammar_of
+from scheduler_svc.structured import InvalidStructured, grammar_of, thinking_tokens
 from scheduler_svc.tokenizer import ModelTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -208,7 +208,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     try:
         if req.HasField("structured"):
             params.grammar = grammar_of(req.structured)
-            missing = [t for t in THINKING_TOKENS.get(req.structured.reasoning, ()) if not tokenizer.is_special(t)]
+            missing = [t for t in thinking_tokens(req.structured.reasoning) if not tokenizer.is_special(t)]
             if missing:
                 raise InvalidStructured("structured.reasoning", f"{req.structured.reasoning} needs the special tokens "
                                         f"{', '.join(missing)}, which this model's tokenizer lacks")

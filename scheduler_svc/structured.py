@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import llguidance
 
@@ -43,8 +44,12 @@ _THINKING = {
     "openai_gptoss": 'start: (<|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant")? '
                      '<|channel|> "final" <|message|> @constraint\nANALYSIS: /(?s:.*)/',
 }
-# the special tokens a thinking grammar names, which the model's tokenizer must have (as special tokens)
-THINKING_TOKENS = {"openai_gptoss": ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")}
+
+
+def thinking_tokens(reasoning: str) -> list[str]:
+    """The special tokens the thinking grammar of `reasoning` names (Lark's `<|...|>`), which the model's tokenizer
+    must have as special tokens."""
+    return sorted(set(re.findall(r"<\|\w+\|>", _THINKING.get(reasoning, ""))))
 
 
 def grammar_of(structured: api.StructuredOutput) -> str:
