@@ -27,6 +27,7 @@ MODULES = {
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",
+    "latent-attention": "bench.latent_attention",
     "kernel-sass": "bench.kernel_sass",
     "skinny-gemm": "bench.skinny_gemm",
     "pdl-chain": "bench.pdl_chain",

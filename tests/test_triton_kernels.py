@@ -235,6 +235,32 @@ def test_both_attention_kernels_take_a_wide_latent_head():
     torch.testing.assert_close(out, ref[last], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,rope,latent", [(8, 32, 64), (20, 8, 40)])  # 20 heads: two blocks, one part-full
+@pytest.mark.parametrize("block_n,split", [(16, 32), (32, 128)])
+def test_latent_decode_kernel_matches_the_generic_one_over_the_latent(heads, rope, latent, block_n, split):
+    """DeepSeek's latent attention in decode: the latent kernel's output is the latent's columns of what the reference
+    computes with the cache as both K and V, over contexts of one and several splits; rope 8 and latent 40 take
+    parts padded inside the kernel; the split counters are left zero."""
+    from worker_svc.kernels.attention import latent_columns
+    from worker_svc.kernels.latent_attention import head_blocks, paged_latent_decode_attention
+
+    context_lens, page = [1, 31, 70, 129], 16
+    dim = rope + latent
+    cache, _, table = _paged(context_lens, page, 1, dim, torch.float32)
+    q = torch.randn(len(context_lens), heads, dim, generator=torch.Generator().manual_seed(5))
+    n = len(context_lens)
+    meta = AttentionMetadata(torch.arange(n + 1, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
+                             table, None, 1, [1] * n, context_lens)
+    ref = TorchAttention().latent(q, cache, meta, 0.1, 1.0, rope)
+    assert ref.shape == (n, heads, latent)
+    torch.testing.assert_close(ref, latent_columns(TorchAttention().forward(q, cache, cache, meta, 0.1), rope))
+    counters = merge_counters(n, head_blocks(heads), "cpu")
+    out = paged_latent_decode_attention(q, cache, meta.seqused_k, table, 0.1, rope, counters=counters,
+                                        base_split=split, block_n=block_n)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("window", [1, 6, 16, 40])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (32, 32, 16)])
 def test_prefill_attention_with_a_sliding_window_matches_reference(window, page, block_m, block_n):

@@ -144,9 +144,18 @@ def test_fast_backends_take_deepseeks_latent_head(backend, case):
     meta = _meta(q_lens, c_lens, block_size, num_blocks, gen)
     kv = torch.randn(num_blocks, block_size, 1, dim, generator=gen).to("cuda", torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = make_attention(backend, torch.device("cuda"), head_dim=dim).forward(q, kv, kv, meta, 192 ** -0.5)
+    paged = make_attention(backend, torch.device("cuda"), head_dim=dim)
+    fast = paged.forward(q, kv, kv, meta, 192 ** -0.5)
     ref = TorchAttention().forward(q.float(), kv.float(), kv.float(), meta, 192 ** -0.5)
     torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+    # as model/mla.py asks: the latent's 512 columns (decode steps: the latent kernel), over bf16 and (where the
+    # backend reads one) e4m3 caches
+    fp8 = [((kv.float() / 2).to(torch.float8_e4m3fn), 2.0)] if backend == "triton" else []
+    for cache, k_scale in [(kv, 1.0), *fp8]:
+        fast = paged.latent(q, cache, meta, 192 ** -0.5, k_scale, 64)
+        ref = TorchAttention().latent(q.float(), cache.float(), meta, 192 ** -0.5, k_scale, 64)
+        assert fast.shape == (q.shape[0], heads, 512)
+        torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 256])

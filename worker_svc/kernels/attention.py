@@ -73,31 +73,54 @@ class AttentionBackend(Protocol):
         of the weight and adds nothing to the output. Returns q's shape."""
         ...
 
+    def latent(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float,
+               rope_dim: int) -> torch.Tensor:
+        """Multi-head latent attention (model/mla.py): every head of q ([tokens, heads, rope_dim + latent]) over the
+        one cache plane that is both K and V ([num_blocks, page, 1, rope_dim + latent], in the order of
+        latent_columns), V being its latent alone. Returns [tokens, heads, latent]."""
+        ...
+
+
+def latent_columns(o: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """The latent's columns, [..., latent], of a row stored as the rope kernels pair a latent-attention head's dims
+    (layers.rotary_order): [rope dims' firsts | latent's first half | rope dims' seconds | latent's second half]."""
+    half, latent_half = rope_dim // 2, (o.shape[-1] - rope_dim) // 2
+    return torch.cat([o[..., half:half + latent_half], o[..., 2 * half + latent_half:]], dim=-1)
+
 
 # (q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks) -> out
 Prefill = Callable[..., torch.Tensor]
 
 
 class TritonDecode:
-    """The split-KV decode kernel (decode_attention.py) with the split counters every layer shares (each
-    call leaves them zero). Sized by the first, largest call: CUDA graphs are captured largest first, after
-    an eager warm-up. A larger batch later gets larger ones; the old stay allocated, as captured graphs may
-    still use them."""
+    """The split-KV decode kernels (decode_attention.py, and latent_attention.py for latent attention) with the
+    split counters every layer shares (each call leaves them zero). Sized by the first, largest call: CUDA graphs
+    are captured largest first, after an eager warm-up. A larger batch later gets larger ones; the old stay
+    allocated, as captured graphs may still use them."""
 
     def __init__(self):
-        from worker_svc.kernels import decode_attention  # triton: a GPU-only dependency
+        from worker_svc.kernels import decode_attention, latent_attention  # triton: a GPU-only dependency
 
-        self._kernel = decode_attention
+        self._kernel, self._latent = decode_attention, latent_attention
         self._counters: list[torch.Tensor] = []
+
+    def counters(self, n: int, device: torch.device) -> torch.Tensor:
+        if not self._counters or self._counters[-1].numel() < n:
+            self._counters.append(torch.zeros(n, dtype=torch.int32, device=device))
+        return self._counters[-1]
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                  v_scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None) -> torch.Tensor:
-        if not self._counters or self._counters[-1].numel() < q.shape[0] * k_cache.shape[2]:
-            self._counters.append(self._kernel.merge_counters(q.shape[0], k_cache.shape[2], q.device))
         return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.seqused_k, meta.page_table, scale,
                                                    k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
-                                                   sinks=sinks, counters=self._counters[-1])
+                                                   sinks=sinks, counters=self.counters(q.shape[0] * k_cache.shape[2],
+                                                                                       q.device))
+
+    def latent(self, q, cache, meta: AttentionMetadata, scale: float, k_scale: float, rope_dim: int) -> torch.Tensor:
+        counters = self.counters(q.shape[0] * self._latent.head_blocks(q.shape[1]), q.device)
+        return self._latent.paged_latent_decode_attention(q, cache, meta.seqused_k, meta.page_table, scale, rope_dim,
+                                                          k_scale=k_scale, counters=counters)
 
 
 class TritonPrefill:
@@ -167,7 +190,7 @@ class PagedAttention:
     """A GPU backend: the decode kernel for decode-only steps (one query token per sequence); for steps with
     prefills its one prefill kernel or, with several (`auto`), the one `prefill_kernel` picks, once per step."""
 
-    def __init__(self, name: str, prefills: dict[str, Prefill], decode: Prefill):
+    def __init__(self, name: str, prefills: dict[str, Prefill], decode: TritonDecode):
         self.name, self.prefills, self._decode = name, prefills, decode
         self.forced: str | None = None  # a prefill kernel every step uses (the warm-up builds each in turn)
         self.steps = dict.fromkeys(prefills, 0)  # steps with prefills, by the kernel that ran them
@@ -185,6 +208,11 @@ class PagedAttention:
             self._chosen, self._chosen_for = self.prefills[name], meta
             self.steps[name] += 1
         return self._chosen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
+
+    def latent(self, q, cache, meta: AttentionMetadata, scale: float, k_scale: float, rope_dim: int) -> torch.Tensor:
+        if meta.max_seqlen_q == 1:
+            return self._decode.latent(q, cache, meta, scale, k_scale, rope_dim)
+        return latent_columns(self.forward(q, cache, cache, meta, scale, k_scale, k_scale), rope_dim)
 
 
 def flash_attn_available(device: torch.device) -> bool:

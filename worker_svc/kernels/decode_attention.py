@@ -139,28 +139,36 @@ def _split_kernel(Q, K, V, PageTable, SeqUsed, PartO, PartLse, Out, Counters, Si
     lse_ptrs = PartLse + seq * stride_lb + heads * stride_lh
     tl.store(o_ptrs + split * stride_os, acc / l[:, None], mask=live)
     tl.store(lse_ptrs + split, m + tl.log2(l), mask=h < GROUP)
-    # Every thread's stores come before the counter's release; the program that finds splits - 1 there
-    # is the last, and its acquire makes the others' partials visible to it. It resets the counter
-    # for the next layer (and graph replay).
+    merge_if_last(Counters + seq * KV_HEADS + kvh, first_split, splits, o_ptrs, lse_ptrs, stride_os, out, live,
+                  h < GROUP, Sinks, heads, v_scale, BLOCK_H, SINKS)
+
+
+@triton.jit
+def merge_if_last(counter, first_split, splits, o_ptrs, lse_ptrs, stride_os, out, live, head_live, Sinks, heads,
+                  v_scale, BLOCK_H: tl.constexpr, SINKS: tl.constexpr):
+    """After a split program stored its partial output (at o_ptrs + split * stride_os, [BLOCK_H, width]) and its
+    log-sum-exp (lse_ptrs + split): the last of splits first_split..splits - 1 to get here merges them all into
+    `out`. Every thread's stores come before the counter's release; the program that finds the count of the others
+    there is the last, and its acquire makes their partials visible to it. It resets the counter for the next
+    layer (and graph replay)."""
     tl.debug_barrier()
-    counter = Counters + seq * KV_HEADS + kvh
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - first_split - 1:
         tl.debug_barrier()
         tl.store(counter, 0)
         # the partials are read past L1, which another program's stores did not go through
-        m = tl.load(lse_ptrs + first_split, mask=h < GROUP, other=0.0, cache_modifier=".cg")
+        m = tl.load(lse_ptrs + first_split, mask=head_live, other=0.0, cache_modifier=".cg")
         acc = tl.load(o_ptrs + first_split * stride_os, mask=live, other=0.0, cache_modifier=".cg")
         l = tl.full([BLOCK_H], 1.0, tl.float32)
         for i in range(first_split + 1, splits):
-            lse = tl.load(lse_ptrs + i, mask=h < GROUP, other=0.0, cache_modifier=".cg")
+            lse = tl.load(lse_ptrs + i, mask=head_live, other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m, lse)
             a, b = tl.exp2(m - m_new), tl.exp2(lse - m_new)
             part = tl.load(o_ptrs + i * stride_os, mask=live, other=0.0, cache_modifier=".cg")
             acc = acc * a[:, None] + part * b[:, None]
             l = l * a + b
             m = m_new
-        l = with_sinks(l, m, Sinks, heads, h < GROUP, SINKS)
-        tl.store(out, (acc / l[:, None] * v_scale).to(Out.dtype.element_ty), mask=live)
+        l = with_sinks(l, m, Sinks, heads, head_live, SINKS)
+        tl.store(out, (acc / l[:, None] * v_scale).to(out.dtype.element_ty), mask=live)
 
 
 def wide_head_tiles(head_dim: int, block_n: int, num_stages: int) -> tuple[int, int]:

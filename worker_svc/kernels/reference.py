@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.util import cdiv
+from worker_svc.kernels.attention import latent_columns
 
 _M32 = 0xFFFFFFFF
 
@@ -228,3 +229,6 @@ class TorchAttention:
             out[start:start + n] = o.transpose(0, 1) if v_scale == 1.0 else (o.transpose(0, 1) * v_scale)
             start += n
         return out
+
+    def latent(self, q, cache, meta, scale, k_scale, rope_dim):
+        return latent_columns(self.forward(q, cache, cache, meta, scale, k_scale, k_scale), rope_dim)

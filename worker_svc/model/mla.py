@@ -80,10 +80,7 @@ class MultiLatentAttention(nn.Module):
         q = self.kernels.qk_norm_rope_store(qkv, positions, self.rotary.cos_sin, None, None, self.eps, self.k_cache,
                                             self.v_cache, meta.slot_mapping, heads, 1, self.k_scale, self.v_scale)
         q = scale_queries(q, positions, self.query_log_scale)
-        # V is K's plane, so an fp8 cache reads it at K's scale
-        o = self.kernels.attention.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
-                                           self.k_scale)
-        half, latent_half = mla.qk_rope_head_dim // 2, mla.kv_lora_rank // 2
-        o_latent = torch.cat([o[..., half:half + latent_half], o[..., 2 * half + latent_half:]], dim=-1)
+        o_latent = self.kernels.attention.latent(q, self.k_cache, meta, self.scale, self.k_scale,
+                                                 mla.qk_rope_head_dim)
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [tokens, heads, v_head_dim]
         return self.o_proj(o.reshape(tokens, -1))
