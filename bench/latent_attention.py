@@ -47,12 +47,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         reference = TorchAttention().latent(q.float(), cache.float(), meta, scale, 1.0, args.rope)
         gbytes = tokens * head_dim * cache.element_size() / 1e9
         counters = merge_counters(batch, max(1, head_blocks(args.heads)), "cuda")
-        kernels = {"generic": lambda: latent_columns(
+        kernels = {"generic": lambda q=q, cache=cache: latent_columns(
             paged_decode_attention(q, cache, cache, lens, table, scale, counters=counters), args.rope)}
         for config in args.configs.split(","):
             block_n, warps, stages, split = (int(x) for x in config.split(":"))
             kernels[f"latent {config}"] = (
-                lambda b=block_n, w=warps, s=stages, sp=split: paged_latent_decode_attention(
+                lambda q=q, cache=cache, b=block_n, w=warps, s=stages, sp=split: paged_latent_decode_attention(
                     q, cache, lens, table, scale, args.rope, counters=counters, base_split=sp, block_n=b,
                     num_warps=w, num_stages=s))
         for name, fn in kernels.items():

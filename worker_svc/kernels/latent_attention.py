@@ -94,7 +94,8 @@ def _latent_kernel(Q, Cache, PageTable, SeqUsed, PartO, PartLse, Out, Counters, 
     tl.store(lse_ptrs + split, m + tl.log2(l), mask=head_live)
     w = tl.arange(0, 2 * LATENT_PAD)
     o_ptrs = PartO + seq * stride_ob + heads[:, None] * stride_oh + w[None, :]
-    out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + (w // LATENT_PAD * LATENT + w % LATENT_PAD)[None, :]
+    out_cols = w // LATENT_PAD * LATENT + w % LATENT_PAD
+    out = Out + seq * stride_out_t + heads[:, None] * stride_out_h + out_cols[None, :]
     merge_if_last(Counters + seq * tl.num_programs(0) + hb, 0, tl.cdiv(ctx, SPLIT), o_ptrs, lse_ptrs, stride_os, out,
                   q_live & (w % LATENT_PAD < LATENT)[None, :], head_live, PartLse, heads, v_scale, BLOCK_H, False)
 
