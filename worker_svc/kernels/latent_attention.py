@@ -107,8 +107,9 @@ def head_blocks(heads: int) -> int:
 
 def tile_config(batch: int) -> dict:
     """Tokens per tile and per split, warps and stages for a decode batch (bench/results/latent_attention_*.md)."""
-    return dict(base_split=256, block_n=32, num_warps=4, num_stages=2) if batch <= 16 else dict(
-        base_split=512, block_n=64, num_warps=4, num_stages=2)
+    if batch <= 32:  # 256-token splits spread a few sequences over more programs, 8 warps shorten each
+        return dict(base_split=256, block_n=64, num_warps=8, num_stages=2)
+    return dict(base_split=512, block_n=64, num_warps=4, num_stages=2)
 
 
 def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_k: torch.Tensor,
