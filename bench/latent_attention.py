@@ -22,7 +22,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cases", default=CASES, help="comma-separated BxL or BxLO-HI (bench decode-attention's)")
     ap.add_argument("--configs", default="32:4:2:512,64:4:2:512,32:4:3:512,16:4:4:512,32:8:2:512,32:4:2:256",
-                    help="latent kernel configurations block_n:num_warps:num_stages:split, comma-separated")
+                    help="latent kernel configurations block_n:num_warps:num_stages:split[:tma], comma-separated "
+                         "(tma: tiles loaded by the tensor memory accelerator)")
     ap.add_argument("--heads", type=int, default=16, help="query heads a worker holds (DeepSeek-V2-Lite 16)")
     ap.add_argument("--latent", type=int, default=512, help="kv_lora_rank")
     ap.add_argument("--rope", type=int, default=64, help="qk_rope_head_dim")
@@ -50,11 +51,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         kernels = {"generic": lambda q=q, cache=cache: latent_columns(
             paged_decode_attention(q, cache, cache, lens, table, scale, counters=counters), args.rope)}
         for config in args.configs.split(","):
-            block_n, warps, stages, split = (int(x) for x in config.split(":"))
+            block_n, warps, stages, split = (int(x) for x in config.split(":")[:4])
             kernels[f"latent {config}"] = (
-                lambda q=q, cache=cache, b=block_n, w=warps, s=stages, sp=split: paged_latent_decode_attention(
-                    q, cache, lens, table, scale, args.rope, counters=counters, base_split=sp, block_n=b,
-                    num_warps=w, num_stages=s))
+                lambda q=q, cache=cache, b=block_n, w=warps, s=stages, sp=split, t=config.endswith(":tma"):
+                paged_latent_decode_attention(q, cache, lens, table, scale, args.rope, counters=counters,
+                                              base_split=sp, block_n=b, num_warps=w, num_stages=s, tma=t))
         for name, fn in kernels.items():
             row = {"case": case, "heads": args.heads, "kernel": name}
             try:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
+
+from worker_svc.kernels.attention import cuda_capability_at_least
 from worker_svc.kernels.decode_attention import LOG2E, merge_counters, merge_if_last, page_of, split_size
 from worker_svc.kernels.precision import dot
 
@@ -32,12 +35,12 @@ def _part(rows, col0, cols, mask, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _latent_kernel(Q, Cache, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale,
+def _latent_kernel(Q, Cache, RopeTiles, LatentTiles, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale,
                    stride_qt, stride_qh, stride_cb, stride_ct, stride_pt, stride_ob, stride_oh, stride_os,
                    stride_lb, stride_lh, stride_out_t, stride_out_h,
                    HEADS: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, LATENT: tl.constexpr,
                    LATENT_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, TMA: tl.constexpr):
     # ROPE and LATENT are halves: a token's row is [ROPE | LATENT | ROPE | LATENT]
     hb, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(SeqUsed + seq)
@@ -62,13 +65,21 @@ def _latent_kernel(Q, Cache, PageTable, SeqUsed, PartO, PartLse, Out, Counters, 
     for t0 in tl.range(start, end, BLOCK_N):
         t = t0 + n
         valid = t < end
-        page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
-        rows = Cache + page * stride_cb + offset * stride_ct
-        live = valid[:, None]
-        k_ra = _part(rows, 0, r, live, ROPE).to(q_ra.dtype)
-        k_la = _part(rows, ROPE, c, live, LATENT).to(q_ra.dtype)
-        k_rb = _part(rows, ROPE + LATENT, r, live, ROPE).to(q_ra.dtype)
-        k_lb = _part(rows, 2 * ROPE + LATENT, c, live, LATENT).to(q_ra.dtype)
+        if TMA:  # the cache as [blocks x page, row] descriptors of each part's width; a tile lies in one page.
+            # Rows past the context are read as stored: finite (the cache starts zeroed), and p is 0 there
+            row = (tl.load(pages + t0 // PAGE) * PAGE + t0 % PAGE).to(tl.int32)
+            k_ra = RopeTiles.load([row, 0]).to(q_ra.dtype)
+            k_la = LatentTiles.load([row, ROPE]).to(q_ra.dtype)
+            k_rb = RopeTiles.load([row, ROPE + LATENT]).to(q_ra.dtype)
+            k_lb = LatentTiles.load([row, 2 * ROPE + LATENT]).to(q_ra.dtype)
+        else:
+            page, offset = page_of(pages, t0, t, valid, PAGE, BLOCK_N)
+            rows = Cache + page * stride_cb + offset * stride_ct
+            live = valid[:, None]
+            k_ra = _part(rows, 0, r, live, ROPE).to(q_ra.dtype)
+            k_la = _part(rows, ROPE, c, live, LATENT).to(q_ra.dtype)
+            k_rb = _part(rows, ROPE + LATENT, r, live, ROPE).to(q_ra.dtype)
+            k_lb = _part(rows, 2 * ROPE + LATENT, c, live, LATENT).to(q_ra.dtype)
         s = dot(q_la, tl.trans(k_la)) + dot(q_lb, tl.trans(k_lb))
         s = (s + dot(q_ra, tl.trans(k_ra)) + dot(q_rb, tl.trans(k_rb))) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -108,20 +119,27 @@ def head_blocks(heads: int) -> int:
 def tile_config(batch: int) -> dict:
     """Tokens per tile and per split, warps and stages for a decode batch (bench/results/latent_attention_*.md)."""
     if batch <= 32:  # 256-token splits spread a few sequences over more programs, 8 warps shorten each
-        return dict(base_split=256, block_n=64, num_warps=8, num_stages=2)
-    return dict(base_split=512, block_n=64, num_warps=4, num_stages=2)
+        return dict(base_split=256, block_n=64, num_warps=8, num_stages=2, tma=False)
+    return dict(base_split=512, block_n=64, num_warps=4, num_stages=2, tma=False)
+
+
+def tma_fits(cache: torch.Tensor, block_n: int, unpadded: bool) -> bool:
+    """Whether TMA loads the cache's tiles: each inside one page, of a contiguous cache whose parts need no padding
+    (DeepSeek's 32 and 256), on a GPU with the unit (Hopper and later) or under the interpreter."""
+    unit = cache.device.type != "cuda" or cuda_capability_at_least(cache.device, 9)
+    return block_n <= cache.shape[1] and cache.is_contiguous() and unpadded and unit
 
 
 def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_k: torch.Tensor,
                                   page_table: torch.Tensor, scale: float, rope_dim: int, *, k_scale: float = 1.0,
                                   counters: torch.Tensor | None = None, base_split: int | None = None,
                                   block_n: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None) -> torch.Tensor:
+                                  num_stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """q: [batch, heads, rope_dim + latent], one token per sequence whose latent is already in the cache
     ([num_blocks, page, 1, rope_dim + latent], q's dtype or fp8 holding values / k_scale; both in the order the
     module's docstring gives). Returns [batch, heads, latent] in q's dtype: each head's softmax-weighted sum of the
     latents. counters: int32 zeros, at least batch x head_blocks(heads), which the call leaves zero (default: fresh
-    ones)."""
+    ones). tma: the tiles loaded by the tensor memory accelerator, where tma_fits (default: tile_config's choice)."""
     q = q.contiguous()
     batch, heads, head_dim = q.shape
     page = cache.shape[1]
@@ -141,11 +159,16 @@ def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_
     if counters is None:
         counters = merge_counters(batch, head_blocks(heads), q.device)
     assert counters.numel() >= batch * head_blocks(heads) and counters.dtype == torch.int32
+    rope_pad, parts = max(16, triton.next_power_of_2(rope)), (cache, cache)
+    tma = (tiles["tma"] if tma is None else tma) and tma_fits(cache, block_n, rope == rope_pad and latent == latent_pad)
+    if tma:
+        rows = cache.view(-1, head_dim)
+        parts = tuple(TensorDescriptor(rows, list(rows.shape), [head_dim, 1], [block_n, w]) for w in (rope, latent))
     _latent_kernel[(head_blocks(heads), num_splits, batch)](
-        q, cache, page_table, seqused_k, part_o, part_lse, out, counters, scale * k_scale * LOG2E, k_scale,
+        q, cache, *parts, page_table, seqused_k, part_o, part_lse, out, counters, scale * k_scale * LOG2E, k_scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), HEADS=heads, ROPE=rope, ROPE_PAD=max(16, triton.next_power_of_2(rope)),
-        LATENT=latent, LATENT_PAD=latent_pad, PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLIT=split,
+        out.stride(0), out.stride(1), HEADS=heads, ROPE=rope, ROPE_PAD=rope_pad,
+        LATENT=latent, LATENT_PAD=latent_pad, PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLIT=split, TMA=tma,
         num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"])
     return out
