@@ -2,8 +2,9 @@
 latent c and its rope dims k_rope (one "KV head" of kv_lora_rank + qk_rope_head_dim for every query head), its V the
 same values in the same memory (one cache plane: v_is_k). Each head's projections are absorbed (as DeepSeek's own
 inference code and vLLM's MLA do): the query q_nope . (W_UK c) is (W_UK^T q_nope) . c, so the head queries the latent
-with q_nope W_UK; its output W_UV (sum p c) is the latent's weighted sum taken through W_UV afterwards. The paged
-attention kernels run unchanged, K and V of one head size; the rope dims' share of that output is left.
+with q_nope W_UK; its output W_UV (sum p c) is the latent's weighted sum taken through W_UV afterwards. The backend's
+`latent` call computes that sum (decode steps on a kernel of their own, kernels/latent_attention.py; prefills on the
+paged kernels with K and V of one head size, the rope dims' share of their output left).
 
 Each head's dims are stored as the rope kernels pair them (layers.rotary_order over [rope dims, latent dims]): K
 assembled so, q's rope dims by a reordering of its projection's rows at load, of kv_a_proj's for K's; the dot
