@@ -117,10 +117,10 @@ def head_blocks(heads: int) -> int:
 
 
 def tile_config(batch: int) -> dict:
-    """Tokens per tile and per split, warps and stages for a decode batch (bench/results/latent_attention_*.md)."""
-    if batch <= 32:  # 256-token splits spread a few sequences over more programs, 8 warps shorten each
-        return dict(base_split=256, block_n=64, num_warps=8, num_stages=2, tma=False)
-    return dict(base_split=512, block_n=64, num_warps=4, num_stages=2, tma=False)
+    """Tokens per tile and per split, warps, stages and TMA for a decode batch, the best measured on the H200
+    (bench/results/latent_attention_*.md): 64-token tiles by TMA, in 256-token splits up to 32 sequences (more
+    programs for a few sequences), in 512-token splits past that."""
+    return dict(base_split=256 if batch <= 32 else 512, block_n=64, num_warps=4, num_stages=2, tma=True)
 
 
 def tma_fits(cache: torch.Tensor, block_n: int, unpadded: bool) -> bool:
