@@ -1,7 +1,7 @@
 """A tokenizer published as tiktoken BPE ranks, as a Hugging Face `tokenizer.json`: byte-level BPE whose merges are
 recovered from the ranks (the standard tiktoken -> Hugging Face conversion), the pre-tokenizer's pattern, and the
 added tokens with their ids. The project writes Qwen's tokenizer this way (worker_svc/checkpoints/tokenizer_files.py),
-and a checkpoint that ships `tiktoken.model` instead of a tokenizer.json (Kimi-K2, Kimi-Linear, Moonlight) is read
+and a checkpoint that ships `tiktoken.model` instead of a tokenizer.json (Kimi-K2, Moonlight) is read
 this way (model_files.tokenizer_json).
 
 A tiktoken file holds no pattern: it is the `pat_str` of the tokenizer module the checkpoint names in
