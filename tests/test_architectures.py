@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import tiktoken
 import torch
 import transformers
 
@@ -428,6 +429,30 @@ def test_greedy_through_the_services(checkpoint, tmp_path):
                       scheduler_args=limits, log_dir=tmp_path) as cluster, Client(cluster.address, timeout=120) as c:
         outs = [c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts]
     assert [o[0].token_ids for o in outs] == [_generate_hf(hf, p, 12) for p in prompts]
+
+
+def test_a_checkpoint_shipping_tiktoken_ranks_serves_text(tmp_path_factory, tmp_path):
+    """Kimi-K2's layout (DeepSeek-V3's architecture, tiktoken.model and tokenization_kimi's config, no tokenizer.json):
+    a text prompt is encoded as tiktoken encodes it and generated as transformers generates."""
+    from tests.test_tokenizer import KIMI_PATTERN, KIMI_NAMED, _write_kimi_layout
+    from worker_svc.checkpoints.tokenizer_files import load_ranks
+
+    _, folder, hf = _write("deepseek_v3_moe", tmp_path_factory)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (folder / f).unlink()
+    config = json.loads((folder / "config.json").read_text())
+    _write_kimi_layout(folder)
+    (folder / "config.json").write_text(json.dumps(config))  # the model's own, not the layout's stand-in
+    n = len(load_ranks())
+    tiktoken_ids = tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, mergeable_ranks=load_ranks(), special_tokens={
+        KIMI_NAMED.get(i - n, (f"<|reserved_token_{i}|>",))[0]: i for i in range(n, n + 256)})
+    prompt = "<|im_user|>中文English混合, HELLOWorld 12345<|im_end|><|im_assistant|>"
+    ids = tiktoken_ids.encode(prompt, allowed_special="all")
+    with LocalCluster(folder, worker_args=["--num-blocks", "64", "--block-size", "8"], log_dir=tmp_path) as cluster, \
+            Client(cluster.address, timeout=120) as c:
+        out = c.complete(prompt, max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=0)[0]
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == _generate_hf(hf, ids, 10)
 
 
 def test_a_window_model_gives_back_the_blocks_behind_its_window(tmp_path_factory, tmp_path):
