@@ -4,7 +4,7 @@ read from the one plane), per layer call, in CUDA graphs (bench.decode_attention
 the cache rows read once; each output is checked against the torch backend's.
 
 python -m bench latent-attention
-python -m bench latent-attention --heads 64 --configs 32:4:2:512,32:8:2:512
+python -m bench latent-attention --heads 64 --configs 64:4:2:512:tma:h16,64:8:2:512:tma:h64
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cases", default=CASES, help="comma-separated BxL or BxLO-HI (bench decode-attention's)")
     ap.add_argument("--configs", default="32:4:2:512,64:4:2:512,32:4:3:512,16:4:4:512,32:8:2:512,32:4:2:256",
-                    help="latent kernel configurations block_n:num_warps:num_stages:split[:tma], comma-separated "
-                         "(tma: tiles loaded by the tensor memory accelerator)")
+                    help="latent kernel configurations block_n:num_warps:num_stages:split[:tma][:hH], comma-separated "
+                         "(tma: tiles loaded by the tensor memory accelerator; hH: H query heads a program)")
     ap.add_argument("--heads", type=int, default=16, help="query heads a worker holds (DeepSeek-V2-Lite 16)")
     ap.add_argument("--latent", type=int, default=512, help="kv_lora_rank")
     ap.add_argument("--rope", type=int, default=64, help="qk_rope_head_dim")
@@ -47,15 +47,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  [1] * batch, lens.tolist())
         reference = TorchAttention().latent(q.float(), cache.float(), meta, scale, 1.0, args.rope)
         gbytes = tokens * head_dim * cache.element_size() / 1e9
-        counters = merge_counters(batch, max(1, head_blocks(args.heads)), "cuda")
+        counters = merge_counters(batch, head_blocks(args.heads, 16), "cuda")  # the most any configuration takes
         kernels = {"generic": lambda q=q, cache=cache: latent_columns(
             paged_decode_attention(q, cache, cache, lens, table, scale, counters=counters), args.rope)}
         for config in args.configs.split(","):
             block_n, warps, stages, split = (int(x) for x in config.split(":")[:4])
             kernels[f"latent {config}"] = (
-                lambda q=q, cache=cache, b=block_n, w=warps, s=stages, sp=split, t=config.endswith(":tma"):
+                lambda q=q, cache=cache, b=block_n, w=warps, s=stages, sp=split, t=":tma" in config,
+                h=int(config.partition(":h")[2] or 0) or None:
                 paged_latent_decode_attention(q, cache, lens, table, scale, args.rope, counters=counters,
-                                              base_split=sp, block_n=b, num_warps=w, num_stages=s, tma=t))
+                                              base_split=sp, block_n=b, num_warps=w, num_stages=s, tma=t, block_h=h))
         for name, fn in kernels.items():
             row = {"case": case, "heads": args.heads, "kernel": name}
             try:

@@ -236,9 +236,10 @@ def test_both_attention_kernels_take_a_wide_latent_head():
 
 
 @pytest.mark.parametrize("heads,rope,latent", [(8, 32, 64), (20, 8, 40)])  # 20 heads: two blocks, one part-full
-@pytest.mark.parametrize("block_n,split", [(16, 32), (32, 128)])
+@pytest.mark.parametrize("block_n,split,block_h", [(16, 32, 16), (32, 128, 32)])
 @pytest.mark.parametrize("tma", [False, True])
-def test_latent_decode_kernel_matches_the_generic_one_over_the_latent(heads, rope, latent, block_n, split, tma):
+def test_latent_decode_kernel_matches_the_generic_one_over_the_latent(heads, rope, latent, block_n, split, block_h,
+                                                                      tma):
     """DeepSeek's latent attention in decode: the latent kernel's output is the latent's columns of what the reference
     computes with the cache as both K and V, over contexts of one and several splits; rope 8 and latent 40 take
     parts padded inside the kernel (pointer loads then, whatever `tma` asks); the split counters are left zero."""
@@ -255,9 +256,9 @@ def test_latent_decode_kernel_matches_the_generic_one_over_the_latent(heads, rop
     ref = TorchAttention().latent(q, cache, meta, 0.1, 1.0, rope)
     assert ref.shape == (n, heads, latent)
     torch.testing.assert_close(ref, latent_columns(TorchAttention().forward(q, cache, cache, meta, 0.1), rope))
-    counters = merge_counters(n, head_blocks(heads), "cpu")
+    counters = merge_counters(n, head_blocks(heads, block_h), "cpu")
     out = paged_latent_decode_attention(q, cache, meta.seqused_k, table, 0.1, rope, counters=counters,
-                                        base_split=split, block_n=block_n, tma=tma)
+                                        base_split=split, block_n=block_n, tma=tma, block_h=block_h)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not counters.any()
 

@@ -25,7 +25,6 @@ from worker_svc.kernels.attention import cuda_capability_at_least
 from worker_svc.kernels.decode_attention import LOG2E, merge_counters, merge_if_last, page_of, split_size
 from worker_svc.kernels.precision import dot
 
-BLOCK_H = 16  # query heads a program takes: the tensor core's rows
 
 
 @triton.jit
@@ -111,9 +110,14 @@ def _latent_kernel(Q, Cache, RopeTiles, LatentTiles, PageTable, SeqUsed, PartO, 
                   q_live & (w % LATENT_PAD < LATENT)[None, :], head_live, PartLse, heads, v_scale, BLOCK_H, False)
 
 
-def head_blocks(heads: int) -> int:
-    """Programs a (sequence, split) takes: the query heads in blocks of BLOCK_H."""
-    return cdiv(heads, BLOCK_H)
+def block_heads(heads: int) -> int:
+    """Query heads a program takes, at least the tensor core's 16 rows."""
+    return 16
+
+
+def head_blocks(heads: int, block_h: int | None = None) -> int:
+    """Programs a (sequence, split) takes: the query heads in blocks of block_h (default block_heads')."""
+    return cdiv(heads, block_h or block_heads(heads))
 
 
 def tile_config(batch: int) -> dict:
@@ -134,12 +138,14 @@ def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_
                                   page_table: torch.Tensor, scale: float, rope_dim: int, *, k_scale: float = 1.0,
                                   counters: torch.Tensor | None = None, base_split: int | None = None,
                                   block_n: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
+                                  num_stages: int | None = None, tma: bool | None = None,
+                                  block_h: int | None = None) -> torch.Tensor:
     """q: [batch, heads, rope_dim + latent], one token per sequence whose latent is already in the cache
     ([num_blocks, page, 1, rope_dim + latent], q's dtype or fp8 holding values / k_scale; both in the order the
     module's docstring gives). Returns [batch, heads, latent] in q's dtype: each head's softmax-weighted sum of the
-    latents. counters: int32 zeros, at least batch x head_blocks(heads), which the call leaves zero (default: fresh
-    ones). tma: the tiles loaded by the tensor memory accelerator, where tma_fits (default: tile_config's choice)."""
+    latents. counters: int32 zeros, at least batch x head_blocks(heads, block_h), which the call leaves zero (default: fresh
+    ones). tma: the tiles loaded by the tensor memory accelerator, where tma_fits (default: tile_config's choice);
+    block_h: query heads a program takes (default block_heads')."""
     q = q.contiguous()
     batch, heads, head_dim = q.shape
     page = cache.shape[1]
@@ -157,18 +163,19 @@ def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads, 2 * latent, dtype=q.dtype, device=q.device)
     if counters is None:
-        counters = merge_counters(batch, head_blocks(heads), q.device)
-    assert counters.numel() >= batch * head_blocks(heads) and counters.dtype == torch.int32
+        counters = merge_counters(batch, head_blocks(heads, block_h), q.device)
+    assert counters.numel() >= batch * head_blocks(heads, block_h) and counters.dtype == torch.int32
     rope_pad, parts = max(16, triton.next_power_of_2(rope)), (cache, cache)
     tma = (tiles["tma"] if tma is None else tma) and tma_fits(cache, block_n, rope == rope_pad and latent == latent_pad)
     if tma:
         rows = cache.view(-1, head_dim)
         parts = tuple(TensorDescriptor(rows, list(rows.shape), [head_dim, 1], [block_n, w]) for w in (rope, latent))
-    _latent_kernel[(head_blocks(heads), num_splits, batch)](
+    block_h = block_h or block_heads(heads)
+    _latent_kernel[(head_blocks(heads, block_h), num_splits, batch)](
         q, cache, *parts, page_table, seqused_k, part_o, part_lse, out, counters, scale * k_scale * LOG2E, k_scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), HEADS=heads, ROPE=rope, ROPE_PAD=rope_pad,
-        LATENT=latent, LATENT_PAD=latent_pad, PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLIT=split, TMA=tma,
+        LATENT=latent, LATENT_PAD=latent_pad, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, TMA=tma,
         num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"])
     return out
