@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  [1] * batch, lens.tolist())
         reference = TorchAttention().latent(q.float(), cache.float(), meta, scale, 1.0, args.rope)
         gbytes = tokens * head_dim * cache.element_size() / 1e9
-        counters = merge_counters(batch, head_blocks(args.heads, 16), "cuda")  # the most any configuration takes
+        counters = merge_counters(batch, head_blocks(args.heads), "cuda")  # the most any configuration takes
         kernels = {"generic": lambda q=q, cache=cache: latent_columns(
             paged_decode_attention(q, cache, cache, lens, table, scale, counters=counters), args.rope)}
         for config in args.configs.split(","):

@@ -20,6 +20,7 @@ from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.decode_attention import merge_counters, paged_decode_attention, tile_config, tma_fits
 from worker_svc.kernels.elementwise import qk_norm_rope_store
 from worker_svc.kernels.gumbel import gumbel_argmax
+from worker_svc.kernels.latent_attention import tile_config as latent_tiles
 from worker_svc.kernels.prefill_attention import paged_prefill_attention, query_blocks
 from worker_svc.kernels.reference import TorchAttention, qk_norm_rope, store_kv, uniform_noise
 from worker_svc.kernels.skinny_gemm import skinny_linear
@@ -87,6 +88,8 @@ def test_a_batch_and_its_padded_cuda_graph_batch_take_the_same_tiles(max_num_seq
     for n in range(1, max_num_seqs + 1):
         for fp8 in (False, True):
             assert tile_config(n, fp8) == tile_config(min(s for s in sizes if s >= n), fp8), (n, fp8)
+        for heads in (16, 64, 128):  # the latent kernel's, which latent attention takes in decode
+            assert latent_tiles(n, heads) == latent_tiles(min(s for s in sizes if s >= n), heads), (n, heads)
 
 
 @pytest.mark.parametrize("max_num_seqs", [5, 8, 100, 256, 512])

@@ -25,6 +25,8 @@ from worker_svc.kernels.attention import cuda_capability_at_least
 from worker_svc.kernels.decode_attention import LOG2E, merge_counters, merge_if_last, page_of, split_size
 from worker_svc.kernels.precision import dot
 
+MIN_BLOCK_H = 16  # query heads a program takes at the least: the tensor core's rows
+
 
 
 @triton.jit
@@ -110,21 +112,21 @@ def _latent_kernel(Q, Cache, RopeTiles, LatentTiles, PageTable, SeqUsed, PartO, 
                   q_live & (w % LATENT_PAD < LATENT)[None, :], head_live, PartLse, heads, v_scale, BLOCK_H, False)
 
 
-def block_heads(heads: int) -> int:
-    """Query heads a program takes, at least the tensor core's 16 rows."""
-    return 16
+def head_blocks(heads: int, block_h: int = MIN_BLOCK_H) -> int:
+    """Programs a (sequence, split) takes: the query heads in blocks of block_h (by default the most there can be)."""
+    return cdiv(heads, block_h)
 
 
-def head_blocks(heads: int, block_h: int | None = None) -> int:
-    """Programs a (sequence, split) takes: the query heads in blocks of block_h (default block_heads')."""
-    return cdiv(heads, block_h or block_heads(heads))
-
-
-def tile_config(batch: int) -> dict:
-    """Tokens per tile and per split, warps, stages and TMA for a decode batch, the best measured on the H200
-    (bench/results/latent_attention_*.md): 64-token tiles by TMA, in 256-token splits up to 32 sequences (more
-    programs for a few sequences), in 512-token splits past that."""
-    return dict(base_split=256 if batch <= 32 else 512, block_n=64, num_warps=4, num_stages=2, tma=True)
+def tile_config(batch: int, heads: int) -> dict:
+    """Tokens per tile and per split, warps, stages, TMA and query heads a program for a decode batch, the best
+    measured on the H200 (bench/results/latent_attention_*.md): 64-token tiles by TMA, in 256-token splits up to 32
+    sequences (more programs for a few sequences), in 512-token splits past that; 16 heads a program (4 warps), or
+    past 32 sequences over 64 heads and more 64 of them (8 warps): each block of heads reads the whole cache, and
+    one block for 64 heads took 15 % less time than four (at 32 heads two blocks of 16 beat one of 32). The bound is
+    a CUDA-graph batch size (decode_step.capture_sizes), so a batch and its graph's padded batch take the same."""
+    many = heads >= 64 and batch > 32
+    return dict(base_split=256 if batch <= 32 else 512, block_n=64, num_warps=8 if many else 4, num_stages=2,
+                tma=True, block_h=64 if many else MIN_BLOCK_H)
 
 
 def tma_fits(cache: torch.Tensor, block_n: int, unpadded: bool) -> bool:
@@ -143,15 +145,16 @@ def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_
     """q: [batch, heads, rope_dim + latent], one token per sequence whose latent is already in the cache
     ([num_blocks, page, 1, rope_dim + latent], q's dtype or fp8 holding values / k_scale; both in the order the
     module's docstring gives). Returns [batch, heads, latent] in q's dtype: each head's softmax-weighted sum of the
-    latents. counters: int32 zeros, at least batch x head_blocks(heads, block_h), which the call leaves zero (default: fresh
-    ones). tma: the tiles loaded by the tensor memory accelerator, where tma_fits (default: tile_config's choice);
-    block_h: query heads a program takes (default block_heads')."""
+    latents. counters: int32 zeros, at least batch x head_blocks(heads, block_h), which the call leaves zero
+    (default: fresh ones). Tiles, splits, warps, stages, TMA (where tma_fits) and block_h, the query heads a program
+    takes, default to tile_config's."""
     q = q.contiguous()
     batch, heads, head_dim = q.shape
     page = cache.shape[1]
     assert cache.shape[2] == 1 and cache.shape[3] == head_dim and cache.stride(3) == 1
     rope, latent = rope_dim // 2, (head_dim - rope_dim) // 2
-    tiles = tile_config(batch)
+    tiles = tile_config(batch, heads)
+    block_h = block_h or tiles["block_h"]
     base_split = base_split or tiles["base_split"]
     block_n = min(block_n or tiles["block_n"], base_split)
     if page % block_n and block_n % page:
@@ -170,7 +173,6 @@ def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_
     if tma:
         rows = cache.view(-1, head_dim)
         parts = tuple(TensorDescriptor(rows, list(rows.shape), [head_dim, 1], [block_n, w]) for w in (rope, latent))
-    block_h = block_h or block_heads(heads)
     _latent_kernel[(head_blocks(heads, block_h), num_splits, batch)](
         q, cache, *parts, page_table, seqused_k, part_o, part_lse, out, counters, scale * k_scale * LOG2E, k_scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
