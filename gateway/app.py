@@ -1,5 +1,6 @@
-"""The ASGI application (FastAPI): POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, in front of one scheduler address through `client.AsyncClient`.
+"""The ASGI application (FastAPI): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (run as a
+chat request: responses.py), GET /v1/models, GET /health, in front of one scheduler address through
+`client.AsyncClient`.
 
 A request becomes one gRPC `Generate` stream per prompt (the n completions of a prompt share it, as the
 scheduler shares their prompt blocks). The HTTP status is decided by the start of that stream: the
@@ -38,9 +39,11 @@ from gateway.jobs import Job, chat_job, chat_messages, completion_job, continues
 from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
                               CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorBody,
-                              HealthBody, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
+                              HealthBody, ModelCard, ModelList, ResponseBody, ResponsesRequest, TokenizeChatRequest,
+                              TokenizeRequest, TokenizeResponse)
 from gateway.render import chat_completion, collect, text_completion
-from gateway.schemas import event_schema
+from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
+from gateway.schemas import event_schema, response_event_schema
 from gateway.streams import ClientGone, EventStream, first_delta, merge, open_streams, unless_disconnected
 from gateway.tools import plan_tools
 
@@ -128,9 +131,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             for path, operations in schema["paths"].items():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-                    if path in chunks_of:  # with stream: true
-                        operation["responses"]["200"]["content"]["text/event-stream"] = {
-                            "schema": event_schema(chunks_of[path])}
+                    if path in chunks_of or path == "/v1/responses":  # with stream: true
+                        operation["responses"]["200"]["content"]["text/event-stream"] = {"schema": event_schema(
+                            chunks_of[path]) if path in chunks_of else response_event_schema()}
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             app.openapi_schema = schema
@@ -224,11 +227,26 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _run(request, backend, job, rid, model, body, chat=True)
 
+    @app.post("/v1/responses", response_model=ResponseBody, responses=ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        backend = backend_of(request)
+        model = await backend.resolve_model(body.model)
+        chat = chat_request(body)
+        try:
+            job = await chat_job(chat, backend)
+        except APIError as e:
+            raise renamed_error(e) from None
+        job.param_names = {k: renamed(v) for k, v in job.param_names.items()}
+        return await _run(request, backend, job, f"resp_{uuid.uuid4().hex}", model, chat, chat=True, response=body)
+
     return app
 
 
 async def _run(request: Request, backend: Backend, job: Job, rid: str, model: str,
-               body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> Response:
+               body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
+               response: ResponsesRequest | None = None) -> Response:
+    """The answer to a job: whole, or streamed as events; `response`: a Responses API request run as the chat
+    request `body`, answered in its own shape (responses.py)."""
     it = merge(open_streams(backend, job, rid, bool(body.stream)))
     headers = {"X-Request-Id": rid}
     try:
@@ -241,6 +259,8 @@ async def _run(request: Request, backend: Backend, job: Job, rid: str, model: st
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = (chat_events if chat else completion_events)(
             it, first, job, backend, rid, model, created, body, include_usage)
+        if response is not None:
+            events = response_events(events, response, rid, model, created)
         return EventStream(events, it, headers)
     try:
         choices, usage = await unless_disconnected(request, collect(it, first, job))
@@ -252,4 +272,6 @@ async def _run(request: Request, backend: Backend, job: Job, rid: str, model: st
     finally:
         await it.aclose()
     result = (chat_completion if chat else text_completion)(choices, usage, job, backend, rid, model, created, body)
+    if response is not None:
+        result = response_object(result, response, rid, model, created)
     return JSONResponse(result, headers=headers)

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from common.model_files import TEMPLATE_ARGUMENTS
 
-from gateway.schemas import (CHOICES, CONTENT_RULE, GENERATION_PROMPT_RULE, MAX_TOKENS_0_RULE, RESPONSE_FORMAT,
+from gateway.schemas import (CHOICES, CONTENT_RULE, GENERATION_PROMPT_RULE, INPUT_RULE, MAX_TOKENS_0_RULE,
+                             RESPONSE_FORMAT,
                              STREAM_OPTIONS_RULE, STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE,
                              TOP_LOGPROBS_RULE, doc)
 from gateway.tools import MAX_TOOLS
@@ -157,6 +158,125 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = True
 
 
+# ---- /v1/responses (OpenAI's Responses API, served over the chat path: gateway/responses.py) ------------------
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """A message of the conversation (an earlier answer's message is the assistant's)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | Annotated[list[InputText], Field(min_length=1)]
+
+
+class FunctionCallItem(BaseModel):
+    """A call an earlier answer made."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: NonEmpty
+    name: NonEmpty
+    arguments: str = Field(description="a JSON object's text")
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What a call returned."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: NonEmpty
+    output: str
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning, passed back: accepted, not rendered (chat templates drop earlier turns'
+    thinking)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: NonEmpty
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: NonEmpty
+
+
+class TextFormat(BaseModel):
+    """The output's form: free text, any JSON object, or JSON under `schema` (with type json_schema, required)."""
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}}, {"required": ["schema"]}]})
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["low", "medium", "high"] | None = None  # the chat template's reasoning_effort
+    summary: str | None = None  # OpenAI's summaries of its reasoning: a model's own reasoning is given whole
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses: one answer to `input` (text, or a conversation of messages, calls and their outputs),
+    given whole. Responses are not stored: each request carries the conversation (store false,
+    previous_response_id none)."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False,
+                                                                "allOf": [TOOL_CHOICE_RULE, INPUT_RULE]})
+
+    def unsupported_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+    model: str | None = None
+    # one message is the instructions' (a system message), at most MAX_CHAT_MESSAGES in all
+    input: NonEmpty | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_CHAT_MESSAGES - 1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_FLOAT32)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = False
+    store: bool | None = Field(None, **doc({"const": False}))  # true refused by name: nothing is stored
+    previous_response_id: str | None = Field(None, **doc({"type": "null"}, nullable=False))  # likewise
+    truncation: Literal["disabled"] | None = None
+    user: str | None = None
+    # OpenAI's platform: accepted, unread.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # Extensions (vLLM's names).
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, **doc({"type": "integer", "minimum": 0, "maximum": MAX_INT64}))
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_FLOAT32)
+    priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+
 class TokenizeCompletionRequest(BaseModel):
     """vLLM's /tokenize of a text prompt."""
     model_config = ConfigDict(extra="forbid")
@@ -286,6 +406,42 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(_Chunk):
     object: str = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseBody(BaseModel):
+    """A whole answer of /v1/responses (with stream: server-sent events of the Responses API's types, each event's
+    data an object with its `type` and `sequence_number`). `output`: reasoning, message and function_call items."""
+    id: str
+    object: str = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    reasoning: dict[str, Any]
+    store: bool
+    previous_response_id: str | None = None
+    truncation: str
+    metadata: dict[str, str]
+    user: str | None = None
 
 
 class HealthBody(BaseModel):

@@ -38,6 +38,9 @@ GENERATION_PROMPT_RULE = {"anyOf": [
                _set("add_generation_prompt", {"const": True})]}]}
 TOOL_CHOICE_RULE = _either(_unset_or("tool_choice", {"enum": [None, "none"]}),
                            _set("tools", {"type": "array", "minItems": 1}))
+# a Responses API input holds a message, a call or a call's output: reasoning items alone render no prompt
+INPUT_RULE = {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "contains": {
+    "not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}}]}}}
 CONTENT_RULE = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
                           _set("tool_calls", {"type": "array", "minItems": 1}),
                           _set("content", {"type": ["string", "array"]})]}
@@ -68,6 +71,16 @@ STRUCTURED_OUTPUTS = {"type": "object", "maxProperties": 1, "properties": {
     "json": {"anyOf": [{"type": ["object", "boolean"]}, {"type": "string", "minLength": 1}]},
     "regex": {"type": "string", "minLength": 1}, "choice": CHOICES, "grammar": {"type": "string", "minLength": 1},
     "json_object": {"type": "boolean"}}}
+
+
+def response_event_schema() -> dict[str, Any]:
+    """One server-sent event of a streamed /v1/responses answer: its event name and, as data, an object of that
+    `type` with its sequence number (response.created, response.output_text.delta, ..., response.completed)."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+        "type": "object", "required": ["type", "sequence_number"],
+        "properties": {"type": {"type": "string"}, "sequence_number": {"type": "integer", "minimum": 0}}}}
+    return {"type": "object", "description": "one server-sent event", "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": data}}
 
 
 def event_schema(chunk: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ Every wait is bounded; assertions are on states (status codes, error bodies, blo
 from __future__ import annotations
 
 
+import asyncio
 import functools
 import json
 import os
@@ -560,6 +561,18 @@ SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the ga
     ("/tokenize", {"messages": [USER], "continue_final_message": True, "add_generation_prompt": True}, False),
     ("ChatCompletionRequest", {"messages": [USER], "response_format": {"type": "json_schema",
                                                                       "json_schema": {"name": "a"}}}, False),
+    ("ResponsesRequest", {"input": "x"}, True),
+    ("ResponsesRequest", {"input": [USER, {"type": "reasoning", "id": "rs_1"}], "store": False}, True),
+    ("ResponsesRequest", {"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"}, True),
+    ("ResponsesRequest", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}}, True),
+    ("ResponsesRequest", {"input": ""}, False),
+    ("ResponsesRequest", {"input": [{"type": "reasoning", "id": "rs_1"}]}, False),
+    ("ResponsesRequest", {"input": "x", "tool_choice": "required"}, False),
+    ("ResponsesRequest", {"input": "x", "store": True}, False),
+    ("ResponsesRequest", {"input": "x", "previous_response_id": "resp_1"}, False),
+    ("ResponsesRequest", {"input": "x", "include": []}, False),
+    ("ResponsesRequest", {"input": "x", "tools": [{"type": "web_search"}]}, False),
+    ("ResponsesRequest", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, False),
     ("/tokenize", {"prompt": "x"}, True),
     ("/tokenize", {"messages": [USER]}, True),
     ("/tokenize", {}, False),
@@ -598,6 +611,10 @@ def test_the_document_describes_the_answers():
              "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
     assert _document_takes(doc, data["contentSchema"], chunk)
     assert not _document_takes(doc, data["contentSchema"], {**chunk, "created": "1"})
+    event = paths["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    data = event["properties"]["data"]["contentSchema"]
+    assert _document_takes(doc, data, {"type": "response.output_text.delta", "sequence_number": 3, "delta": "Hi"})
+    assert not _document_takes(doc, data, {"type": "response.completed"})
 
 
 def test_the_documented_limits_are_the_schedulers():
@@ -660,7 +677,6 @@ def test_reasoning_in_chat_answers(parser):
     """The chat renderers with the parser on, fed deltas as the scheduler sends them (one answer that thinks:
     Qwen3's opens its think block, DeepSeek-R1's starts inside it), stream and whole: reasoning_content apart, the
     same split both ways."""
-    import asyncio
     from types import SimpleNamespace
 
     from client.client import Delta, Usage
@@ -805,3 +821,81 @@ def test_no_worker_is_503(slow, slow_gateway):
     with slow_gateway.openai() as client, pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4)
     assert e.value.status_code == 503
+
+
+# ---- /v1/responses' events from a streamed chat answer's (gateway/responses.py; live: test_gateway_structured.py) ---
+
+
+def _chat_chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> str:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return "data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                  "choices": choices, "usage": usage}) + "\n\n"
+
+
+def _response_events(chunks: list[str]) -> list[tuple[str, dict]]:
+    from gateway.protocol import ResponsesRequest
+    from gateway.responses import response_events
+
+    async def source():
+        for c in chunks:
+            yield c
+
+    async def run():
+        return [e async for e in response_events(source(), ResponsesRequest(input="x"), "resp_1", "m", 1)]
+
+    out = []
+    for raw in asyncio.run(run()):
+        head, data = raw.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}" and raw.endswith("\n\n")
+        out.append((event["type"], event))
+    assert [e["sequence_number"] for _, e in out] == list(range(len(out)))
+    return out
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_response_events_of_reasoning_a_message_and_a_call():
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    events = _response_events([
+        _chat_chunk({"role": "assistant", "content": ""}), _chat_chunk({"reasoning_content": "Let me "}),
+        _chat_chunk({"reasoning_content": "think."}), _chat_chunk({"content": "Hi"}),
+        _chat_chunk({"content": " there"}),
+        _chat_chunk({"tool_calls": [call]}, "tool_calls"), _chat_chunk(usage=USAGE), "data: [DONE]\n\n"])
+    item = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    assert [kind for kind, _ in events] == [
+        "response.created", "response.in_progress",
+        *item, *["response.reasoning_text.delta"] * 2, "response.reasoning_text.done", *done,
+        *item, *["response.output_text.delta"] * 2, "response.output_text.done", *done,
+        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    final = events[-1][1]["response"]
+    assert final["status"] == "completed" and [i["type"] for i in final["output"]] == [
+        "reasoning", "message", "function_call"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    assert final["output"][1]["content"][0]["text"] == "Hi there"
+    assert {k: final["output"][2][k] for k in ("call_id", "name", "arguments")} == {
+        "call_id": "call_1", "name": "f", "arguments": '{"a": 1}'}
+    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 7,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
+    added = [e for kind, e in events if kind == "response.output_item.added"]
+    assert [e["output_index"] for e in added] == [0, 1, 2] and added[2]["item"]["status"] == "in_progress"
+    assert all(e["item_id"] == final["output"][e["output_index"]]["id"] for kind, e in events if "item_id" in e)
+
+
+def test_response_events_end_incomplete_at_the_token_limit_and_failed_after_an_error():
+    events = _response_events([_chat_chunk({"content": "Hi"}, "length"), _chat_chunk(usage=USAGE),
+                               "data: [DONE]\n\n"])
+    final = events[-1][1]["response"]
+    assert events[-1][0] == "response.incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    error = {"error": {"message": "the scheduler is unavailable", "type": "server_error", "param": None,
+                       "code": "service_unavailable"}}
+    events = _response_events([_chat_chunk({"content": "Hi"}), "data: " + json.dumps(error) + "\n\n",
+                               "data: [DONE]\n\n"])
+    kinds = [kind for kind, _ in events]
+    assert "error" in kinds and kinds[-1] == "response.failed"
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "service_unavailable"
+    assert failed["output"][0]["content"][0]["text"] == "Hi"  # what came before the failure

@@ -327,3 +327,90 @@ def test_the_openapi_document_describes_what_the_gateway_answers(gateway):
     empty = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
                        json={"model": "model", "messages": [], "max_tokens": 2})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+# ---- /v1/responses: the chat path answered as OpenAI's Responses API ---------------------------------------------
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(oai):
+    chat = oai.chat.completions.create(model="model", messages=[{"role": "system", "content": "Be brief."}, *MESSAGES],
+                                       temperature=0, max_tokens=12)
+    whole = oai.responses.create(model="model", instructions="Be brief.", input=MESSAGES[0]["content"],
+                                 temperature=0, max_output_tokens=12)
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert [item.type for item in whole.output] == ["message"]
+    # the same as a list of items with content parts, and streamed
+    items = [{"role": "system", "content": [{"type": "input_text", "text": "Be brief."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": MESSAGES[0]["content"]}]}]
+    assert oai.responses.create(model="model", input=items, temperature=0, max_output_tokens=12).output_text == \
+        whole.output_text
+    events = list(oai.responses.create(model="model", instructions="Be brief.", input=MESSAGES[0]["content"],
+                                       temperature=0, max_output_tokens=12, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_response_calls_functions_and_takes_their_outputs_back(oai):
+    required = dict(model="model", input=MESSAGES[0]["content"], tools=RESPONSE_TOOLS, tool_choice="required",
+                    parallel_tool_calls=False, temperature=0.8, extra_body={"seed": 1}, max_output_tokens=120)
+    called = oai.responses.create(**required)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and called.status == "completed", called.output
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), {"get_weather": WEATHER, "get_time": CLOCK}[
+            call.name]["function"]["parameters"])
+    named = oai.responses.create(model="model", input=MESSAGES[0]["content"], tools=RESPONSE_TOOLS,
+                                 tool_choice={"type": "function", "name": "get_time"}, extra_body={"seed": 2},
+                                 max_output_tokens=60)
+    assert [item.name for item in named.output if item.type == "function_call"] == ["get_time"]
+    # the calls and their outputs as the next turn's input: the chat answer to the same messages
+    call = calls[0]
+    turn = [{"role": "user", "content": MESSAGES[0]["content"]},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "12 degrees"}]
+    answer = oai.responses.create(model="model", input=turn, tools=RESPONSE_TOOLS, tool_choice="none",
+                                  temperature=0, max_output_tokens=10)
+    chat = oai.chat.completions.create(model="model", tools=[WEATHER, CLOCK], tool_choice="none", temperature=0,
+                                       max_tokens=10, messages=[
+        MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "12 degrees"}])
+    assert answer.output_text == chat.choices[0].message.content
+    streamed = list(oai.responses.create(**required, stream=True))
+    done = [e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == \
+        "".join(c.arguments for c in calls)
+
+
+def test_a_response_in_a_json_schema_is_valid_json(oai):
+    out = oai.responses.create(model="model", input=MESSAGES[0]["content"], temperature=0.7, extra_body={"seed": 3},
+                               max_output_tokens=200, text={"format": {
+                                   "type": "json_schema", "name": "item", "schema": Item.model_json_schema()}})
+    Item.model_validate(json.loads(out.output_text))
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"), ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"input": [{"type": "reasoning", "id": "rs_1"}]}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+])
+def test_a_response_request_the_gateway_cannot_serve_is_400_naming_the_field(gateway, extra, param):
+    body = {"model": "model", "input": "hi", "max_output_tokens": 4, **extra}
+    r = httpx.post(f"{gateway.url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
