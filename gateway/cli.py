@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how tool_choice auto finds the calls a model writes (qwen3_coder: Qwen3-Coder's and Qwen3.5's "
                         "<function=...> blocks; minimax_m2: MiniMax-M2's <invoke> blocks; glm45 / glm47: GLM-4.5 to "
                         "4.7's <arg_key> / <arg_value> blocks; all with values read by the tool's schema; "
-                        "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's / V3.1's tool-call tokens; llama3_json: "
+                        "deepseek_v3 / deepseek_v31: DeepSeek-V3's and R1's / V3.1's tool-call tokens; kimi_k2: "
+                        "Kimi-K2's tool-call section, its ids kept; llama3_json: "
                         "Llama 3.1-3.3's answers that are JSON calls; mistral: Mistral's [TOOL_CALLS]; openai: "
                         "gpt-oss's harmony messages to functions.NAME, and its analysis channel as reasoning; hermes: "
                         "Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")

@@ -2,7 +2,7 @@
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
 JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
 `glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below), `deepseek_v3` / `deepseek_v31`
-(DeepSeek's tool-call tokens: DeepSeekV3Parser below), `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
+(DeepSeek's tool-call tokens: DeepSeekV3Parser below), `kimi_k2` (Kimi-K2's: KimiK2Parser below), `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
 below) and `mistral` (calls from a tag to the answer's end: MistralParser below); the last two close no block
 (TrailingCallsParser).
 
@@ -364,6 +364,36 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     _CALL = _DEEPSEEK_V31_CALL
 
 
+_KIMI_K2_CALL = re.compile(r"<\|tool_call_begin\|>([^<]+?)<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
+                           re.DOTALL)
+_KIMI_K2_ID = re.compile(r"\s*(?:functions\.)?([^:\s]+)(?::\d+)?\s*")
+
+
+class KimiK2Parser(HermesParser):
+    """Kimi-K2's calls (`kimi_k2`): one section of calls between its tool-call tokens,
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
+        {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+    the arguments JSON. Each call keeps the id the model wrote, `functions.NAME:INDEX`: Kimi's chat template renders
+    the call and its result under that id, and the model is trained on ids of that form. A section holding anything
+    else is content; its end or the last call's end may be missing, as DeepSeek's."""
+
+    OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    keeps_special_tokens = True
+
+    def _block_calls(self, block: str) -> list[ToolCall] | None:
+        calls = []
+        for call_id, args in _KIMI_K2_CALL.findall(block):
+            name = _KIMI_K2_ID.fullmatch(call_id)
+            call = _call({"name": name.group(1), "arguments": args}) if name else None
+            if call is None:
+                return None
+            call.id = call_id.strip()
+            calls.append(call)
+        return calls if calls and not _KIMI_K2_CALL.sub("", block).strip() else None
+
+
 class TrailingCallsParser:
     """Calls that run from where they start to the answer's end, closing no block: content streams up to that start
     (`_calls_start`), and what follows is held to the end, then is calls if `_read_calls` reads every one, else content
@@ -498,7 +528,8 @@ ToolParser = HermesParser | TrailingCallsParser
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser,
                                         "minimax_m2": MiniMaxM2Parser, "glm45": Glm45Parser, "glm47": Glm45Parser,
                                         "deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Parser,
-                                        "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+                                        "kimi_k2": KimiK2Parser, "llama3_json": Llama3JsonParser,
+                                        "mistral": MistralParser}
 
 
 def make_parser(name: str, schemas: dict[str, Any] | None = None) -> ToolParser:

@@ -273,7 +273,7 @@ def test_make_parser():
     assert isinstance(make_parser("hermes"), HermesParser)
     assert make_parser("hermes") is not make_parser("hermes")
     assert set(PARSERS) == {"hermes", "qwen3_coder", "minimax_m2", "glm45", "glm47", "deepseek_v3", "deepseek_v31",
-                            "llama3_json", "mistral"}
+                            "kimi_k2", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="hermes"):
         make_parser("made_up")
 
@@ -456,6 +456,34 @@ def test_deepseek_blocks_of_another_shape_stay_content(v31):
     assert [c.name for c in make_parser(name).parse(DS_OPEN + good.removesuffix(DS_END))[1]] == ["f"]
 
 
+KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def kimi_call(call_id: str, args: dict, end: bool = True) -> str:
+    return (f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{json.dumps(args)}"
+            + ("<|tool_call_end|>" if end else ""))
+
+
+def test_kimi_k2_reads_every_call_of_its_section_with_the_ids_it_wrote():
+    calls = [("functions.get_weather:0", "get_weather", {"city": "Paris"}),
+             ("functions.get_time:1", "get_time", {"tz": "Europe/Paris"})]
+    body = "".join(kimi_call(i, a) for i, _, a in calls)
+    for text in ("Let me look." + KIMI_OPEN + body + KIMI_CLOSE, "Let me look." + KIMI_OPEN + body,
+                 "Let me look." + KIMI_OPEN + body.removesuffix("<|tool_call_end|>")):  # ends cut or left out
+        content, got = make_parser("kimi_k2").parse(text)
+        assert content == "Let me look." and [(c.id, c.name, json.loads(c.arguments)) for c in got] == calls
+        for size in (1, 7, 40):
+            parser = make_parser("kimi_k2")
+            events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+            assert "".join(e.content for e in events) == "Let me look."
+            assert [(e.index, e.call.id, e.call.name) for e in events if e.call] == [
+                (k, i, n) for k, (i, n, _) in enumerate(calls)]
+    good = kimi_call("functions.f:0", {"a": 1})
+    for inner in ("chatter", good + "chatter", good.replace('{"a": 1}', '{"a": '), kimi_call("a:b:c", {"a": 1})):
+        text = KIMI_OPEN + inner + KIMI_CLOSE
+        assert make_parser("kimi_k2").parse(text) == (text, []), inner
+
+
 def test_parsers_whose_tags_may_be_special_tokens_keep_them_in_the_answer():
     import asyncio
     from types import SimpleNamespace
@@ -464,7 +492,8 @@ def test_parsers_whose_tags_may_be_special_tokens_keep_them_in_the_answer():
     from gateway.jobs import chat_job
     from gateway.protocol import ChatCompletionRequest
 
-    assert [n for n, p in PARSERS.items() if p.keeps_special_tokens] == ["deepseek_v3", "deepseek_v31", "mistral"]
+    assert [n for n, p in PARSERS.items() if p.keeps_special_tokens] == ["deepseek_v3", "deepseek_v31", "kimi_k2",
+                                                                         "mistral"]
     tools = [{"type": "function", "function": {"name": "f"}}]
 
     def skip(parser: str, **body) -> bool | None:
