@@ -167,7 +167,8 @@ async def response_events(chunks: AsyncGenerator[str, None], body: ResponsesRequ
         return f"event: {kind}\ndata: {data}\n\n"
 
     output: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None  # the item being streamed: {"kind", "id", "text"} (+ "call")
+    current: dict[str, Any] | None = None  # the item being streamed: {"kind", "id", "text"}
+    current_call: dict[str, Any] = {}  # where it is a function call, the chat tool call that opened it
     finish, usage, error = None, None, None
 
     def close() -> list[str]:
@@ -207,8 +208,6 @@ async def response_events(chunks: AsyncGenerator[str, None], body: ResponsesRequ
         extra = {} if kind == "reasoning" else {"logprobs": []}
         return [*out, event(delta, item_id=current["id"], output_index=len(output), content_index=0, delta=piece,
                             **extra)]
-
-    current_call: dict[str, Any] = {}
 
     def call(tool_call: dict[str, Any]) -> list[str]:
         nonlocal current, current_call
