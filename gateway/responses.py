@@ -227,26 +227,29 @@ async def response_events(chunks: AsyncGenerator[str, None], body: ResponsesRequ
 
     yield event("response.created", response=_response(body, rid, model, created, "in_progress", [], None))
     yield event("response.in_progress", response=_response(body, rid, model, created, "in_progress", [], None))
-    async for raw in chunks:
-        data = raw.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        obj = json.loads(data)
-        if "error" in obj:  # the stream failed after its start
-            error = obj["error"]
-            yield event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
-            continue
-        usage = obj.get("usage") or usage
-        for choice in obj.get("choices", ()):
-            delta = choice["delta"]
-            for e in (text("reasoning", delta["reasoning_content"]) if delta.get("reasoning_content") else []):
-                yield e
-            for e in (text("message", delta["content"]) if delta.get("content") else []):
-                yield e
-            for tool_call in delta.get("tool_calls") or ():
-                for e in call(tool_call):
+    try:
+        async for raw in chunks:
+            data = raw.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:  # the stream failed after its start
+                error = obj["error"]
+                yield event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
+                continue
+            usage = obj.get("usage") or usage
+            for choice in obj.get("choices", ()):
+                delta = choice["delta"]
+                for e in (text("reasoning", delta["reasoning_content"]) if delta.get("reasoning_content") else []):
                     yield e
-            finish = choice.get("finish_reason") or finish
+                for e in (text("message", delta["content"]) if delta.get("content") else []):
+                    yield e
+                for tool_call in delta.get("tool_calls") or ():
+                    for e in call(tool_call):
+                        yield e
+                finish = choice.get("finish_reason") or finish
+    finally:  # the chat events too, when the client goes away before their end
+        await chunks.aclose()
     for e in close():
         yield e
     if error is not None:

@@ -772,8 +772,8 @@ def test_echoed_prompt_logprobs_over_a_simulated_worker(slow_gateway):
 
 
 def test_disconnect_frees_blocks(slow, slow_gateway):
-    """A client that leaves mid-answer (streaming, or not) cancels the gRPC call: the blocks come back
-    long before the answer would have ended (300 tokens at 50 ms a step: 15 s)."""
+    """A client that leaves mid-answer (streaming, chat or Responses, or not) cancels the gRPC call: the blocks come
+    back long before the answer would have ended (300 tokens at 50 ms a step: 15 s)."""
     assert _free(slow.address)["free_blocks"] == NUM_BLOCKS
     with slow_gateway.openai() as client:
         stream = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=300, stream=True,
@@ -782,6 +782,20 @@ def test_disconnect_frees_blocks(slow, slow_gateway):
         for chunk in stream:
             pieces += bool(chunk.choices and chunk.choices[0].delta.content)
             if pieces == 3:
+                break
+        assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
+        left = time.monotonic()
+        stream.close()
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
+    assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
+
+    # The Responses API's events, which wrap the chat stream's (the simulated worker never draws EOS).
+    with slow_gateway.openai() as client:
+        stream = client.responses.create(model="", input="hi", max_output_tokens=300, stream=True)
+        deltas = 0
+        for event in stream:
+            deltas += event.type == "response.output_text.delta"
+            if deltas == 3:
                 break
         assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
         left = time.monotonic()
