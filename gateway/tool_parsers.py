@@ -2,9 +2,9 @@
 (like vLLM's flag of that name): `hermes`, `qwen3_coder` (Hermes' blocks holding XML-like parameters instead of
 JSON: Qwen3CoderParser below), `minimax_m2` (MiniMax-M2's tags and invokes: MiniMaxM2Parser below), `glm45` or
 `glm47` (GLM-4.5's to 4.7's names and key / value tags: Glm45Parser below), `deepseek_v3` / `deepseek_v31`
-(DeepSeek's tool-call tokens: DeepSeekV3Parser below), `kimi_k2` (Kimi-K2's: KimiK2Parser below), `llama3_json` (Llama 3's bare JSON calls: Llama3JsonParser
-below) and `mistral` (calls from a tag to the answer's end: MistralParser below); the last two close no block
-(TrailingCallsParser).
+(DeepSeek's tool-call tokens: DeepSeekV3Parser below), `kimi_k2` (Kimi-K2's: KimiK2Parser below), `llama3_json`
+(Llama 3's bare JSON calls: Llama3JsonParser below) and `mistral` (calls from a tag to the answer's end:
+MistralParser below); the last two close no block (TrailingCallsParser).
 
 The Hermes format (Hermes 2/3, Qwen2.5, Qwen3): after optional content text the model writes zero or
 more blocks

@@ -771,37 +771,32 @@ def test_echoed_prompt_logprobs_over_a_simulated_worker(slow_gateway):
     assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
 
 
+def _leave_stream(slow, stream, is_text) -> None:
+    """Reads `stream` until 3 of its items hold text (is_text), then leaves it: the request held blocks until then,
+    and gives them all back within 5 s of the client leaving."""
+    pieces = 0
+    for item in stream:
+        pieces += bool(is_text(item))
+        if pieces == 3:
+            break
+    assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
+    left = time.monotonic()
+    stream.close()
+    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
+    assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
+
+
 def test_disconnect_frees_blocks(slow, slow_gateway):
     """A client that leaves mid-answer (streaming, chat or Responses, or not) cancels the gRPC call: the blocks come
     back long before the answer would have ended (300 tokens at 50 ms a step: 15 s)."""
     assert _free(slow.address)["free_blocks"] == NUM_BLOCKS
     with slow_gateway.openai() as client:
-        stream = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=300, stream=True,
-                                                extra_body={"ignore_eos": True})
-        pieces = 0
-        for chunk in stream:
-            pieces += bool(chunk.choices and chunk.choices[0].delta.content)
-            if pieces == 3:
-                break
-        assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
-        left = time.monotonic()
-        stream.close()
-    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
-    assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
-
-    # The Responses API's events, which wrap the chat stream's (the simulated worker never draws EOS).
-    with slow_gateway.openai() as client:
-        stream = client.responses.create(model="", input="hi", max_output_tokens=300, stream=True)
-        deltas = 0
-        for event in stream:
-            deltas += event.type == "response.output_text.delta"
-            if deltas == 3:
-                break
-        assert _free(slow.address)["free_blocks"] < NUM_BLOCKS
-        left = time.monotonic()
-        stream.close()
-    wait_for("blocks freed", lambda: _free(slow.address)["free_blocks"] == NUM_BLOCKS, timeout=5)
-    assert _free(slow.address)["num_running"] == 0 and time.monotonic() - left < 5
+        _leave_stream(slow, client.chat.completions.create(model="", messages=MESSAGES, max_tokens=300, stream=True,
+                                                           extra_body={"ignore_eos": True}),
+                      lambda chunk: chunk.choices and chunk.choices[0].delta.content)
+        # the Responses API's events, which wrap the chat stream's (the simulated worker never draws EOS)
+        _leave_stream(slow, client.responses.create(model="", input="hi", max_output_tokens=300, stream=True),
+                      lambda event: event.type == "response.output_text.delta")
 
     # Not streaming: the client gives up while the answer is being computed.
     with pytest.raises(httpx.ReadTimeout):

@@ -211,8 +211,13 @@ def tma_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool
     page, kv_heads, head_dim = k_cache.shape[1:]
     layout = all(c.stride(0) == page * c.stride(1) and c.stride(1) == kv_heads * head_dim and c.stride(2) == head_dim
                  for c in (k_cache, v_cache))
-    unit = k_cache.device.type != "cuda" or cuda_capability_at_least(k_cache.device, 9)
-    return block_n <= page and head_dim == 128 and layout and unit
+    return block_n <= page and head_dim == 128 and layout and has_tma(k_cache.device)
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether tiles can come by the tensor memory accelerator: a GPU with the unit (Hopper and later), or Triton's
+    interpreter."""
+    return device.type != "cuda" or cuda_capability_at_least(device, 9)
 
 
 def query_rows(group: int) -> int:

@@ -21,8 +21,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
 
-from worker_svc.kernels.attention import cuda_capability_at_least
-from worker_svc.kernels.decode_attention import LOG2E, merge_counters, merge_if_last, page_of, split_size
+from worker_svc.kernels.decode_attention import (LOG2E, has_tma, merge_counters, merge_if_last, page_of,
+                                                 split_size)
 from worker_svc.kernels.precision import dot
 
 MIN_BLOCK_H = 16  # query heads a program takes at the least: the tensor core's rows
@@ -36,8 +36,8 @@ def _part(rows, col0, cols, mask, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _latent_kernel(Q, Cache, RopeTiles, LatentTiles, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e, v_scale,
-                   stride_qt, stride_qh, stride_cb, stride_ct, stride_pt, stride_ob, stride_oh, stride_os,
+def _latent_kernel(Q, Cache, RopeTiles, LatentTiles, PageTable, SeqUsed, PartO, PartLse, Out, Counters, scale_log2e,
+                   v_scale, stride_qt, stride_qh, stride_cb, stride_ct, stride_pt, stride_ob, stride_oh, stride_os,
                    stride_lb, stride_lh, stride_out_t, stride_out_h,
                    HEADS: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, LATENT: tl.constexpr,
                    LATENT_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -132,8 +132,7 @@ def tile_config(batch: int, heads: int) -> dict:
 def tma_fits(cache: torch.Tensor, block_n: int, unpadded: bool) -> bool:
     """Whether TMA loads the cache's tiles: each inside one page, of a contiguous cache whose parts need no padding
     (DeepSeek's 32 and 256), on a GPU with the unit (Hopper and later) or under the interpreter."""
-    unit = cache.device.type != "cuda" or cuda_capability_at_least(cache.device, 9)
-    return block_n <= cache.shape[1] and cache.is_contiguous() and unpadded and unit
+    return block_n <= cache.shape[1] and cache.is_contiguous() and unpadded and has_tma(cache.device)
 
 
 def paged_latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, seqused_k: torch.Tensor,
