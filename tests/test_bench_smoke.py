@@ -314,7 +314,7 @@ def test_fused_layer_chain_equals_the_chain_as_run() -> None:
 
     torch.manual_seed(0)
     layers = make_layers(2, "cpu", torch.float32)
-    tiles = {name: (16, 32, 64) for name in ("qkv", "o", "gate_up", "down")}
+    tiles = {name: (16, 128, 128) for name in ("qkv", "o", "gate_up", "down")}  # few programs: the interpreter's cost
     chains = Chains(layers, torch.randn(3, 1024), tiles)
     chains.unfused()
     ref = chains.out.clone()
