@@ -56,6 +56,15 @@ class Delta:
 
 
 @dataclass(slots=True)
+class Embeddings:
+    """What Embed returns: one vector per input, in order, and each input's token count."""
+
+    vectors: list[list[float]]
+    prompt_tokens: list[int]
+    pooling: str  # how the model pools: last, mean or cls
+
+
+@dataclass(slots=True)
 class Completion:
     index: int
     text: str
@@ -233,6 +242,25 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
                                  arguments=args if isinstance(args, str) else json.dumps(args)))
     return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
                           tool_call_id=m.get("tool_call_id") or "")
+
+
+def _embed_request(inputs: str | Sequence[int] | Sequence[str | Sequence[int]], dimensions: int | None,
+                   normalize: bool | None, priority: int, request_id: str) -> pb.EmbedRequest:
+    """One input (a text, or token ids) or a list of them; the server checks the rest."""
+    if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
+        inputs = [inputs]
+    request = pb.EmbedRequest(request_id=request_id, priority=priority, dimensions=dimensions, normalize=normalize)
+    for item in inputs:
+        if isinstance(item, str):
+            request.inputs.add(text=item)
+        else:
+            request.inputs.add(token_ids=pb.TokenIds(ids=list(item)))
+    return request
+
+
+def _embeddings(response: pb.EmbedResponse) -> Embeddings:
+    return Embeddings([list(e.values) for e in response.embeddings], [e.prompt_tokens for e in response.embeddings],
+                      response.pooling)
 
 
 def _tokenize_request(
@@ -413,6 +441,15 @@ class Client(_Connection):
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
 
+    def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+              normalize: bool | None = None, priority: int = 0, request_id: str = "",
+              timeout: float | None = None) -> Embeddings:
+        """Embeddings of a text, a list of token ids, or a list of either: the model's pooling of its final hidden
+        states, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's)."""
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id)
+        response = self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
+        return _embeddings(response)
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", ... of `service` ("" = the whole server)."""
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
@@ -487,6 +524,13 @@ class AsyncClient(_Connection):
                                     continue_final_message)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return list(response.token_ids)
+
+    async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                    dimensions: int | None = None, normalize: bool | None = None, priority: int = 0,
+                    request_id: str = "", timeout: float | None = None) -> Embeddings:
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id)
+        response = await self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
+        return _embeddings(response)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),

@@ -1,9 +1,10 @@
 """What a checkpoint's own files say that both the scheduler and the worker read: its tokenizer, its EOS token ids,
-the size of a token's K and V; and the arguments its chat template is rendered with, which the scheduler passes and the
-gateway's document keeps requests from giving."""
+the size of a token's K and V, how its embeddings pool; and the arguments its chat template is rendered with, which
+the scheduler passes and the gateway's document keeps requests from giving."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,36 @@ def kv_bytes_per_token(config: dict[str, Any], element_bytes: int) -> int:
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return 2 * config["num_hidden_layers"] * heads * head_dim * element_bytes
+
+
+POOLING_TYPES = ("last", "mean", "cls")  # how an embedding pools the prompt's final hidden states
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+                     "pooling_mode_cls_token": "cls"}
+_ST_MODULE = "sentence_transformers.models."
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    kind: str  # one of POOLING_TYPES
+    normalize: bool  # L2-normalised by default
+
+
+@lru_cache(maxsize=4)
+def pooling(model_dir: str | Path) -> Pooling:
+    """How the checkpoint's embeddings are made, as its sentence-transformers files say (modules.json: a Pooling
+    module's config.json, a Normalize module after it); without them the last token's state, normalised (decoder
+    embedding models' way: Qwen3-Embedding, gte-Qwen2, e5-mistral). ValueError for a mode not computed here."""
+    model_dir = Path(model_dir)
+    path = model_dir / "modules.json"
+    if not path.exists():
+        return Pooling("last", True)
+    modules = {m.get("type", "").removeprefix(_ST_MODULE): m.get("path", "")
+               for m in json.loads(path.read_text(encoding="utf-8"))}
+    if "Pooling" not in modules:
+        return Pooling("last", "Normalize" in modules)
+    config = read_json(model_dir / modules["Pooling"] / "config.json")
+    modes = [mode for mode, on in config.items() if mode.startswith("pooling_mode_") and on]
+    if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
+        raise ValueError(f"{model_dir.name} pools by {' + '.join(modes) or 'no mode'}; this service pools by one of "
+                         f"{', '.join(_ST_POOLING_MODES)}")
+    return Pooling(_ST_POOLING_MODES[modes[0]], "Normalize" in modules)

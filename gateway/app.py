@@ -15,10 +15,12 @@ gateway sees it (backend.py), a request's checks and gRPC arguments (jobs.py), r
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import time
 import uuid
+from array import array
 from typing import Any
 
 import grpc
@@ -38,7 +40,8 @@ from gateway.events import chat_events, completion_events
 from gateway.jobs import Job, chat_job, chat_messages, completion_job, continues, template_kwargs
 from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
-                              CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorBody,
+                              CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                              EmbeddingRequest, EmbeddingResponse, ErrorBody,
                               HealthBody, ModelCard, ModelList, ResponseBody, ResponsesRequest, TokenizeChatRequest,
                               TokenizeRequest, TokenizeResponse)
 from gateway.render import chat_completion, collect, text_completion
@@ -210,6 +213,23 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(501, "detokenize needs the gateway's --tokenizer", "server_error", "tokens",
                            "not_implemented")
         return JSONResponse({"prompt": text})
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+        """OpenAI's: the scheduler's Embed of every input, as floats or base64 (little-endian float32)."""
+        backend = backend_of(request)
+        model = await backend.resolve_model(body.model)
+        try:
+            result = await backend.client.embed(body.input, dimensions=body.dimensions, normalize=body.normalize,
+                                                timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e, prompt_param="input") from None
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(array("f", v).tobytes()).decode() if body.encoding_format == "base64"
+                 else v} for i, v in enumerate(result.vectors)]
+        tokens = sum(result.prompt_tokens)
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -53,7 +53,7 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
 # "prompt.chat.messages[0].role", "temperature must be ..."); these are their OpenAI names.
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "n", "priority",
-                    "ignore_eos", "skip_special_tokens", "logit_bias"}
+                    "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions"}
 _HEAD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
@@ -68,7 +68,7 @@ def openai_param(message: str, *, prompt_param: str = "prompt", max_tokens_param
     head = m.group(0).rstrip(".")
     if head.startswith("prompt.chat.template_kwargs"):
         return head.removeprefix("prompt.chat.template_").replace("kwargs", "chat_template_kwargs", 1)
-    if head.startswith("prompt"):
+    if head.startswith(("prompt", "inputs")):  # a generation's prompt, an embedding's inputs
         return prompt_param
     if head.startswith("structured"):
         return structured_param

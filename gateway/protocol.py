@@ -38,6 +38,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_CHAT_MESSAGES = 256
+MAX_EMBED_INPUTS = 2048
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
@@ -299,6 +300,21 @@ class TokenizeChatRequest(BaseModel):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings (vLLM's `normalize` too: false keeps the pooled state's length)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids; none empty.
+    input: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+            | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_EMBED_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=MAX_INT32)
+    normalize: bool | None = None
+    user: str | None = None
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -468,6 +484,24 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class DetokenizeResponse(BaseModel):

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/splitserve.v1.Generation/Embed',
+                request_serializer=protos_dot_splitserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -74,6 +79,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds each input: its final hidden states pooled as the model's sentence-transformers config says (the
+        last token's where it says none), then truncated to `dimensions` and L2-normalised where asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=protos_dot_splitserve__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_splitserve__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +192,33 @@ class Generation:
             '/splitserve.v1.Generation/Tokenize',
             protos_dot_splitserve__pb2.TokenizeRequest.SerializeToString,
             protos_dot_splitserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Embed',
+            protos_dot_splitserve__pb2.EmbedRequest.SerializeToString,
+            protos_dot_splitserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

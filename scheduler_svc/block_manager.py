@@ -82,8 +82,9 @@ class BlockManager:
         ~id (negative) for a block found on the host only.
 
         Takes no references: pair with acquire(), which turns host hits into GPU blocks."""
-        if not self.enable_prefix_caching or (seq.sampling is not None and seq.sampling.HasField("prompt_logprobs")):
-            return []  # a request scoring its prompt computes all of it
+        if not self.enable_prefix_caching or (seq.sampling is not None and (
+                seq.sampling.HasField("prompt_logprobs") or seq.sampling.pooling in ("mean", "cls"))):
+            return []  # a request scoring its prompt, or pooling more than its last row, computes all of it
         limit = (len(seq.token_ids) - 1) // self.block_size
         return self._match(seq.token_ids, extend_hashes(seq.token_ids, self.block_size, seq.block_hashes, limit),
                            limit)

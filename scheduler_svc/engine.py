@@ -148,6 +148,7 @@ class LLMEngine:
         out, stop_string = text.output(seq.token_ids[-1], seq.finish_reason, seq.logprobs[-1] if seq.logprobs else None)
         if first and seq.prompt_logprobs is not None:
             out.prompt_logprobs, out.prompt_token_ids = seq.prompt_logprobs, seq.token_ids[:seq.prompt_len]
+        out.pooled = seq.pooled
         if stop_string:
             self.core.stop(seq)
         if out.finished:

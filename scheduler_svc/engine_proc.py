@@ -251,7 +251,8 @@ class EngineGroup:
             if len(seq.token_ids) == seq.num_sent_tokens + 1:  # its first token of this incarnation
                 prompt = None if seq.prompt_logprobs is None else [
                     [lp.token_id, lp.logprob, lp.top] for lp in seq.prompt_logprobs]
-                o.first.append([i, seq.num_cached_tokens or 0, prompt, seq.scheduled_at])
+                pooled = None if seq.pooled is None else ipc.floats(seq.pooled)
+                o.first.append([i, seq.num_cached_tokens or 0, prompt, seq.scheduled_at, pooled])
             if seq.logprobs:  # asked for, and the worker gave them (a simulated worker gives none)
                 if o.logprobs is None:
                     o.logprobs = [None] * i
@@ -290,7 +291,8 @@ def _group_info(group: EngineGroup) -> dict:
     return {"model": info.model, "dtype": info.dtype, "num_blocks": info.num_blocks, "block_size": info.block_size,
             "max_model_len": group.scheduler.max_model_len, "vocab_size": info.vocab_size, "epoch": info.epoch,
             "device": info.device, "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
-            "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window}
+            "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
+            "hidden_size": info.hidden_size, "embedding_only": info.embedding_only}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +29,7 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import model_files
 from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, add_port, transport
 from common.util import run_loop
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
@@ -36,7 +39,8 @@ from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.output import OutputState
 from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.registration import MembershipService
-from scheduler_svc.requests import InvalidRequest, check_text_size, max_prompt_bytes, parse_generate, prompt_ids
+from scheduler_svc.requests import (InvalidRequest, check_text_size, max_prompt_bytes, parse_embed, parse_generate,
+                                    prompt_ids)
 from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
 from scheduler_svc.router import GroupInfo, GroupView, pick_group
 from scheduler_svc.sampling import SamplingParams
@@ -136,6 +140,7 @@ class Completion:
     group: GroupView | None = None  # where it runs now
     ack: asyncio.Future | None = None  # while its engine has not answered its add
     prompt_logprobs: list[TokenLogprob] | None = None  # from its engine, until its first message carries them
+    pooled: array | None = None  # an embedding request's pooled row, from its engine (Sequence.pooled)
     scheduled_at: float | None = None  # time.monotonic() its engine first admitted it (every process's clock)
     # Its output not sent yet (what its next message carries), reused from message to message.
     out_tokens: list[int] = field(default_factory=list)
@@ -161,8 +166,9 @@ class Completion:
 
 
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
-    def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer):
+    def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
+        self.model_dir = model_dir
         self.loop = asyncio.get_running_loop()
         self.groups: dict[int, GroupView] = {}
         self.completions: dict[int, Completion] = {}
@@ -271,10 +277,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         keys, tokens = ipc.unints(message[4]), ipc.unints(message[5], "i")
         finished, first, logprobs = dict(message[6]), message[7], message[8]
         completions = self.completions
-        for i, cached, prompt, scheduled_at in first:
+        for i, cached, prompt, scheduled_at, pooled in first:
             c = completions.get(keys[i])
             if c is not None and c.text.cached_tokens is None:
                 c.text.cached_tokens, c.scheduled_at = cached, scheduled_at
+            if c is not None and pooled is not None:
+                c.pooled = ipc.unfloats(pooled)
             if c is not None and prompt is not None and not c.tokens:
                 c.prompt_logprobs = [TokenLogprob(t, v, [tuple(x) for x in top] if top else None)
                                      for t, v, top in prompt]
@@ -379,6 +387,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not self.live_groups():
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        if any(g.info.embedding_only for g in self.live_groups()):
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model has no LM head: it serves "
+                               "embeddings (Embed, the gateway's /v1/embeddings), not generations")
         try:
             parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
         except InvalidRequest as e:
@@ -508,6 +519,63 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             self._to_engine(c.group.info.engine, ["abort", self.index, ipc.ints([c.key]), c.group.group_id])
             c.move_to(None)
 
+    async def Embed(self, request: api.EmbedRequest, context: grpc.aio.ServicerContext) -> api.EmbedResponse:
+        """Each input runs as a sequence that computes its prompt and samples nothing (max_tokens 0, the model's
+        pooling); its pooled row comes with its end, then is truncated and normalised here."""
+        started = time.perf_counter()
+        if not self.accepting:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        groups = self.live_groups()
+        if not groups:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        try:
+            pooling = model_files.pooling(self.model_dir)
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
+        try:
+            parsed = parse_embed(request, self.tokenizer, self.max_model_len, self.vocab_size,
+                                 min(g.info.hidden_size for g in groups))
+        except InvalidRequest as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or f"emb-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        subs = [f"{rid}#{i}" for i in range(len(parsed.inputs))]
+        if any(s in self._streams for s in subs):
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling.kind)
+        stream = _Stream(interval=0)
+        completions = [Completion(next(self._keys), sub, i, stream, ids, params, parsed.priority,
+                                  OutputState(sub, self.tokenizer.tokenizer, ids, len(ids), params))
+                       for i, (sub, ids) in enumerate(zip(subs, parsed.inputs))]
+        pending = set(range(len(completions)))
+        for c in completions:
+            self._streams[c.sub_id] = stream
+        try:
+            for c in completions:
+                await self._submit(c, PromptHashes(c.prompt_ids), context)
+            while pending:
+                await stream.wait()
+                if stream.failed:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "its worker failed and no other worker is serving; retry the request")
+                for c in stream.take():
+                    pending.discard(c.index)
+        finally:
+            for c in completions:
+                self._streams.pop(c.sub_id, None)
+                if c.index in pending:  # cancelled, failed or deadline passed: free its blocks now
+                    self._abort(c)
+        normalize = pooling.normalize if parsed.normalize is None else parsed.normalize
+        response = api.EmbedResponse(request_id=rid, pooling=pooling.kind)
+        for c in completions:
+            if c.pooled is None:  # never from this project's workers
+                await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no embedding")
+            response.embeddings.add(values=embedding(c.pooled, pooling.kind, len(c.prompt_ids), parsed.dimensions,
+                                                     normalize), prompt_tokens=len(c.prompt_ids))
+        log.info("embed %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
+                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
+                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
+        return response
+
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()
         if not groups:
@@ -561,9 +629,21 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.stopped.set()
 
 
+def embedding(pooled: array, kind: str, prompt_len: int, dimensions: int | None, normalize: bool) -> list[float]:
+    """A pooled row as the request asks for it: a "mean" row's sum divided by the prompt's length, the first
+    `dimensions` values (Matryoshka), L2-normalised."""
+    values = list(pooled[:dimensions] if dimensions else pooled)
+    if kind == "mean":
+        values = [v / prompt_len for v in values]
+    if normalize:
+        norm = math.sqrt(math.fsum(v * v for v in values))
+        values = [v / norm for v in values] if norm > 0 else values
+    return values
+
+
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
-    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model))
+    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model), args.model)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

@@ -25,6 +25,8 @@ class RequestOutput:
     stop_reason: str | None = None  # with reason "stop": the stop string, or the stop token's id in decimal
     prompt_logprobs: list[TokenLogprob] | None = None  # on a completion's first output, when asked for
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the prompt's every token id
+    # an embedding request's (SamplingParams.pooling) final output: its row as pooled ("mean": the sum of its rows)
+    pooled: list[float] | None = None
 
 
 class OutputState:

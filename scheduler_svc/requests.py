@@ -21,6 +21,7 @@ MAX_N = 16
 MAX_REQUEST_ID_LEN = 256  # printable characters
 MAX_PRIORITY = 100  # priority in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_CHAT_MESSAGES = 256
+MAX_EMBED_INPUTS = 2048  # OpenAI's bound on one embeddings request's inputs
 # Text is tokenized on the event loop: its size is bounded before that, by bytes per token of the model
 # length (real text averages about 4), with a floor for short models.
 PROMPT_BYTES_PER_TOKEN = 16
@@ -50,6 +51,14 @@ class ParsedRequest:
         if index == 0:
             return self.params
         return dataclasses.replace(self.params, seed=xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed))
+
+
+@dataclass(slots=True)
+class ParsedEmbed:
+    inputs: list[list[int]]  # each input's token ids
+    dimensions: int | None
+    normalize: bool | None  # None: the model's
+    priority: int
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
@@ -178,9 +187,7 @@ def _chat_message(i: int, m: api.ChatMessage) -> dict:
     return message
 
 
-def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
-                   vocab_size: int) -> ParsedRequest:
-    """Checks every field, cheap ones first, before anything is tokenized or allocated."""
+def _check_id_and_priority(req: api.GenerateRequest | api.EmbedRequest) -> None:
     rid = req.request_id
     if len(rid) > MAX_REQUEST_ID_LEN or not rid.isprintable():
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_LEN} printable characters "
@@ -188,6 +195,44 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     if not -MAX_PRIORITY <= req.priority <= MAX_PRIORITY:
         raise InvalidRequest(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (larger is more urgent), "
                              f"got {req.priority}")
+
+
+def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len: int, vocab_size: int,
+                hidden_size: int) -> ParsedEmbed:
+    """Checks every field, and each input's size before it is tokenized (text with the tokenizer's special tokens,
+    as sentence-transformers and vLLM embed it: Qwen3-Embedding's tokenizer closes each input with its EOS)."""
+    _check_id_and_priority(req)
+    if not 1 <= len(req.inputs) <= MAX_EMBED_INPUTS:
+        raise InvalidRequest(f"inputs must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(req.inputs)}")
+    if req.HasField("dimensions") and not 1 <= req.dimensions <= hidden_size:
+        raise InvalidRequest(f"dimensions must be in [1, {hidden_size}] (this model's hidden size), "
+                             f"got {req.dimensions}")
+    max_bytes = max_prompt_bytes(max_model_len)
+    inputs = []
+    for i, item in enumerate(req.inputs):
+        field, kind = f"inputs[{i}]", item.WhichOneof("input")
+        if kind == "text":
+            if not item.text:
+                raise InvalidRequest(f"{field}.text must not be empty")
+            check_text_size(item.text, f"{field}.text", max_bytes)
+            ids = tokenizer.encode(item.text)
+        elif kind == "token_ids":
+            ids = list(item.token_ids.ids)
+            check_prompt_ids(ids, vocab_size, f"{field}.token_ids")
+        else:
+            raise InvalidRequest(f"{field} must be set: text or token_ids")
+        if len(ids) >= max_model_len:
+            raise InvalidRequest(f"{field}.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "
+                                 f"got {len(ids)}")
+        inputs.append(ids)
+    return ParsedEmbed(inputs, req.dimensions if req.HasField("dimensions") else None,
+                       req.normalize if req.HasField("normalize") else None, req.priority)
+
+
+def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
+                   vocab_size: int) -> ParsedRequest:
+    """Checks every field, cheap ones first, before anything is tokenized or allocated."""
+    _check_id_and_priority(req)
     s, st = req.sampling, req.stopping
 
     def opt(msg, name, default):

@@ -39,6 +39,8 @@ class GroupInfo:
     kv_cache_dtype: str
     num_host_blocks: int = 0
     sliding_window: int = 0
+    hidden_size: int = 0  # of its embeddings
+    embedding_only: bool = False  # no LM head: Embed only
     draining: bool = False
 
 

@@ -6,6 +6,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from common.model_files import POOLING_TYPES
 from protos import worker_pb2
 
 SEED_LIMIT = 1 << 64
@@ -18,7 +19,7 @@ MAX_LOGPROBS = 20  # top alternatives per token
 # What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
 ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
-                 "prompt_logprobs", "grammar")
+                 "prompt_logprobs", "grammar", "pooling")
 _seed_source = random.SystemRandom()
 
 
@@ -32,7 +33,8 @@ class InvalidParam(ValueError):
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int | None = 16  # None: until the model length; 0 (with prompt_logprobs only): score the prompt
+    # None: until the model length; 0 (with prompt_logprobs or pooling only): score or embed the prompt
+    max_tokens: int | None = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # -1 or 0 = off
@@ -50,6 +52,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
     grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
+    pooling: str | None = None  # an embedding request (max_tokens 0): how its hidden states pool (POOLING_TYPES)
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
@@ -57,8 +60,10 @@ class SamplingParams:
             return InvalidParam(name, f"must be {allowed}, got {value!r}")
 
         if self.max_tokens is not None and self.max_tokens < 1 and not (
-                self.max_tokens == 0 and self.prompt_logprobs is not None):
+                self.max_tokens == 0 and (self.prompt_logprobs is not None or self.pooling)):
             raise bad("max_tokens", "at least 1 (0 only with prompt_logprobs: scoring the prompt)", self.max_tokens)
+        if self.pooling is not None and (self.pooling not in POOLING_TYPES or self.max_tokens != 0):
+            raise bad("pooling", f"one of {', '.join(POOLING_TYPES)}, with max_tokens 0 (an embedding)", self.pooling)
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise bad("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         if not 0.0 < self.top_p <= 1.0:  # NaN fails every comparison
@@ -131,4 +136,5 @@ class SamplingParams:
             logit_bias=self.logit_bias,
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar or "",
+            pooling=self.pooling or "",
         )

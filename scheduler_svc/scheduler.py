@@ -114,9 +114,10 @@ class Scheduler:
         params = seq.params
         p = seq.prompt_len
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - p
-        if max_new == 0 and params.prompt_logprobs is not None:
-            # Scoring a prompt (max_tokens 0): run as max_tokens 1. The token sampled with the prompt's last chunk
-            # finishes it ("length") in that same step, no decode is scheduled, and OutputState drops the token.
+        if max_new == 0 and (params.prompt_logprobs is not None or params.pooling):
+            # Scoring or embedding a prompt (max_tokens 0): run as max_tokens 1. The token sampled with the prompt's
+            # last chunk (an embedding's worker samples none: a 0) finishes it ("length") in that same step, no
+            # decode is scheduled, and OutputState drops the token.
             max_new = 1
         if max_new < 1 or p + max_new > self.max_model_len or n >= p + max_new:
             raise ValueError(
@@ -515,6 +516,8 @@ class Scheduler:
             # First: a sequence that finishes at the token sampled after its prompt's last chunk (max_tokens 0 or
             # 1, a stop token) leaves _seqs below, and that chunk's prompt logprobs come in this same result.
             self._add_prompt_logprobs(result)
+        if len(result.pooled_seq_ids):
+            self._add_pooled(result)
         accepted: list[Sequence] = []
         num_finished = 0
         dead = set(result.grammar_dead_ids)  # structured outputs that no token could continue
@@ -562,6 +565,23 @@ class Scheduler:
                                                             result.prompt_logprobs[at + k], top))
             at += count
             top_at += count * n_top
+
+    def _add_pooled(self, result: worker_pb2.StepResult) -> None:
+        """Keeps what the worker pooled for each embedding request: its row ("last", "cls"), or the sum of its rows
+        so far ("mean": a chunk from position 0 starts the sum over, as after a preemption by recompute; one that
+        continues where the sum stops adds to it)."""
+        size = len(result.pooled) // len(result.pooled_seq_ids)
+        for k, (seq_id, start, count) in enumerate(zip(result.pooled_seq_ids, result.pooled_starts,
+                                                       result.pooled_counts)):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            values = result.pooled[k * size:(k + 1) * size]
+            if seq.sampling.pooling != "mean" or start == 0:
+                seq.pooled, seq.pooled_upto = list(values), start + count
+            elif start == seq.pooled_upto and seq.pooled is not None:
+                seq.pooled = [a + b for a, b in zip(seq.pooled, values)]
+                seq.pooled_upto = start + count
 
     @staticmethod
     def _add_logprobs(step: int, sampling: list[Sequence], accepted: list[Sequence],

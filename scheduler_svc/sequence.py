@@ -55,6 +55,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "grammar" (structured output dead)
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. when asked for (worker-scored)
+    # An embedding request's pooled row (Scheduler._add_pooled: a "mean" one's sum over positions [0, pooled_upto))
+    pooled: list[float] | None = None
+    pooled_upto: int = 0
     # Resolved by the scheduler at admission.
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
     max_len: int = 0  # total length at which it stops: prompt + max_tokens, capped by the model length

@@ -59,8 +59,9 @@ def _engine(model_dir, *, num_blocks: int, block_size: int, kv_offload_bytes: in
     return LLMEngine(model_dir, executor, config)
 
 
-def _run(engine: LLMEngine, max_steps: int = 5000) -> dict:
-    """request id -> (tokens, text, finish reason, usage); checks the engine's invariants every step."""
+def _run(engine: LLMEngine, max_steps: int = 5000, on_output=None) -> dict:
+    """request id -> (tokens, text, finish reason, usage); checks the engine's invariants every step. on_output:
+    called with every final output."""
     tokens: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
     done: dict[str, tuple] = {}
@@ -73,6 +74,8 @@ def _run(engine: LLMEngine, max_steps: int = 5000) -> dict:
             texts[out.request_id] = texts.get(out.request_id, "") + out.text
             if out.finished:
                 done[out.request_id] = (tokens[out.request_id], texts[out.request_id], out.finish_reason, out.usage)
+                if on_output is not None:
+                    on_output(out)
         engine.scheduler.check()
     raise AssertionError(f"no end after {max_steps} steps")
 
@@ -222,3 +225,30 @@ def test_llm_returns_prompt_and_token_logprobs_as_transformers_computes_them(tin
         assert out.token_ids == [] and out.finish_reason == "length"
         assert [x.logprob for x in out.prompt_logprobs] == pytest.approx([x.logprob for x in ref.prompt_logprobs],
                                                                          abs=1e-4)
+
+
+def test_embeddings_pool_as_transformers_beside_generations(tiny_model_dir, hf, reference):
+    """Embedding requests (max_tokens 0, a pooling) of a generative checkpoint, each pooling in turn, in steps of
+    32 tokens beside greedy generations that ask for logprobs: the last row, the first, and the sum of every row
+    (the engine sums a mean's chunks) of transformers' final hidden states; the generations are unchanged."""
+    engine = _engine(tiny_model_dir, num_blocks=64, block_size=16, max_num_batched_tokens=32)
+    prompts = _prompts()
+    long = [(7 * i) % 1000 for i in range(70)]
+    for kind in ("last", "cls", "mean"):
+        for i, p in enumerate([long, *prompts[:3]]):
+            engine.add(p, SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=kind), f"{kind}{i}")
+    for i, p in enumerate(prompts):
+        engine.add(p, _greedy(logprobs=0, seed=0), f"gen{i}")
+    pooled = {}
+    done = _run(engine, on_output=lambda out: pooled.__setitem__(out.request_id, out.pooled))
+    for i, ref in enumerate(reference):
+        tokens, _, reason, _ = done[f"gen{i}"]
+        assert tokens == ref and reason == "length"
+    for kind in ("last", "cls", "mean"):
+        for i, p in enumerate([long, *prompts[:3]]):
+            with torch.inference_mode():
+                states = hf.model(torch.tensor([p])).last_hidden_state[0]
+            want = {"last": states[-1], "cls": states[0], "mean": states.sum(0)}[kind]
+            tokens, _, reason, usage = done[f"{kind}{i}"]
+            assert tokens == [] and reason == "length" and usage.prompt_tokens == len(p)
+            torch.testing.assert_close(torch.tensor(pooled[f"{kind}{i}"]), want, rtol=1e-4, atol=1e-4)

@@ -57,7 +57,7 @@ def test_a_groups_loss_reported_twice_moves_each_request_once(tmp_path):
     from scheduler_svc.sampling import SamplingParams
 
     async def run():
-        fe = frontend.Frontend(0, 1, str(tmp_path), tokenizer=None)
+        fe = frontend.Frontend(0, 1, str(tmp_path), tokenizer=None, model_dir=str(tmp_path))
         sent = []
         fe._to_engine = lambda engine, message: sent.append((engine, message[0]))
         fe._handle(["groups", [_group(1), _group(2)]])

@@ -621,8 +621,8 @@ def test_the_documented_limits_are_the_schedulers():
     from gateway import schemas
     from scheduler_svc import requests, sampling, structured
 
-    assert (protocol.MAX_N, protocol.MAX_PRIORITY, protocol.MAX_CHAT_MESSAGES) == (
-        requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES)
+    assert (protocol.MAX_N, protocol.MAX_PRIORITY, protocol.MAX_CHAT_MESSAGES, protocol.MAX_EMBED_INPUTS) == (
+        requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES, requests.MAX_EMBED_INPUTS)
     assert (protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_STRING_LEN, protocol.MAX_STOP_TOKEN_IDS,
             protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS) == (
         sampling.MAX_STOP_STRINGS, sampling.MAX_STOP_STRING_LEN, sampling.MAX_STOP_TOKEN_IDS, sampling.MAX_LOGIT_BIAS,

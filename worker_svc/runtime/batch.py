@@ -20,9 +20,11 @@ from operator import attrgetter
 
 import numpy as np
 
+from common.model_files import POOLING_TYPES
 from common.util import cdiv
 from protos import worker_pb2 as pb
 
+POOLING = ("", *POOLING_TYPES)  # PersistentBatch.pooling's codes: 0 a generation, else an embedding's pooling
 _SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
 _row = attrgetter("row")
 
@@ -105,6 +107,7 @@ class PersistentBatch:
         self.seed = np.zeros(rows, np.int64)
         self.logprobs = np.full(rows, -1, np.int64)
         self.prompt_logprobs = np.full(rows, -1, np.int64)  # -1: the row's prompt is not scored
+        self.pooling = np.zeros(rows, np.int8)  # POOLING's code of an embedding request's rows; 0: a generation
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
         self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
@@ -269,6 +272,9 @@ class PersistentBatch:
         self.min_p[row], self.seed[row], self.logprobs[row] = p.min_p, p.seed & _SEED_MASK, p.logprobs
         self.penalty[row] = (p.repetition_penalty or 1.0, p.presence_penalty, p.frequency_penalty)
         self.prompt_logprobs[row] = p.prompt_logprobs if p.HasField("prompt_logprobs") else -1
+        if p.pooling not in POOLING:
+            raise PlanError(f"sequence {sid}: pooling {p.pooling!r} is none of {', '.join(POOLING_TYPES)}")
+        self.pooling[row] = POOLING.index(p.pooling)
         if p.logit_bias:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import random
 import time
 import uuid
@@ -26,10 +27,10 @@ from worker_svc import kernels
 from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
-from worker_svc.model.loader import load_weights
+from worker_svc.model.loader import checkpoint_names, load_weights
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
-from worker_svc.runtime.batch import BatchStep, PersistentBatch, SamplingArrays
+from worker_svc.runtime.batch import POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays
 from worker_svc.runtime.grammar import Grammars, StepMasks
 from worker_svc.runtime.kv_offload import HostKVPool
 from worker_svc.runtime.kernel_builds import BUILDS
@@ -89,23 +90,46 @@ class PromptScores:
             at += count
 
 
+@dataclass(slots=True)
+class PooledRows:
+    """What a step gives its embedding requests (StepResult.pooled_*): per sequence a row of hidden_size values."""
+    seq_ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    values: torch.Tensor  # float32 [sequences, hidden]
+
+    def to_host(self) -> None:
+        self.values = self.values.to("cpu", non_blocking=True)
+
+    def write(self, res: pb.StepResult) -> None:
+        res.pooled_seq_ids.extend(self.seq_ids)
+        res.pooled_starts.extend(self.starts)
+        res.pooled_counts.extend(self.counts)
+        res.pooled.extend(self.values.flatten().tolist())
+
+
 class PendingStep:
-    """A launched step; `result()` waits for its sampled ids (the step's one host sync)."""
+    """A launched step; `result()` waits for its sampled ids (the step's one host sync). seq_ids: the sequences
+    whose prompt or decode ends this step, in plan order; `sampled`: which of them `out`'s rows are, where
+    embedding requests (which sample nothing, a 0 each in the result) are among them."""
 
     def __init__(self, step: int, seq_ids: list[int], out: SamplerOutput | None,
-                 logprob_counts: list[int], started: float, prompt: PromptScores | None = None):
+                 logprob_counts: list[int], started: float, prompt: PromptScores | None = None,
+                 pooled: PooledRows | None = None, sampled: list[int] | None = None):
         self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
-        self.prompt = prompt
+        self.prompt, self.pooled, self.sampled = prompt, pooled, sampled
         self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
-        if prompt is not None:
-            prompt.to_host()
+        for part in (prompt, pooled):
+            if part is not None:
+                part.to_host()
         self.host: list[torch.Tensor | None] = []
         self.event = None
         if out is not None:
             tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
             # copy=True: on a CPU, token_ids may be the decode step's static buffer, which the next step reuses
             self.host = [t.to("cpu", non_blocking=True, copy=True) if t is not None else None for t in tensors]
-        if (out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda):
+        if ((out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda)
+                or (pooled is not None and pooled.values.is_cuda)):
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -113,20 +137,30 @@ class PendingStep:
         if self.event is not None:
             self.event.synchronize()
         res = pb.StepResult(step=self.step, seq_ids=self.seq_ids)
-        if self.host:
-            tokens, logprobs, top_ids, top_logprobs = self.host
-            res.token_ids.extend(tokens.tolist())
-            if logprobs is not None:
-                res.logprobs.extend(logprobs.tolist())
-                for i, n in enumerate(self.logprob_counts):
-                    if n > 0:
-                        res.top_token_ids.extend(top_ids[i, :n].tolist())
-                        res.top_logprobs.extend(top_logprobs[i, :n].tolist())
-        if self.prompt is not None:
-            self.prompt.write(res)
+        tokens, logprobs, top_ids, top_logprobs = self.host or (None, None, None, None)
+        res.token_ids.extend(self._in_plan_order(tokens, 0))
+        if logprobs is not None:
+            res.logprobs.extend(self._in_plan_order(logprobs, math.nan))
+            for i, n in enumerate(self.logprob_counts):
+                if n > 0:
+                    res.top_token_ids.extend(top_ids[i, :n].tolist())
+                    res.top_logprobs.extend(top_logprobs[i, :n].tolist())
+        for part in (self.prompt, self.pooled):
+            if part is not None:
+                part.write(res)
         res.grammar_dead_ids.extend(self.grammar_dead)
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
+
+    def _in_plan_order(self, values: torch.Tensor | None, fill: float) -> list:
+        """The sampled rows' values at their places among seq_ids, `fill` at the embedding requests'."""
+        got = [] if values is None else values.tolist()
+        if self.sampled is None:
+            return got
+        full = [fill] * len(self.seq_ids)
+        for k, value in zip(self.sampled, got):
+            full[k] = value
+        return full
 
 
 class ModelRunner:
@@ -160,6 +194,11 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
         torch.set_default_dtype(torch.float32)
+        # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2) serves embeddings only
+        self.embedding_only = not mc.tie_word_embeddings and not any(
+            name.endswith("lm_head.weight") for name in checkpoint_names(self.model_dir))
+        if self.embedding_only:
+            self.model.lm_head = None
         kv_scales = load_weights(self.model, model_dir)
         self.model.fold_scales()
         if fp8_cache:
@@ -188,7 +227,8 @@ class ModelRunner:
             self.grammars.warm_up()
         self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
                                  scratch_block=self.num_blocks, block_size=self.block_size)
-        if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch":
+        if (self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch"
+                and not self.embedding_only):  # its graphs are decode steps, which embeddings never run
             self.decode.capture(capture_sizes(rows))
 
     @property
@@ -250,7 +290,8 @@ class ModelRunner:
                                  page_table=page, slot_mapping=slots, max_seqlen_q=max(lens),
                                  query_lens=lens, context_lens=lens)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
-        self.model.compute_logits(hidden[:limits.max_num_seqs]).float().softmax(-1)
+        if not self.embedding_only:
+            self.model.compute_logits(hidden[:limits.max_num_seqs]).float().softmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
         del scratch, hidden
@@ -292,6 +333,9 @@ class ModelRunner:
             table = hopper_table(self.model_config.hidden_size, moe.intermediate_size, self.dtype, self.device)
             for n in warm_up_token_counts(budget, moe.top_k, table):
                 self._warm_up_step([longest] * (n // longest) + ([n % longest] if n % longest else []))
+        if self.embedding_only:
+            torch.cuda.synchronize()
+            return
         rows = logits.shape[0]
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
         for x in (logits, logits.float()):  # _sample takes float32 logits under a grammar, penalty, bias or logprobs
@@ -327,10 +371,12 @@ class ModelRunner:
         return [q_len] * max(1, seqs)
 
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
-        """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits."""
+        """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits (an
+        embedding model's: its last rows)."""
         positions, meta = prefill_metadata(lens, self.block_size, self.device, cached=1)
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
-        return self.model.compute_logits(hidden[meta.cu_seqlens_q[1:] - 1])
+        last = hidden[meta.cu_seqlens_q[1:] - 1]
+        return last if self.embedding_only else self.model.compute_logits(last)
 
     def describe(self, request: pb.DescribeRequest | None = None) -> pb.DescribeResponse:
         limits = self.limits
@@ -342,7 +388,8 @@ class ModelRunner:
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
-            sliding_window=self.batch.sliding_window)
+            sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
+            embedding_only=self.embedding_only)
 
     @property
     def num_host_blocks(self) -> int:
@@ -377,6 +424,8 @@ class ModelRunner:
         return pending
 
     def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
+        if self.embedding_only and step.new and not self.batch.pooling[[s.row for s in step.new]].all():
+            raise PlanError("this model has no LM head: a sequence it runs must be an embedding (pooling)")
         for state in step.new:
             self._start_penalties(state)
             if state.row in self.batch.grammar:
@@ -385,8 +434,11 @@ class ModelRunner:
         if not len(rows):
             return PendingStep(plan.step, [], None, [], started)
         sampling = step.samples
-        if sampling.all() and n.max() == 1:
+        embedding = self.batch.pooling[rows] > 0
+        if sampling.all() and n.max() == 1 and not embedding.any():
             return self._execute_decode(step, started)
+        ended = sampling  # the rows in the result: the sampling ones and the embedding requests whose prompt ends
+        sampling = sampling & ~embedding
         bs = self.block_size
         cu = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(n, out=cu[1:])
@@ -413,14 +465,45 @@ class ModelRunner:
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
                                  context_lens=(c + n).tolist())
         hidden = self.model(ids_t, pos_t, meta)
-        prompt = self._score_prompts(step, cu, hidden)
+        prompt, pooled = self._score_prompts(step, cu, hidden), self._pool(step, cu, hidden)
+        sampled = np.flatnonzero(sampling[ended]).tolist() if embedding.any() else None
         if not len(sample_at):
-            return PendingStep(plan.step, [], None, [], started, prompt)
+            return PendingStep(plan.step, step.seq_ids[ended].tolist(), None, [], started, prompt, pooled, sampled)
         logits = self.model.compute_logits(hidden[sample_at_t] if len(sample_at) < total else hidden)
         masks = self._masks(params, sample_rows)
         out = self._sample(logits, params, params_t, rows_t, sample_pos_t, seeds_t, masks)
         self.last_token[rows_t] = out.token_ids
-        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started, prompt, masks)
+        return self._pending(plan.step, step.seq_ids[sampling], sample_rows, rows_t, out, started, prompt, masks,
+                             pooled, step.seq_ids[ended], sampled)
+
+    def _pool(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PooledRows | None:
+        """The embedding requests' pooled rows of this step (StepResult.pooled says which), in float32: the final
+        norm's output, without the logit scale folded into that norm's weight."""
+        kinds = self.batch.pooling[step.rows]
+        if not kinds.any():
+            return None
+        c, n = step.num_computed, step.num_scheduled
+        seqs, starts, counts, rows = [], [], [], []
+        for i in np.flatnonzero(kinds):
+            kind, end = POOLING[kinds[i]], int(c[i] + n[i])
+            if kind == "mean":
+                row = hidden[cu[i]:cu[i + 1]].float().sum(0)
+            elif kind == "last" and end == step.states[i].prompt_len:
+                row = hidden[cu[i + 1] - 1].float()
+            elif kind == "cls" and c[i] == 0:
+                row = hidden[cu[i]].float()
+            else:
+                continue
+            seqs.append(int(step.seq_ids[i]))
+            starts.append(int(c[i]))
+            counts.append(int(n[i]))
+            rows.append(row)
+        if not seqs:
+            return None
+        values = torch.stack(rows)
+        if self.model_config.logit_scale != 1.0:
+            values /= self.model_config.logit_scale
+        return PooledRows(seqs, starts, counts, values)
 
     def _score_prompts(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PromptScores | None:
         """Logprobs of the prompt tokens after each prompt position this step computed, for the rows that
@@ -503,11 +586,15 @@ class ModelRunner:
         return self._pending(step.step, step.seq_ids, rows, v.rows, out, started, masks=masks)
 
     def _pending(self, step: int, ids: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, out: SamplerOutput,
-                 started: float, prompt: PromptScores | None = None, masks: StepMasks | None = None) -> PendingStep:
+                 started: float, prompt: PromptScores | None = None, masks: StepMasks | None = None,
+                 pooled: PooledRows | None = None, ended: np.ndarray | None = None,
+                 sampled: list[int] | None = None) -> PendingStep:
+        """ended: the result's sequences where embedding requests end beside the sampled ones (`sampled` of them)."""
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
         counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
-        pending = PendingStep(step, ids.tolist(), out, counts, started, prompt)
+        pending = PendingStep(step, (ids if ended is None else ended).tolist(), out, counts, started, prompt, pooled,
+                              sampled)
         if masks is not None:
             self.grammars.sampled(pending.host, pending.event, masks)
             pending.grammar_dead = ids[masks.host_index[masks.dead]].tolist()

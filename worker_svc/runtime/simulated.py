@@ -24,7 +24,7 @@ from common.limits import Limits
 from common.model_files import kv_bytes_per_token
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
-from worker_svc.runtime.batch import PersistentBatch
+from worker_svc.runtime.batch import POOLING, PersistentBatch
 from worker_svc.runtime.tier_policy import host_tier_pays
 
 
@@ -60,7 +60,7 @@ class SimulatedRunner:
         where the cost model's block copy costs more than its prefill (tier_policy.py)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.model_name = Path(model_dir).name
-        self.vocab_size = config["vocab_size"]
+        self.vocab_size, self.hidden_size = config["vocab_size"], config["hidden_size"]
         self.num_blocks, self.block_size = num_blocks, block_size
         model_len = config["max_position_embeddings"]
         self.limits = dataclasses.replace(limits, max_model_len=min(limits.max_model_len or model_len, model_len))
@@ -94,7 +94,8 @@ class SimulatedRunner:
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=limits.max_model_len,
             tensor_parallel_size=1, epoch=self.epoch, vocab_size=self.vocab_size, worker_id=self.worker_id,
             device="simulated", max_num_seqs=limits.max_num_seqs,
-            max_num_batched_tokens=limits.max_num_batched_tokens, num_host_blocks=self.num_host_blocks)
+            max_num_batched_tokens=limits.max_num_batched_tokens, num_host_blocks=self.num_host_blocks,
+            hidden_size=self.hidden_size)
 
     def execute(self, plan: pb.StepPlan) -> _SimStep:
         step = self.batch.apply(plan)
@@ -102,8 +103,10 @@ class SimulatedRunner:
         rows = np.flatnonzero(step.samples)
         tokens = _mix(self.batch.seed[step.rows][rows].astype(np.uint64), end[rows].astype(np.uint64))
         token_ids = (tokens % np.uint64(self.vocab_size // 2)).astype(np.int64)
+        token_ids[self.batch.pooling[step.rows[rows]] > 0] = 0  # embedding requests sample nothing
         result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(), token_ids=token_ids.tolist())
         self._logprobs(result, step, rows, token_ids)
+        self._pooled(result, step)
         block_s = self.block_bytes / (self.cost.host_copy_gb_s * 1e9)
         swaps = len(plan.swap_out_blocks) + len(plan.swap_in_blocks)
         with self._lock:
@@ -140,6 +143,29 @@ class SimulatedRunner:
             for t in targets.tolist():
                 self._top(result.prompt_top_token_ids, result.prompt_top_logprobs, t,
                           int(batch.prompt_logprobs[step.rows[i]]))
+
+    def _pooled(self, result: pb.StepResult, step) -> None:
+        """Made-up pooled rows for embedding requests, as a model whose final state at a position is a fixed
+        vector of its token ((t * (j + 1)) % 17 - 8) / 8 in dimension j: rows of the positions the pooling takes
+        (the last, the first, or the sum of the step's for a mean)."""
+        pooling = self.batch.pooling[step.rows]
+        for i in np.flatnonzero(pooling):
+            kind, state = POOLING[pooling[i]], step.states[i]
+            c, n = int(step.num_computed[i]), int(step.num_scheduled[i])
+            if kind == "mean":
+                tokens = state.token_ids[c:c + n]
+            elif kind == "last" and c + n == state.prompt_len:
+                tokens = state.token_ids[c + n - 1:c + n]
+            elif kind == "cls" and c == 0:
+                tokens = state.token_ids[:1]
+            else:
+                continue
+            dims = np.arange(1, self.hidden_size + 1)
+            rows = ((np.asarray(tokens, np.int64)[:, None] * dims) % 17 - 8) / 8
+            result.pooled_seq_ids.append(int(step.seq_ids[i]))
+            result.pooled_starts.append(c)
+            result.pooled_counts.append(n)
+            result.pooled.extend(rows.sum(0).tolist())
 
     def _top(self, ids, values, token: int, n: int) -> None:
         for r in range(max(n, 0)):
