@@ -11,10 +11,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from common import model_files
 from common.usage import Usage
 from offline.executor import InProcessExecutor
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
+from scheduler_svc.output import embedding
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
@@ -28,6 +30,7 @@ class GenerationOutput:
     usage: Usage | None
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked (prompt_logprobs)
+    pooled: list[float] | None = None  # an embedding request's (SamplingParams.pooling) pooled row
 
 
 class LLM:
@@ -43,6 +46,7 @@ class LLM:
             executor = InProcessExecutor.for_model(model_dir, RunnerConfig(limits=config.limits, **options))
         elif options:
             raise TypeError(f"unknown options {sorted(options)} (an executor was given)")
+        self.model_dir = model_dir
         self.engine = LLMEngine(model_dir, executor, config)
 
     def generate(
@@ -89,12 +93,23 @@ class LLM:
                     if out.finished:
                         text = "".join(texts.pop(rid))
                         done[rid] = GenerationOutput(text, tokens.pop(rid), out.finish_reason, out.usage,
-                                                     logprobs.pop(rid, None), prompt_logprobs.pop(rid, None))
+                                                     logprobs.pop(rid, None), prompt_logprobs.pop(rid, None),
+                                                     out.pooled)
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.0f}", refresh=False)
         finally:
             bar.close()
         return [done[rid] for rid in order]
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], dimensions: int | None = None,
+              normalize: bool | None = None, use_tqdm: bool = True) -> list[list[float]]:
+        """Embeddings in the order of the prompts, as the Embed call makes them (README, "Embeddings"): the model's
+        pooling, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's)."""
+        pooling = model_files.pooling(self.model_dir)
+        params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling.kind)
+        outs = self.generate(prompts, params, use_tqdm)
+        normalize = pooling.normalize if normalize is None else normalize
+        return [embedding(o.pooled, pooling.kind, o.usage.prompt_tokens, dimensions, normalize) for o in outs]
 
     def close(self) -> None:
         self.engine.close()

@@ -51,6 +51,9 @@ class EngineCore:
         after prompt_len (a request that moved: recompute); force admits it beyond max_waiting (it was admitted
         once already). block_hashes: of its tokens' full blocks, when the caller has them (routing). Raises
         ValueError when it does not fit the worker, QueueFullError."""
+        if self.worker_info.embedding_only and not params.pooling:
+            raise ValueError("this model has no LM head: it serves embeddings (Embed, the gateway's /v1/embeddings), "
+                             "not generations")
         seq = Sequence(self._next_seq_id, list(token_ids), params, request_id=request_id, prompt_len=prompt_len,
                        priority=priority, block_hashes=list(block_hashes))
         self.scheduler.add(seq, force=force)

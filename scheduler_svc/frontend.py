@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 import time
 import uuid
@@ -36,7 +35,7 @@ from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
 from scheduler_svc.metrics import FrontendMetrics
-from scheduler_svc.output import OutputState
+from scheduler_svc.output import OutputState, embedding
 from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.registration import MembershipService
 from scheduler_svc.requests import (InvalidRequest, check_text_size, max_prompt_bytes, parse_embed, parse_generate,
@@ -387,9 +386,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not self.live_groups():
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
-        if any(g.info.embedding_only for g in self.live_groups()):
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model has no LM head: it serves "
-                               "embeddings (Embed, the gateway's /v1/embeddings), not generations")
         try:
             parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
         except InvalidRequest as e:
@@ -627,18 +623,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if self.server is not None:
             await self.server.stop(grace=1.0)
         self.stopped.set()
-
-
-def embedding(pooled: array, kind: str, prompt_len: int, dimensions: int | None, normalize: bool) -> list[float]:
-    """A pooled row as the request asks for it: a "mean" row's sum divided by the prompt's length, the first
-    `dimensions` values (Matryoshka), L2-normalised."""
-    values = list(pooled[:dimensions] if dimensions else pooled)
-    if kind == "mean":
-        values = [v / prompt_len for v in values]
-    if normalize:
-        norm = math.sqrt(math.fsum(v * v for v in values))
-        values = [v / norm for v in values] if norm > 0 else values
-    return values
 
 
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:

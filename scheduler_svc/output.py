@@ -3,6 +3,8 @@ finish and stop reasons and, at the end, the usage. The offline LLMEngine and th
 make them here."""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
@@ -70,3 +72,16 @@ class OutputState:
 
     def usage(self) -> Usage:
         return Usage(self.prompt_len, self.num_output, self.cached_tokens or 0)
+
+
+def embedding(pooled: Sequence[float], kind: str, prompt_len: int, dimensions: int | None,
+              normalize: bool) -> list[float]:
+    """A pooled row as the request asks for it: a "mean" row's sum divided by the prompt's length, the first
+    `dimensions` values (Matryoshka), L2-normalised."""
+    values = list(pooled[:dimensions] if dimensions else pooled)
+    if kind == "mean":
+        values = [v / prompt_len for v in values]
+    if normalize:
+        norm = math.sqrt(math.fsum(v * v for v in values))
+        values = [v / norm for v in values] if norm > 0 else values
+    return values

@@ -252,3 +252,22 @@ def test_embeddings_pool_as_transformers_beside_generations(tiny_model_dir, hf, 
             tokens, _, reason, usage = done[f"{kind}{i}"]
             assert tokens == [] and reason == "length" and usage.prompt_tokens == len(p)
             torch.testing.assert_close(torch.tensor(pooled[f"{kind}{i}"]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_llm_embed_normalises_the_last_state_and_takes_dimensions(tiny_model_dir, hf):
+    """The offline API's embed: a checkpoint without sentence-transformers modules pools its last token's state,
+    normalised; `dimensions` keeps the first values (then normalised), normalize=False the state as it is."""
+    prompts = ["The capital of France", [5, 6, 7, 8]]
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16) as llm:
+        full, short = llm.embed(prompts, use_tqdm=False), llm.embed(prompts, dimensions=8, use_tqdm=False)
+        raw = llm.embed(prompts[1], normalize=False, use_tqdm=False)[0]
+        tokenizer = llm.engine.tokenizer
+    for prompt, vector, head in zip(prompts, full, short):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        with torch.inference_mode():
+            last = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(vector), last / last.norm(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(head), last[:8] / last[:8].norm(), rtol=1e-4, atol=1e-5)
+    with torch.inference_mode():
+        last = hf.model(torch.tensor([prompts[1]])).last_hidden_state[0, -1]
+    torch.testing.assert_close(torch.tensor(raw), last, rtol=1e-4, atol=1e-4)
