@@ -319,6 +319,20 @@ def test_passed_deadline_is_deadline_exceeded_and_frees_blocks(slow):
     assert "cancelled" in _request_log(slow, "deadline")
 
 
+def test_an_embed_call_past_its_deadline_frees_every_inputs_blocks(slow):
+    """24 inputs of 200 tokens take the slowed worker at least 5 steps (its pool holds 1,024 tokens); with a 0.15 s
+    deadline the call ends DEADLINE_EXCEEDED and the blocks of every input, embedded, running or queued, come
+    back. Then two of them with time enough: one vector each."""
+    inputs = [[(7 * i + j) % 1000 for j in range(200)] for i in range(24)]
+    with Client(slow.address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.embed(inputs, timeout=0.15)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for("blocks of the expired embeddings free", lambda: all_idle(c), timeout=FREED_S)
+        done = c.embed(inputs[:2], timeout=WAIT_S)
+    assert [len(v) for v in done.vectors] == [64, 64] and done.prompt_tokens == [200, 200]
+
+
 # --- EOS, ignore_eos, min_tokens (the EOS model on the slowed worker) -------------------------------------
 
 
