@@ -108,6 +108,7 @@ class GenerateParams(TypedDict, total=False):
     skip_special_tokens: bool | None
     stream_interval: int | None
     request_id: str
+    lora: str
 
 
 def build_request(
@@ -141,16 +142,17 @@ def build_request(
     skip_special_tokens: bool | None = None,
     stream_interval: int | None = None,
     request_id: str = "",
+    lora: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
     structured: the output's constraint, one of {"json_schema": a schema (dict or JSON text)},
     {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}, with
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
-    free."""
+    free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority)
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:

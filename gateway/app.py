@@ -166,19 +166,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(request: Request) -> JSONResponse:
         backend = backend_of(request)
-        info = await backend.model_info()
-        data = [{"id": name, "object": "model", "created": backend.created, "owned_by": "splitserve",
-                 "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
-                for name in await backend.model_names()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [await _model_card(backend, name)
+                                                        for name in await backend.model_names()]})
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str, request: Request) -> JSONResponse:
         backend = backend_of(request)
-        name = await backend.resolve_model(model_id)
-        info = await backend.model_info()
-        return JSONResponse({"id": name, "object": "model", "created": backend.created, "owned_by": "splitserve",
-                             "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]})
+        return JSONResponse(await _model_card(backend, await backend.resolve_model(model_id)))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -262,11 +256,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
+async def _model_card(backend: Backend, name: str) -> dict[str, Any]:
+    """A served name's card: the base model's, or a LoRA adapter's, whose parent is the base model (vLLM's)."""
+    info = await backend.model_info()
+    lora = await backend.lora_of(name)
+    return {"id": name, "object": "model", "created": backend.created, "owned_by": "splitserve",
+            "root": name if lora else info["model"], "parent": (await backend.model_names())[0] if lora else None,
+            "max_model_len": info["max_model_len"]}
+
+
 async def _run(request: Request, backend: Backend, job: Job, rid: str, model: str,
                body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                response: ResponsesRequest | None = None) -> Response:
     """The answer to a job: whole, or streamed as events; `response`: a Responses API request run as the chat
     request `body`, answered in its own shape (responses.py)."""
+    job.params["lora"] = await backend.lora_of(model)
     it = merge(open_streams(backend, job, rid, bool(body.stream)))
     headers = {"X-Request-Id": rid}
     try:

@@ -79,9 +79,14 @@ class Backend:
             return self._info
 
     async def model_names(self) -> list[str]:
-        if self.config.served_model_names:
-            return list(self.config.served_model_names)
-        return [(await self.model_info())["model"]]
+        """The names a request's `model` may give: the base model's, then the LoRA adapters' (vLLM's way)."""
+        info = await self.model_info()
+        base = list(self.config.served_model_names) or [info["model"]]
+        return base + [name for name in info.get("lora_adapters", []) if name not in base]
+
+    async def lora_of(self, model: str) -> str:
+        """The LoRA adapter a resolved `model` names, or "" for the base model."""
+        return model if model in (await self.model_info()).get("lora_adapters", []) else ""
 
     async def resolve_model(self, requested: str | None) -> str:
         names = await self.model_names()

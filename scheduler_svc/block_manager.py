@@ -86,17 +86,17 @@ class BlockManager:
                 seq.sampling.HasField("prompt_logprobs") or seq.sampling.pooling in ("mean", "cls"))):
             return []  # a request scoring its prompt, or pooling more than its last row, computes all of it
         limit = (len(seq.token_ids) - 1) // self.block_size
-        return self._match(seq.token_ids, extend_hashes(seq.token_ids, self.block_size, seq.block_hashes, limit),
-                           limit)
+        hashes = extend_hashes(seq.token_ids, self.block_size, seq.block_hashes, limit, seq.hash_root)
+        return self._match(seq.token_ids, hashes, limit, seq.hash_root)
 
-    def cached_prefix_len(self, token_ids: list[int], hashes: list[int]) -> int:
-        """Tokens of a prompt the prefix cache would serve now, given the hashes of its full blocks (routing;
-        no state changes)."""
+    def cached_prefix_len(self, token_ids: list[int], hashes: list[int], root: int = ROOT_HASH) -> int:
+        """Tokens of a prompt the prefix cache would serve now, given the hashes of its full blocks chained from
+        `root` (routing; no state changes)."""
         if not self.enable_prefix_caching:
             return 0
-        return len(self._match(token_ids, hashes, (len(token_ids) - 1) // self.block_size)) * self.block_size
+        return len(self._match(token_ids, hashes, (len(token_ids) - 1) // self.block_size, root)) * self.block_size
 
-    def _match(self, token_ids: list[int], hashes: list[int], limit: int) -> list[int]:
+    def _match(self, token_ids: list[int], hashes: list[int], limit: int, root: int) -> list[int]:
         bs = self.block_size
         index = self._index
         host = self.host
@@ -114,7 +114,7 @@ class BlockManager:
             width = 4 * bs
             data = block_bytes(token_ids[: len(hits) * bs])
             for i, bid in enumerate(hits):
-                parent = hashes[i - 1] if i else ROOT_HASH
+                parent = hashes[i - 1] if i else root
                 if bid >= 0:
                     held = self._parent[bid], self._data[bid]
                 else:
@@ -277,7 +277,7 @@ class BlockManager:
         known = len(hashes)
         table = seq.block_table
         index = self._index
-        parent = hashes[start - 1] if start else ROOT_HASH
+        parent = hashes[start - 1] if start else seq.hash_root
         off = 0
         for i in range(start, end):
             block = data[off : off + width]

@@ -51,6 +51,8 @@ class EngineCore:
         after prompt_len (a request that moved: recompute); force admits it beyond max_waiting (it was admitted
         once already). block_hashes: of its tokens' full blocks, when the caller has them (routing). Raises
         ValueError when it does not fit the worker, QueueFullError."""
+        if params.lora and params.lora not in self.worker_info.lora_adapters:
+            raise ValueError(f"LoRA adapter {params.lora!r} is not served by this worker")
         if self.worker_info.embedding_only and not params.pooling:
             raise ValueError("this model has no LM head: it serves embeddings (Embed, the gateway's /v1/embeddings), "
                              "not generations")

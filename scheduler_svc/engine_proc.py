@@ -292,7 +292,8 @@ def _group_info(group: EngineGroup) -> dict:
             "max_model_len": group.scheduler.max_model_len, "vocab_size": info.vocab_size, "epoch": info.epoch,
             "device": info.device, "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
-            "hidden_size": info.hidden_size, "embedding_only": info.embedding_only}
+            "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
+            "lora_adapters": list(info.lora_adapters)}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:

@@ -196,6 +196,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         return min(g.info.max_model_len for g in (self.live_groups() or self.groups.values()))
 
     @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters every live group serves."""
+        groups = self.live_groups()
+        return [name for name in groups[0].info.lora_adapters
+                if all(name in g.info.lora_adapters for g in groups)] if groups else []
+
+    @property
     def vocab_size(self) -> int:
         groups = self.live_groups() or list(self.groups.values())
         return groups[0].info.vocab_size or self.tokenizer.vocab_size
@@ -335,7 +342,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def _move(self, c: Completion) -> None:
         """Continues a completion whose group went, on the live group that costs least (its prompt plus the
         tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE."""
-        hashes = PromptHashes(c.token_ids())
+        hashes = PromptHashes(c.token_ids(), c.params.lora)
         tried: set[int] = set()
         while c.key in self.completions:
             groups = [g for g in self.live_groups() if g.group_id not in tried]
@@ -387,14 +394,14 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if not self.live_groups():
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         try:
-            parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size)
+            parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"req-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        hashes = PromptHashes(parsed.prompt_ids)  # for routing, and the sequences' prefix blocks
+        hashes = PromptHashes(parsed.prompt_ids, parsed.params.lora)  # for routing, and the sequences' prefix blocks
         interval = request.stream_interval if request.HasField("stream_interval") else 1
         stream = _Stream(interval=interval)
         completions = []
@@ -580,7 +587,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         return api.ModelInfo(
             model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups), dtype=info.dtype,
-            block_size=info.block_size,
+            block_size=info.block_size, lora_adapters=self.lora_adapters,
             workers=[api.WorkerStatus(address=g.address, alive=True, num_blocks=g.info.num_blocks,
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,

@@ -20,13 +20,21 @@ def hash_block(data: bytes, parent: int) -> int:
     return _xxh64(data, parent)
 
 
-def extend_hashes(token_ids: list[int], block_size: int, hashes: list[int], num_blocks: int) -> list[int]:
-    """Extends `hashes` (those of token_ids' first blocks) to cover its first num_blocks blocks (all full)."""
+def root_hash(lora: str) -> int:
+    """The "previous hash" of a sequence's first block: ROOT_HASH for the base model's KV, a hash of the LoRA adapter's
+    name for KV its projections computed, so that no cached block is shared between adapters or with the base."""
+    return _xxh64(lora.encode()) if lora else ROOT_HASH
+
+
+def extend_hashes(token_ids: list[int], block_size: int, hashes: list[int], num_blocks: int,
+                  root: int = ROOT_HASH) -> list[int]:
+    """Extends `hashes` (those of token_ids' first blocks, chained from `root`) to cover its first num_blocks
+    blocks (all full)."""
     start = len(hashes)
     if start < num_blocks:
         width = 4 * block_size
         data = block_bytes(token_ids[start * block_size : num_blocks * block_size])
-        h = hashes[-1] if start else ROOT_HASH
+        h = hashes[-1] if start else root
         for off in range(0, len(data), width):
             h = hash_block(data[off : off + width], h)
             hashes.append(h)
@@ -36,15 +44,15 @@ def extend_hashes(token_ids: list[int], block_size: int, hashes: list[int], num_
 class PromptHashes:
     """The hashes of one prompt's full blocks, computed once per block size: routing reads them for every
     worker group, and the group that takes the request starts its sequence with them."""
-    __slots__ = ("token_ids", "_by_size")
+    __slots__ = ("token_ids", "root", "_by_size")
 
-    def __init__(self, token_ids: list[int]):
-        self.token_ids = token_ids
+    def __init__(self, token_ids: list[int], lora: str = ""):
+        self.token_ids, self.root = token_ids, root_hash(lora)
         self._by_size: dict[int, list[int]] = {}
 
     def of(self, block_size: int) -> list[int]:
         hashes = self._by_size.get(block_size)
         if hashes is None:
             hashes = self._by_size[block_size] = extend_hashes(self.token_ids, block_size, [],
-                                                               len(self.token_ids) // block_size)
+                                                               len(self.token_ids) // block_size, self.root)
         return hashes

@@ -230,9 +230,13 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
-                   vocab_size: int) -> ParsedRequest:
-    """Checks every field, cheap ones first, before anything is tokenized or allocated."""
+                   vocab_size: int, lora_adapters: list[str] = ()) -> ParsedRequest:
+    """Checks every field, cheap ones first, before anything is tokenized or allocated; `lora_adapters`: those every
+    worker serves."""
     _check_id_and_priority(req)
+    if req.lora and req.lora not in lora_adapters:
+        raise InvalidRequest(f"lora {req.lora[:64]!r} is not an adapter the workers serve (they serve "
+                             f"{', '.join(map(repr, lora_adapters)) or 'none'})")
     s, st = req.sampling, req.stopping
 
     def opt(msg, name, default):
@@ -249,7 +253,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None))
+        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora)
     try:
         if req.HasField("structured"):
             params.grammar = grammar_of(req.structured)

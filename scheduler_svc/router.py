@@ -41,6 +41,7 @@ class GroupInfo:
     sliding_window: int = 0
     hidden_size: int = 0  # of its embeddings
     embedding_only: bool = False  # no LM head: Embed only
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters its worker serves, by name
     draining: bool = False
 
 

@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20  # top alternatives per token
 # What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
 ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
-                 "prompt_logprobs", "grammar", "pooling")
+                 "prompt_logprobs", "grammar", "pooling", "lora")
 _seed_source = random.SystemRandom()
 
 
@@ -53,6 +53,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
     grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
     pooling: str | None = None  # an embedding request (max_tokens 0): how its hidden states pool (POOLING_TYPES)
+    lora: str = ""  # the LoRA adapter (a name the workers loaded) whose weights run it; "": the base model
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
@@ -137,4 +138,5 @@ class SamplingParams:
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar or "",
             pooling=self.pooling or "",
+            lora=self.lora,
         )

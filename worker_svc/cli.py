@@ -45,6 +45,17 @@ def use_kernel_cache(folder: str | None) -> None:
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(folder) / "flash_attn")
 
 
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as a dict; SystemExit naming a malformed or repeated one."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in out:
+            raise SystemExit(f"splitserve-worker serve: --lora-modules takes distinct NAME=PATH pairs, got {spec!r}")
+        out[name] = path
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -64,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
-        kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)))
+        kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
+        lora_modules=lora_modules(args.lora_modules))
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -227,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "drops it at start where a block's copy in takes longer than its prefill (it logs both)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory this worker may use in all (weights, activations, KV, graphs)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve beside the weights (PEFT folders: adapter_config.json, "
+                        "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
+                        "the gateway's `model`). Decode steps holding an adapter's sequence run without CUDA graphs")
     limits.add_arguments(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_NAMES,
                    help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "

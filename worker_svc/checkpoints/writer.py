@@ -413,3 +413,36 @@ def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(model_dir: Path, out: Path, rank: int = 8, alpha: float = 16.0, seed: int = 0,
+                      targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.05) -> Path:
+    """A LoRA adapter of the checkpoint in `model_dir`, in PEFT's layout (adapter_config.json, adapter_model.safetensors
+    with `base_model.model.<module>.lora_A.weight` [rank, in] and `lora_B.weight` [out, rank]) over every projection
+    of the checkpoint named by `targets`. Random A and B (PEFT starts B at zero, which would change nothing)."""
+    from safetensors import safe_open
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                module = name.removesuffix(".weight")
+                if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+                    continue
+                rows, cols = f.get_slice(name).get_shape()
+                key = f"base_model.model.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, cols, generator=generator) * std
+                tensors[f"{key}.lora_B.weight"] = torch.randn(rows, rank, generator=generator) * std
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "target_modules": sorted(targets), "bias": "none", "use_rslora": False, "modules_to_save": None,
+              "base_model_name_or_path": str(model_dir), "fan_in_fan_out": False, "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -213,10 +213,13 @@ class GatedMLP(nn.Module):
 
 
 def scale_rows(proj: nn.Module, factor: float) -> None:
-    """A loaded projection's output times `factor`, in its weight (and bias): no kernel spends time on it."""
+    """A loaded projection's output times `factor`, in its weight (and bias, and its LoRA adapters' B): no kernel
+    spends time on it."""
     proj.weight.mul_(factor)
     if getattr(proj, "bias", None) is not None:
         proj.bias.mul_(factor)
+    if getattr(proj, "lora", None) is not None:
+        proj.lora.b.mul_(factor)
 
 
 def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:

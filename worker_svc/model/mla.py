@@ -62,6 +62,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(latent, cfg.rms_norm_eps, kernels)
         # each head's W_UK (nope rows) then W_UV (v_head_dim rows) over the latent: absorbed, never run as a linear
         self.kv_b_proj = ColumnParallelLinear(latent, heads * (nope + mla.v_head_dim), kernels)
+        self.kv_b_proj.absorbed = True  # model/lora.py refuses an adapter of it
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, kernels)
         self.scale, self.query_log_scale = cfg.attention_scale, cfg.query_log_scale
         # bound by the ModelRunner once allocated, as Attention's

@@ -43,6 +43,7 @@ def _divide(n: int, d: int) -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; each rank produces a slice of y."""
+    lora = None  # its LoRA adapters (model/lora.py), where some adapt it
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
         super().__init__()
@@ -60,7 +61,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight, self.bias)
+        y = self.kernels.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class HeadParallelLinear(ColumnParallelLinear):
@@ -143,6 +145,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks, or left to the caller
     (`reduce=False`: a sum of several such outputs takes one all-reduce)."""
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False,
                  reduce: bool = True):
@@ -162,6 +165,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.linear(x, self.weight)
+        if self.lora is not None:  # before the all-reduce: each rank's delta is a partial sum too
+            y = self.lora.apply(x, y)
         if self.tp_size > 1 and self.reduce:
             dist.all_reduce(y)
         if self.bias is not None and (self.reduce or self.tp_rank == 0):  # once in the sum, however reduced
@@ -172,6 +177,7 @@ class RowParallelLinear(nn.Module):
 class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every rank (a projection too small to shard: MLA's latent ones). `row_order`:
     the checkpoint's rows as stored here."""
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, row_order: list[int] | None = None):
         super().__init__()
@@ -181,7 +187,8 @@ class ReplicatedLinear(nn.Module):
             self.weight.weight_loader = lambda param, w: param.data.copy_(w[row_order])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight)
+        y = self.kernels.linear(x, self.weight)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -82,9 +82,12 @@ class SamplingArrays:
 
 class PersistentBatch:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_batched_tokens: int = 0, epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0):
+                 max_num_batched_tokens: int = 0, epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0,
+                 lora_adapters: list[str] | None = None):
         """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool;
-        sliding_window: the model's, when every layer has one (ModelConfig.kv_window), else 0."""
+        sliding_window: the model's, when every layer has one (ModelConfig.kv_window), else 0; lora_adapters: the
+        LoRA adapters served, by name (a row's index into it in `lora`)."""
+        self.lora_adapters = lora_adapters or []
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
         self.num_host_blocks, self.sliding_window = num_host_blocks, sliding_window
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
@@ -108,6 +111,7 @@ class PersistentBatch:
         self.logprobs = np.full(rows, -1, np.int64)
         self.prompt_logprobs = np.full(rows, -1, np.int64)  # -1: the row's prompt is not scored
         self.pooling = np.zeros(rows, np.int8)  # POOLING's code of an embedding request's rows; 0: a generation
+        self.lora = np.full(rows, -1, np.int64)  # the row's LoRA adapter, an index into lora_adapters; -1: none
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
         self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
@@ -275,6 +279,9 @@ class PersistentBatch:
         if p.pooling not in POOLING:
             raise PlanError(f"sequence {sid}: pooling {p.pooling!r} is none of {', '.join(POOLING_TYPES)}")
         self.pooling[row] = POOLING.index(p.pooling)
+        if p.lora and p.lora not in self.lora_adapters:
+            raise PlanError(f"sequence {sid}: LoRA adapter {p.lora!r} is not loaded here")
+        self.lora[row] = self.lora_adapters.index(p.lora) if p.lora else -1
         if p.logit_bias:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))

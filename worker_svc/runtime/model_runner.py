@@ -28,6 +28,7 @@ from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, load_weights
+from worker_svc.model.lora import load_adapters, step_adapters
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays
@@ -54,6 +55,7 @@ class RunnerConfig:
     attention: str = "auto"
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve: name -> PEFT folder
 
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
@@ -200,6 +202,7 @@ class ModelRunner:
         if self.embedding_only:
             self.model.lm_head = None
         kv_scales = load_weights(self.model, model_dir)
+        self.lora_names = load_adapters(self.model, cfg.lora_modules)  # before the scales fold into their B too
         self.model.fold_scales()
         if fp8_cache:
             # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
@@ -218,7 +221,8 @@ class ModelRunner:
         rows = self.limits.max_num_seqs
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
-                                     num_host_blocks=self.num_host_blocks, sliding_window=mc.kv_window)
+                                     num_host_blocks=self.num_host_blocks, sliding_window=mc.kv_window,
+                                     lora_adapters=self.lora_names)
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -389,7 +393,7 @@ class ModelRunner:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
-            embedding_only=self.embedding_only)
+            embedding_only=self.embedding_only, lora_adapters=self.lora_names)
 
     @property
     def num_host_blocks(self) -> int:
@@ -435,8 +439,9 @@ class ModelRunner:
             return PendingStep(plan.step, [], None, [], started)
         sampling = step.samples
         embedding = self.batch.pooling[rows] > 0
-        if sampling.all() and n.max() == 1 and not embedding.any():
-            return self._execute_decode(step, started)
+        adapters = self.batch.lora[rows]
+        if sampling.all() and n.max() == 1 and not embedding.any() and (adapters < 0).all():
+            return self._execute_decode(step, started)  # a decode step's graph holds no adapter: those run here
         ended = sampling  # the rows in the result: the sampling ones and the embedding requests whose prompt ends
         sampling = sampling & ~embedding
         bs = self.block_size
@@ -464,7 +469,10 @@ class ModelRunner:
         meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
                                  context_lens=(c + n).tolist())
-        hidden = self.model(ids_t, pos_t, meta)
+        adapter_of_token = adapters[seq_of_token]
+        with step_adapters([(int(a), torch.from_numpy(np.flatnonzero(adapter_of_token == a)).to(self.device))
+                            for a in np.unique(adapters[adapters >= 0])]):
+            hidden = self.model(ids_t, pos_t, meta)
         prompt, pooled = self._score_prompts(step, cu, hidden), self._pool(step, cu, hidden)
         sampled = np.flatnonzero(sampling[ended]).tolist() if embedding.any() else None
         if not len(sample_at):

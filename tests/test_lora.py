@@ -1,0 +1,145 @@
+"""LoRA adapters (--lora-modules, GenerateRequest.lora, the gateway's `model`): adapters in PEFT's layout over
+qwen3-tiny, one on every projection (rank 4), one on q, v and down (rank 8). Greedy tokens equal transformers'
+with each adapter merged into the weights (W + scale B A), base and adapted sequences side by side in the same steps;
+in-process with chunked prefills, then through the services on a worker of two tensor-parallel ranks (B split by
+output rows, A by input columns) and the gateway. A prefix is cached per adapter: never shared across them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from client import Client
+from client.launcher import LocalCluster
+from offline.executor import InProcessExecutor
+from scheduler_svc.config import config_from_options
+from scheduler_svc.engine import LLMEngine
+from scheduler_svc.sampling import SamplingParams
+from tests.test_engine_model import _run
+from tests.test_gateway import Gateway
+from worker_svc.checkpoints.writer import make_lora_adapter
+from worker_svc.model.lora import load_adapters
+from worker_svc.runtime.model_runner import RunnerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[5, 6, 7] * 13, [11, 12], [(13 * i) % 1000 + 1 for i in range(20)]]  # no 0: generate() pads it
+MAX_NEW = 12
+NAMES = ("", "all", "qv")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {"all": make_lora_adapter(tiny_model_dir, root / "all", rank=4, seed=1),
+            "qv": make_lora_adapter(tiny_model_dir, root / "qv", rank=8, seed=2,
+                                    targets=("q_proj", "v_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, adapters) -> dict[str, list[list[int]]]:
+    """Greedy continuations of PROMPTS by transformers, per adapter merged into the weights ("": none)."""
+    out = {}
+    for name in NAMES:
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        if name:
+            config = json.loads((adapters[name] / "adapter_config.json").read_text())
+            scale = config["lora_alpha"] / config["r"]
+            tensors = load_file(adapters[name] / "adapter_model.safetensors")
+            state = hf.state_dict()
+            for key, a in tensors.items():
+                if key.endswith(".lora_A.weight"):
+                    module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+                    state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
+            hf.load_state_dict(state)
+        with torch.inference_mode():
+            out[name] = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW,
+                                     min_new_tokens=MAX_NEW, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert out["all"] != out[""] and out["qv"] != out[""]  # the adapters change what the model says
+    return out
+
+
+def _params(lora: str) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, seed=0, ignore_eos=True, lora=lora)
+
+
+def test_adapted_and_base_sequences_in_one_batch_equal_merged_weights(tiny_model_dir, adapters, reference):
+    config, _ = config_from_options({"max_num_seqs": 8, "max_num_batched_tokens": 32})
+    executor = InProcessExecutor.for_model(tiny_model_dir, RunnerConfig(
+        device="cpu", dtype="float32", num_blocks=64, block_size=16, limits=config.limits,
+        lora_modules={name: str(path) for name, path in adapters.items()}))
+    engine = LLMEngine(tiny_model_dir, executor, config)
+    for name in NAMES:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add(prompt, _params(name), f"{name}:{i}")
+    done = _run(engine)
+    for name in NAMES:
+        assert [done[f"{name}:{i}"][0] for i in range(len(PROMPTS))] == reference[name], name
+    # a new prompt's two full blocks (of 40 tokens) are cached for the adapter that computed them, for no other
+    prompt = [(17 * i) % 997 for i in range(40)]
+    for name, cached in (("all", 0), ("qv", 0), ("all", 32), ("", 0), ("qv", 32), ("", 32)):
+        engine.add(prompt, _params(name), "again")
+        assert _run(engine)["again"][3].cached_prompt_tokens == cached, name
+    with pytest.raises(ValueError, match="not served"):
+        engine.add(PROMPTS[0], _params("nope"), "nope")
+
+
+def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, tmp_path):
+    from worker_svc.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=4, block_size=16))
+    bias = tmp_path / "bias"
+    make_lora_adapter(tiny_model_dir, bias, rank=2)
+    config = json.loads((bias / "adapter_config.json").read_text())
+    (bias / "adapter_config.json").write_text(json.dumps({**config, "bias": "lora_only"}))
+    with pytest.raises(ValueError, match="'bias'.*bias 'lora_only'"):
+        load_adapters(runner.model, {"bias": bias})
+    embed = tmp_path / "embed"
+    make_lora_adapter(tiny_model_dir, embed, rank=2, targets=("q_proj",))
+    tensors = load_file(embed / "adapter_model.safetensors")
+    tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(2, 64)
+    tensors["base_model.model.model.embed_tokens.lora_B.weight"] = torch.zeros(64, 2)
+    save_file(tensors, str(embed / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="model.embed_tokens is not a projection"):
+        load_adapters(runner.model, {"embed": embed})
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, adapters, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, log_dir=tmp_path_factory.mktemp("lora-logs"), worker_args=[
+        "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8",
+        "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]).start(timeout=180)
+    yield c
+    c.stop()
+
+
+def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, reference, tmp_path):
+    with Client(cluster.address, timeout=60) as c:
+        assert c.model_info()["lora_adapters"] == ["all", "qv"]
+        for name in NAMES:
+            got = [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora=name)[0]
+                   for p in PROMPTS]
+            assert [g.token_ids for g in got] == reference[name], name
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("hi", max_tokens=2, lora="nope")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lora 'nope'")
+    gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+    try:
+        models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("model", None), ("all", "model"), ("qv", "model")]
+        answer = httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
+            "model": "qv", "prompt": PROMPTS[2], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}).json()
+        assert answer["model"] == "qv"
+        unknown = httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={"model": "nope", "prompt": "a"})
+        assert unknown.status_code == 404
+    finally:
+        gateway.stop()
+    with Client(cluster.address, timeout=60) as c:  # the gateway's answer is qv's, not the base model's
+        assert answer["choices"][0]["text"] == c.complete(token_ids=PROMPTS[2], max_tokens=MAX_NEW, temperature=0.0,
+                                                          ignore_eos=True, lora="qv")[0].text
