@@ -1,5 +1,5 @@
-"""`python -m worker_svc.checkpoints`: write random-weight checkpoints (also `splitserve-worker make-model`,
-`list-presets`, `ensure-model`)."""
+"""`python -m worker_svc.checkpoints`: write random-weight checkpoints and LoRA adapters (also `splitserve-worker
+make-model`, `make-lora`, `list-presets`, `ensure-model`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,14 @@ def _make_model(args: argparse.Namespace) -> int:
 
     print(make_model(args.preset, args.out, seed=args.seed, max_shard_size=args.max_shard_size, dtype=args.dtype,
                      num_layers=args.num_layers))
+    return 0
+
+
+def _make_lora(args: argparse.Namespace) -> int:
+    from worker_svc.checkpoints.writer import LORA_TARGETS, make_lora_adapter
+
+    print(make_lora_adapter(args.model, args.out, rank=args.rank, alpha=args.alpha, seed=args.seed,
+                            targets=tuple(args.targets or LORA_TARGETS)))
     return 0
 
 
@@ -47,6 +55,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=int, default=None,
                    help="keep only this many layers, each of the preset's shape (a model too large for the disk)")
     p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("make-lora", help="write a random LoRA adapter of a checkpoint in PEFT's layout (for "
+                                         "`serve --lora-modules`)")
+    p.add_argument("--model", required=True, type=Path, help="the checkpoint folder it adapts")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--rank", type=int, default=8, help="r: the rank of each A and B")
+    p.add_argument("--alpha", type=float, default=16.0, help="lora_alpha: the delta is scaled by alpha / rank")
+    p.add_argument("--targets", nargs="+", help="the projections it adapts, by name (default: every attention and MLP "
+                                                "projection, q_proj ... down_proj)")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights")
+    p.set_defaults(func=_make_lora)
 
     p = sub.add_parser("list-presets", help="list the named model configurations")
     p.set_defaults(func=_list_presets)
