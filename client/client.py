@@ -109,6 +109,7 @@ class GenerateParams(TypedDict, total=False):
     stream_interval: int | None
     request_id: str
     lora: str
+    cache_salt: str
 
 
 def build_request(
@@ -143,16 +144,18 @@ def build_request(
     stream_interval: int | None = None,
     request_id: str = "",
     lora: str = "",
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
     structured: the output's constraint, one of {"json_schema": a schema (dict or JSON text)},
     {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}, with
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
-    free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name."""
+    free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
+    prefixes are shared only between requests of the same salt."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora)
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:

@@ -39,6 +39,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_CHAT_MESSAGES = 256
 MAX_EMBED_INPUTS = 2048
+MAX_CACHE_SALT = 256
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
@@ -94,6 +95,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = None
     priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt
     # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
     response_format: dict[str, Any] | None = Field(None, **doc(RESPONSE_FORMAT))
     structured_outputs: dict[str, Any] | None = Field(None, **doc(STRUCTURED_OUTPUTS))

@@ -342,7 +342,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def _move(self, c: Completion) -> None:
         """Continues a completion whose group went, on the live group that costs least (its prompt plus the
         tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE."""
-        hashes = PromptHashes(c.token_ids(), c.params.lora)
+        hashes = PromptHashes(c.token_ids(), c.params.hash_root)
         tried: set[int] = set()
         while c.key in self.completions:
             groups = [g for g in self.live_groups() if g.group_id not in tried]
@@ -401,7 +401,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        hashes = PromptHashes(parsed.prompt_ids, parsed.params.lora)  # for routing, and the sequences' prefix blocks
+        hashes = PromptHashes(parsed.prompt_ids, parsed.params.hash_root)  # routing, and the sequences' prefix blocks
         interval = request.stream_interval if request.HasField("stream_interval") else 1
         stream = _Stream(interval=interval)
         completions = []

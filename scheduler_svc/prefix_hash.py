@@ -20,10 +20,12 @@ def hash_block(data: bytes, parent: int) -> int:
     return _xxh64(data, parent)
 
 
-def root_hash(lora: str) -> int:
-    """The "previous hash" of a sequence's first block: ROOT_HASH for the base model's KV, a hash of the LoRA adapter's
-    name for KV its projections computed, so that no cached block is shared between adapters or with the base."""
-    return _xxh64(lora.encode()) if lora else ROOT_HASH
+def root_hash(lora: str = "", cache_salt: str = "") -> int:
+    """The "previous hash" of a sequence's first block: ROOT_HASH for the base model's KV without a salt, else a hash
+    of the LoRA adapter's name (KV its projections computed) and the request's cache salt, so that no cached block is
+    shared between adapters, or with requests of another salt (tenants who must not learn each other's prompts from
+    the cache's timing)."""
+    return _xxh64(f"{lora}\0{cache_salt}".encode()) if lora or cache_salt else ROOT_HASH
 
 
 def extend_hashes(token_ids: list[int], block_size: int, hashes: list[int], num_blocks: int,
@@ -46,8 +48,8 @@ class PromptHashes:
     worker group, and the group that takes the request starts its sequence with them."""
     __slots__ = ("token_ids", "root", "_by_size")
 
-    def __init__(self, token_ids: list[int], lora: str = ""):
-        self.token_ids, self.root = token_ids, root_hash(lora)
+    def __init__(self, token_ids: list[int], root: int = ROOT_HASH):
+        self.token_ids, self.root = token_ids, root
         self._by_size: dict[int, list[int]] = {}
 
     def of(self, block_size: int) -> list[int]:

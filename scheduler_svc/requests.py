@@ -22,6 +22,7 @@ MAX_REQUEST_ID_LEN = 256  # printable characters
 MAX_PRIORITY = 100  # priority in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_CHAT_MESSAGES = 256
 MAX_EMBED_INPUTS = 2048  # OpenAI's bound on one embeddings request's inputs
+MAX_CACHE_SALT = 256  # characters
 # Text is tokenized on the event loop: its size is bounded before that, by bytes per token of the model
 # length (real text averages about 4), with a floor for short models.
 PROMPT_BYTES_PER_TOKEN = 16
@@ -234,6 +235,8 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     """Checks every field, cheap ones first, before anything is tokenized or allocated; `lora_adapters`: those every
     worker serves."""
     _check_id_and_priority(req)
+    if len(req.cache_salt) > MAX_CACHE_SALT:
+        raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
     if req.lora and req.lora not in lora_adapters:
         raise InvalidRequest(f"lora {req.lora[:64]!r} is not an adapter the workers serve (they serve "
                              f"{', '.join(map(repr, lora_adapters)) or 'none'})")
@@ -253,7 +256,8 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora)
+        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
+        cache_salt=req.cache_salt)
     try:
         if req.HasField("structured"):
             params.grammar = grammar_of(req.structured)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.model_files import POOLING_TYPES
 from protos import worker_pb2
+from scheduler_svc.prefix_hash import root_hash
 
 SEED_LIMIT = 1 << 64
 # Caps on sizes a request may ask for (each names its field when exceeded).
@@ -19,7 +20,7 @@ MAX_LOGPROBS = 20  # top alternatives per token
 # What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
 ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
-                 "prompt_logprobs", "grammar", "pooling", "lora")
+                 "prompt_logprobs", "grammar", "pooling", "lora", "cache_salt")
 _seed_source = random.SystemRandom()
 
 
@@ -54,6 +55,7 @@ class SamplingParams:
     grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
     pooling: str | None = None  # an embedding request (max_tokens 0): how its hidden states pool (POOLING_TYPES)
     lora: str = ""  # the LoRA adapter (a name the workers loaded) whose weights run it; "": the base model
+    cache_salt: str = ""  # cached prefixes are shared only between requests of the same salt (and adapter)
 
     def validate(self) -> None:
         """Raise InvalidParam (a ValueError) naming the first bad field and what it allows."""
@@ -112,6 +114,11 @@ class SamplingParams:
                 raise InvalidParam("logit_bias", f"keys must be non-negative token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails
                 raise InvalidParam("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
+
+    @property
+    def hash_root(self) -> int:
+        """Where its prefix hashes chain from (prefix_hash.root_hash)."""
+        return root_hash(self.lora, self.cache_salt)
 
     def engine_fields(self) -> dict:
         """ENGINE_FIELDS, for the message that hands the request to its engine process."""

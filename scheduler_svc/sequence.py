@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
-from scheduler_svc.prefix_hash import ROOT_HASH, root_hash
+from scheduler_svc.prefix_hash import ROOT_HASH
 from scheduler_svc.sampling import SamplingParams
 
 NEVER = 1 << 63  # start_step while not running: no result is accepted
@@ -44,7 +44,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of token_ids (prefix_hash.py), extended lazily; they survive preemption.
     block_hashes: list[int] = field(default_factory=list)
-    # The parent hash of its first block: its LoRA adapter's (prefix_hash.root_hash), so adapters share no KV.
+    # The parent hash of its first block (SamplingParams.hash_root): KV is shared only under the same one.
     hash_root: int = ROOT_HASH
     # Leading blocks of block_table already handed to the prefix cache (registered, or hits).
     num_committed_blocks: int = 0
@@ -70,7 +70,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.prompt_len == 0:
             self.prompt_len = len(self.token_ids)
-        self.hash_root = root_hash(self.params.lora)
+        self.hash_root = self.params.hash_root
 
     @property
     def output_token_ids(self) -> list[int]:

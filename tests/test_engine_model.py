@@ -186,6 +186,11 @@ def test_prefix_cache_hit_reports_cached_tokens(tiny_model_dir, hf):
         got_c = _run(engine)[c]
         assert got_c[3].cached_prompt_tokens == (len(second) - 1) // 8 * 8
         assert got_c[0] == got_b[0]
+        # A cache salt: hits only among requests of the same salt, the same tokens whatever the salt.
+        for salt, cached in (("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 40), ("", 40)):
+            d = engine.add_request(second, _greedy(max_tokens=12, cache_salt=salt))
+            got_d = _run(engine)[d]
+            assert got_d[3].cached_prompt_tokens == cached and got_d[0] == got_b[0], salt
         assert engine.scheduler.block_manager.num_free_blocks == 64
     finally:
         engine.close()

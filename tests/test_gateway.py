@@ -535,6 +535,13 @@ SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the ga
     ("CompletionRequest", {"prompt": "x", "priority": 101}, False),
     ("CompletionRequest", {"prompt": "x", "temperature": 1e39}, False),
     ("CompletionRequest", {"prompt": "x", "suffix": "s"}, False),
+    ("CompletionRequest", {"prompt": "x", "cache_salt": "s" * protocol.MAX_CACHE_SALT}, True),
+    ("CompletionRequest", {"prompt": "x", "cache_salt": "s" * (protocol.MAX_CACHE_SALT + 1)}, False),
+    ("EmbeddingRequest", {"input": ["a", "b"], "encoding_format": "base64", "dimensions": 8}, True),
+    ("EmbeddingRequest", {"input": [[1, 2], [3]]}, True),
+    ("EmbeddingRequest", {"input": []}, False),
+    ("EmbeddingRequest", {"input": "a", "dimensions": 0}, False),
+    ("EmbeddingRequest", {"input": "a", "encoding_format": "int8"}, False),
     ("CompletionRequest", {"prompt": "x", "guided_regex": ""}, False),
     ("ChatCompletionRequest", {"messages": [USER]}, True),
     ("ChatCompletionRequest", {"messages": [USER, {"role": "assistant"}]}, True),
@@ -621,8 +628,9 @@ def test_the_documented_limits_are_the_schedulers():
     from gateway import schemas
     from scheduler_svc import requests, sampling, structured
 
-    assert (protocol.MAX_N, protocol.MAX_PRIORITY, protocol.MAX_CHAT_MESSAGES, protocol.MAX_EMBED_INPUTS) == (
-        requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES, requests.MAX_EMBED_INPUTS)
+    assert (protocol.MAX_N, protocol.MAX_PRIORITY, protocol.MAX_CHAT_MESSAGES, protocol.MAX_EMBED_INPUTS,
+            protocol.MAX_CACHE_SALT) == (requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES,
+                                         requests.MAX_EMBED_INPUTS, requests.MAX_CACHE_SALT)
     assert (protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_STRING_LEN, protocol.MAX_STOP_TOKEN_IDS,
             protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS) == (
         sampling.MAX_STOP_STRINGS, sampling.MAX_STOP_STRING_LEN, sampling.MAX_STOP_TOKEN_IDS, sampling.MAX_LOGIT_BIAS,

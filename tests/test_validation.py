@@ -107,6 +107,8 @@ CASES = [
     ("prompt + max_tokens beyond model", req(prompt=token_ids([7] * 200), stopping_max_tokens=57),
      "stopping.max_tokens", "at most 56"),
     ("max_tokens 0", req(stopping_max_tokens=0), "stopping.max_tokens", "at least 1"),
+    ("unknown LoRA adapter", req(lora="sql"), "lora", "(they serve none)"),
+    ("long cache salt", req(cache_salt="s" * 257), "cache_salt", "at most 256 characters"),
     ("huge max_tokens", req(stopping_max_tokens=2**32 - 1), "stopping.max_tokens", "at most 253"),
     ("negative temperature", req(sampling_temperature=-0.5), "sampling.temperature", ">= 0"),
     ("NaN temperature", req(sampling_temperature=math.nan), "sampling.temperature", "finite"),
