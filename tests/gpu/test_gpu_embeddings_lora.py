@@ -1,0 +1,105 @@
+"""Embeddings and LoRA adapters on the GPU (CUDA graphs on, float32 weights so that near-ties are rare): pooled rows
+against transformers' hidden states, an embedding-only checkpoint's warm-up (no LM head, no decode graphs), and
+adapted sequences beside base ones against a checkpoint with the adapter merged into its weights.
+Run: pytest tests/gpu (skipped without a CUDA GPU)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from common.limits import Limits  # noqa: E402
+from protos import worker_pb2 as pb  # noqa: E402
+
+DEVICE = "cuda"
+
+
+def _model(tmp_path: Path) -> Path:
+    from worker_svc.checkpoints.writer import make_model
+
+    return make_model("qwen3-small", tmp_path / "m", seed=0, dtype="float32")
+
+
+def test_embeddings_on_the_gpu_equal_transformers_hidden_states(tmp_path):
+    """LLM.embed of a generative checkpoint in steps of 256 tokens (prompts up to 600), last token, normalised; then an
+    embedding-only checkpoint (Qwen3Model's tensors, no LM head) warms up and embeds the same."""
+    from offline.llm import LLM
+
+    model_dir = _model(tmp_path)
+    prompts = [[(7 * i + j) % 5000 + 1 for j in range(3 + 97 * i)] for i in range(7)]
+    hf = transformers.Qwen3Model.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    with torch.inference_mode():
+        want = [torch.nn.functional.normalize(hf(torch.tensor([p], device=DEVICE)).last_hidden_state[0, -1], dim=0)
+                for p in prompts]
+    with LLM(model_dir, device=DEVICE, num_blocks=256, block_size=16, max_num_seqs=32,
+             max_num_batched_tokens=256) as llm:
+        got = llm.embed(prompts, use_tqdm=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g), w.cpu(), rtol=1e-3, atol=1e-4)
+    only = tmp_path / "embedding"
+    hf.save_pretrained(only)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, only / name)
+    raw = json.loads((only / "config.json").read_text())
+    (only / "config.json").write_text(json.dumps({**raw, "architectures": ["Qwen3ForCausalLM"],
+                                                  "tie_word_embeddings": False}))
+    with LLM(only, device=DEVICE, num_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=256) as llm:
+        runner = llm.engine.core.executor.runner
+        assert runner.embedding_only and not runner.decode.graphs
+        again = llm.embed(prompts, use_tqdm=False)
+    for g, w in zip(again, want):
+        torch.testing.assert_close(torch.tensor(g), w.cpu(), rtol=1e-3, atol=1e-4)
+
+
+def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
+    """The checkpoint with the adapter merged into its weights: W + alpha / r * B A."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    lora = load_file(adapter / "adapter_model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    for key, a in lora.items():
+        if key.endswith(".lora_A.weight"):
+            name = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.") + ".weight"
+            weights[name] += config["lora_alpha"] / config["r"] * lora[key.replace("lora_A", "lora_B")] @ a
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
+    """Sequences of an adapter (its decode steps run eagerly) beside base ones (a step without an adapter's row
+    replays a graph), against a runner of the merged checkpoint and a runner without adapters."""
+    from tests.paged_driver import PagedDriver
+    from worker_svc.checkpoints.writer import make_lora_adapter
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = _model(tmp_path)
+    adapter = make_lora_adapter(model_dir, tmp_path / "a", rank=8, seed=1)
+    merged = _merged(model_dir, adapter, tmp_path / "merged")
+    config = dict(device=DEVICE, num_blocks=512, block_size=16, limits=Limits(max_num_seqs=32, max_model_len=1024))
+    prompts = [[(11 * i + j) % 5000 + 1 for j in range(4 + 23 * i)] for i in range(12)]
+    greedy = dict(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1)
+    runs = {  # runner, and the adapter of each prompt ("": none; None: not run)
+        "lora": (ModelRunner(model_dir, RunnerConfig(**config, lora_modules={"a": str(adapter)})),
+                 ["a" if i % 2 else "" for i in range(len(prompts))]),
+        "merged": (ModelRunner(merged, RunnerConfig(**config)), ["" if i % 2 else None for i in range(len(prompts))]),
+        "base": (ModelRunner(model_dir, RunnerConfig(**config)), [""] * len(prompts))}
+    assert runs["lora"][0].decode.graphs
+    outs = {}
+    for name, (runner, loras) in runs.items():
+        driver = PagedDriver(runner)
+        seqs = {i: driver.add(p, 16, pb.SamplingParams(**greedy, lora=lora))
+                for i, (p, lora) in enumerate(zip(prompts, loras)) if lora is not None}
+        driver.run_all()
+        outs[name] = {i: s.generated for i, s in seqs.items()}
+    odd, even = range(1, len(prompts), 2), range(0, len(prompts), 2)
+    assert sum(outs["lora"][i] == outs["merged"][i] for i in odd) >= 5, outs
+    assert sum(outs["lora"][i] == outs["base"][i] for i in even) >= 5, outs
+    assert sum(outs["lora"][i] != outs["base"][i] for i in odd) >= 5  # the adapter changes what the model says
