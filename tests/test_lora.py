@@ -90,6 +90,27 @@ def test_adapted_and_base_sequences_in_one_batch_equal_merged_weights(tiny_model
         engine.add(PROMPTS[0], _params("nope"), "nope")
 
 
+def test_adapted_sequences_swapped_to_the_host_and_back_equal_merged_weights(tiny_model_dir, adapters, reference):
+    """Under block pressure (16 blocks of 4 tokens) with a host tier behind them: base and adapted sequences are
+    preempted, their blocks swapped out and in, and cached prefixes hit on the host, each under its own adapter."""
+    config, _ = config_from_options({"max_num_seqs": 8, "max_num_batched_tokens": 16,
+                                     "long_prefill_token_threshold": 6})
+    executor = InProcessExecutor.for_model(tiny_model_dir, RunnerConfig(
+        device="cpu", dtype="float32", num_blocks=16, block_size=4, limits=config.limits, kv_offload_bytes=32 << 20,
+        lora_modules={name: str(path) for name, path in adapters.items()}))
+    engine = LLMEngine(tiny_model_dir, executor, config)
+    for name in NAMES:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add(prompt, _params(name), f"{name}:{i}")
+    done = _run(engine)
+    for name in NAMES:
+        assert [done[f"{name}:{i}"][0] for i in range(len(PROMPTS))] == reference[name], name
+    scheduler, blocks = engine.scheduler, engine.scheduler.block_manager
+    assert scheduler.num_preemptions > 0 and blocks.num_swapped_out > 0 and blocks.num_swapped_in > 0
+    assert blocks.num_free_blocks == 16
+    blocks.check([])
+
+
 def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, tmp_path):
     from worker_svc.runtime.model_runner import ModelRunner
 
