@@ -359,13 +359,21 @@ def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     gpt-oss's sinks cut with their heads and its experts' biases with their experts (the MXFP4 experts dequantised on
     each rank); DeepSeek-V3's latent attention with its q and per-head K / V projections cut by heads, the latent
     ones whole on each rank; OLMo 2's q/k norms over all heads, each rank's sum of squares all-reduced."""
+    from offline.executor import InProcessExecutor
+    from offline.llm import LLM
+    from scheduler_svc.sampling import SamplingParams
+    from worker_svc.runtime.model_runner import RunnerConfig
+    from worker_svc.runtime.tensor_parallel import TensorParallelRunner
+
     model_dir = make_model(preset, tmp_path / preset, seed=4)
-    cluster = _cluster(model_dir, 2, tmp_path / "logs")
-    try:
-        assert _describe(cluster.worker_ports[0]).tensor_parallel_size == 2
-        assert _generate_all(cluster.address, _prompts()) == _hf_generate(model_dir, _prompts())
-    finally:
-        cluster.stop()
+    # the ranks in-process (rank 0 here, rank 1 spawned): the gRPC path under TP is test_tp2_generations_equal_...'s
+    runner = TensorParallelRunner(model_dir, RunnerConfig(dtype="float32", num_blocks=64,
+                                                          limits=Limits(max_num_seqs=8)), 2)
+    with LLM(model_dir, executor=InProcessExecutor(runner)) as llm:
+        assert runner.describe().tensor_parallel_size == 2
+        outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    assert [o.token_ids for o in outs] == _hf_generate(model_dir, _prompts())
 
 
 def test_expert_weights_keep_only_this_ranks_experts(monkeypatch):
