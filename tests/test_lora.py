@@ -69,18 +69,27 @@ def _params(lora: str) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, seed=0, ignore_eos=True, lora=lora)
 
 
-def test_adapted_and_base_sequences_in_one_batch_equal_merged_weights(tiny_model_dir, adapters, reference):
-    config, _ = config_from_options({"max_num_seqs": 8, "max_num_batched_tokens": 32})
-    executor = InProcessExecutor.for_model(tiny_model_dir, RunnerConfig(
-        device="cpu", dtype="float32", num_blocks=64, block_size=16, limits=config.limits,
-        lora_modules={name: str(path) for name, path in adapters.items()}))
-    engine = LLMEngine(tiny_model_dir, executor, config)
+def _run_every_prompt_under_each_adapter(model_dir: Path, adapters: dict[str, Path], reference: dict,
+                                         scheduler: dict, **runner) -> LLMEngine:
+    """An engine over the adapters (`scheduler`: its options, `runner`: the RunnerConfig's beyond them) that runs
+    every prompt under each adapter and the base model in one batch; their tokens checked against `reference`."""
+    config, _ = config_from_options({"max_num_seqs": 8, **scheduler})
+    executor = InProcessExecutor.for_model(model_dir, RunnerConfig(
+        device="cpu", dtype="float32", limits=config.limits,
+        lora_modules={name: str(path) for name, path in adapters.items()}, **runner))
+    engine = LLMEngine(model_dir, executor, config)
     for name in NAMES:
         for i, prompt in enumerate(PROMPTS):
             engine.add(prompt, _params(name), f"{name}:{i}")
     done = _run(engine)
     for name in NAMES:
         assert [done[f"{name}:{i}"][0] for i in range(len(PROMPTS))] == reference[name], name
+    return engine
+
+
+def test_adapted_and_base_sequences_in_one_batch_equal_merged_weights(tiny_model_dir, adapters, reference):
+    engine = _run_every_prompt_under_each_adapter(tiny_model_dir, adapters, reference, {"max_num_batched_tokens": 32},
+                                                  num_blocks=64, block_size=16)
     # a new prompt's two full blocks (of 40 tokens) are cached for the adapter that computed them, for no other
     prompt = [(17 * i) % 997 for i in range(40)]
     for name, cached in (("all", 0), ("qv", 0), ("all", 32), ("", 0), ("qv", 32), ("", 32)):
@@ -93,18 +102,9 @@ def test_adapted_and_base_sequences_in_one_batch_equal_merged_weights(tiny_model
 def test_adapted_sequences_swapped_to_the_host_and_back_equal_merged_weights(tiny_model_dir, adapters, reference):
     """Under block pressure (16 blocks of 4 tokens) with a host tier behind them: base and adapted sequences are
     preempted, their blocks swapped out and in, and cached prefixes hit on the host, each under its own adapter."""
-    config, _ = config_from_options({"max_num_seqs": 8, "max_num_batched_tokens": 16,
-                                     "long_prefill_token_threshold": 6})
-    executor = InProcessExecutor.for_model(tiny_model_dir, RunnerConfig(
-        device="cpu", dtype="float32", num_blocks=16, block_size=4, limits=config.limits, kv_offload_bytes=32 << 20,
-        lora_modules={name: str(path) for name, path in adapters.items()}))
-    engine = LLMEngine(tiny_model_dir, executor, config)
-    for name in NAMES:
-        for i, prompt in enumerate(PROMPTS):
-            engine.add(prompt, _params(name), f"{name}:{i}")
-    done = _run(engine)
-    for name in NAMES:
-        assert [done[f"{name}:{i}"][0] for i in range(len(PROMPTS))] == reference[name], name
+    engine = _run_every_prompt_under_each_adapter(
+        tiny_model_dir, adapters, reference, {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6},
+        num_blocks=16, block_size=4, kv_offload_bytes=32 << 20)
     scheduler, blocks = engine.scheduler, engine.scheduler.block_manager
     assert scheduler.num_preemptions > 0 and blocks.num_swapped_out > 0 and blocks.num_swapped_in > 0
     assert blocks.num_free_blocks == 16
