@@ -554,7 +554,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             self._streams[c.sub_id] = stream
         try:
             for c in completions:
-                await self._submit(c, PromptHashes(c.prompt_ids), context)
+                await self._submit(c, PromptHashes(c.prompt_ids, c.params.hash_root), context)
             while pending:
                 await stream.wait()
                 if stream.failed:

@@ -25,6 +25,19 @@ from common.util import cdiv
 from protos import worker_pb2 as pb
 
 POOLING = ("", *POOLING_TYPES)  # PersistentBatch.pooling's codes: 0 a generation, else an embedding's pooling
+
+
+def pooled_span(kind: str, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
+    """The rows of a chunk of positions [start, start + count) an embedding request pools this step, as offsets in
+    the chunk (StepResult.pooled sums them), or None: "mean" every row, "last" the prompt's last position where the
+    chunk holds it, "cls" its first."""
+    if kind == "mean":
+        return 0, count
+    if kind == "last" and start + count == prompt_len:
+        return count - 1, count
+    if kind == "cls" and start == 0:
+        return 0, 1
+    return None
 _SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
 _row = attrgetter("row")
 

@@ -31,7 +31,8 @@ from worker_svc.model.loader import checkpoint_names, load_weights
 from worker_svc.model.lora import load_adapters, step_adapters
 from worker_svc.model.parallel import min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
-from worker_svc.runtime.batch import POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays
+from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
+                                      pooled_span)
 from worker_svc.runtime.grammar import Grammars, StepMasks
 from worker_svc.runtime.kv_offload import HostKVPool
 from worker_svc.runtime.kernel_builds import BUILDS
@@ -493,19 +494,13 @@ class ModelRunner:
         c, n = step.num_computed, step.num_scheduled
         seqs, starts, counts, rows = [], [], [], []
         for i in np.flatnonzero(kinds):
-            kind, end = POOLING[kinds[i]], int(c[i] + n[i])
-            if kind == "mean":
-                row = hidden[cu[i]:cu[i + 1]].float().sum(0)
-            elif kind == "last" and end == step.states[i].prompt_len:
-                row = hidden[cu[i + 1] - 1].float()
-            elif kind == "cls" and c[i] == 0:
-                row = hidden[cu[i]].float()
-            else:
+            span = pooled_span(POOLING[kinds[i]], int(c[i]), int(n[i]), step.states[i].prompt_len)
+            if span is None:
                 continue
             seqs.append(int(step.seq_ids[i]))
             starts.append(int(c[i]))
             counts.append(int(n[i]))
-            rows.append(row)
+            rows.append(hidden[cu[i] + span[0]:cu[i] + span[1]].float().sum(0))
         if not seqs:
             return None
         values = torch.stack(rows)

@@ -24,7 +24,7 @@ from common.limits import Limits
 from common.model_files import kv_bytes_per_token
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
-from worker_svc.runtime.batch import POOLING, PersistentBatch
+from worker_svc.runtime.batch import POOLING, PersistentBatch, pooled_span
 from worker_svc.runtime.tier_policy import host_tier_pays
 
 
@@ -150,16 +150,11 @@ class SimulatedRunner:
         (the last, the first, or the sum of the step's for a mean)."""
         pooling = self.batch.pooling[step.rows]
         for i in np.flatnonzero(pooling):
-            kind, state = POOLING[pooling[i]], step.states[i]
-            c, n = int(step.num_computed[i]), int(step.num_scheduled[i])
-            if kind == "mean":
-                tokens = state.token_ids[c:c + n]
-            elif kind == "last" and c + n == state.prompt_len:
-                tokens = state.token_ids[c + n - 1:c + n]
-            elif kind == "cls" and c == 0:
-                tokens = state.token_ids[:1]
-            else:
+            state, c, n = step.states[i], int(step.num_computed[i]), int(step.num_scheduled[i])
+            span = pooled_span(POOLING[pooling[i]], c, n, state.prompt_len)
+            if span is None:
                 continue
+            tokens = state.token_ids[c + span[0]:c + span[1]]
             dims = np.arange(1, self.hidden_size + 1)
             rows = ((np.asarray(tokens, np.int64)[:, None] * dims) % 17 - 8) / 8
             result.pooled_seq_ids.append(int(step.seq_ids[i]))
