@@ -74,8 +74,9 @@ def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
 
 
 def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
-    """Sequences of an adapter (its decode steps run eagerly) beside base ones (a step without an adapter's row
-    replays a graph), against a runner of the merged checkpoint and a runner without adapters."""
+    """Sequences of an adapter beside base ones, their decode steps replaying the graphs captured with the adapters'
+    kernels (a step without an adapter's row: those without), against a runner of the merged checkpoint and a runner
+    without adapters."""
     from tests.paged_driver import PagedDriver
     from worker_svc.checkpoints.writer import make_lora_adapter
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
@@ -91,7 +92,8 @@ def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
                  ["a" if i % 2 else "" for i in range(len(prompts))]),
         "merged": (ModelRunner(merged, RunnerConfig(**config)), ["" if i % 2 else None for i in range(len(prompts))]),
         "base": (ModelRunner(model_dir, RunnerConfig(**config)), [""] * len(prompts))}
-    assert runs["lora"][0].decode.graphs
+    assert runs["lora"][0].decode.adapted_graphs.keys() == runs["lora"][0].decode.graphs.keys()
+    assert not runs["base"][0].decode.adapted_graphs
     outs = {}
     for name, (runner, loras) in runs.items():
         driver = PagedDriver(runner)

@@ -1,18 +1,21 @@
 """LoRA adapters served beside the base weights (vLLM's multi-LoRA): PEFT's layout (adapter_config.json,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]),
 loaded at start. An adapted projection adds (x A^T) B^T * scale for the tokens of the sequences that run under an
-adapter: each projection keeps every adapter's A and B stacked ([adapters, R, in] and [adapters, out, R], R the
-largest rank it takes over its shards: q, k and v of a packed qkv each have their own pair), sharded as the
+adapter. Each projection keeps every adapter's A and B side by side (R rows of A and R columns of B an adapter, R
+the largest rank it takes over its shards: q, k and v of a packed qkv each have their own pair), sharded as the
 projection's weight is (B by output rows where the weight is column-parallel, A by input columns where it is
-row-parallel, so its partial sums join the weight's all-reduce). The step's tokens by adapter are set around the
-forward (`step_adapters`); a projection without LoRA costs nothing, a step without an adapter's token neither."""
+row-parallel, so its partial sums join the weight's all-reduce). A step computes every loaded adapter's x A^T for
+every token and keeps each token's own adapter's columns (a mask from the step's adapter per token, set around the
+forward by `step_adapters`) before the B product: a fixed sequence of dense kernels whatever the tokens' adapters,
+so decode steps with adapters replay CUDA graphs too. It costs the adapters' ranks summed as extra columns, which
+is small beside the projection while few adapters are loaded; a step without an adapter's token runs none of it."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,32 +27,54 @@ from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, Ro
 
 PEFT_PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-# this step's tokens by adapter: (adapter index, row indices of the step's tokens), set by step_adapters
-_STEP: list[tuple[int, torch.Tensor]] = []
+
+
+@dataclass(slots=True)
+class _StepAdapters:
+    """The step's adapter per token (an index into the adapters, -1: none), or None where no token has one; and
+    the masks derived from it, one per width of the adapters' side-by-side columns, made once per step."""
+    of_token: torch.Tensor | None = None
+    masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, adapters: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, adapters * rank]: 1 in the columns of the token's adapter, else 0."""
+        key = (adapters, rank, dtype)
+        if key not in self.masks:
+            column_adapter = torch.arange(adapters * rank, device=self.of_token.device) // rank
+            self.masks[key] = (self.of_token[:, None] == column_adapter).to(dtype)
+        return self.masks[key]
+
+
+_STEP = _StepAdapters()
 
 
 @dataclass(slots=True)
 class LoraWeights:
-    """One projection's adapters: their A and B stacked, the scale folded into B (zeros where an adapter leaves
-    the projection, or a shard of it, alone)."""
-    a: torch.Tensor  # [adapters, R, in] (this rank's input columns where the projection is row-parallel)
-    b: torch.Tensor  # [adapters, out, R] (this rank's output rows where it is column-parallel)
+    """One projection's adapters side by side, the scale folded into B (zeros where an adapter leaves the
+    projection, or a shard of it, alone)."""
+    a: torch.Tensor  # [adapters * R, in] (this rank's input columns where the projection is row-parallel)
+    b: torch.Tensor  # [out, adapters * R] (this rank's output rows where it is column-parallel)
+    rank: int        # R
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the projection's output for x) plus each adapter's delta on its tokens' rows."""
-        for adapter, rows in _STEP:
-            y.index_add_(0, rows, (x[rows] @ self.a[adapter].T) @ self.b[adapter].T)
-        return y
+        """y (the projection's output for x) plus each token's adapter's delta."""
+        if _STEP.of_token is None:
+            return y
+        h = x @ self.a.T
+        h *= _STEP.mask(self.a.shape[0] // self.rank, self.rank, h.dtype)
+        return y.addmm_(h, self.b.T)
 
 
 @contextlib.contextmanager
-def step_adapters(groups: list[tuple[int, torch.Tensor]]) -> Iterator[None]:
-    """Within it, adapted projections add adapter a's delta to the rows `rows` of their outputs, for each (a, rows)."""
-    _STEP[:] = groups
+def step_adapters(of_token: torch.Tensor | None) -> Iterator[None]:
+    """Within it, adapted projections add to each token's output row the delta of its adapter (of_token: int64,
+    one adapter index per token of the step, -1 for none; None: no token has one)."""
+    _STEP.of_token = of_token
     try:
         yield
     finally:
-        _STEP.clear()
+        _STEP.of_token = None
+        _STEP.masks.clear()
 
 
 def load_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> list[str]:
@@ -108,7 +133,7 @@ def load_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> list[str
                     a[index, col:col + r] = lora_a
                     _load(module, b[index, :, col:col + r], lora_b.to(weight.dtype), shard)
                 col += r
-        module.lora = LoraWeights(a, b)
+        module.lora = LoraWeights(a.flatten(0, 1), b.permute(1, 0, 2).flatten(1).contiguous(), rank)
     return names
 
 

@@ -9,7 +9,8 @@ The static inputs are views into one device byte buffer, laid out per batch size
 uploads.pack_aligned packs the step's host arrays: the upload is the only copy. Padding rows run the
 scratch row of the runner's last_token and attend to one token of a scratch block that the scheduler
 never owns, where they also write their K/V. Page tables cover max_model_len (nano-vLLM's truncated
-block table cannot happen here).
+block table cannot happen here). A worker that serves LoRA adapters captures each size twice: without the
+adapters' kernels, for steps where no row has one, and with them (model/lora.py), the rows' adapters an input.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.uploads import TORCH_DTYPES, pack_aligned, pack_into, staging
 from worker_svc.model.layers import CausalLM
+from worker_svc.model.lora import step_adapters
 from worker_svc.runtime.sampler import SamplingBatch, sample
 
 
@@ -45,11 +47,12 @@ class DecodeInputs(Generic[A]):
     seqused_k: A     # int32: context length after the step
     temperature: A   # float32
     seeds: A         # int64
+    lora: A          # int64: the row's LoRA adapter, or -1
     page_table: A    # int32 [rows, max_blocks_per_seq]
 
     def arrays(self) -> list[A]:
         return [self.rows, self.input_ids, self.positions, self.slot_mapping, self.seqused_k, self.temperature,
-                self.seeds, self.page_table]
+                self.seeds, self.lora, self.page_table]
 
     def head(self, n: int) -> DecodeInputs[A]:
         return DecodeInputs(*(a[:n] for a in self.arrays()))
@@ -78,7 +81,7 @@ class DecodeStep:
             rows=np.array([last_token.shape[0] - 1]), input_ids=np.zeros(1, np.int64),
             positions=np.zeros(1, np.int64), slot_mapping=np.array([scratch_block * block_size]),
             seqused_k=np.ones(1, np.int32), temperature=np.zeros(1, np.float32), seeds=np.zeros(1, np.int64),
-            page_table=np.full((1, max_blocks_per_seq), scratch_block, np.int32))
+            lora=np.full(1, -1, np.int64), page_table=np.full((1, max_blocks_per_seq), scratch_block, np.int32))
         self._templates: dict[int, tuple[np.ndarray, list[int]]] = {}
         self.buffer = torch.zeros(self._template(max_num_seqs)[0].nbytes, dtype=torch.uint8, device=self.device)
         vocab = model.config.vocab_size
@@ -86,6 +89,7 @@ class DecodeStep:
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self.cu_seqlens_q = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.adapted_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same sizes, with LoRA adapters' kernels
         # built once (a view costs host time every step): per size the static buffer's views, per batch its rows'
         self._buffers: dict[int, DecodeBuffers] = {}
         self._heads: dict[int, DecodeBuffers] = {}
@@ -113,13 +117,14 @@ class DecodeStep:
         return min(s for s in self.graphs if s >= n) if self.graphs else n
 
     # ---- the step -----------------------------------------------------------------------------
-    def _forward(self, b: DecodeBuffers, context_lens: list[int], all_greedy: bool) -> None:
+    def _forward(self, b: DecodeBuffers, context_lens: list[int], all_greedy: bool, adapted: bool) -> None:
         v, size = b.inputs, b.tokens.shape[0]
         ids = torch.where(v.input_ids >= 0, v.input_ids, self.last_token[v.rows])
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seqused_k=v.seqused_k,
                                  page_table=v.page_table, slot_mapping=v.slot_mapping, max_seqlen_q=1,
                                  query_lens=[1] * size, context_lens=context_lens)
-        hidden = self.model(ids, v.positions, meta)
+        with step_adapters(v.lora if adapted else None):
+            hidden = self.model(ids, v.positions, meta)
         logits = self.model.compute_logits(hidden, out=b.logits)
         batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,
                               top_p=None, min_p=None, all_greedy=all_greedy, max_logprobs=-1)
@@ -127,18 +132,21 @@ class DecodeStep:
         self.last_token[v.rows] = b.tokens
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> None:
+    def capture(self, sizes: list[int], adapters: bool) -> None:
+        """adapters: whether the model serves LoRA adapters (each size is then captured with them too)."""
         pool = None
-        for size in sorted(sizes, reverse=True):  # largest first, so smaller graphs reuse its pool
-            buffers = self._buffers_of(size)
-            self._upload(self._pad(size), size)
-            self._forward(buffers, [1] * size, False)  # warm-up: JIT-compiled kernels are built outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(buffers, [1] * size, False)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        for adapted, graphs in ((False, self.graphs), (True, self.adapted_graphs))[:1 + adapters]:
+            for size in sorted(sizes, reverse=True):  # largest first, so smaller graphs reuse its pool
+                buffers = self._buffers_of(size)
+                self._upload(self._pad(size), size)
+                # warm-up: JIT-compiled kernels are built outside the capture
+                self._forward(buffers, [1] * size, False, adapted)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(buffers, [1] * size, False, adapted)
+                pool = graph.pool()
+                graphs[size] = graph
         torch.cuda.synchronize()
 
     def _upload(self, inputs: DecodeInputs[np.ndarray], size: int) -> None:
@@ -156,10 +164,12 @@ class DecodeStep:
         n = inputs.rows.shape[0]
         size = self._size(n)
         self._upload(inputs, size)
-        if size in self.graphs:
-            self.graphs[size].replay()
+        adapted = bool((inputs.lora >= 0).any())
+        graphs = self.adapted_graphs if adapted else self.graphs
+        if size in graphs:
+            graphs[size].replay()
         else:
-            self._forward(self._buffers_of(size), inputs.seqused_k.tolist(), all_greedy)
+            self._forward(self._buffers_of(size), inputs.seqused_k.tolist(), all_greedy, adapted)
         if n not in self._heads:
             self._heads[n] = self._buffers_of(size).head(n)
         return self._heads[n]

@@ -234,7 +234,7 @@ class ModelRunner:
                                  scratch_block=self.num_blocks, block_size=self.block_size)
         if (self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch"
                 and not self.embedding_only):  # its graphs are decode steps, which embeddings never run
-            self.decode.capture(capture_sizes(rows))
+            self.decode.capture(capture_sizes(rows), adapters=bool(self.lora_names))
 
     @property
     def epoch(self) -> int:
@@ -440,9 +440,8 @@ class ModelRunner:
             return PendingStep(plan.step, [], None, [], started)
         sampling = step.samples
         embedding = self.batch.pooling[rows] > 0
-        adapters = self.batch.lora[rows]
-        if sampling.all() and n.max() == 1 and not embedding.any() and (adapters < 0).all():
-            return self._execute_decode(step, started)  # a decode step's graph holds no adapter: those run here
+        if sampling.all() and n.max() == 1 and not embedding.any():
+            return self._execute_decode(step, started)
         ended = sampling  # the rows in the result: the sampling ones and the embedding requests whose prompt ends
         sampling = sampling & ~embedding
         bs = self.block_size
@@ -460,19 +459,18 @@ class ModelRunner:
         page_table = table[rows, :int(self.batch.num_table_blocks[rows].max())]
         slot_mapping = page_table[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         params = self.batch.sampling(sample_rows, self.model_config.vocab_size, self.penalties is not None)
+        adapters = self.batch.lora[rows]
         (ids_t, pos_t, slots_t, dec_at_t, dec_rows_t, sample_at_t, rows_t, sample_pos_t, seeds_t,
-         cu_t, seqused_t, page_t, *params_t) = upload(
+         cu_t, seqused_t, page_t, adapter_t, *params_t) = upload(
             [input_ids, positions, slot_mapping, cu[:-1][~prefill], rows[~prefill], sample_at, sample_rows,
              positions[sample_at] + 1, self.batch.seed[sample_rows], cu.astype(np.int32), (c + n).astype(np.int32),
-             page_table, *params.arrays()], self.device)
+             page_table, adapters[seq_of_token], *params.arrays()], self.device)
         if not prefill.all():
             ids_t[dec_at_t] = self.last_token[dec_rows_t]
         meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
                                  context_lens=(c + n).tolist())
-        adapter_of_token = adapters[seq_of_token]
-        with step_adapters([(int(a), torch.from_numpy(np.flatnonzero(adapter_of_token == a)).to(self.device))
-                            for a in np.unique(adapters[adapters >= 0])]):
+        with step_adapters(adapter_t if (adapters >= 0).any() else None):
             hidden = self.model(ids_t, pos_t, meta)
         prompt, pooled = self._score_prompts(step, cu, hidden), self._pool(step, cu, hidden)
         sampled = np.flatnonzero(sampling[ended]).tolist() if embedding.any() else None
@@ -567,7 +565,7 @@ class ModelRunner:
             rows=rows, input_ids=input_ids, positions=c,
             slot_mapping=table[np.arange(len(rows)), c // bs].astype(np.int64) * bs + c % bs,
             seqused_k=(c + 1).astype(np.int32), temperature=params.temperature, seeds=self.batch.seed[rows],
-            page_table=table), all_greedy=params.all_greedy)
+            lora=self.batch.lora[rows], page_table=table), all_greedy=params.all_greedy)
         v = b.inputs
         masks, out = None, SamplerOutput(b.tokens, None, None, None)
         if params.max_logprobs >= 0:  # logprobs come for every row of the step: all of them sampled again
