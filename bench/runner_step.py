@@ -6,10 +6,12 @@ python -m bench runner-step --preset qwen3-0.6b --batches 256 --context 800 --bl
 python -m bench runner-step --block-sizes 256 --batches 1,32,256 --graphs-only --profile
 python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --profile   # a prefill step
 python -m bench runner-step --preset llama-3.1-8b --num-layers 8 --block-sizes 256 --batches 128 --graphs-only --profile
+python -m bench runner-step --block-sizes 256 --batches 1,128 --graphs-only --loras 0,1,4   # LoRA adapters' cost
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import tempfile
@@ -24,7 +26,7 @@ from bench.record import record
 from common.limits import Limits
 from common.util import cdiv
 from protos import worker_pb2 as pb
-from worker_svc.checkpoints.writer import make_model
+from worker_svc.checkpoints.writer import make_lora_adapter, make_model
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 SAMPLING = pb.SamplingParams(temperature=0.6, top_p=1.0, repetition_penalty=1.0, logprobs=-1, seed=1)
@@ -39,11 +41,13 @@ class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
-                 kv_cache_dtype: str = "auto", device: str = "cuda"):
+                 kv_cache_dtype: str = "auto", device: str = "cuda", loras: dict[str, Path] | None = None):
+        """loras: LoRA adapters served (name -> folder); the sequences run under them in turn."""
         per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
+        names = list(loras or {})
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device=device, block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, lora_modules={n: str(f) for n, f in (loras or {}).items()},
             limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
@@ -51,8 +55,10 @@ class DecodeBatch:
         for first in range(0, batch, per_plan):
             plan = self._plan()
             for i in range(first, min(batch, first + per_plan)):
+                sampling = pb.SamplingParams(lora=names[i % len(names)]) if names else pb.SamplingParams()
+                sampling.MergeFrom(SAMPLING)
                 plan.new_seqs.add(seq_id=i, token_ids=[rng.randrange(10000) for _ in range(context)],
-                                  prompt_len=context, sampling=SAMPLING,
+                                  prompt_len=context, sampling=sampling,
                                   block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
                                   num_computed_tokens=0, num_scheduled_tokens=context)
             self.runner.execute(plan).result()
@@ -164,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager steps")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill step of this many tokens (prompts of --context tokens) instead")
+    ap.add_argument("--loras", default="0", help="LoRA adapters served, comma-separated counts to time (decode "
+                    "steps only): the sequences run under them in turn")
+    ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--out", default="bench/results/runner_step.json")
     args = ap.parse_args(argv)
     rows = []
@@ -176,19 +185,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                                          args.device))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            for size in [int(b) for b in args.batches.split(",")]:
-                for graphs in (True,) if args.graphs_only else (True, False):
-                    batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
-                                        args.device)
-                    ms = batch.step_ms(args.steps)
-                    rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
-                                 "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.profile and graphs:
-                        batch.profile(args.steps)
-                    del batch
-                    if torch.cuda.is_initialized():
-                        torch.cuda.empty_cache()
+            for size, loras, graphs in itertools.product(
+                    [int(b) for b in args.batches.split(",")], [int(n) for n in args.loras.split(",")],
+                    (True,) if args.graphs_only else (True, False)):
+                adapters = {f"lora{i}": make_lora_adapter(model_dir, Path(tmp) / f"lora{i}", rank=args.lora_rank,
+                                                          seed=i) for i in range(loras)}
+                batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
+                                    args.device, adapters)
+                ms = batch.step_ms(args.steps)
+                rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
+                             "loras": loras, "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
+                print(json.dumps(rows[-1]), flush=True)
+                if args.profile and graphs:
+                    batch.profile(args.steps)
+                del batch
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
     record(args.out, "runner_step", vars(args), rows)
 
 
