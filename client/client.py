@@ -19,6 +19,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import ChannelSecurity, PathOrPem, create_channel
+from client.scores import Scores, Text, pair_scores, score_plan
 from common.usage import Usage
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -455,6 +456,15 @@ class Client(_Connection):
         response = self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
+    def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
+              request_id: str = "", timeout: float | None = None) -> Scores:
+        """The cosine similarity of the embeddings of text_1 and of each text of text_2 (vLLM's score API on an
+        embedding model): one text against one, one against many, or the i-th of each list against each other.
+        ValueError where the two sides do not pair."""
+        plan = score_plan(text_1, text_2)
+        got = self.embed(plan.inputs, priority=priority, request_id=request_id, timeout=timeout)
+        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", ... of `service` ("" = the whole server)."""
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
@@ -536,6 +546,12 @@ class AsyncClient(_Connection):
         request = _embed_request(inputs, dimensions, normalize, priority, request_id)
         response = await self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
+
+    async def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
+                    request_id: str = "", timeout: float | None = None) -> Scores:
+        plan = score_plan(text_1, text_2)
+        got = await self.embed(plan.inputs, priority=priority, request_id=request_id, timeout=timeout)
+        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),

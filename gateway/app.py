@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import re
 import time
 import uuid
 from array import array
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from client.client import GENERATION_SERVICE
+from client.scores import Scores, pair_scores, score_plan
 from gateway.auth import APIKeys
 from gateway.backend import Backend, GatewayConfig
 from gateway.errors import APIError, from_grpc, invalid, validation_param
@@ -42,8 +44,9 @@ from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
                               CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                               EmbeddingRequest, EmbeddingResponse, ErrorBody,
-                              HealthBody, ModelCard, ModelList, ResponseBody, ResponsesRequest, TokenizeChatRequest,
-                              TokenizeRequest, TokenizeResponse)
+                              HealthBody, ModelCard, ModelList, RerankRequest, RerankResponse, ResponseBody,
+                              ResponsesRequest, ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest,
+                              TokenizeResponse)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -224,6 +227,49 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tokens = sum(result.prompt_tokens)
         return JSONResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _scores(backend: Backend, text_1: Any, text_2: Any, names: tuple[str, str]) -> Scores:
+        """The cosine scores of text_1 against text_2 (client/scores.py pairs them); an error names its side
+        (`names`: what the request calls the two)."""
+        try:
+            plan = score_plan(text_1, text_2)
+        except ValueError as e:
+            raise invalid(names[str(e).startswith("text_2")], str(e)) from None
+        try:
+            got = await backend.client.embed(plan.inputs, timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            at = re.match(r"inputs\[(\d+)\]", e.details() or "")
+            side = names[at is not None and int(at.group(1)) >= len(plan.inputs) - len(plan.pairs)]
+            raise from_grpc(e, prompt_param=side) from None
+        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
+
+    @app.post("/score", response_model=ScoreResponse, responses=ERRORS, include_in_schema=False)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
+    async def score(body: ScoreRequest, request: Request) -> JSONResponse:
+        """vLLM's, on the model's embeddings: the cosine similarity of each pair."""
+        backend = backend_of(request)
+        model = await backend.resolve_model(body.model)
+        got = await _scores(backend, body.text_1, body.text_2, ("text_1", "text_2"))
+        return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": model, "data": [{"object": "score", "index": i, "score": v}
+                                                      for i, v in enumerate(got.scores)],
+                             "usage": {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}})
+
+    async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
+        """vLLM's (Jina's and Cohere's bodies), on the model's embeddings: the documents by their cosine similarity
+        to the query, best first."""
+        backend = backend_of(request)
+        model = await backend.resolve_model(body.model)
+        texts = [d if isinstance(d, str) else d.text for d in body.documents]
+        got = await _scores(backend, body.query, texts, ("query", "documents"))
+        best = sorted(range(len(texts)), key=lambda i: -got.scores[i])[:body.top_n or None]
+        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {
+            "total_tokens": got.prompt_tokens}, "results": [
+                {"index": i, "relevance_score": got.scores[i], **({"document": {"text": texts[i]}}
+                                                                 if body.return_documents else {})} for i in best]})
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina's and Cohere's v1 clients, Cohere's v2 client
+        app.post(path, response_model=RerankResponse, responses=ERRORS, include_in_schema=path == "/v1/rerank")(rerank)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -317,6 +317,38 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+# Texts, or token ids; one side of a score's pairs (the two sides embedded together, within MAX_EMBED_INPUTS).
+ScoreSide = (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_EMBED_INPUTS // 2)])
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /v1/score on an embedding model: the cosine similarity of text_1's embedding and each of text_2's
+    (one text against one or many), or of the i-th of each list."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    text_1: ScoreSide
+    text_2: ScoreSide
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: NonEmpty
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /v1/rerank (Jina's and Cohere's body) on an embedding model: the documents by their cosine similarity
+    to the query, best first, the top_n of them (0: all)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    query: NonEmpty
+    documents: Annotated[list[NonEmpty | RerankDocument], Field(min_length=1, max_length=MAX_EMBED_INPUTS - 1)]
+    top_n: int = Field(0, ge=0, le=MAX_INT32)
+    return_documents: bool = True
+    user: str | None = None
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -504,6 +536,38 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None  # with return_documents
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
 
 
 class DetokenizeResponse(BaseModel):

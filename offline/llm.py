@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from client.scores import pair_scores, score_plan
 from common import model_files
 from common.usage import Usage
 from offline.executor import InProcessExecutor
@@ -110,6 +111,13 @@ class LLM:
         outs = self.generate(prompts, params, use_tqdm)
         normalize = pooling.normalize if normalize is None else normalize
         return [embedding(o.pooled, pooling.kind, o.usage.prompt_tokens, dimensions, normalize) for o in outs]
+
+    def score(self, text_1: str | list[int] | Seq[str | list[int]], text_2: str | list[int] | Seq[str | list[int]],
+              use_tqdm: bool = True) -> list[float]:
+        """The cosine similarity of the embeddings of each pair, paired as the Client's score pairs them: one text
+        against one, one against many, or the i-th of each list."""
+        plan = score_plan(text_1, text_2)
+        return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
     def close(self) -> None:
         self.engine.close()

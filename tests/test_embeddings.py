@@ -1,8 +1,9 @@
-"""Embeddings (the Embed call, Client.embed, the gateway's /v1/embeddings) from a checkpoint in Qwen3-Embedding's
-published layout: transformers' Qwen3Model saved (tensor names without `model.`, no LM head, as the 4B and 8B ship),
-its config.json naming Qwen3ForCausalLM, a tokenizer that closes each input with its EOS, and sentence-transformers'
-modules (last-token pooling, then Normalize). One scheduler over one CPU worker whose steps take 48 tokens, so longer
-inputs are embedded over several chunks; every vector is compared with transformers' hidden states on the same weights.
+"""Embeddings (the Embed call, Client.embed, the gateway's /v1/embeddings; scores and reranking made of them) from a
+checkpoint in Qwen3-Embedding's published layout: transformers' Qwen3Model saved (tensor names without `model.`, no LM
+head, as the 4B and 8B ship), its config.json naming Qwen3ForCausalLM, a tokenizer that closes each input with its
+EOS, and sentence-transformers' modules (last-token pooling, then Normalize). One scheduler over one CPU worker whose
+steps take 48 tokens, so longer inputs are embedded over several chunks; every vector is compared with transformers'
+hidden states on the same weights.
 Mean and CLS pooling of a generative checkpoint: tests/test_engine_model.py."""
 from __future__ import annotations
 
@@ -173,6 +174,45 @@ def test_the_gateway_serves_openai_embeddings(cluster, gateway, reference):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     refused = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=WAIT_S)
     assert refused.status_code == 400 and "no LM head" in refused.json()["error"]["message"]
+
+
+def _cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a[-1].float(), b[-1].float(), dim=0))
+
+
+def test_scores_and_rerank_are_the_cosine_of_the_embeddings(cluster, gateway, reference):
+    """Client.score and the gateway's /v1/score (one text against many, the i-th against the i-th) and /v1/rerank
+    (best first, top_n; the /v2/rerank alias of Cohere's client): each score the cosine of transformers' states;
+    sides that do not pair, and a text past the model's length, are 400s naming their side."""
+    docs = ["Beijing is the capital of China.", "Explain gravity " * 10, "x"]
+    want = [_cosine(reference(TEXTS[0]), reference(d)) for d in docs]
+    with Client(cluster.address, timeout=WAIT_S) as c:
+        got = c.score(TEXTS[0], docs)
+        assert got.prompt_tokens == len(reference(TEXTS[0])) + sum(len(reference(d)) for d in docs)
+        assert got.scores == pytest.approx(want, abs=1e-4)
+        with pytest.raises(ValueError, match="text_2"):
+            c.score(TEXTS[:2], docs)
+    body = httpx.post(f"{gateway.url}/v1/score", json={"text_1": TEXTS[0], "text_2": docs}, timeout=WAIT_S).json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-4)
+    body = httpx.post(f"{gateway.url}/v1/score", json={"text_1": TEXTS, "text_2": docs}, timeout=WAIT_S).json()
+    assert [d["score"] for d in body["data"]] == pytest.approx(
+        [_cosine(reference(t), reference(d)) for t, d in zip(TEXTS, docs)], abs=1e-4)
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/v1/rerank", "/v2/rerank"):
+        body = httpx.post(f"{gateway.url}{path}", json={"query": TEXTS[0], "documents": [docs[0], {"text": docs[1]},
+                                                                                       docs[2]], "top_n": 2},
+                          timeout=WAIT_S).json()
+        assert [r["index"] for r in body["results"]] == order[:2], body
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([want[i] for i in order[:2]],
+                                                                                abs=1e-4)
+        assert [r["document"]["text"] for r in body["results"]] == [docs[i] for i in order[:2]]
+    for route, bad, param in (("/v1/score", {"text_1": TEXTS[:2], "text_2": docs}, "text_2"),
+                              ("/v1/score", {"text_1": "a", "text_2": ["b", [1] * 5000]}, "text_2"),
+                              ("/v1/rerank", {"query": "hello " * 5000, "documents": ["b"]}, "query"),
+                              ("/v1/rerank", {"query": "a", "documents": []}, "documents")):
+        answer = httpx.post(f"{gateway.url}{route}", json=bad, timeout=WAIT_S)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, (route, answer.text)
 
 
 def test_a_worker_without_an_lm_head_refuses_a_generation_in_its_plan(embedding_model_dir):

@@ -261,12 +261,15 @@ def test_embeddings_pool_as_transformers_beside_generations(tiny_model_dir, hf, 
 
 def test_llm_embed_normalises_the_last_state_and_takes_dimensions(tiny_model_dir, hf):
     """The offline API's embed: a checkpoint without sentence-transformers modules pools its last token's state,
-    normalised; `dimensions` keeps the first values (then normalised), normalize=False the state as it is."""
+    normalised; `dimensions` keeps the first values (then normalised), normalize=False the state as it is; score:
+    the cosine of two embeddings."""
     prompts = ["The capital of France", [5, 6, 7, 8]]
     with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16) as llm:
         full, short = llm.embed(prompts, use_tqdm=False), llm.embed(prompts, dimensions=8, use_tqdm=False)
         raw = llm.embed(prompts[1], normalize=False, use_tqdm=False)[0]
+        (score,) = llm.score(prompts[0], [prompts[1]], use_tqdm=False)
         tokenizer = llm.engine.tokenizer
+    assert score == pytest.approx(float(torch.tensor(full[0]) @ torch.tensor(full[1])), abs=1e-5)
     for prompt, vector, head in zip(prompts, full, short):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         with torch.inference_mode():
