@@ -111,6 +111,7 @@ class GenerateParams(TypedDict, total=False):
     request_id: str
     lora: str
     cache_salt: str
+    truncate_prompt_tokens: int | None
 
 
 def build_request(
@@ -146,6 +147,7 @@ def build_request(
     request_id: str = "",
     lora: str = "",
     cache_salt: str = "",
+    truncate_prompt_tokens: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
@@ -153,10 +155,12 @@ def build_request(
     {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}, with
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
     free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
-    prefixes are shared only between requests of the same salt."""
+    prefixes are shared only between requests of the same salt. truncate_prompt_tokens: keep the prompt's last n
+    tokens (-1: as many as the model takes)."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt)
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:
@@ -251,11 +255,13 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
 
 
 def _embed_request(inputs: str | Sequence[int] | Sequence[str | Sequence[int]], dimensions: int | None,
-                   normalize: bool | None, priority: int, request_id: str) -> pb.EmbedRequest:
+                   normalize: bool | None, priority: int, request_id: str,
+                   truncate_prompt_tokens: int | None) -> pb.EmbedRequest:
     """One input (a text, or token ids) or a list of them; the server checks the rest."""
     if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
         inputs = [inputs]
-    request = pb.EmbedRequest(request_id=request_id, priority=priority, dimensions=dimensions, normalize=normalize)
+    request = pb.EmbedRequest(request_id=request_id, priority=priority, dimensions=dimensions, normalize=normalize,
+                              truncate_prompt_tokens=truncate_prompt_tokens)
     for item in inputs:
         if isinstance(item, str):
             request.inputs.add(text=item)
@@ -449,20 +455,23 @@ class Client(_Connection):
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, dimensions: int | None = None,
               normalize: bool | None = None, priority: int = 0, request_id: str = "",
-              timeout: float | None = None) -> Embeddings:
+              truncate_prompt_tokens: int | None = None, timeout: float | None = None) -> Embeddings:
         """Embeddings of a text, a list of token ids, or a list of either: the model's pooling of its final hidden
-        states, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's)."""
-        request = _embed_request(inputs, dimensions, normalize, priority, request_id)
+        states, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's);
+        of each input's last truncate_prompt_tokens tokens where that is given (-1: as many as the model takes)."""
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens)
         response = self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
     def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
-              request_id: str = "", timeout: float | None = None) -> Scores:
+              request_id: str = "", truncate_prompt_tokens: int | None = None,
+              timeout: float | None = None) -> Scores:
         """The cosine similarity of the embeddings of text_1 and of each text of text_2 (vLLM's score API on an
         embedding model): one text against one, one against many, or the i-th of each list against each other.
         ValueError where the two sides do not pair."""
         plan = score_plan(text_1, text_2)
-        got = self.embed(plan.inputs, priority=priority, request_id=request_id, timeout=timeout)
+        got = self.embed(plan.inputs, priority=priority, request_id=request_id,
+                         truncate_prompt_tokens=truncate_prompt_tokens, timeout=timeout)
         return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
@@ -542,15 +551,18 @@ class AsyncClient(_Connection):
 
     async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                     dimensions: int | None = None, normalize: bool | None = None, priority: int = 0,
-                    request_id: str = "", timeout: float | None = None) -> Embeddings:
-        request = _embed_request(inputs, dimensions, normalize, priority, request_id)
+                    request_id: str = "", truncate_prompt_tokens: int | None = None,
+                    timeout: float | None = None) -> Embeddings:
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens)
         response = await self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
     async def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
-                    request_id: str = "", timeout: float | None = None) -> Scores:
+                    request_id: str = "", truncate_prompt_tokens: int | None = None,
+                    timeout: float | None = None) -> Scores:
         plan = score_plan(text_1, text_2)
-        got = await self.embed(plan.inputs, priority=priority, request_id=request_id, timeout=timeout)
+        got = await self.embed(plan.inputs, priority=priority, request_id=request_id,
+                               truncate_prompt_tokens=truncate_prompt_tokens, timeout=timeout)
         return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:

@@ -53,7 +53,7 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
 # "prompt.chat.messages[0].role", "temperature must be ..."); these are their OpenAI names.
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "n", "priority",
-                    "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions"}
+                    "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions", "truncate_prompt_tokens"}
 _HEAD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 

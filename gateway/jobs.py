@@ -88,6 +88,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0, cache_salt=body.cache_salt or "",
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
         skip_special_tokens=body.skip_special_tokens, structured=_structured(body))
 
 
@@ -125,6 +126,9 @@ def completion_job(body: CompletionRequest, tokens: TokenRenderer | None = None)
             raise invalid("prompt", "prompt token ids must be >= 0")
     if body.max_tokens == 0 and not body.echo:
         raise invalid("max_tokens", "max_tokens 0 is only allowed with echo: true (the prompt alone, scored)")
+    if body.echo and body.truncate_prompt_tokens is not None:
+        raise invalid("truncate_prompt_tokens", "truncate_prompt_tokens cannot be set with echo: true (the echo would "
+                      "not be the prompt the model saw)")
     if body.echo:
         for p in prompts:
             if "token_ids" not in p:

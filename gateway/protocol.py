@@ -42,6 +42,9 @@ MAX_EMBED_INPUTS = 2048
 MAX_CACHE_SALT = 256
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# vLLM's: keep the prompt's (or each input's) last n tokens; -1: as many as the model takes. The scheduler checks n
+# against the model's length.
+TruncatePromptTokens = Annotated[int | None, Field(ge=-1, le=MAX_INT32)]
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer: OpenAI's newer name of system
@@ -96,6 +99,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt
+    truncate_prompt_tokens: TruncatePromptTokens = None
     # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
     response_format: dict[str, Any] | None = Field(None, **doc(RESPONSE_FORMAT))
     structured_outputs: dict[str, Any] | None = Field(None, **doc(STRUCTURED_OUTPUTS))
@@ -314,6 +318,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=MAX_INT32)
     normalize: bool | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
 
 
@@ -329,6 +334,7 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     text_1: ScoreSide
     text_2: ScoreSide
+    truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
 
 
@@ -346,6 +352,7 @@ class RerankRequest(BaseModel):
     documents: Annotated[list[NonEmpty | RerankDocument], Field(min_length=1, max_length=MAX_EMBED_INPUTS - 1)]
     top_n: int = Field(0, ge=0, le=MAX_INT32)
     return_documents: bool = True
+    truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
 
 

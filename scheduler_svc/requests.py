@@ -91,10 +91,24 @@ def check_text_size(text: str, field: str, max_bytes: int) -> None:
         raise InvalidRequest(f"{field} must be at most {max_bytes} bytes of UTF-8")
 
 
+def kept_tokens(req: api.GenerateRequest | api.EmbedRequest, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens the request keeps (truncate_prompt_tokens), or None: all of them."""
+    if not req.HasField("truncate_prompt_tokens"):
+        return None
+    keep = req.truncate_prompt_tokens
+    if keep == -1:
+        return max_model_len - 1
+    if not 1 <= keep < max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as the model takes) or in [1, "
+                             f"{max_model_len - 1}] (fewer than max_model_len), got {keep}")
+    return keep
+
+
 def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: ModelTokenizer,
-               vocab_size: int, max_model_len: int | None = None) -> list[int]:
-    """The prompt's token ids. With max_model_len, sizes are checked before any tokenizing: prompts
-    that cannot fit fail cheaply, whatever their size."""
+               vocab_size: int, max_model_len: int | None = None, keep: int | None = None) -> list[int]:
+    """The prompt's token ids, its last `keep` only where that is given. With max_model_len, sizes are checked
+    before any tokenizing: prompts that cannot fit fail cheaply, whatever their size (text within
+    max_prompt_bytes whether or not it is truncated after)."""
     kind = prompt.WhichOneof("prompt")
     max_bytes = max_prompt_bytes(max_model_len) if max_model_len else None
     if kind is None:
@@ -107,7 +121,7 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
         ids = tokenizer.encode(prompt.text)
     elif kind == "token_ids":
         raw = prompt.token_ids.ids
-        if max_model_len and len(raw) >= max_model_len:
+        if max_model_len and len(raw) >= max_model_len and keep is None:
             raise InvalidRequest(f"prompt.token_ids must be fewer than max_model_len ({max_model_len}) tokens, "
                                  f"got {len(raw)}")
         ids = list(raw)
@@ -144,7 +158,7 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequest(f"prompt.{kind} must encode to at least one token")
-    return ids
+    return ids if keep is None else ids[-keep:]
 
 
 def _json_object(text: str, field: str) -> dict:
@@ -209,6 +223,7 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
         raise InvalidRequest(f"dimensions must be in [1, {hidden_size}] (this model's hidden size), "
                              f"got {req.dimensions}")
     max_bytes = max_prompt_bytes(max_model_len)
+    keep = kept_tokens(req, max_model_len)
     inputs = []
     for i, item in enumerate(req.inputs):
         field, kind = f"inputs[{i}]", item.WhichOneof("input")
@@ -222,6 +237,8 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
             check_prompt_ids(ids, vocab_size, f"{field}.token_ids")
         else:
             raise InvalidRequest(f"{field} must be set: text or token_ids")
+        if keep is not None:
+            ids = ids[-keep:]
         if len(ids) >= max_model_len:
             raise InvalidRequest(f"{field}.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "
                                  f"got {len(ids)}")
@@ -270,7 +287,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         raise InvalidRequest(f"{e.field} {e.detail}") from None
     except InvalidParam as e:
         raise InvalidRequest(f"{PROTO_FIELD.get(e.field, 'sampling.' + e.field)} {e.detail}") from None
-    ids = prompt_ids(req, tokenizer, vocab_size, max_model_len)
+    ids = prompt_ids(req, tokenizer, vocab_size, max_model_len, kept_tokens(req, max_model_len))
     kind = req.WhichOneof("prompt")
     if len(ids) >= max_model_len:
         raise InvalidRequest(f"prompt.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "

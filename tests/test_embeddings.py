@@ -137,6 +137,9 @@ def test_embeddings_equal_transformers_last_hidden_state(cluster, reference):
         _close(short, _normalized(reference(TEXTS[0])[-1][:16]))
         raw = c.embed(ids[0], normalize=False).vectors[0]
         _close(raw, reference(ids[0])[-1])
+        cut = c.embed([TEXTS[1], ids[0]], truncate_prompt_tokens=7)  # each input's last 7 tokens (the EOS among them)
+        assert cut.prompt_tokens == [7, 7]
+        _close(cut.vectors[1], _normalized(reference(ids[0][-7:])[-1]))
         info = c.model_info()
     worker = info["workers"][0]
     assert worker["free_blocks"] == worker["num_blocks"] == NUM_BLOCKS  # nothing left held
@@ -170,6 +173,10 @@ def test_the_gateway_serves_openai_embeddings(cluster, gateway, reference):
     vector = array("f")
     vector.frombytes(base64.b64decode(body["data"][0]["embedding"]))
     _close(list(vector), _normalized(reference([5, 6, 7])[-1][:8]))
+    cut = httpx.post(f"{gateway.url}/v1/embeddings", json={"input": [[5, 6, 7] * 9], "truncate_prompt_tokens": 4},
+                     timeout=WAIT_S).json()
+    assert cut["usage"]["prompt_tokens"] == 4
+    _close(cut["data"][0]["embedding"], _normalized(reference([7, 5, 6, 7])[-1]))
     bad = httpx.post(f"{gateway.url}/v1/embeddings", json={"input": "a", "dimensions": 65}, timeout=WAIT_S)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     refused = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=WAIT_S)
@@ -210,7 +217,9 @@ def test_scores_and_rerank_are_the_cosine_of_the_embeddings(cluster, gateway, re
     for route, bad, param in (("/v1/score", {"text_1": TEXTS[:2], "text_2": docs}, "text_2"),
                               ("/v1/score", {"text_1": "a", "text_2": ["b", [1] * 5000]}, "text_2"),
                               ("/v1/rerank", {"query": "hello " * 5000, "documents": ["b"]}, "query"),
-                              ("/v1/rerank", {"query": "a", "documents": []}, "documents")):
+                              ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},
+                               "truncate_prompt_tokens")):
         answer = httpx.post(f"{gateway.url}{route}", json=bad, timeout=WAIT_S)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, (route, answer.text)
 

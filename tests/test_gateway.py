@@ -280,6 +280,15 @@ def test_completions_greedy_equal_grpc(oai, grpc_client):
     assert [c.text for c in many.choices[2:]] == [ref2.text] * 2
     echo = oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0, echo=True)
     assert echo.choices[0].text == PROMPT + ref.text
+    # vLLM's truncate_prompt_tokens: the prompt's last 3 tokens, as if they had been sent; not with echo
+    (ref3,) = grpc_client.complete(token_ids=ids[-3:], max_tokens=6, temperature=0)
+    cut = oai.completions.create(model="", prompt=PROMPT, max_tokens=6, temperature=0,
+                                 extra_body={"truncate_prompt_tokens": 3})
+    assert cut.choices[0].text == ref3.text and cut.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="", prompt=PROMPT, max_tokens=6, echo=True,
+                               extra_body={"truncate_prompt_tokens": 3})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
     assert ref.text.startswith(many.choices[0].text) and many.choices[0].text == many.choices[1].text
 
 
@@ -537,6 +546,8 @@ SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the ga
     ("CompletionRequest", {"prompt": "x", "suffix": "s"}, False),
     ("CompletionRequest", {"prompt": "x", "cache_salt": "s" * protocol.MAX_CACHE_SALT}, True),
     ("CompletionRequest", {"prompt": "x", "cache_salt": "s" * (protocol.MAX_CACHE_SALT + 1)}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": -1}, True),
+    ("EmbeddingRequest", {"input": "x", "truncate_prompt_tokens": -2}, False),
     ("EmbeddingRequest", {"input": ["a", "b"], "encoding_format": "base64", "dimensions": 8}, True),
     ("EmbeddingRequest", {"input": [[1, 2], [3]]}, True),
     ("EmbeddingRequest", {"input": []}, False),

@@ -493,7 +493,7 @@ def test_stream_interval_joins_tokens_into_fewer_messages(client):
             assert [lp[0] for lp in a.logprobs] == pytest.approx([lp[0] for lp in b.logprobs], abs=1e-4)
 
 
-def test_token_id_and_chat_prompts(client, tok):
+def test_token_id_and_chat_prompts_and_their_truncation(client, tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     rendered = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
     assert client.tokenize(messages=messages) == rendered
@@ -516,6 +516,10 @@ def test_token_id_and_chat_prompts(client, tok):
     assert chat.token_ids == ids.token_ids and chat.usage.prompt_tokens == len(rendered)
     (chat_nt,) = client.complete(messages=messages, enable_thinking=False, **kw)
     assert chat_nt.usage.prompt_tokens == len(no_think)
+    # truncate_prompt_tokens: the chat prompt's last 9 tokens, as if they had been sent
+    (cut,) = client.complete(messages=messages, truncate_prompt_tokens=9, **kw)
+    (cut_ids,) = client.complete(token_ids=rendered[-9:], **kw)
+    assert cut.token_ids == cut_ids.token_ids and cut.usage.prompt_tokens == 9
 
 
 # --- bad input ---------------------------------------------------------------------------------------------

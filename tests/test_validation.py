@@ -109,6 +109,12 @@ CASES = [
     ("max_tokens 0", req(stopping_max_tokens=0), "stopping.max_tokens", "at least 1"),
     ("unknown LoRA adapter", req(lora="sql"), "lora", "(they serve none)"),
     ("long cache salt", req(cache_salt="s" * 257), "cache_salt", "at most 256 characters"),
+    ("truncate_prompt_tokens 0", req(truncate_prompt_tokens=0), "truncate_prompt_tokens", f"[1, {MAX_MODEL_LEN - 1}]"),
+    ("truncate_prompt_tokens -2", req(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "-1 (as many as"),
+    ("truncate_prompt_tokens = model", req(truncate_prompt_tokens=MAX_MODEL_LEN), "truncate_prompt_tokens",
+     "fewer than max_model_len"),
+    ("prompt truncated to the model + max_tokens", req(prompt=token_ids([7] * 400), truncate_prompt_tokens=-1),
+     "stopping.max_tokens", "at most 1"),
     ("huge max_tokens", req(stopping_max_tokens=2**32 - 1), "stopping.max_tokens", "at most 253"),
     ("negative temperature", req(sampling_temperature=-0.5), "sampling.temperature", ">= 0"),
     ("NaN temperature", req(sampling_temperature=math.nan), "sampling.temperature", "finite"),
@@ -185,6 +191,8 @@ def test_the_same_request_without_the_bad_field_is_served(stub, client):
         req(prompt=token_ids([7] * 200), stopping_max_tokens=56), req(prompt=token_ids([VOCAB - 1])),
         req(stopping_stop_token_ids=list(range(64))), req(stopping_min_tokens=2),
         req(prompt=chat(("system", "s"), ("user", "u"), ("assistant", "a"), ("tool", "t"))),
+        req(prompt=token_ids([7] * 400), truncate_prompt_tokens=200, stopping_max_tokens=56),
+        req(prompt=text("hello " * 300), truncate_prompt_tokens=MAX_MODEL_LEN - 3), req(truncate_prompt_tokens=-1),
     ]
     for r in edges:
         responses = list(stub.Generate(r, timeout=WAIT_S))
