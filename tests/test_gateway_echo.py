@@ -288,15 +288,16 @@ QUESTIONS = [
 ]
 
 
-def _lm_eval(gateway, tiny_model_dir, tmp_path, task: str, task_yaml: str, tokenized: bool, batch_size: int
-             ) -> tuple[dict, list[dict]]:
-    """Runs lm-eval's local-completions on `task` (its YAML and the QUESTIONS as JSON lines in tmp_path, offline);
-    returns its results and logged samples."""
-    data = tmp_path / f"{task}.jsonl"
+def _lm_eval(gateway, tiny_model_dir, tmp_path, tasks: dict[str, str], tokenized: bool, batch_size: int
+             ) -> tuple[dict, dict[str, list[dict]]]:
+    """Runs lm-eval's local-completions on `tasks` (name -> YAML; the QUESTIONS as JSON lines in tmp_path, offline),
+    in one process; returns its results and each task's logged samples."""
+    data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / f"{task}.yaml").write_text(task_yaml.format(data=data))
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    for task, task_yaml in tasks.items():
+        (folder / f"{task}.yaml").write_text(task_yaml.format(data=data))
     model_args = ",".join([
         f"model={MODEL}", f"base_url={gateway.url}/v1/completions", f"tokenizer={tiny_model_dir}",
         "tokenizer_backend=huggingface", f"tokenized_requests={tokenized}", "num_concurrent=2", "max_retries=1",
@@ -307,25 +308,23 @@ def _lm_eval(gateway, tiny_model_dir, tmp_path, task: str, task_yaml: str, token
            "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
-         "--tasks", task, "--include_path", str(tasks), "--output_path", str(out), "--batch_size", str(batch_size),
-         "--log_samples"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
+         "--tasks", ",".join(tasks), "--include_path", str(folder), "--output_path", str(out),
+         "--batch_size", str(batch_size), "--log_samples"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LM_EVAL_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (results_file,) = out.rglob("results_*.json")
-    (samples_file,) = out.rglob("samples_*.jsonl")
-    return (json.loads(results_file.read_text()),
-            [json.loads(line) for line in samples_file.read_text().splitlines()])
+    samples = {}
+    for task in tasks:
+        (samples_file,) = out.rglob(f"samples_{task}_*.jsonl")
+        samples[task] = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    return json.loads(results_file.read_text()), samples
 
 
-@pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
-def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_dir, tmp_path, tokenized):
-    """lm-evaluation-harness's `local-completions` model (echo + logprobs, max_tokens 1) on a 5-question
-    multiple-choice task written here (no download), with token-id prompts (its default) and text prompts: it
-    returns an accuracy in [0, 1], from loglikelihoods equal to transformers' on the same checkpoint."""
-    # 4 prompts a request: the gateway scores each
-    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, "splitserve_local_mc", TASK_YAML, tokenized, 4)
+def _check_loglikelihoods(results: dict, samples: list[dict], hf, tiny_model_dir) -> None:
+    """The multiple-choice task's accuracy in [0, 1], from loglikelihoods equal to transformers' on the same
+    checkpoint: each choice's, as the harness summed it from the echoed logprobs."""
     assert 0.0 <= results["results"]["splitserve_local_mc"]["acc,none"] <= 1.0
     assert results["n-samples"]["splitserve_local_mc"]["effective"] == len(QUESTIONS)
-    # Each choice's loglikelihood, as the harness summed it from the echoed logprobs: transformers' own.
     assert len(samples) == len(QUESTIONS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     for sample in samples:
@@ -338,6 +337,14 @@ def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_d
             assert abs(float(ll) - want) < 1e-3
             assert (greedy == "True") == all(int(ref[p - 1].argmax()) == whole[p]
                                              for p in range(len(context), len(whole)))
+
+
+def test_lm_eval_local_completions_scores_a_local_task(gateway, hf, tiny_model_dir, tmp_path):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs, max_tokens 1) on a 5-question
+    multiple-choice task written here (no download), with token-id prompts (its default); text prompts: below."""
+    # 4 prompts a request: the gateway scores each
+    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, {"splitserve_local_mc": TASK_YAML}, True, 4)
+    _check_loglikelihoods(results, samples["splitserve_local_mc"], hf, tiny_model_dir)
 
 
 GEN_TASK_YAML = """\
@@ -364,10 +371,14 @@ metadata:
 """
 
 
-def test_lm_eval_local_completions_runs_a_generate_until_task(gateway, hf, tiny_model_dir, tmp_path):
-    """The harness's `generate_until` path (greedy text with a stop string, max_tokens) against the gateway on
-    a local task: an exact_match in [0, 1], and each answer transformers' greedy continuation, cut at the stop."""
-    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, "splitserve_local_gen", GEN_TASK_YAML, False, 1)
+def test_lm_eval_local_completions_scores_and_generates_with_text_prompts(gateway, hf, tiny_model_dir, tmp_path):
+    """In one run of the harness with text prompts: the multiple-choice task as above, and its `generate_until` path
+    (greedy text with a stop string, max_tokens) on a local task: an exact_match in [0, 1], and each answer
+    transformers' greedy continuation, cut at the stop."""
+    results, samples = _lm_eval(gateway, tiny_model_dir, tmp_path, {"splitserve_local_mc": TASK_YAML,
+                                                                    "splitserve_local_gen": GEN_TASK_YAML}, False, 4)
+    _check_loglikelihoods(results, samples["splitserve_local_mc"], hf, tiny_model_dir)
+    samples = samples["splitserve_local_gen"]
     assert 0.0 <= results["results"]["splitserve_local_gen"]["exact_match,none"] <= 1.0
     assert len(samples) == len(QUESTIONS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
