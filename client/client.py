@@ -256,12 +256,12 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
 
 def _embed_request(inputs: str | Sequence[int] | Sequence[str | Sequence[int]], dimensions: int | None,
                    normalize: bool | None, priority: int, request_id: str,
-                   truncate_prompt_tokens: int | None) -> pb.EmbedRequest:
+                   truncate_prompt_tokens: int | None, lora: str) -> pb.EmbedRequest:
     """One input (a text, or token ids) or a list of them; the server checks the rest."""
     if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
         inputs = [inputs]
     request = pb.EmbedRequest(request_id=request_id, priority=priority, dimensions=dimensions, normalize=normalize,
-                              truncate_prompt_tokens=truncate_prompt_tokens)
+                              truncate_prompt_tokens=truncate_prompt_tokens, lora=lora)
     for item in inputs:
         if isinstance(item, str):
             request.inputs.add(text=item)
@@ -455,23 +455,25 @@ class Client(_Connection):
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, dimensions: int | None = None,
               normalize: bool | None = None, priority: int = 0, request_id: str = "",
-              truncate_prompt_tokens: int | None = None, timeout: float | None = None) -> Embeddings:
+              truncate_prompt_tokens: int | None = None, lora: str = "",
+              timeout: float | None = None) -> Embeddings:
         """Embeddings of a text, a list of token ids, or a list of either: the model's pooling of its final hidden
         states, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's);
-        of each input's last truncate_prompt_tokens tokens where that is given (-1: as many as the model takes)."""
-        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens)
+        of each input's last truncate_prompt_tokens tokens where that is given (-1: as many as the model takes); by
+        the LoRA adapter `lora` where that is given."""
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens, lora)
         response = self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
     def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
-              request_id: str = "", truncate_prompt_tokens: int | None = None,
+              request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
               timeout: float | None = None) -> Scores:
         """The cosine similarity of the embeddings of text_1 and of each text of text_2 (vLLM's score API on an
         embedding model): one text against one, one against many, or the i-th of each list against each other.
         ValueError where the two sides do not pair."""
         plan = score_plan(text_1, text_2)
         got = self.embed(plan.inputs, priority=priority, request_id=request_id,
-                         truncate_prompt_tokens=truncate_prompt_tokens, timeout=timeout)
+                         truncate_prompt_tokens=truncate_prompt_tokens, lora=lora, timeout=timeout)
         return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
@@ -551,18 +553,18 @@ class AsyncClient(_Connection):
 
     async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                     dimensions: int | None = None, normalize: bool | None = None, priority: int = 0,
-                    request_id: str = "", truncate_prompt_tokens: int | None = None,
+                    request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
                     timeout: float | None = None) -> Embeddings:
-        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens)
+        request = _embed_request(inputs, dimensions, normalize, priority, request_id, truncate_prompt_tokens, lora)
         response = await self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
     async def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
-                    request_id: str = "", truncate_prompt_tokens: int | None = None,
+                    request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
                     timeout: float | None = None) -> Scores:
         plan = score_plan(text_1, text_2)
         got = await self.embed(plan.inputs, priority=priority, request_id=request_id,
-                               truncate_prompt_tokens=truncate_prompt_tokens, timeout=timeout)
+                               truncate_prompt_tokens=truncate_prompt_tokens, lora=lora, timeout=timeout)
         return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:

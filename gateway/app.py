@@ -219,7 +219,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             result = await backend.client.embed(body.input, dimensions=body.dimensions, normalize=body.normalize,
                                                 truncate_prompt_tokens=body.truncate_prompt_tokens,
-                                                timeout=backend.config.rpc_timeout)
+                                                lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
             raise from_grpc(e, prompt_param="input") from None
         data = [{"object": "embedding", "index": i,
@@ -229,17 +229,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    async def _scores(backend: Backend, text_1: Any, text_2: Any, names: tuple[str, str],
+    async def _scores(backend: Backend, model: str, text_1: Any, text_2: Any, names: tuple[str, str],
                       truncate_prompt_tokens: int | None) -> Scores:
-        """The cosine scores of text_1 against text_2 (client/scores.py pairs them); an error names its side
-        (`names`: what the request calls the two)."""
+        """The cosine scores of text_1 against text_2 (client/scores.py pairs them) by `model` (the base model or
+        an adapter); an error names its side (`names`: what the request calls the two)."""
         try:
             plan = score_plan(text_1, text_2)
         except ValueError as e:
             raise invalid(names[str(e).startswith("text_2")], str(e)) from None
         try:
             got = await backend.client.embed(plan.inputs, truncate_prompt_tokens=truncate_prompt_tokens,
-                                             timeout=backend.config.rpc_timeout)
+                                             lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
             at = re.match(r"inputs\[(\d+)\]", e.details() or "")
             side = names[at is not None and int(at.group(1)) >= len(plan.inputs) - len(plan.pairs)]
@@ -252,7 +252,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """vLLM's, on the model's embeddings: the cosine similarity of each pair."""
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
-        got = await _scores(backend, body.text_1, body.text_2, ("text_1", "text_2"), body.truncate_prompt_tokens)
+        got = await _scores(backend, model, body.text_1, body.text_2, ("text_1", "text_2"),
+                            body.truncate_prompt_tokens)
         return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": model, "data": [{"object": "score", "index": i, "score": v}
                                                       for i, v in enumerate(got.scores)],
@@ -264,7 +265,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
-        got = await _scores(backend, body.query, texts, ("query", "documents"), body.truncate_prompt_tokens)
+        got = await _scores(backend, model, body.query, texts, ("query", "documents"), body.truncate_prompt_tokens)
         best = sorted(range(len(texts)), key=lambda i: -got.scores[i])[:body.top_n or None]
         return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {
             "total_tokens": got.prompt_tokens}, "results": [

@@ -103,11 +103,12 @@ class LLM:
         return [done[rid] for rid in order]
 
     def embed(self, prompts: str | list[int] | Seq[str | list[int]], dimensions: int | None = None,
-              normalize: bool | None = None, use_tqdm: bool = True) -> list[list[float]]:
+              normalize: bool | None = None, use_tqdm: bool = True, lora: str = "") -> list[list[float]]:
         """Embeddings in the order of the prompts, as the Embed call makes them (README, "Embeddings"): the model's
-        pooling, the first `dimensions` values, L2-normalised unless `normalize` is False (default: the model's)."""
+        pooling (under the LoRA adapter `lora` where given), the first `dimensions` values, L2-normalised unless
+        `normalize` is False (default: the model's)."""
         pooling = model_files.pooling(self.model_dir)
-        params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling.kind)
+        params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling.kind, lora=lora)
         outs = self.generate(prompts, params, use_tqdm)
         normalize = pooling.normalize if normalize is None else normalize
         return [embedding(o.pooled, pooling.kind, o.usage.prompt_tokens, dimensions, normalize) for o in outs]

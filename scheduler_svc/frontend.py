@@ -537,14 +537,14 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
         try:
             parsed = parse_embed(request, self.tokenizer, self.max_model_len, self.vocab_size,
-                                 min(g.info.hidden_size for g in groups))
+                                 min(g.info.hidden_size for g in groups), self.lora_adapters)
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"emb-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         subs = [f"{rid}#{i}" for i in range(len(parsed.inputs))]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling.kind)
+        params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling.kind, lora=parsed.lora)
         stream = _Stream(interval=0)
         completions = [Completion(next(self._keys), sub, i, stream, ids, params, parsed.priority,
                                   OutputState(sub, self.tokenizer.tokenizer, ids, len(ids), params))

@@ -60,6 +60,7 @@ class ParsedEmbed:
     dimensions: int | None
     normalize: bool | None  # None: the model's
     priority: int
+    lora: str
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
@@ -212,11 +213,19 @@ def _check_id_and_priority(req: api.GenerateRequest | api.EmbedRequest) -> None:
                              f"got {req.priority}")
 
 
+def _check_lora(req: api.GenerateRequest | api.EmbedRequest, lora_adapters: list[str]) -> None:
+    if req.lora and req.lora not in lora_adapters:
+        raise InvalidRequest(f"lora {req.lora[:64]!r} is not an adapter the workers serve (they serve "
+                             f"{', '.join(map(repr, lora_adapters)) or 'none'})")
+
+
 def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len: int, vocab_size: int,
-                hidden_size: int) -> ParsedEmbed:
+                hidden_size: int, lora_adapters: list[str] = ()) -> ParsedEmbed:
     """Checks every field, and each input's size before it is tokenized (text with the tokenizer's special tokens,
-    as sentence-transformers and vLLM embed it: Qwen3-Embedding's tokenizer closes each input with its EOS)."""
+    as sentence-transformers and vLLM embed it: Qwen3-Embedding's tokenizer closes each input with its EOS);
+    `lora_adapters`: those every worker serves."""
     _check_id_and_priority(req)
+    _check_lora(req, lora_adapters)
     if not 1 <= len(req.inputs) <= MAX_EMBED_INPUTS:
         raise InvalidRequest(f"inputs must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(req.inputs)}")
     if req.HasField("dimensions") and not 1 <= req.dimensions <= hidden_size:
@@ -244,7 +253,7 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
                                  f"got {len(ids)}")
         inputs.append(ids)
     return ParsedEmbed(inputs, req.dimensions if req.HasField("dimensions") else None,
-                       req.normalize if req.HasField("normalize") else None, req.priority)
+                       req.normalize if req.HasField("normalize") else None, req.priority, req.lora)
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
@@ -254,9 +263,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     _check_id_and_priority(req)
     if len(req.cache_salt) > MAX_CACHE_SALT:
         raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
-    if req.lora and req.lora not in lora_adapters:
-        raise InvalidRequest(f"lora {req.lora[:64]!r} is not an adapter the workers serve (they serve "
-                             f"{', '.join(map(repr, lora_adapters)) or 'none'})")
+    _check_lora(req, lora_adapters)
     s, st = req.sampling, req.stopping
 
     def opt(msg, name, default):

@@ -150,7 +150,9 @@ def test_bad_embed_requests_name_their_field_and_generations_are_refused(cluster
         for kwargs, field in (({"inputs": []}, "inputs"), ({"inputs": [""]}, "inputs[0].text"),
                               ({"inputs": ["a", [1 << 30]]}, "inputs[1].token_ids"),
                               ({"inputs": "a", "dimensions": 65}, "dimensions"),
-                              ({"inputs": [[1] * 5000]}, "inputs[0].token_ids")):
+                              ({"inputs": [[1] * 5000]}, "inputs[0].token_ids"),
+                              ({"inputs": "a", "lora": "nope"}, "lora"),
+                              ({"inputs": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
             with pytest.raises(grpc.RpcError) as e:
                 c.embed(**kwargs)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), \

@@ -43,8 +43,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, adapters) -> dict[str, list[list[int]]]:
-    """Greedy continuations of PROMPTS by transformers, per adapter merged into the weights ("": none)."""
+def merged(tiny_model_dir, adapters) -> dict[str, transformers.Qwen3ForCausalLM]:
+    """transformers' model per adapter merged into the weights ("": none)."""
     out = {}
     for name in NAMES:
         hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -58,6 +58,15 @@ def reference(tiny_model_dir, adapters) -> dict[str, list[list[int]]]:
                     module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
                     state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
             hf.load_state_dict(state)
+        out[name] = hf
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(merged) -> dict[str, list[list[int]]]:
+    """Greedy continuations of PROMPTS by transformers, per adapter merged into the weights ("": none)."""
+    out = {}
+    for name, hf in merged.items():
         with torch.inference_mode():
             out[name] = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW,
                                      min_new_tokens=MAX_NEW, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
@@ -140,13 +149,19 @@ def cluster(tiny_model_dir, adapters, tmp_path_factory):
     c.stop()
 
 
-def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, reference, tmp_path):
+def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, reference, merged, tmp_path):
+    """Generations and embeddings under each adapter (by name over gRPC, by model name through the gateway)."""
     with Client(cluster.address, timeout=60) as c:
         assert c.model_info()["lora_adapters"] == ["all", "qv"]
         for name in NAMES:
             got = [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora=name)[0]
                    for p in PROMPTS]
             assert [g.token_ids for g in got] == reference[name], name
+            with torch.inference_mode():
+                states = [merged[name].model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS]
+            for vector, state in zip(c.embed(PROMPTS, lora=name).vectors, states):
+                torch.testing.assert_close(torch.tensor(vector), state / state.norm(), rtol=1e-4, atol=1e-5)
+        qv_embedding = c.embed(PROMPTS[1], lora="qv").vectors[0]
         with pytest.raises(grpc.RpcError) as e:
             c.complete("hi", max_tokens=2, lora="nope")
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lora 'nope'")
@@ -157,6 +172,8 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ref
         answer = httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
             "model": "qv", "prompt": PROMPTS[2], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}).json()
         assert answer["model"] == "qv"
+        embedded = httpx.post(f"{gateway.url}/v1/embeddings", timeout=60, json={"model": "qv", "input": PROMPTS[1]})
+        assert embedded.json()["data"][0]["embedding"] == pytest.approx(qv_embedding, abs=1e-6)
         unknown = httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={"model": "nope", "prompt": "a"})
         assert unknown.status_code == 404
     finally:
