@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, processors
 
 from client import Client
 from client.launcher import LocalCluster
+from client.scores import ScorePlan, pair_scores, score_plan
 from common.model_files import Pooling, pooling
 from protos import worker_pb2 as pb
 from tests.test_gateway import Gateway
@@ -183,6 +184,17 @@ def test_the_gateway_serves_openai_embeddings(cluster, gateway, reference):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     refused = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=WAIT_S)
     assert refused.status_code == 400 and "no LM head" in refused.json()["error"]["message"]
+
+
+def test_score_pairs_one_to_one_one_to_many_and_many_to_many():
+    assert score_plan("q", "d") == ScorePlan(["q", "d"], [(0, 1)])
+    assert score_plan("q", ["a", [5, 6]]) == ScorePlan(["q", "a", [5, 6]], [(0, 1), (0, 2)])
+    assert score_plan(["q"], ["a", "b"]).pairs == [(0, 1), (0, 2)]  # a list of one is one text
+    assert score_plan(["q", [7]], ["a", "b"]) == ScorePlan(["q", [7], "a", "b"], [(0, 2), (1, 3)])
+    for first, second, side in ((["q", "r"], ["a"], "text_2"), ([], ["a"], "text_1"), ("q", [], "text_2")):
+        with pytest.raises(ValueError, match=f"^{side}"):
+            score_plan(first, second)
+    assert pair_scores(score_plan("q", ["a", "b"]), [[3, 4], [6, 8], [-4, 3]]) == pytest.approx([1.0, 0.0])
 
 
 def _cosine(a, b) -> float:
