@@ -155,6 +155,22 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        got = client.embed(args.texts, dimensions=args.dimensions, lora=args.lora)
+    for vector in got.vectors:
+        print(json.dumps(vector))  # one JSON array a line, in the order of the texts
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        got = client.score(args.query, args.documents, lora=args.lora)
+    for score in got.scores:
+        print(f"{score:.6f}")
+    return 0
+
+
 def _health(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
@@ -292,6 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
     p.add_argument("text", metavar="TEXT", help="the text to tokenize")
     p.set_defaults(func=_tokenize)
+
+    p = sub.add_parser("embed", parents=[common], help="print each TEXT's embedding, a JSON array a line")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--dimensions", type=int, help="the first n values of each (then normalised)")
+    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name")
+    p.set_defaults(func=_embed)
+
+    p = sub.add_parser("score", parents=[common],
+                       help="print the cosine similarity of QUERY's embedding and each DOCUMENT's, a line each")
+    p.add_argument("query", metavar="QUERY")
+    p.add_argument("documents", nargs="+", metavar="DOCUMENT")
+    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name")
+    p.set_defaults(func=_score)
 
     p = sub.add_parser("health", parents=[common], help="print the serving status; exit 0 when SERVING")
     p.add_argument("--service", default=GENERATION_SERVICE, help='health service name ("" = whole server)')

@@ -90,6 +90,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         return pb.ModelInfo(model="fake", max_model_len=512, vocab_size=256, eos_token_ids=[0], num_workers=1)
 
+    def Embed(self, request, context):
+        """Each text's vector: its first two characters' codes (a cosine a test can work out)."""
+        return pb.EmbedResponse(pooling="last", embeddings=[
+            pb.Embedding(values=[ord(c) for c in i.text[:2]], prompt_tokens=len(i.text)) for i in request.inputs])
+
     def Tokenize(self, request, context):
         text = request.chat.messages[-1].content if request.WhichOneof("prompt") == "chat" else request.text
         return pb.TokenizeResponse(token_ids=[ord(c) for c in text])
@@ -305,10 +310,14 @@ def test_cli_errors_exit_2_without_traceback(address: str, capsys):
     assert "no health service 'foo'" in err and "Traceback" not in err
 
 
-def test_cli_info_tokenize_health(address: str, capsys):
+def test_cli_info_tokenize_health_embed_score(address: str, capsys):
     assert main(["info", "--address", address]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 256
     assert main(["tokenize", "--address", address, "Hi"]) == 0
     assert capsys.readouterr().out == "72,105\n"
     assert main(["health", "--address", address]) == 0
     assert capsys.readouterr().out == "SERVING\n"
+    assert main(["embed", "--address", address, "AB", "CD"]) == 0
+    assert capsys.readouterr().out == "[65.0, 66.0]\n[67.0, 68.0]\n"
+    assert main(["score", "--address", address, "AA", "BB", "A\x00"]) == 0  # (65, 65) against (66, 66), (65, 0)
+    assert capsys.readouterr().out == "1.000000\n0.707107\n"
