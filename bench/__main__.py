@@ -1,6 +1,6 @@
-"""python -m bench {offline,online,latency,prefix,multiturn,scale,floor,scheduler-cpu,runner-step,decode-attention,
-                 kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,moe-kernel,fp8-accuracy,
-                 grpc-stream,grpc-accept,thirdparty,all}
+"""python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,
+                 decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,
+                 moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -24,6 +24,7 @@ MODULES = {
     "latency": "bench.latency",
     "prefix": "bench.prefix",
     "multiturn": "bench.multiturn",
+    "embed": "bench.embed",
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "decode-attention": "bench.decode_attention",

@@ -52,6 +52,20 @@ def test_online(model: Path, tmp_path: Path) -> None:
         assert 0 <= r["slo_met_pct"] <= 100 and 0 <= r["goodput_req_s"] <= r["achieved_req_s"] + 1e-9
 
 
+def test_embed(model: Path, tmp_path: Path) -> None:
+    from bench.__main__ import main
+
+    out = tmp_path / "embed.json"
+    main(["embed", "--model", str(model), *SIM, "--inputs", "12", "--input-len", "40", "--batch", "5",
+          "--concurrency", "2", "--out", str(out)])
+    rows = _load(out, "embed", "bench.embed")["results"]
+    assert [r["path"] for r in rows] == ["in-process (simulated worker)", "grpc services (simulated worker)"]
+    for r in rows:
+        assert r["inputs"] == 12 and r["tokens"] == 480
+        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s")
+        assert r["pct_of_floor"] >= 0  # the simulated worker keeps no floor
+
+
 def test_latency_through_dispatch(model: Path, tmp_path: Path) -> None:
     from bench.__main__ import main
 
@@ -111,7 +125,8 @@ def test_offline_short_workload_runs_twice_beside_its_floor(model: Path, tmp_pat
     assert [(r["path"], r["run"]) for r in rows] == [(f"{p} (simulated worker)", run) for p in ("in-process",
                                                      "grpc services") for run in (1, 2)]
     for r in rows:
-        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor")
+        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s")
+        assert r["pct_of_floor"] >= 0  # the simulated worker keeps no floor
         assert r["output_tokens"] == rows[0]["output_tokens"] and 12 * 100 <= r["output_tokens"] <= 12 * 300
         assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) < 0.1
 
