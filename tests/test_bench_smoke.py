@@ -125,8 +125,7 @@ def test_offline_short_workload_runs_twice_beside_its_floor(model: Path, tmp_pat
     assert [(r["path"], r["run"]) for r in rows] == [(f"{p} (simulated worker)", run) for p in ("in-process",
                                                      "grpc services") for run in (1, 2)]
     for r in rows:
-        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s")
-        assert r["pct_of_floor"] >= 0  # the simulated worker keeps no floor
+        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor")
         assert r["output_tokens"] == rows[0]["output_tokens"] and 12 * 100 <= r["output_tokens"] <= 12 * 300
         assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) < 0.1
 
