@@ -138,6 +138,15 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
     save_file(tensors, str(embed / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="model.embed_tokens is not a projection"):
         load_adapters(runner.model, {"embed": embed})
+    other = tmp_path / "other"  # an adapter of a model with another hidden size
+    make_lora_adapter(tiny_model_dir, other, rank=2, targets=("o_proj",))
+    tensors = load_file(other / "adapter_model.safetensors")
+    tensors = {k: torch.zeros(v.shape[0] * 2, v.shape[1]) if k.endswith("lora_B.weight") else v
+               for k, v in tensors.items()}
+    save_file(tensors, str(other / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'other': layers.0.self_attn.o_proj's A \(2, \d+\) and B "
+                                         r"\(\d+, 2\) do not fit"):
+        load_adapters(runner.model, {"other": other})
 
 
 @pytest.fixture(scope="module")

@@ -126,12 +126,16 @@ def load_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> list[str
             for shard, lora_a, lora_b in parts:
                 r = lora_a.shape[0]
                 # each shard's A and B go where the weight's loader puts that shard's rows (or columns)
-                if row_parallel:
-                    _load(module, a[index, col:col + r], lora_a.to(weight.dtype), shard)
-                    b[index, :, col:col + r] = lora_b
-                else:
-                    a[index, col:col + r] = lora_a
-                    _load(module, b[index, :, col:col + r], lora_b.to(weight.dtype), shard)
+                try:
+                    if row_parallel:
+                        _load(module, a[index, col:col + r], lora_a.to(weight.dtype), shard)
+                        b[index, :, col:col + r] = lora_b
+                    else:
+                        a[index, col:col + r] = lora_a
+                        _load(module, b[index, :, col:col + r], lora_b.to(weight.dtype), shard)
+                except RuntimeError:  # a shape that is not this model's: an adapter of another model
+                    raise ValueError(f"LoRA adapter {names[index]!r}: {path}'s A {tuple(lora_a.shape)} and B "
+                                     f"{tuple(lora_b.shape)} do not fit this model's projection") from None
                 col += r
         module.lora = LoraWeights(a.flatten(0, 1), b.permute(1, 0, 2).flatten(1).contiguous(), rank)
     return names
