@@ -3,10 +3,10 @@ finish and stop reasons and, at the end, the usage. The offline LLMEngine and th
 make them here."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from common.usage import Usage
@@ -78,10 +78,9 @@ def embedding(pooled: Sequence[float], kind: str, prompt_len: int, dimensions: i
               normalize: bool) -> list[float]:
     """A pooled row as the request asks for it: a "mean" row's sum divided by the prompt's length, the first
     `dimensions` values (Matryoshka), L2-normalised."""
-    values = list(pooled[:dimensions] if dimensions else pooled)
+    values = np.asarray(pooled, dtype=np.float64)[:dimensions]
     if kind == "mean":
-        values = [v / prompt_len for v in values]
-    if normalize:
-        norm = math.sqrt(math.fsum(v * v for v in values))
-        values = [v / norm for v in values] if norm > 0 else values
-    return values
+        values = values / prompt_len
+    if normalize and (norm := np.linalg.norm(values)) > 0:
+        values = values / norm
+    return values.tolist()
