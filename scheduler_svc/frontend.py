@@ -553,8 +553,14 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         for c in completions:
             self._streams[c.sub_id] = stream
         try:
-            for c in completions:
-                await self._submit(c, PromptHashes(c.prompt_ids, c.params.hash_root), context)
+            # All at once: one at a time, each waiting for its engine's answer, an engine's step would find few of
+            # them queued. Every submission ends before the call goes on or fails, so the cleanup below finds each
+            # input where its submission left it.
+            submitted = await asyncio.gather(*(self._submit(c, PromptHashes(c.prompt_ids, c.params.hash_root), context)
+                                               for c in completions), return_exceptions=True)
+            for outcome in submitted:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             while pending:
                 await stream.wait()
                 if stream.failed:
