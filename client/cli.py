@@ -310,16 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_tokenize)
 
     p = sub.add_parser("embed", parents=[common], help="print each TEXT's embedding, a JSON array a line")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to embed")
     p.add_argument("--dimensions", type=int, help="the first n values of each (then normalised)")
-    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name")
+    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name (default: the base model)")
     p.set_defaults(func=_embed)
 
     p = sub.add_parser("score", parents=[common],
                        help="print the cosine similarity of QUERY's embedding and each DOCUMENT's, a line each")
-    p.add_argument("query", metavar="QUERY")
-    p.add_argument("documents", nargs="+", metavar="DOCUMENT")
-    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name")
+    p.add_argument("query", metavar="QUERY", help="the text each DOCUMENT is scored against")
+    p.add_argument("documents", nargs="+", metavar="DOCUMENT", help="the texts to score")
+    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name (default: the base model)")
     p.set_defaults(func=_score)
 
     p = sub.add_parser("health", parents=[common], help="print the serving status; exit 0 when SERVING")
