@@ -25,6 +25,8 @@ from common.util import cdiv
 from protos import worker_pb2 as pb
 
 POOLING = ("", *POOLING_TYPES)  # PersistentBatch.pooling's codes: 0 a generation, else an embedding's pooling
+_SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
+_row = attrgetter("row")
 
 
 def pooled_span(kind: str, start: int, count: int, prompt_len: int) -> tuple[int, int] | None:
@@ -38,8 +40,6 @@ def pooled_span(kind: str, start: int, count: int, prompt_len: int) -> tuple[int
     if kind == "cls" and start == 0:
         return 0, 1
     return None
-_SEED_MASK = (1 << 63) - 1  # seeds travel as 64 bits; the device keeps them as int64
-_row = attrgetter("row")
 
 
 class PlanError(ValueError):
