@@ -16,6 +16,10 @@ class ScorePlan:
     inputs: list[Text]
     pairs: list[tuple[int, int]]
 
+    def side_of(self, index: int) -> int:
+        """Which side (0: text_1, 1: text_2) input `index` comes from."""
+        return int(index >= len(self.inputs) - len(self.pairs))
+
 
 @dataclass(frozen=True, slots=True)
 class Scores:

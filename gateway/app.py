@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from client.client import GENERATION_SERVICE
-from client.scores import Scores, pair_scores, score_plan
+from client.scores import Scores, score_plan
 from gateway.auth import APIKeys
 from gateway.backend import Backend, GatewayConfig
 from gateway.errors import APIError, from_grpc, invalid, validation_param
@@ -231,20 +231,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def _scores(backend: Backend, model: str, text_1: Any, text_2: Any, names: tuple[str, str],
                       truncate_prompt_tokens: int | None) -> Scores:
-        """The cosine scores of text_1 against text_2 (client/scores.py pairs them) by `model` (the base model or
-        an adapter); an error names its side (`names`: what the request calls the two)."""
+        """Client.score's cosine scores of text_1 against text_2 by `model` (the base model or an adapter); an error
+        names its side (`names`: what the request calls the two)."""
         try:
-            plan = score_plan(text_1, text_2)
-        except ValueError as e:
+            return await backend.client.score(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens,
+                                              lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
+        except ValueError as e:  # the two sides do not pair
             raise invalid(names[str(e).startswith("text_2")], str(e)) from None
-        try:
-            got = await backend.client.embed(plan.inputs, truncate_prompt_tokens=truncate_prompt_tokens,
-                                             lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
             at = re.match(r"inputs\[(\d+)\]", e.details() or "")
-            side = names[at is not None and int(at.group(1)) >= len(plan.inputs) - len(plan.pairs)]
-            raise from_grpc(e, prompt_param=side) from None
-        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
+            side = score_plan(text_1, text_2).side_of(int(at.group(1))) if at else 0
+            raise from_grpc(e, prompt_param=names[side]) from None
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS, include_in_schema=False)
     @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)

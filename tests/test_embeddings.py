@@ -191,6 +191,7 @@ def test_score_pairs_one_to_one_one_to_many_and_many_to_many():
     assert score_plan("q", ["a", [5, 6]]) == ScorePlan(["q", "a", [5, 6]], [(0, 1), (0, 2)])
     assert score_plan(["q"], ["a", "b"]).pairs == [(0, 1), (0, 2)]  # a list of one is one text
     assert score_plan(["q", [7]], ["a", "b"]) == ScorePlan(["q", [7], "a", "b"], [(0, 2), (1, 3)])
+    assert [score_plan(["q", [7]], ["a", "b"]).side_of(i) for i in range(4)] == [0, 0, 1, 1]
     for first, second, side in ((["q", "r"], ["a"], "text_2"), ([], ["a"], "text_1"), ("q", [], "text_2")):
         with pytest.raises(ValueError, match=f"^{side}"):
             score_plan(first, second)
