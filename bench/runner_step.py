@@ -55,7 +55,7 @@ class DecodeBatch:
         for first in range(0, batch, per_plan):
             plan = self._plan()
             for i in range(first, min(batch, first + per_plan)):
-                sampling = pb.SamplingParams(lora=names[i % len(names)]) if names else pb.SamplingParams()
+                sampling = pb.SamplingParams(lora=names[i % len(names)] if names else "")
                 sampling.MergeFrom(SAMPLING)
                 plan.new_seqs.add(seq_id=i, token_ids=[rng.randrange(10000) for _ in range(context)],
                                   prompt_len=context, sampling=sampling,
@@ -176,9 +176,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/runner_step.json")
     args = ap.parse_args(argv)
     rows = []
+    counts = [int(n) for n in args.loras.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.preset, Path(tmp) / "m", seed=0, dtype="bfloat16",
                                num_layers=args.num_layers)
+        adapters = {f"lora{i}": make_lora_adapter(model_dir, Path(tmp) / f"lora{i}", rank=args.lora_rank, seed=i)
+                    for i in range(max(counts))}
         for bs in [int(b) for b in args.block_sizes.split(",")]:
             if args.prefill:
                 rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile,
@@ -186,12 +189,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             for size, loras, graphs in itertools.product(
-                    [int(b) for b in args.batches.split(",")], [int(n) for n in args.loras.split(",")],
-                    (True,) if args.graphs_only else (True, False)):
-                adapters = {f"lora{i}": make_lora_adapter(model_dir, Path(tmp) / f"lora{i}", rank=args.lora_rank,
-                                                          seed=i) for i in range(loras)}
+                    [int(b) for b in args.batches.split(",")], counts, (True,) if args.graphs_only else (True, False)):
                 batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
-                                    args.device, adapters)
+                                    args.device, dict(list(adapters.items())[:loras]))
                 ms = batch.step_ms(args.steps)
                 rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
                              "loras": loras, "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
