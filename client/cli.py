@@ -163,6 +163,14 @@ def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _classify(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        got = client.classify(args.texts, lora=args.lora)
+    for probs in got.probs:
+        print(json.dumps(dict(zip(got.labels, probs))))  # label -> probability, a line each, in the texts' order
+    return 0
+
+
 def _score(args: argparse.Namespace) -> int:
     with _client(args) as client:
         got = client.score(args.query, args.documents, lora=args.lora)
@@ -315,8 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name (default: the base model)")
     p.set_defaults(func=_embed)
 
+    p = sub.add_parser("classify", parents=[common],
+                       help="print a sequence classifier's probability of each label for each TEXT, a JSON object "
+                            "a line")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="the texts to classify")
+    p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name (default: the base model)")
+    p.set_defaults(func=_classify)
+
     p = sub.add_parser("score", parents=[common],
-                       help="print the cosine similarity of QUERY's embedding and each DOCUMENT's, a line each")
+                       help="print QUERY's score against each DOCUMENT, a line each: the cosine similarity of their "
+                            "embeddings, or a cross-encoder's probability")
     p.add_argument("query", metavar="QUERY", help="the text each DOCUMENT is scored against")
     p.add_argument("documents", nargs="+", metavar="DOCUMENT", help="the texts to score")
     p.add_argument("--lora", default="", help="a LoRA adapter the workers serve, by name (default: the base model)")

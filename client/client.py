@@ -19,7 +19,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import ChannelSecurity, PathOrPem, create_channel
-from client.scores import Scores, Text, pair_scores, score_plan
+from client.scores import Scores, Text, cross_encoder_pairs, pair_scores, score_plan
 from common.usage import Usage
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -63,6 +63,17 @@ class Embeddings:
     vectors: list[list[float]]
     prompt_tokens: list[int]
     pooling: str  # how the model pools: last, mean or cls
+
+
+@dataclass(slots=True)
+class Classifications:
+    """What Classify returns: for each input, in order, the probability and the logit of each label (a cross-encoder:
+    one label, its relevance), and its token count."""
+
+    probs: list[list[float]]
+    logits: list[list[float]]
+    prompt_tokens: list[int]
+    labels: list[str]  # the model's, in the order of each input's values
 
 
 @dataclass(slots=True)
@@ -275,6 +286,32 @@ def _embeddings(response: pb.EmbedResponse) -> Embeddings:
                       response.pooling)
 
 
+ClassifyInput = str | Sequence[int] | tuple[str, str]  # a text, its token ids, or a (query, document) pair
+
+
+def _classify_request(inputs: ClassifyInput | Sequence[ClassifyInput], priority: int, request_id: str,
+                      truncate_prompt_tokens: int | None, lora: str) -> pb.ClassifyRequest:
+    """One input or a list of them; a tuple of two texts is one pair (a list of two texts is two inputs)."""
+    if isinstance(inputs, (str, tuple)) or (inputs and all(isinstance(t, int) for t in inputs)):
+        inputs = [inputs]
+    request = pb.ClassifyRequest(request_id=request_id, priority=priority,
+                                 truncate_prompt_tokens=truncate_prompt_tokens, lora=lora)
+    for item in inputs:
+        if isinstance(item, str):
+            request.inputs.add(text=item)
+        elif isinstance(item, tuple):
+            request.inputs.add(pair=pb.TextPair(text=item[0], text_pair=item[1]))
+        else:
+            request.inputs.add(token_ids=pb.TokenIds(ids=list(item)))
+    return request
+
+
+def _classifications(response: pb.ClassifyResponse) -> Classifications:
+    got = response.classifications
+    return Classifications([list(c.probs) for c in got], [list(c.logits) for c in got],
+                           [c.prompt_tokens for c in got], list(response.labels))
+
+
 def _tokenize_request(
     text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
     tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
@@ -392,6 +429,7 @@ class _Connection:
         self._channel = create_channel(address, self.security, aio=self.aio)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._labels: list[str] | None = None  # the model's classifier labels (score's choice), once asked
 
 
 class Client(_Connection):
@@ -465,16 +503,31 @@ class Client(_Connection):
         response = self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
+    def classify(self, inputs: ClassifyInput | Sequence[ClassifyInput], *, priority: int = 0, request_id: str = "",
+                 truncate_prompt_tokens: int | None = None, lora: str = "",
+                 timeout: float | None = None) -> Classifications:
+        """A sequence classifier's probabilities (and logits) of each label for a text, a list of token ids, a
+        (text, text_pair) tuple (a cross-encoder's query and document), or a list of these; of each input's last
+        truncate_prompt_tokens tokens where that is given; by the LoRA adapter `lora` where that is given."""
+        request = _classify_request(inputs, priority, request_id, truncate_prompt_tokens, lora)
+        return _classifications(self._stub.Classify(request, timeout=self._deadline(timeout), metadata=self.metadata))
+
     def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
               request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
               timeout: float | None = None) -> Scores:
-        """The cosine similarity of the embeddings of text_1 and of each text of text_2 (vLLM's score API on an
-        embedding model): one text against one, one against many, or the i-th of each list against each other.
-        ValueError where the two sides do not pair."""
+        """Scores of text_1 against each text of text_2 (vLLM's score API): one text against one, one against many,
+        or the i-th of each list against each other; by an embedding model the cosine similarity of their
+        embeddings, by a cross-encoder its probability for the pair. ValueError where the two sides do not pair."""
         plan = score_plan(text_1, text_2)
-        got = self.embed(plan.inputs, priority=priority, request_id=request_id,
-                         truncate_prompt_tokens=truncate_prompt_tokens, lora=lora, timeout=timeout)
-        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
+        if self._labels is None:
+            self._labels = self.model_info(timeout=timeout)["labels"]
+        kwargs = dict(priority=priority, request_id=request_id, truncate_prompt_tokens=truncate_prompt_tokens,
+                      lora=lora, timeout=timeout)
+        if self._labels:
+            got = self.classify(cross_encoder_pairs(plan, self._labels), **kwargs)
+            return Scores([p[0] for p in got.probs], sum(got.prompt_tokens))
+        embedded = self.embed(plan.inputs, **kwargs)
+        return Scores(pair_scores(plan, embedded.vectors), sum(embedded.prompt_tokens))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", ... of `service` ("" = the whole server)."""
@@ -559,13 +612,26 @@ class AsyncClient(_Connection):
         response = await self._stub.Embed(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _embeddings(response)
 
+    async def classify(self, inputs: ClassifyInput | Sequence[ClassifyInput], *, priority: int = 0,
+                       request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
+                       timeout: float | None = None) -> Classifications:
+        request = _classify_request(inputs, priority, request_id, truncate_prompt_tokens, lora)
+        return _classifications(await self._stub.Classify(request, timeout=self._deadline(timeout),
+                                                          metadata=self.metadata))
+
     async def score(self, text_1: Text | Sequence[Text], text_2: Text | Sequence[Text], *, priority: int = 0,
                     request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
                     timeout: float | None = None) -> Scores:
         plan = score_plan(text_1, text_2)
-        got = await self.embed(plan.inputs, priority=priority, request_id=request_id,
-                               truncate_prompt_tokens=truncate_prompt_tokens, lora=lora, timeout=timeout)
-        return Scores(pair_scores(plan, got.vectors), sum(got.prompt_tokens))
+        if self._labels is None:
+            self._labels = (await self.model_info(timeout=timeout))["labels"]
+        kwargs = dict(priority=priority, request_id=request_id, truncate_prompt_tokens=truncate_prompt_tokens,
+                      lora=lora, timeout=timeout)
+        if self._labels:
+            got = await self.classify(cross_encoder_pairs(plan, self._labels), **kwargs)
+            return Scores([p[0] for p in got.probs], sum(got.prompt_tokens))
+        embedded = await self.embed(plan.inputs, **kwargs)
+        return Scores(pair_scores(plan, embedded.vectors), sum(embedded.prompt_tokens))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),

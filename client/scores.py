@@ -1,6 +1,7 @@
-"""Scores of text pairs by an embedding model, as vLLM's score and rerank APIs give them for one: the cosine
-similarity of the two texts' embeddings. The pairing rule (one to one, one to many, many to many) is here, for the
-client, the gateway and the offline LLM alike."""
+"""Scores of text pairs, as vLLM's score and rerank APIs give them: by an embedding model the cosine similarity of
+the two texts' embeddings, by a cross-encoder (a sequence classifier of one label) its probability for the two texts
+read as one input. The pairing rule (one to one, one to many, many to many) is here, for the client, the gateway and
+the offline LLM alike."""
 from __future__ import annotations
 
 import math
@@ -56,3 +57,18 @@ def cosine(u: Sequence[float], v: Sequence[float]) -> float:
 def pair_scores(plan: ScorePlan, vectors: Sequence[Sequence[float]]) -> list[float]:
     """The plan's pairs' scores from the embeddings of its inputs."""
     return [cosine(vectors[i], vectors[j]) for i, j in plan.pairs]
+
+
+def cross_encoder_pairs(plan: ScorePlan, labels: Sequence[str]) -> list[tuple[str, str]]:
+    """The plan's pairs as the text pairs a cross-encoder (a classifier of one label) reads, one input each; its
+    score of a pair is that label's probability. ValueError for a classifier of several labels, or token ids on a
+    side (naming it): a pair is tokenized as the tokenizer joins two texts."""
+    if len(labels) != 1:
+        raise ValueError(f"text_1 and text_2 are scored by an embedding model or a cross-encoder (a classifier of "
+                         f"one label); this model classifies into {len(labels)} labels: use classify")
+    for i, j in plan.pairs:
+        for index in (i, j):
+            if not isinstance(plan.inputs[index], str):
+                raise ValueError(f"{('text_1', 'text_2')[plan.side_of(index)]} must hold texts, not token ids: a "
+                                 "cross-encoder reads each pair as the tokenizer joins two texts")
+    return [(plan.inputs[i], plan.inputs[j]) for i, j in plan.pairs]

@@ -87,3 +87,28 @@ def pooling(model_dir: str | Path) -> Pooling:
         raise ValueError(f"{model_dir.name} pools by {' + '.join(modes) or 'no mode'}; this service pools by one of "
                          f"{', '.join(_ST_POOLING_MODES)}")
     return Pooling(_ST_POOLING_MODES[modes[0]], "Normalize" in modules)
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"  # transformers' class of a sequence classifier or cross-encoder
+
+
+@dataclass(frozen=True, slots=True)
+class Classifier:
+    """A *ForSequenceClassification checkpoint's head: its labels in output order, and how its scores become
+    probabilities: "sigmoid" each (one label, as a cross-encoder's relevance, or multi-label) or "softmax" over them."""
+    labels: tuple[str, ...]
+    activation: str
+
+
+@lru_cache(maxsize=4)
+def classifier(model_dir: str | Path) -> Classifier | None:
+    """The classification head config.json describes (transformers' id2label, else num_labels as LABEL_i), or None
+    where the checkpoint is not a sequence classifier."""
+    config = read_json(Path(model_dir) / "config.json")
+    if not any(a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or []):
+        return None
+    id2label = config.get("id2label") or {}
+    count = int(config.get("num_labels") or len(id2label) or 2)
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+    multi = count == 1 or config.get("problem_type") == "multi_label_classification"
+    return Classifier(labels, "sigmoid" if multi else "softmax")

@@ -41,12 +41,12 @@ from gateway.errors import APIError, from_grpc, invalid, validation_param
 from gateway.events import chat_events, completion_events
 from gateway.jobs import Job, chat_job, chat_messages, completion_job, continues, template_kwargs
 from gateway.metrics import HTTPMetrics, exposition
-from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
-                              CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                              EmbeddingRequest, EmbeddingResponse, ErrorBody,
-                              HealthBody, ModelCard, ModelList, RerankRequest, RerankResponse, ResponseBody,
-                              ResponsesRequest, ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest,
-                              TokenizeResponse)
+from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                              ClassificationRequest, ClassificationResponse, CompletionChunk, CompletionRequest,
+                              CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
+                              EmbeddingResponse, ErrorBody, HealthBody, ModelCard, ModelList, RerankRequest,
+                              RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest, ScoreResponse,
+                              TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -229,24 +229,41 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    @app.post("/classify", response_model=ClassificationResponse, responses=ERRORS)
+    async def classify(body: ClassificationRequest, request: Request) -> JSONResponse:
+        """vLLM's, on a sequence classifier: the scheduler's Classify of every input."""
+        backend = backend_of(request)
+        model = await backend.resolve_model(body.model)
+        try:
+            got = await backend.client.classify(body.input, truncate_prompt_tokens=body.truncate_prompt_tokens,
+                                                lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e, prompt_param="input") from None
+        tokens = sum(got.prompt_tokens)
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": model, "data": [
+                                 {"index": i, "label": got.labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
+                                  "num_classes": len(p)} for i, p in enumerate(got.probs)],
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
     async def _scores(backend: Backend, model: str, text_1: Any, text_2: Any, names: tuple[str, str],
                       truncate_prompt_tokens: int | None) -> Scores:
-        """Client.score's cosine scores of text_1 against text_2 by `model` (the base model or an adapter); an error
-        names its side (`names`: what the request calls the two)."""
+        """Client.score's scores of text_1 against text_2 by `model` (the base model or an adapter); an error names
+        its side (`names`: what the request calls the two; a cross-encoder's pair too long is the second's)."""
         try:
             return await backend.client.score(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens,
                                               lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
-        except ValueError as e:  # the two sides do not pair
+        except ValueError as e:  # the two sides do not pair, or cannot be scored by this model
             raise invalid(names[str(e).startswith("text_2")], str(e)) from None
         except grpc.RpcError as e:
-            at = re.match(r"inputs\[(\d+)\]", e.details() or "")
-            side = score_plan(text_1, text_2).side_of(int(at.group(1))) if at else 0
+            at = re.match(r"inputs\[(\d+)\](\.pair)?", e.details() or "")
+            side = 0 if not at else 1 if at.group(2) else score_plan(text_1, text_2).side_of(int(at.group(1)))
             raise from_grpc(e, prompt_param=names[side]) from None
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS, include_in_schema=False)
     @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
     async def score(body: ScoreRequest, request: Request) -> JSONResponse:
-        """vLLM's, on the model's embeddings: the cosine similarity of each pair."""
+        """vLLM's: each pair's score (the cosine similarity of its embeddings, or a cross-encoder's probability)."""
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
         got = await _scores(backend, model, body.text_1, body.text_2, ("text_1", "text_2"),
@@ -257,8 +274,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                              "usage": {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}})
 
     async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
-        """vLLM's (Jina's and Cohere's bodies), on the model's embeddings: the documents by their cosine similarity
-        to the query, best first."""
+        """vLLM's (Jina's and Cohere's bodies): the documents by their score against the query, best first."""
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]

@@ -306,18 +306,30 @@ class TokenizeChatRequest(BaseModel):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
+# A string, a list of strings, a list of token ids, or a list of lists of token ids; none empty.
+PooledInput = (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+               | Annotated[list[TokenId], Field(min_length=1)]
+               | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                           Field(min_length=1, max_length=MAX_EMBED_INPUTS)])
+
+
 class EmbeddingRequest(BaseModel):
     """OpenAI's /v1/embeddings (vLLM's `normalize` too: false keeps the pooled state's length)."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    # A string, a list of strings, a list of token ids, or a list of lists of token ids; none empty.
-    input: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
-            | Annotated[list[TokenId], Field(min_length=1)]
-            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                        Field(min_length=1, max_length=MAX_EMBED_INPUTS)])
+    input: PooledInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, le=MAX_INT32)
     normalize: bool | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
+    user: str | None = None
+
+
+class ClassificationRequest(BaseModel):
+    """vLLM's /classify, on a sequence classifier: each input's probability of each label."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: PooledInput
     truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
 
@@ -328,8 +340,9 @@ ScoreSide = (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
 
 
 class ScoreRequest(BaseModel):
-    """vLLM's /v1/score on an embedding model: the cosine similarity of text_1's embedding and each of text_2's
-    (one text against one or many), or of the i-th of each list."""
+    """vLLM's /v1/score: text_1 against each of text_2 (one text against one or many), or the i-th of each list;
+    on an embedding model the cosine similarity of their embeddings, on a cross-encoder its probability of the pair
+    (texts only)."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     text_1: ScoreSide
@@ -344,8 +357,8 @@ class RerankDocument(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    """vLLM's /v1/rerank (Jina's and Cohere's body) on an embedding model: the documents by their cosine similarity
-    to the query, best first, the top_n of them (0: all)."""
+    """vLLM's /v1/rerank (Jina's and Cohere's body): the documents by their score against the query (as
+    ScoreRequest's), best first, the top_n of them (0: all)."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     query: NonEmpty
@@ -542,6 +555,22 @@ class EmbeddingResponse(BaseModel):
     object: Literal["list"] = "list"
     data: list[EmbeddingData]
     model: str
+    usage: EmbeddingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable
+    probs: list[float]  # one per label, in the model's order
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
     usage: EmbeddingUsage
 
 

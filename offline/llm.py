@@ -11,13 +11,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from client.scores import pair_scores, score_plan
+from client.scores import cross_encoder_pairs, pair_scores, score_plan
 from common import model_files
 from common.usage import Usage
 from offline.executor import InProcessExecutor
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
-from scheduler_svc.output import embedding
+from scheduler_svc.output import class_probs, embedding
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
@@ -107,17 +107,37 @@ class LLM:
         """Embeddings in the order of the prompts, as the Embed call makes them (README, "Embeddings"): the model's
         pooling (under the LoRA adapter `lora` where given), the first `dimensions` values, L2-normalised unless
         `normalize` is False (default: the model's)."""
+        if model_files.classifier(self.model_dir) is not None:
+            raise ValueError("this model is a sequence classifier (config.json's ForSequenceClassification): use "
+                             "classify")
         pooling = model_files.pooling(self.model_dir)
         params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling.kind, lora=lora)
         outs = self.generate(prompts, params, use_tqdm)
         normalize = pooling.normalize if normalize is None else normalize
         return [embedding(o.pooled, pooling.kind, o.usage.prompt_tokens, dimensions, normalize) for o in outs]
 
+    def classify(self, prompts: str | list[int] | tuple[str, str] | Seq[str | list[int] | tuple[str, str]],
+                 use_tqdm: bool = True, lora: str = "") -> list[list[float]]:
+        """A sequence classifier's probabilities of each label (model_files.classifier's labels) for each prompt, in
+        order, as the Classify call gives them: a text, token ids, or a (text, text_pair) tuple that the tokenizer
+        joins (a cross-encoder's query and document)."""
+        classifier = model_files.classifier(self.model_dir)
+        if classifier is None:
+            raise ValueError("this model is not a sequence classifier (config.json names no "
+                             "ForSequenceClassification): use embed")
+        if isinstance(prompts, (str, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.tokenizer.encode_pair(*p) if isinstance(p, tuple) else p for p in prompts]
+        outs = self.generate(ids, SamplingParams(max_tokens=0, temperature=0.0, pooling="last", lora=lora), use_tqdm)
+        return [class_probs(o.pooled, classifier.activation) for o in outs]
+
     def score(self, text_1: str | list[int] | Seq[str | list[int]], text_2: str | list[int] | Seq[str | list[int]],
               use_tqdm: bool = True) -> list[float]:
-        """The cosine similarity of the embeddings of each pair, paired as the Client's score pairs them: one text
-        against one, one against many, or the i-th of each list."""
+        """Each pair's score, paired as the Client's score pairs them (one text against one, one against many, or the
+        i-th of each list): the cosine similarity of their embeddings, or a cross-encoder's probability."""
         plan = score_plan(text_1, text_2)
+        if (classifier := model_files.classifier(self.model_dir)) is not None:
+            return [p[0] for p in self.classify(cross_encoder_pairs(plan, classifier.labels), use_tqdm)]
         return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
     def close(self) -> None:

@@ -220,7 +220,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_workers", "dtype", "block_size", "workers", "lora_adapters")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_workers", "dtype", "block_size", "workers", "lora_adapters", "labels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -239,7 +240,8 @@ class ModelInfo(_message.Message):
     block_size: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "alive", "num_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting", "num_requests", "num_preemptions", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only")
@@ -316,6 +318,58 @@ class EmbedResponse(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     pooling: str
     def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., pooling: _Optional[str] = ...) -> None: ...
+
+class TextPair(_message.Message):
+    __slots__ = ("text", "text_pair")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    text_pair: str
+    def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
+
+class ClassifyInput(_message.Message):
+    __slots__ = ("text", "token_ids", "pair")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAIR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    pair: TextPair
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., pair: _Optional[_Union[TextPair, _Mapping]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "priority", "truncate_prompt_tokens", "lora")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[ClassifyInput]
+    priority: int
+    truncate_prompt_tokens: int
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[ClassifyInput, _Mapping]]] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("probs", "logits", "prompt_tokens")
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    logits: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., logits: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("request_id", "classifications", "labels")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLASSIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    classifications: _containers.RepeatedCompositeFieldContainer[Classification]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., classifications: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/splitserve.v1.Generation/Classify',
+                request_serializer=protos_dot_splitserve__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -87,6 +92,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """A sequence classifier's (a *ForSequenceClassification checkpoint: ModelInfo.labels) scores of each input, the
+        classification head over its last token's final hidden state; a cross-encoder reranker reads a text pair.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_splitserve__pb2.EmbedRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=protos_dot_splitserve__pb2.ClassifyRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Generation:
             '/splitserve.v1.Generation/Embed',
             protos_dot_splitserve__pb2.EmbedRequest.SerializeToString,
             protos_dot_splitserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Classify',
+            protos_dot_splitserve__pb2.ClassifyRequest.SerializeToString,
+            protos_dot_splitserve__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,8 +54,8 @@ class EngineCore:
         if params.lora and params.lora not in self.worker_info.lora_adapters:
             raise ValueError(f"LoRA adapter {params.lora!r} is not served by this worker")
         if self.worker_info.embedding_only and not params.pooling:
-            raise ValueError("this model has no LM head: it serves embeddings (Embed, the gateway's /v1/embeddings), "
-                             "not generations")
+            raise ValueError("this model has no LM head: it serves embeddings or classifications (Embed, Classify; "
+                             "the gateway's /v1/embeddings, /classify), not generations")
         seq = Sequence(self._next_seq_id, list(token_ids), params, request_id=request_id, prompt_len=prompt_len,
                        priority=priority, block_hashes=list(block_hashes))
         self.scheduler.add(seq, force=force)

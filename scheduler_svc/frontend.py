@@ -35,11 +35,11 @@ from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
 from scheduler_svc.metrics import FrontendMetrics
-from scheduler_svc.output import OutputState, embedding
+from scheduler_svc.output import OutputState, class_probs, embedding
 from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.registration import MembershipService
-from scheduler_svc.requests import (InvalidRequest, check_text_size, max_prompt_bytes, parse_embed, parse_generate,
-                                    prompt_ids)
+from scheduler_svc.requests import (InvalidRequest, ParsedEmbed, check_text_size, max_prompt_bytes, parse_classify,
+                                    parse_embed, parse_generate, prompt_ids)
 from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
 from scheduler_svc.router import GroupInfo, GroupView, pick_group
 from scheduler_svc.sampling import SamplingParams
@@ -526,11 +526,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         """Each input runs as a sequence that computes its prompt and samples nothing (max_tokens 0, the model's
         pooling); its pooled row comes with its end, then is truncated and normalised here."""
         started = time.perf_counter()
-        if not self.accepting:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        groups = self.live_groups()
-        if not groups:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        groups = await self._pooling_groups(context)
+        if model_files.classifier(self.model_dir) is not None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is a sequence classifier "
+                               "(config.json's ForSequenceClassification): it serves Classify, not Embed")
         try:
             pooling = model_files.pooling(self.model_dir)
         except ValueError as e:
@@ -541,10 +540,59 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"emb-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        completions = await self._pool(rid, parsed, pooling.kind, context)
+        normalize = pooling.normalize if parsed.normalize is None else parsed.normalize
+        response = api.EmbedResponse(request_id=rid, pooling=pooling.kind)
+        for c in completions:
+            response.embeddings.add(values=embedding(c.pooled, pooling.kind, len(c.prompt_ids), parsed.dimensions,
+                                                     normalize), prompt_tokens=len(c.prompt_ids))
+        log.info("embed %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
+                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
+                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
+        return response
+
+    async def Classify(self, request: api.ClassifyRequest,
+                       context: grpc.aio.ServicerContext) -> api.ClassifyResponse:
+        """As Embed, with the last token's pooled row through the classifier's head (on the worker), then its
+        activation here."""
+        started = time.perf_counter()
+        await self._pooling_groups(context)
+        classifier = model_files.classifier(self.model_dir)
+        if classifier is None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is not a sequence classifier "
+                               "(config.json names no ForSequenceClassification): it serves Embed, not Classify")
+        try:
+            parsed = parse_classify(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
+        except InvalidRequest as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or f"cls-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        completions = await self._pool(rid, parsed, "last", context)
+        response = api.ClassifyResponse(request_id=rid, labels=classifier.labels)
+        for c in completions:
+            response.classifications.add(probs=class_probs(c.pooled, classifier.activation), logits=c.pooled,
+                                         prompt_tokens=len(c.prompt_ids))
+        log.info("classify %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
+                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
+                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
+        return response
+
+    async def _pooling_groups(self, context: grpc.aio.ServicerContext) -> list[GroupView]:
+        if not self.accepting:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        groups = self.live_groups()
+        if not groups:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        return groups
+
+    async def _pool(self, rid: str, parsed: ParsedEmbed, pooling: str,
+                    context: grpc.aio.ServicerContext) -> list[Completion]:
+        """Runs each input as a sequence that computes its prompt and samples nothing (max_tokens 0, pooled by
+        `pooling`) and waits for all of them; their pooled rows come with their ends. Whatever did not end (the call
+        cancelled, failed or past its deadline) is aborted, so its blocks are freed now."""
         subs = [f"{rid}#{i}" for i in range(len(parsed.inputs))]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
-        params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling.kind, lora=parsed.lora)
+        params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling, lora=parsed.lora)
         stream = _Stream(interval=0)
         completions = [Completion(next(self._keys), sub, i, stream, ids, params, parsed.priority,
                                   OutputState(sub, self.tokenizer.tokenizer, ids, len(ids), params))
@@ -571,19 +619,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         finally:
             for c in completions:
                 self._streams.pop(c.sub_id, None)
-                if c.index in pending:  # cancelled, failed or deadline passed: free its blocks now
+                if c.index in pending:
                     self._abort(c)
-        normalize = pooling.normalize if parsed.normalize is None else parsed.normalize
-        response = api.EmbedResponse(request_id=rid, pooling=pooling.kind)
-        for c in completions:
-            if c.pooled is None:  # never from this project's workers
-                await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no embedding")
-            response.embeddings.add(values=embedding(c.pooled, pooling.kind, len(c.prompt_ids), parsed.dimensions,
-                                                     normalize), prompt_tokens=len(c.prompt_ids))
-        log.info("embed %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
-                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
-                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
-        return response
+        if any(c.pooled is None for c in completions):  # never from this project's workers
+            await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
+        return completions
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()
@@ -594,6 +634,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups), dtype=info.dtype,
             block_size=info.block_size, lora_adapters=self.lora_adapters,
+            labels=classifier.labels if (classifier := model_files.classifier(self.model_dir)) else (),
             workers=[api.WorkerStatus(address=g.address, alive=True, num_blocks=g.info.num_blocks,
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,

@@ -84,3 +84,12 @@ def embedding(pooled: Sequence[float], kind: str, prompt_len: int, dimensions: i
     if normalize and (norm := np.linalg.norm(values)) > 0:
         values = values / norm
     return values.tolist()
+
+
+def class_probs(logits: Sequence[float], activation: str) -> list[float]:
+    """A classifier's probabilities of its logits (common/model_files.Classifier.activation)."""
+    values = np.asarray(logits, dtype=np.float64)
+    if activation == "sigmoid":
+        return (1.0 / (1.0 + np.exp(-values))).tolist()
+    values = np.exp(values - values.max())
+    return (values / values.sum()).tolist()

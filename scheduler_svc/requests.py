@@ -54,8 +54,12 @@ class ParsedRequest:
         return dataclasses.replace(self.params, seed=xxhash.xxh64_intdigest(index.to_bytes(8, "little"), seed))
 
 
+AnyRequest = api.GenerateRequest | api.EmbedRequest | api.ClassifyRequest
+
+
 @dataclass(slots=True)
 class ParsedEmbed:
+    """An Embed or Classify call's checked fields."""
     inputs: list[list[int]]  # each input's token ids
     dimensions: int | None
     normalize: bool | None  # None: the model's
@@ -92,7 +96,7 @@ def check_text_size(text: str, field: str, max_bytes: int) -> None:
         raise InvalidRequest(f"{field} must be at most {max_bytes} bytes of UTF-8")
 
 
-def kept_tokens(req: api.GenerateRequest | api.EmbedRequest, max_model_len: int) -> int | None:
+def kept_tokens(req: AnyRequest, max_model_len: int) -> int | None:
     """How many of a prompt's last tokens the request keeps (truncate_prompt_tokens), or None: all of them."""
     if not req.HasField("truncate_prompt_tokens"):
         return None
@@ -203,7 +207,7 @@ def _chat_message(i: int, m: api.ChatMessage) -> dict:
     return message
 
 
-def _check_id_and_priority(req: api.GenerateRequest | api.EmbedRequest) -> None:
+def _check_id_and_priority(req: AnyRequest) -> None:
     rid = req.request_id
     if len(rid) > MAX_REQUEST_ID_LEN or not rid.isprintable():
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_LEN} printable characters "
@@ -213,7 +217,7 @@ def _check_id_and_priority(req: api.GenerateRequest | api.EmbedRequest) -> None:
                              f"got {req.priority}")
 
 
-def _check_lora(req: api.GenerateRequest | api.EmbedRequest, lora_adapters: list[str]) -> None:
+def _check_lora(req: AnyRequest, lora_adapters: list[str]) -> None:
     if req.lora and req.lora not in lora_adapters:
         raise InvalidRequest(f"lora {req.lora[:64]!r} is not an adapter the workers serve (they serve "
                              f"{', '.join(map(repr, lora_adapters)) or 'none'})")
@@ -224,13 +228,28 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
     """Checks every field, and each input's size before it is tokenized (text with the tokenizer's special tokens,
     as sentence-transformers and vLLM embed it: Qwen3-Embedding's tokenizer closes each input with its EOS);
     `lora_adapters`: those every worker serves."""
+    if req.HasField("dimensions") and not 1 <= req.dimensions <= hidden_size:
+        raise InvalidRequest(f"dimensions must be in [1, {hidden_size}] (this model's hidden size), "
+                             f"got {req.dimensions}")
+    inputs = _pooled_inputs(req, tokenizer, max_model_len, vocab_size, lora_adapters)
+    return ParsedEmbed(inputs, req.dimensions if req.HasField("dimensions") else None,
+                       req.normalize if req.HasField("normalize") else None, req.priority, req.lora)
+
+
+def parse_classify(req: api.ClassifyRequest, tokenizer: ModelTokenizer, max_model_len: int, vocab_size: int,
+                   lora_adapters: list[str] = ()) -> ParsedEmbed:
+    """As parse_embed; a text pair is tokenized as the tokenizer pairs two texts (a cross-encoder's input)."""
+    return ParsedEmbed(_pooled_inputs(req, tokenizer, max_model_len, vocab_size, lora_adapters), None, None,
+                       req.priority, req.lora)
+
+
+def _pooled_inputs(req: api.EmbedRequest | api.ClassifyRequest, tokenizer: ModelTokenizer, max_model_len: int,
+                   vocab_size: int, lora_adapters: list[str]) -> list[list[int]]:
+    """Each input's token ids, every field checked and each text's size before it is tokenized."""
     _check_id_and_priority(req)
     _check_lora(req, lora_adapters)
     if not 1 <= len(req.inputs) <= MAX_EMBED_INPUTS:
         raise InvalidRequest(f"inputs must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(req.inputs)}")
-    if req.HasField("dimensions") and not 1 <= req.dimensions <= hidden_size:
-        raise InvalidRequest(f"dimensions must be in [1, {hidden_size}] (this model's hidden size), "
-                             f"got {req.dimensions}")
     max_bytes = max_prompt_bytes(max_model_len)
     keep = kept_tokens(req, max_model_len)
     inputs = []
@@ -244,16 +263,22 @@ def parse_embed(req: api.EmbedRequest, tokenizer: ModelTokenizer, max_model_len:
         elif kind == "token_ids":
             ids = list(item.token_ids.ids)
             check_prompt_ids(ids, vocab_size, f"{field}.token_ids")
+        elif kind == "pair":
+            for name in ("text", "text_pair"):
+                if not getattr(item.pair, name):
+                    raise InvalidRequest(f"{field}.pair.{name} must not be empty")
+            check_text_size(item.pair.text + item.pair.text_pair, f"{field}.pair", max_bytes)
+            ids = tokenizer.encode_pair(item.pair.text, item.pair.text_pair)
         else:
-            raise InvalidRequest(f"{field} must be set: text or token_ids")
+            raise InvalidRequest(f"{field} must be set: text or token_ids"
+                                 + (" or pair" if isinstance(req, api.ClassifyRequest) else ""))
         if keep is not None:
             ids = ids[-keep:]
         if len(ids) >= max_model_len:
             raise InvalidRequest(f"{field}.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "
                                  f"got {len(ids)}")
         inputs.append(ids)
-    return ParsedEmbed(inputs, req.dimensions if req.HasField("dimensions") else None,
-                       req.normalize if req.HasField("normalize") else None, req.priority, req.lora)
+    return inputs
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,

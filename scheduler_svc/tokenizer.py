@@ -37,6 +37,10 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one input, joined as the tokenizer's post-processor pairs them (a cross-encoder's)."""
+        return self.tokenizer.encode(text, pair, add_special_tokens=True).ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from concurrent import futures
@@ -95,9 +96,21 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         return pb.EmbedResponse(pooling="last", embeddings=[
             pb.Embedding(values=[ord(c) for c in i.text[:2]], prompt_tokens=len(i.text)) for i in request.inputs])
 
+    def Classify(self, request, context):
+        """Each text's logits: its first two characters' codes over 100, as labels "a" and "b" (softmax)."""
+        logits = [[ord(c) / 100 for c in i.text[:2]] for i in request.inputs]
+        return pb.ClassifyResponse(labels=["a", "b"], classifications=[
+            pb.Classification(logits=v, probs=softmax(v), prompt_tokens=len(i.text))
+            for v, i in zip(logits, request.inputs)])
+
     def Tokenize(self, request, context):
         text = request.chat.messages[-1].content if request.WhichOneof("prompt") == "chat" else request.text
         return pb.TokenizeResponse(token_ids=[ord(c) for c in text])
+
+
+def softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +334,6 @@ def test_cli_info_tokenize_health_embed_score(address: str, capsys):
     assert capsys.readouterr().out == "[65.0, 66.0]\n[67.0, 68.0]\n"
     assert main(["score", "--address", address, "AA", "BB", "A\x00"]) == 0  # (65, 65) against (66, 66), (65, 0)
     assert capsys.readouterr().out == "1.000000\n0.707107\n"
+    assert main(["classify", "--address", address, "AA", "Ad"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out[0] == {"a": 0.5, "b": 0.5} and out[1]["b"] == pytest.approx(1 / (1 + math.exp(-0.35)))

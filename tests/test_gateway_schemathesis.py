@@ -38,7 +38,7 @@ MAX_MODEL_LEN = 128
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 ROUTES = ["GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}", "POST /tokenize",
           "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
-          "POST /v1/embeddings", "POST /v1/score", "POST /v1/rerank"]
+          "POST /v1/embeddings", "POST /v1/score", "POST /v1/rerank", "POST /classify"]
 WITH_INPUT = [r for r in ROUTES if r.startswith("POST")]  # the GET routes have nothing a request could violate
 # 400s to valid requests that no field's JSON Schema can foresee: message pattern -> the rule.
 REFUSALS = {
@@ -53,6 +53,8 @@ REFUSALS = {
     r"which is not in tools|two tools are named": "tool_choice naming one of the tools, tools' names distinct",
     r"this model's hidden size": "an embedding's dimensions at most the model's hidden size",
     r"must hold one text for each of text_1's": "a score's text_2 one text for each of text_1's, or text_1 one text",
+    r"truncate_prompt_tokens cannot be set with echo": "a truncated prompt not echoed",
+    r"is not a sequence classifier": "/classify on a sequence classifier's checkpoint (this one is not)",
 }
 
 

@@ -1,6 +1,7 @@
 """The architectures the worker serves, by the name in config.json's `architectures`."""
 from __future__ import annotations
 
+from common.model_files import CLASSIFIER_SUFFIX
 from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
 from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
@@ -67,10 +68,12 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 
 
 def architecture_of(raw: dict) -> type[CausalLM]:
-    """The model class for a config.json's contents; a clear error for any other architecture."""
+    """The model class for a config.json's contents (a sequence classifier's, `XForSequenceClassification`, is X's
+    causal LM's: the runner swaps its LM head for the classification head); a clear error for any other."""
     names = raw.get("architectures") or []
     for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
+        causal = name.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM" if name.endswith(CLASSIFIER_SUFFIX) else name
+        if causal in ARCHITECTURES:
+            return ARCHITECTURES[causal]
     raise ValueError(f"unsupported architecture {', '.join(names) or '(config.json names none)'}: this worker "
-                     f"serves {', '.join(ARCHITECTURES)}")
+                     f"serves {', '.join(ARCHITECTURES)}, and the {CLASSIFIER_SUFFIX} of each ForCausalLM")

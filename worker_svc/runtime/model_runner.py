@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import model_files
 from common.limits import Limits
 from common.util import cdiv
 from protos import WORKER_PROTOCOL_VERSION
@@ -29,7 +30,7 @@ from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, load_weights
 from worker_svc.model.lora import load_adapters, step_adapters
-from worker_svc.model.parallel import min_over_ranks, tp_size
+from worker_svc.model.parallel import ReplicatedLinear, min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
                                       pooled_span)
@@ -95,11 +96,12 @@ class PromptScores:
 
 @dataclass(slots=True)
 class PooledRows:
-    """What a step gives its embedding requests (StepResult.pooled_*): per sequence a row of hidden_size values."""
+    """What a step gives its embedding requests (StepResult.pooled_*): per sequence a row of hidden_size values (a
+    classifier's: one per label)."""
     seq_ids: list[int]
     starts: list[int]
     counts: list[int]
-    values: torch.Tensor  # float32 [sequences, hidden]
+    values: torch.Tensor  # float32 [sequences, hidden or labels]
 
     def to_host(self) -> None:
         self.values = self.values.to("cpu", non_blocking=True)
@@ -193,12 +195,17 @@ class ModelRunner:
             log.info("LongRoPE: its %s factors at max_model_len %d (original length %d)",
                      "long" if mc.rope_scaling.long_factors(self.max_model_len) else "short", self.max_model_len,
                      mc.rope_scaling.original_max_position_embeddings)
+        # A sequence classifier's head (its checkpoint's `score`) takes the LM head's place over the last token
+        self.classifier = model_files.classifier(self.model_dir)
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
+            if self.classifier is not None:
+                self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
         torch.set_default_dtype(torch.float32)
-        # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2) serves embeddings only
-        self.embedding_only = not mc.tie_word_embeddings and not any(
+        # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
+        # serves embeddings (or classifications) only
+        self.embedding_only = self.classifier is not None or not mc.tie_word_embeddings and not any(
             name.endswith("lm_head.weight") for name in checkpoint_names(self.model_dir))
         if self.embedding_only:
             self.model.lm_head = None
@@ -485,7 +492,7 @@ class ModelRunner:
 
     def _pool(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PooledRows | None:
         """The embedding requests' pooled rows of this step (StepResult.pooled says which), in float32: the final
-        norm's output, without the logit scale folded into that norm's weight."""
+        norm's output, without the logit scale folded into that norm's weight; a classifier's head over it."""
         kinds = self.batch.pooling[step.rows]
         if not kinds.any():
             return None
@@ -504,6 +511,8 @@ class ModelRunner:
         values = torch.stack(rows)
         if self.model_config.logit_scale != 1.0:
             values /= self.model_config.logit_scale
+        if self.classifier is not None:  # linear: a chunk's sum of rows maps to the sum of their scores
+            values = values @ self.model.score.weight.float().T
         return PooledRows(seqs, starts, counts, values)
 
     def _score_prompts(self, step: BatchStep, cu: np.ndarray, hidden: torch.Tensor) -> PromptScores | None:
