@@ -92,21 +92,35 @@ def pooling(model_dir: str | Path) -> Pooling:
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # transformers' class of a sequence classifier or cross-encoder
 
 
+def config_json(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json's contents, `overrides` (the worker's --hf-overrides, vLLM's) replacing its top-level keys."""
+    return {**read_json(Path(model_dir) / "config.json"), **(overrides or {})}
+
+
 @dataclass(frozen=True, slots=True)
 class Classifier:
-    """A *ForSequenceClassification checkpoint's head: its labels in output order, and how its scores become
-    probabilities: "sigmoid" each (one label, as a cross-encoder's relevance, or multi-label) or "softmax" over them."""
+    """A sequence classifier's head, as config.json (with the worker's overrides) describes it: its labels in output
+    order, and how its logits become probabilities: "sigmoid" each (one label, as a cross-encoder's relevance, or
+    multi-label) or "softmax" over them. `from_tokens`: the head is the LM head's rows of these tokens (vLLM's
+    `classifier_from_token`), one label each, or with `two_way` (vLLM's `is_original_qwen3_reranker`) one label whose
+    logit is the second token's minus the first's (Qwen3-Reranker's "yes" against "no")."""
     labels: tuple[str, ...]
     activation: str
+    from_tokens: tuple[str, ...] = ()
+    two_way: bool = False
 
 
-@lru_cache(maxsize=4)
-def classifier(model_dir: str | Path) -> Classifier | None:
-    """The classification head config.json describes (transformers' id2label, else num_labels as LABEL_i), or None
-    where the checkpoint is not a sequence classifier."""
-    config = read_json(Path(model_dir) / "config.json")
+def classifier(config: dict[str, Any]) -> Classifier | None:
+    """The classification head a config.json's contents describe (transformers' id2label, else num_labels as
+    LABEL_i; or vLLM's classifier_from_token), or None where the model is not a sequence classifier."""
     if not any(a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or []):
         return None
+    if tokens := tuple(config.get("classifier_from_token") or ()):
+        two_way = bool(config.get("is_original_qwen3_reranker"))
+        if two_way and len(tokens) != 2:
+            raise ValueError(f"is_original_qwen3_reranker needs two classifier_from_token (no, yes), got {tokens}")
+        return Classifier(tokens[1:] if two_way else tokens, "sigmoid" if two_way or len(tokens) == 1 else "softmax",
+                          tokens, two_way)
     id2label = config.get("id2label") or {}
     count = int(config.get("num_labels") or len(id2label) or 2)
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))

@@ -107,9 +107,8 @@ class LLM:
         """Embeddings in the order of the prompts, as the Embed call makes them (README, "Embeddings"): the model's
         pooling (under the LoRA adapter `lora` where given), the first `dimensions` values, L2-normalised unless
         `normalize` is False (default: the model's)."""
-        if model_files.classifier(self.model_dir) is not None:
-            raise ValueError("this model is a sequence classifier (config.json's ForSequenceClassification): use "
-                             "classify")
+        if self.engine.worker_info.labels:
+            raise ValueError("this model is a sequence classifier (its worker's head is a classifier's): use classify")
         pooling = model_files.pooling(self.model_dir)
         params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling.kind, lora=lora)
         outs = self.generate(prompts, params, use_tqdm)
@@ -121,23 +120,23 @@ class LLM:
         """A sequence classifier's probabilities of each label (model_files.classifier's labels) for each prompt, in
         order, as the Classify call gives them: a text, token ids, or a (text, text_pair) tuple that the tokenizer
         joins (a cross-encoder's query and document)."""
-        classifier = model_files.classifier(self.model_dir)
-        if classifier is None:
-            raise ValueError("this model is not a sequence classifier (config.json names no "
+        info = self.engine.worker_info
+        if not info.labels:
+            raise ValueError("this model is not a sequence classifier (config.json, with hf_overrides, names no "
                              "ForSequenceClassification): use embed")
         if isinstance(prompts, (str, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.engine.tokenizer.encode_pair(*p) if isinstance(p, tuple) else p for p in prompts]
         outs = self.generate(ids, SamplingParams(max_tokens=0, temperature=0.0, pooling="last", lora=lora), use_tqdm)
-        return [class_probs(o.pooled, classifier.activation) for o in outs]
+        return [class_probs(o.pooled, info.label_activation) for o in outs]
 
     def score(self, text_1: str | list[int] | Seq[str | list[int]], text_2: str | list[int] | Seq[str | list[int]],
               use_tqdm: bool = True) -> list[float]:
         """Each pair's score, paired as the Client's score pairs them (one text against one, one against many, or the
         i-th of each list): the cosine similarity of their embeddings, or a cross-encoder's probability."""
         plan = score_plan(text_1, text_2)
-        if (classifier := model_files.classifier(self.model_dir)) is not None:
-            return [p[0] for p in self.classify(cross_encoder_pairs(plan, classifier.labels), use_tqdm)]
+        if labels := self.engine.worker_info.labels:
+            return [p[0] for p in self.classify(cross_encoder_pairs(plan, labels), use_tqdm)]
         return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
     def close(self) -> None:

@@ -293,7 +293,8 @@ def _group_info(group: EngineGroup) -> dict:
             "device": info.device, "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
-            "lora_adapters": list(info.lora_adapters)}
+            "lora_adapters": list(info.lora_adapters), "labels": list(info.labels),
+            "label_activation": info.label_activation}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:

@@ -527,9 +527,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         pooling); its pooled row comes with its end, then is truncated and normalised here."""
         started = time.perf_counter()
         groups = await self._pooling_groups(context)
-        if model_files.classifier(self.model_dir) is not None:
+        if groups[0].info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is a sequence classifier "
-                               "(config.json's ForSequenceClassification): it serves Classify, not Embed")
+                               "(its worker's head is a classifier's): it serves Classify, not Embed")
         try:
             pooling = model_files.pooling(self.model_dir)
         except ValueError as e:
@@ -556,20 +556,20 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         """As Embed, with the last token's pooled row through the classifier's head (on the worker), then its
         activation here."""
         started = time.perf_counter()
-        await self._pooling_groups(context)
-        classifier = model_files.classifier(self.model_dir)
-        if classifier is None:
+        info = (await self._pooling_groups(context))[0].info
+        if not info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is not a sequence classifier "
-                               "(config.json names no ForSequenceClassification): it serves Embed, not Classify")
+                               "(config.json, with the worker's --hf-overrides, names no ForSequenceClassification): "
+                               "it serves Embed, not Classify")
         try:
             parsed = parse_classify(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"cls-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         completions = await self._pool(rid, parsed, "last", context)
-        response = api.ClassifyResponse(request_id=rid, labels=classifier.labels)
+        response = api.ClassifyResponse(request_id=rid, labels=info.labels)
         for c in completions:
-            response.classifications.add(probs=class_probs(c.pooled, classifier.activation), logits=c.pooled,
+            response.classifications.add(probs=class_probs(c.pooled, info.label_activation), logits=c.pooled,
                                          prompt_tokens=len(c.prompt_ids))
         log.info("classify %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
                  sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
@@ -634,7 +634,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups), dtype=info.dtype,
             block_size=info.block_size, lora_adapters=self.lora_adapters,
-            labels=classifier.labels if (classifier := model_files.classifier(self.model_dir)) else (),
+            labels=info.labels,
             workers=[api.WorkerStatus(address=g.address, alive=True, num_blocks=g.info.num_blocks,
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,

@@ -42,6 +42,8 @@ class GroupInfo:
     hidden_size: int = 0  # of its embeddings
     embedding_only: bool = False  # no LM head: Embed only
     lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters its worker serves, by name
+    labels: list[str] = field(default_factory=list)  # a sequence classifier's (Classify); empty: not one
+    label_activation: str = ""  # how its logits become probabilities: sigmoid or softmax
     draining: bool = False
 
 

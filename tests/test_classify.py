@@ -2,9 +2,10 @@
 Client.score, /v1/score and /v1/rerank on a cross-encoder) from checkpoints transformers writes itself: a
 Qwen3ForSequenceClassification of one label (a cross-encoder reranker's layout, as Qwen3-Reranker's sequence
 classification conversions and BGE's rerankers ship) with a tokenizer that joins a pair with separators, served by one
-scheduler over one CPU worker whose steps take 48 tokens (long inputs run over several chunks); and a
-LlamaForSequenceClassification of three labels, untied, run in-process. Every logit is compared with transformers' on
-the same weights, every pair with transformers' tokenizer's encoding of it."""
+scheduler over one CPU worker whose steps take 48 tokens (long inputs run over several chunks); a
+LlamaForSequenceClassification of three labels, untied, run in-process; and a Qwen3ForCausalLM served as
+Qwen3-Reranker is (vLLM's overrides: its "yes" and "no" logits). Every logit is compared with transformers' on the same
+weights, every pair with transformers' tokenizer's encoding of it."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,9 @@ WORKER_ARGS = ["--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
 QUERY = "What is the capital of China?"
 DOCS = ["Beijing is the capital of China.", "Explain gravity " * 12, "x"]
 WAIT_S = 60.0
+# vLLM's overrides that serve Qwen3-Reranker as published (a causal LM judging "yes" or "no") as a cross-encoder
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}
 
 
 def _write_classifier(tiny_model_dir: Path, out: Path, cls: type, labels: list[str], seed: int,
@@ -98,7 +102,7 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def test_the_checkpoints_labels_and_activation_are_read_from_its_config(tmp_path):
+def test_the_labels_and_activation_are_read_from_the_config():
     for raw, want in (({"architectures": ["Qwen3ForCausalLM"]}, None),
                       ({"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "LABEL_0"}},
                        Classifier(("LABEL_0",), "sigmoid")),
@@ -106,11 +110,14 @@ def test_the_checkpoints_labels_and_activation_are_read_from_its_config(tmp_path
                        Classifier(("no", "yes"), "softmax")),
                       ({"architectures": ["LlamaForSequenceClassification"], "num_labels": 3,
                         "problem_type": "multi_label_classification"},
-                       Classifier(("LABEL_0", "LABEL_1", "LABEL_2"), "sigmoid"))):
-        d = tmp_path / str(len(list(tmp_path.iterdir())))
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(raw))
-        assert classifier(d) == want, raw
+                       Classifier(("LABEL_0", "LABEL_1", "LABEL_2"), "sigmoid")),
+                      ({**QWEN3_RERANKER, "architectures": ["Qwen3ForCausalLM"]}, None),
+                      (QWEN3_RERANKER, Classifier(("yes",), "sigmoid", ("no", "yes"), two_way=True)),
+                      ({**QWEN3_RERANKER, "is_original_qwen3_reranker": False},
+                       Classifier(("no", "yes"), "softmax", ("no", "yes")))):
+        assert classifier(raw) == want, raw
+    with pytest.raises(ValueError, match="two classifier_from_token"):
+        classifier({**QWEN3_RERANKER, "classifier_from_token": ["yes"]})
 
 
 def test_classifications_equal_transformers_logits(cluster, reference):
@@ -202,3 +209,31 @@ def test_a_classifier_of_several_labels_runs_in_process(tiny_model_dir, tmp_path
             llm.score(QUERY, DOCS)
         with pytest.raises(ValueError, match="use classify"):
             llm.embed(QUERY)
+
+
+def test_qwen3_reranker_as_published_scores_by_its_yes_and_no_logits(tiny_model_dir):
+    """A causal LM served with vLLM's overrides (the worker's --hf-overrides): each pair's score is the probability
+    of "yes" against "no" at the pair's last position in transformers' causal LM, its LM head's rows as the head."""
+    from offline import LLM
+
+    reference = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    with LLM(tiny_model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=48,
+             hf_overrides=QWEN3_RERANKER) as llm:
+        assert llm.engine.worker_info.labels == ["yes"]
+        got = llm.score(QUERY, DOCS, use_tqdm=False)
+    for doc, score in zip(DOCS, got):
+        with torch.inference_mode():
+            last = reference(torch.tensor([tokenizer(QUERY, doc)["input_ids"]])).logits[0, -1]
+        assert score == pytest.approx(float(last[[no, yes]].softmax(-1)[1]), abs=1e-5)
+
+
+def test_the_worker_refuses_overrides_it_cannot_serve(tiny_model_dir):
+    from worker_svc.cli import main
+
+    for overrides, message in (("[1]", "must be a JSON object"), ("{", "must be a JSON object"),
+                               (json.dumps({**QWEN3_RERANKER, "classifier_from_token": ["no", "yes", "x"]}),
+                                "two classifier_from_token")):
+        with pytest.raises(SystemExit, match=message):
+            main(["serve", "--model", str(tiny_model_dir), "--plaintext", "--hf-overrides", overrides])

@@ -4,6 +4,7 @@ writer's commands (worker_svc/checkpoints)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -45,6 +46,17 @@ def use_kernel_cache(folder: str | None) -> None:
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(folder) / "flash_attn")
 
 
+def hf_overrides(text: str) -> dict:
+    """--hf-overrides as a dict; SystemExit where it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SystemExit(f"splitserve-worker serve: --hf-overrides must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"splitserve-worker serve: --hf-overrides must be a JSON object, got {text!r}")
+    return value
+
+
 def lora_modules(specs: list[str]) -> dict[str, str]:
     """--lora-modules NAME=PATH ... as a dict; SystemExit naming a malformed or repeated one."""
     out: dict[str, str] = {}
@@ -61,14 +73,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     use_kernel_cache(args.kernel_cache_dir)
 
-    from common import logs
+    from common import logs, model_files
     from worker_svc.model.config import ModelConfig
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     logs.setup(args.log_format, args.log_level)
     model_dir = resolve_model(args.model)
+    overrides = hf_overrides(args.hf_overrides)
     try:
-        ModelConfig.from_dir(model_dir)  # an architecture or a rope this worker does not serve: say so, and stop
+        # an architecture, a rope or a classifier this worker does not serve: say so, and stop
+        ModelConfig.from_dir(model_dir, overrides)
+        model_files.classifier(model_files.config_json(model_dir, overrides))
     except (ValueError, KeyError) as e:
         raise SystemExit(f"splitserve-worker serve: {model_dir}: {e}") from None
     config = RunnerConfig(
@@ -76,7 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
-        lora_modules=lora_modules(args.lora_modules))
+        lora_modules=lora_modules(args.lora_modules), hf_overrides=overrides)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -242,7 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters to serve beside the weights (PEFT folders: adapter_config.json, "
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
-                        "the gateway's `model`). Decode steps holding an adapter's sequence run without CUDA graphs")
+                        "the gateway's `model`)")
+    p.add_argument("--hf-overrides", default="{}", metavar="JSON",
+                   help="a JSON object over config.json's top-level keys (vLLM's --hf-overrides); Qwen3-Reranker as "
+                        "published, as a cross-encoder: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' "
+                        "(default: none)")
     limits.add_arguments(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_NAMES,
                    help="flash_attn: flash-attn-4 for prefills (Hopper/Blackwell), splitserve's split-KV Triton "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from common import model_files
 from typing import Callable
 
 import torch
@@ -147,10 +148,13 @@ class ModelConfig:
         return 0 if None in windows else max(windows)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        """The config.json of model_dir, `overrides` (--hf-overrides) over its top-level keys."""
         from worker_svc.model.registry import architecture_of
 
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw = model_files.config_json(model_dir, overrides)
+        if not raw:
+            raise FileNotFoundError(f"no config.json in {model_dir}")
         arch = architecture_of(raw)
         return dataclasses.replace(arch.config(raw), architecture=arch.__name__)
 

@@ -113,6 +113,16 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
     return kv_scales
 
 
+def lm_head_rows(model_dir: str | Path, token_ids: list[int], tied: bool) -> torch.Tensor:
+    """The LM head's rows of these tokens, in float32, as the checkpoint stores them (the input embedding's where
+    the head is tied to it)."""
+    suffix = "embed_tokens.weight" if tied else "lm_head.weight"
+    for name, get_tensor, _ in checkpoint_tensors(Path(model_dir)):
+        if name.endswith(suffix):
+            return get_tensor()[token_ids].float()
+    raise KeyError(f"checkpoint in {model_dir} has no {suffix} to take a classifier's rows from")
+
+
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 

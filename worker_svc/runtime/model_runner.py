@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from common import model_files
 from common.limits import Limits
@@ -28,7 +29,7 @@ from worker_svc import kernels
 from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
-from worker_svc.model.loader import checkpoint_names, load_weights
+from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
 from worker_svc.model.lora import load_adapters, step_adapters
 from worker_svc.model.parallel import ReplicatedLinear, min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
@@ -58,6 +59,7 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve: name -> PEFT folder
+    hf_overrides: dict = field(default_factory=dict)  # over config.json's top-level keys (vLLM's --hf-overrides)
 
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
@@ -172,7 +174,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
         self.config = cfg = config or RunnerConfig()
         self.model_dir = Path(model_dir)
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(model_dir, cfg.hf_overrides)
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype] if cfg.dtype else mc.dtype
         self.max_model_len = min(cfg.limits.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -195,13 +197,17 @@ class ModelRunner:
             log.info("LongRoPE: its %s factors at max_model_len %d (original length %d)",
                      "long" if mc.rope_scaling.long_factors(self.max_model_len) else "short", self.max_model_len,
                      mc.rope_scaling.original_max_position_embeddings)
-        # A sequence classifier's head (its checkpoint's `score`) takes the LM head's place over the last token
-        self.classifier = model_files.classifier(self.model_dir)
+        # A sequence classifier's head takes the LM head's place over the last token: its checkpoint's `score`, or
+        # the LM head's rows of some tokens (vLLM's classifier_from_token)
+        self.classifier = model_files.classifier(model_files.config_json(model_dir, cfg.hf_overrides))
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
             if self.classifier is not None:
                 self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
+                if self.classifier.from_tokens:  # not a checkpoint tensor: made below, not loaded
+                    score = self.model.score
+                    del self.model.score
         torch.set_default_dtype(torch.float32)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
@@ -209,7 +215,12 @@ class ModelRunner:
             name.endswith("lm_head.weight") for name in checkpoint_names(self.model_dir))
         if self.embedding_only:
             self.model.lm_head = None
+        if self.classifier is not None and self.classifier.from_tokens:
+            self.model.ignored_prefixes = (*getattr(self.model, "ignored_prefixes", ()), "lm_head.")
         kv_scales = load_weights(self.model, model_dir)
+        if self.classifier is not None and self.classifier.from_tokens:
+            score.weight.data.copy_(self._head_from_tokens(self.classifier))
+            self.model.score = score
         self.lora_names = load_adapters(self.model, cfg.lora_modules)  # before the scales fold into their B too
         self.model.fold_scales()
         if fp8_cache:
@@ -267,6 +278,17 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self._bind_caches(self.kv_cache)
         return min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
+
+    def _head_from_tokens(self, classifier: model_files.Classifier) -> torch.Tensor:
+        """The classifier's head made of the LM head's rows of its tokens, read from the checkpoint (whole on every
+        TP rank, as the head is replicated; the LM head is not loaded)."""
+        tokenizer = Tokenizer.from_str(model_files.tokenizer_json(self.model_dir))
+        ids = [tokenizer.token_to_id(t) for t in classifier.from_tokens]
+        if None in ids:
+            raise ValueError(f"classifier_from_token {classifier.from_tokens[ids.index(None)]!r} is not a token of "
+                             f"{self.model_dir.name}'s tokenizer")
+        rows = lm_head_rows(self.model_dir, ids, self.model_config.tie_word_embeddings)
+        return rows[1:] - rows[:1] if classifier.two_way else rows
 
     @property
     def _planes(self) -> int:
@@ -401,7 +423,9 @@ class ModelRunner:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
-            embedding_only=self.embedding_only, lora_adapters=self.lora_names)
+            embedding_only=self.embedding_only, lora_adapters=self.lora_names,
+            labels=self.classifier.labels if self.classifier else (),
+            label_activation=self.classifier.activation if self.classifier else "")
 
     @property
     def num_host_blocks(self) -> int:

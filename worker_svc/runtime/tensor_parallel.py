@@ -98,7 +98,7 @@ class TensorParallelRunner:
         config = config or RunnerConfig()
         self.size = size = tensor_parallel_size
         self.model_dir = Path(model_dir)
-        check_shapes(ModelConfig.from_dir(model_dir), size)
+        check_shapes(ModelConfig.from_dir(model_dir, config.hf_overrides), size)
         device = torch.device(config.device)
         if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(f"tensor parallel size {size} from {device} needs more than the "
