@@ -113,6 +113,7 @@ class GenerateParams(TypedDict, total=False):
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
+    include_stop_str_in_output: bool
     min_tokens: int | None
     logprobs: int | None
     n: int | None
@@ -149,6 +150,7 @@ def build_request(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
     min_tokens: int | None = None,
     logprobs: int | None = None,
     n: int | None = None,
@@ -202,6 +204,8 @@ def build_request(
         request.stopping.stop_token_ids.extend(stop_token_ids)
     if ignore_eos:
         request.stopping.ignore_eos = True
+    if include_stop_str_in_output:
+        request.stopping.include_stop_str_in_output = True
 
     if logprobs is not None:
         request.logprobs = logprobs

@@ -96,6 +96,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = None
     priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt

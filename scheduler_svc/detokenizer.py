@@ -3,7 +3,7 @@
 Text comes from `tokenizers.decoders.DecodeStream` (Rust), which returns nothing while a UTF-8
 character is incomplete, so no delta ever splits one. With stop strings, the tail of the text that
 could be the start of a stop string is held back until the next tokens decide; a stop string found
-truncates the text before it and is never emitted.
+truncates the text before it (or after it, where the request includes it) and ends the sequence.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ _PROMPT_CONTEXT = 4  # prompt tokens seeding the stream, so the first delta deco
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_stops", "_prefix_ends", "_pending", "_undecoded",
-                 "stop_string")
+    __slots__ = ("_tokenizer", "_skip_special", "_stream", "_stops", "_include_stop", "_prefix_ends", "_pending",
+                 "_undecoded", "stop_string")
 
     def __init__(
         self,
@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        include_stop: bool = False,
     ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -36,6 +37,7 @@ class IncrementalDetokenizer:
             context.pop()
         self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
         self._stops = tuple(stop)
+        self._include_stop = include_stop  # the stop string, or a stop token's text, stays in the text
         # Characters that can end a proper prefix of a stop string: text ending otherwise holds nothing.
         self._prefix_ends = frozenset(ch for s in self._stops for ch in s[:-1])
         self._pending = ""  # decoded but held back
@@ -63,7 +65,7 @@ class IncrementalDetokenizer:
                 cut, self.stop_string = k, s
         if cut != -1:
             self._pending = ""
-            return text[:cut], True
+            return text[:cut + len(self.stop_string) if self._include_stop else cut], True
         if not text or text[-1] not in self._prefix_ends:
             self._pending = ""
             return text, False
@@ -78,10 +80,12 @@ class IncrementalDetokenizer:
 
     def next(self, token_id: int, finish_reason: str | None, check_stop: bool) -> tuple[str, str | None, str | None]:
         """One new token of a sequence and how the scheduler left it: (text delta, finish reason, stop reason).
-        A stop token (reason "stop") is no part of the text, nor the EOS that ends a dead grammar ("grammar"); a stop string found here finishes it with reason
-        "stop" whatever the scheduler said (its caller tells the scheduler); the end flushes what is held."""
+        A stop token (reason "stop") is no part of the text unless stop strings are included, nor the EOS that ends
+        a dead grammar ("grammar"); a stop string found here finishes it with reason "stop" whatever the scheduler
+        said (its caller tells the scheduler); the end flushes what is held."""
         if finish_reason == "stop":
-            return self.flush(), "stop", str(token_id)
+            text = self.add(token_id, check_stop=False)[0] if self._include_stop else ""
+            return text + self.flush(), "stop", str(token_id)
         if finish_reason == "grammar":  # an EOS the worker sampled where the grammar allowed no token
             return self.flush(), "grammar", None
         text, stopped = self.add(token_id, check_stop)

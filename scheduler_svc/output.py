@@ -40,7 +40,7 @@ class OutputState:
                  params: SamplingParams):
         self.request_id = request_id
         self.detokenizer = IncrementalDetokenizer(tokenizer, token_ids[:prompt_len], params.skip_special_tokens,
-                                                  params.stop)
+                                                  params.stop, params.include_stop_str_in_output)
         self.prompt_len = prompt_len
         self.min_len = prompt_len + params.min_tokens  # stop strings count from this total length
         self.num_output = len(token_ids) - prompt_len

@@ -47,6 +47,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended it stays in the text
     logprobs: int | None = None  # None = none, 0 = the sampled token's, n = also the top n
     min_tokens: int = 0
     skip_special_tokens: bool = True

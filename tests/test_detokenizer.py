@@ -22,8 +22,9 @@ def qwen(model_dir) -> ModelTokenizer:
     return load_tokenizer(model_dir)
 
 
-def stream(qwen: ModelTokenizer, text: str, stop=(), skip_special_tokens=True) -> tuple[list[str], bool]:
-    detok = IncrementalDetokenizer(qwen.tokenizer, [], skip_special_tokens, list(stop))
+def stream(qwen: ModelTokenizer, text: str, stop=(), skip_special_tokens=True,
+           include_stop=False) -> tuple[list[str], bool]:
+    detok = IncrementalDetokenizer(qwen.tokenizer, [], skip_special_tokens, list(stop), include_stop)
     deltas = []
     for tok in qwen.encode(text):
         delta, stopped = detok.add(tok)
@@ -112,27 +113,30 @@ ALPHABET = list("ab ENDé日😀\n")
 @given(
     text=st.text(alphabet=st.sampled_from(ALPHABET), max_size=30),
     stops=st.lists(st.text(alphabet=st.sampled_from(ALPHABET), min_size=1, max_size=4), max_size=3),
+    include=st.booleans(),
 )
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_streaming_matches_a_check_after_every_token(qwen, text, stops):
+def test_streaming_matches_a_check_after_every_token(qwen, text, stops, include):
     """Reference: after each token, the decoded text so far; the first time any stop string occurs,
-    the output is the text before its earliest occurrence."""
+    the output is the text before its earliest occurrence (the first listed of those that start there), or
+    through its end where stop strings are included."""
     ids = qwen.encode(text)
     ref_stream = DecodeStream(skip_special_tokens=True)
     so_far = ""
     want, want_stop = None, False
     for tok in ids:
         so_far += ref_stream.step(qwen.tokenizer, tok) or ""
-        hits = [so_far.find(s) for s in stops if s in so_far]
+        hits = [(so_far.find(s), i, s) for i, s in enumerate(stops) if s in so_far]
         if hits:
-            want, want_stop = so_far[: min(hits)], True
+            k, _, s = min(hits)
+            want, want_stop = so_far[: k + len(s) if include else k], True
             break
     if want is None:
         want = so_far
-    deltas, stopped = stream(qwen, text, stops)
+    deltas, stopped = stream(qwen, text, stops, include_stop=include)
     assert ("".join(deltas), stopped) == (want, want_stop)
     emitted = ""
-    for d in deltas:
+    for d in deltas[:-1] if include and stopped else deltas:  # included, a stop string is in the last delta only
         emitted += d
         assert not any(s in emitted for s in stops)
 

@@ -132,6 +132,20 @@ def test_stop_string_finishes_the_sequence_and_frees_its_blocks(model_dir, qwen)
     assert not engine.scheduler.has_unfinished()
 
 
+def test_included_stop_strings_and_stop_tokens_stay_in_the_text(model_dir, qwen):
+    """include_stop_str_in_output (vLLM's): the text runs through the stop string, or the stop token's text."""
+    prompt = qwen.encode("Count")
+    script = qwen.encode(" one two END OF three")
+    engine, _ = make_engine(model_dir, scripted({3: script, 4: script}, {3: len(prompt), 4: len(prompt)}))
+    by_string = engine.add_request(prompt, SamplingParams(max_tokens=len(script), seed=3, stop=["END OF"],
+                                                          include_stop_str_in_output=True))
+    by_token = engine.add_request(prompt, SamplingParams(max_tokens=len(script), seed=4, stop_token_ids=[script[2]],
+                                                         include_stop_str_in_output=True))
+    got = run(engine)
+    assert (got[by_string].text, got[by_string].finish_reason) == (" one two END OF", "stop")
+    assert (got[by_token].text, got[by_token].finish_reason) == (" one two END", "stop")
+
+
 def test_stop_string_on_the_last_allowed_token_reports_stop(model_dir, qwen):
     prompt = qwen.encode("Count")
     script = qwen.encode(" one END")

@@ -332,6 +332,18 @@ def test_continue_final_message_continues_an_assistants_start(oai, grpc_client):
     assert ids != grpc_client.tokenize(messages=started)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(oai, grpc_client):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (without: before it)."""
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    stop = ref.text.strip()[2:5]
+    end = ref.text.find(stop)
+    assert len(stop) == 3 and end > 0
+    for include, want in ((True, ref.text[:end + 3]), (False, ref.text[:end])):
+        out = oai.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+
+
 def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
     """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
     out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
