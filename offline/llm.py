@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from client.client import build_request
 from client.scores import cross_encoder_pairs, pair_scores, score_plan
 from common import model_files
 from common.usage import Usage
@@ -18,6 +19,7 @@ from offline.executor import InProcessExecutor
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.output import class_probs, embedding
+from scheduler_svc.requests import InvalidRequest, prompt_ids
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
@@ -101,6 +103,26 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in order]
+
+    def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[GenerationOutput]:
+        """vLLM's LLM.chat: one conversation (OpenAI's messages) or a list of them, each rendered by the model's chat
+        template as the Generate call renders `chat` (tools and template keyword arguments reach the template), then
+        generated; outputs in the order of the conversations. ValueError where the template refuses one."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            request = build_request(messages=list(conversation), tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                    continue_final_message=continue_final_message)
+            if add_generation_prompt is not None:
+                request.chat.add_generation_prompt = add_generation_prompt
+            try:
+                prompts.append(prompt_ids(request, self.engine.tokenizer, self.engine.tokenizer.vocab_size))
+            except InvalidRequest as e:
+                raise ValueError(str(e)) from None
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: str | list[int] | Seq[str | list[int]], dimensions: int | None = None,
               normalize: bool | None = None, use_tqdm: bool = True, lora: str = "") -> list[list[float]]:

@@ -279,3 +279,24 @@ def test_llm_embed_normalises_the_last_state_and_takes_dimensions(tiny_model_dir
     with torch.inference_mode():
         last = hf.model(torch.tensor([prompts[1]])).last_hidden_state[0, -1]
     torch.testing.assert_close(torch.tensor(raw), last, rtol=1e-4, atol=1e-4)
+
+
+def test_llm_chat_renders_each_conversation_as_transformers_does(tiny_model_dir, hf):
+    """LLM.chat (vLLM's): each conversation rendered by the checkpoint's own template as transformers' tokenizer renders
+    it (Qwen3's enable_thinking reaching it), then generated as transformers generates from those ids."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    conversations = [[{"role": "user", "content": "What is 2 + 2?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]]
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16, max_num_seqs=4) as llm:
+        outs = llm.chat(conversations, _greedy(max_tokens=4), use_tqdm=False,
+                        chat_template_kwargs={"enable_thinking": False})
+        for conversation, out in zip(conversations, outs):
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, enable_thinking=False,
+                                                tokenize=True, return_dict=False)
+            assert out.usage.prompt_tokens == len(ids)
+            assert out.token_ids == _hf_generate(hf, list(ids), 4)
+        (one,) = llm.chat(conversations[0], _greedy(max_tokens=4), use_tqdm=False,
+                          chat_template_kwargs={"enable_thinking": False})
+        assert one.token_ids == outs[0].token_ids
+        with pytest.raises(ValueError, match="continue_final_message"):
+            llm.chat(conversations[0], continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
