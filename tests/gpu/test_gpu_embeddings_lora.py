@@ -1,6 +1,7 @@
-"""Embeddings and LoRA adapters on the GPU (CUDA graphs on, float32 weights so that near-ties are rare): pooled rows
-against transformers' hidden states, an embedding-only checkpoint's warm-up (no LM head, no decode graphs), and
-adapted sequences beside base ones against a checkpoint with the adapter merged into its weights.
+"""Embeddings, a reranker and LoRA adapters on the GPU (CUDA graphs on, float32 weights so that near-ties are rare):
+pooled rows against transformers' hidden states, an embedding-only checkpoint's warm-up (no LM head, no decode graphs),
+a causal LM scored as Qwen3-Reranker is, and adapted sequences beside base ones against a checkpoint with the adapter
+merged into its weights.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
@@ -71,6 +72,29 @@ def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
             weights[name] += config["lora_alpha"] / config["r"] * lora[key.replace("lora_A", "lora_B")] @ a
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def test_a_reranker_on_the_gpu_scores_as_transformers(tmp_path):
+    """Qwen3-Reranker's layout served with vLLM's overrides (a head of the LM head's "yes" minus "no" rows): LLM.score's
+    probabilities equal transformers' P(yes) against P(no) at each pair's last position, over several 256-token
+    steps; the worker warms up with the head and captures no decode graphs."""
+    from offline.llm import LLM
+
+    model_dir = _model(tmp_path)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    query, docs = "Which city is the capital of China?", ["Beijing. " * 40, "Paris is in France.", "x " * 300]
+    with torch.inference_mode():
+        want = [float(hf(torch.tensor([tokenizer(query, d)["input_ids"]], device=DEVICE)).logits[0, -1, [no, yes]]
+                      .softmax(-1)[1]) for d in docs]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "is_original_qwen3_reranker": True}
+    with LLM(model_dir, device=DEVICE, num_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
+             hf_overrides=overrides) as llm:
+        assert not llm.engine.core.executor.runner.decode.graphs
+        got = llm.score(query, docs, use_tqdm=False)
+    assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
