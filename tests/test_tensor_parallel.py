@@ -376,6 +376,26 @@ def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     assert [o.token_ids for o in outs] == _hf_generate(model_dir, _prompts())
 
 
+def test_tp2_reranker_scores_equal_tp1(tp_model_dir):
+    """A classifier head (here Qwen3-Reranker's, the LM head's "yes" minus "no" rows, vLLM's overrides) is whole on
+    every rank, over the final norm's output each rank holds whole: TP = 2 scores as TP = 1."""
+    from offline.executor import InProcessExecutor
+    from offline.llm import LLM
+    from worker_svc.runtime.model_runner import RunnerConfig
+    from worker_svc.runtime.tensor_parallel import TensorParallelRunner
+
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "is_original_qwen3_reranker": True}
+    query, docs = "What is the capital of China?", ["Beijing is.", "Explain gravity " * 8]
+    with LLM(tp_model_dir, dtype="float32", num_blocks=64, block_size=16, hf_overrides=overrides) as llm:
+        tp1 = llm.score(query, docs, use_tqdm=False)
+    runner = TensorParallelRunner(tp_model_dir, RunnerConfig(dtype="float32", num_blocks=64, hf_overrides=overrides,
+                                                             limits=Limits(max_num_seqs=8)), 2)
+    with LLM(tp_model_dir, executor=InProcessExecutor(runner)) as llm:
+        assert runner.describe().labels == ["yes"]
+        assert llm.score(query, docs, use_tqdm=False) == pytest.approx(tp1, abs=1e-5)
+
+
 def test_expert_weights_keep_only_this_ranks_experts(monkeypatch):
     from worker_svc.model.moe import ExpertWeights
 
