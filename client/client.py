@@ -108,6 +108,7 @@ class GenerateParams(TypedDict, total=False):
     frequency_penalty: float | None
     seed: int | None
     logit_bias: dict[int, float] | None
+    allowed_token_ids: Sequence[int] | None
     prompt_logprobs: int | None
     structured: dict[str, Any] | None
     stop: str | Sequence[str] | None
@@ -145,6 +146,7 @@ def build_request(
     frequency_penalty: float | None = None,
     seed: int | None = None,
     logit_bias: dict[int, float] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
     prompt_logprobs: int | None = None,
     structured: dict[str, Any] | None = None,
     stop: str | Sequence[str] | None = None,
@@ -193,6 +195,8 @@ def build_request(
             setattr(request.sampling, name, value)
     if logit_bias:
         request.sampling.logit_bias.update(logit_bias)
+    if allowed_token_ids:
+        request.sampling.allowed_token_ids.extend(allowed_token_ids)
 
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens

@@ -74,6 +74,8 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidParam("stop_token_ids", f"must lie in [0, {vocab_size}), got {max(params.stop_token_ids)}")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise InvalidParam("logit_bias", f"keys must lie in [0, {vocab_size}), got {max(params.logit_bias)}")
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
+        raise InvalidParam("allowed_token_ids", f"must lie in [0, {vocab_size}), got {max(params.allowed_token_ids)}")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, field: str) -> None:
@@ -306,7 +308,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         include_stop_str_in_output=st.include_stop_str_in_output,
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
+        logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
         cache_salt=req.cache_salt)
     try:
         if req.HasField("structured"):

@@ -17,10 +17,11 @@ MAX_STOP_STRING_LEN = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI: 300)
 MAX_LOGPROBS = 20  # top alternatives per token
+MAX_ALLOWED_TOKEN_IDS = 1 << 16  # tokens one request may restrict sampling to
 # What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
 ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
-                 "prompt_logprobs", "grammar", "pooling", "lora", "cache_salt")
+                 "allowed_token_ids", "prompt_logprobs", "grammar", "pooling", "lora", "cache_salt")
 _seed_source = random.SystemRandom()
 
 
@@ -52,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)  # only these may be sampled (vLLM's); empty: any
     prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
     grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
     pooling: str | None = None  # an embedding request (max_tokens 0): how its hidden states pool (POOLING_TYPES)
@@ -115,6 +117,11 @@ class SamplingParams:
                 raise InvalidParam("logit_bias", f"keys must be non-negative token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails
                 raise InvalidParam("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidParam("allowed_token_ids", f"must hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                                    f"got {len(self.allowed_token_ids)}")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidParam("allowed_token_ids", "must be non-negative token ids")
 
     @property
     def hash_root(self) -> int:
@@ -143,6 +150,7 @@ class SamplingParams:
             seed=self.seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
             logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar or "",
             pooling=self.pooling or "",

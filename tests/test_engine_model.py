@@ -300,3 +300,24 @@ def test_llm_chat_renders_each_conversation_as_transformers_does(tiny_model_dir,
         assert one.token_ids == outs[0].token_ids
         with pytest.raises(ValueError, match="continue_final_message"):
             llm.chat(conversations[0], continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
+
+
+def test_allowed_token_ids_restrict_every_sampled_token(tiny_model_dir, hf):
+    """vLLM's allowed_token_ids: greedy picks transformers' argmax among them at every position (prefill and decode
+    steps); sampled tokens (with logprobs, beside unrestricted rows) are all among them."""
+    allowed = [11, 220, 1000, 5000, 151643]
+    prompts = _prompts()[:3]
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8) as llm:
+        greedy = llm.generate(prompts, _greedy(max_tokens=6, allowed_token_ids=allowed), use_tqdm=False)
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True, logprobs=1,
+                                 allowed_token_ids=allowed if i % 2 else []) for i in range(4)]
+        sampled = llm.generate(prompts[:1] * 4, params, use_tqdm=False)
+    for prompt, out in zip(prompts, greedy):
+        ids = list(prompt)
+        for token in out.token_ids:
+            with torch.inference_mode():
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+            assert token == allowed[int(logits[allowed].argmax())]
+            ids.append(token)
+    assert all(set(o.token_ids) <= set(allowed) for o in sampled[1::2])
+    assert not all(set(o.token_ids) <= set(allowed) for o in sampled[0::2])

@@ -344,6 +344,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string(oai, grpc_client):
         assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
 
 
+def test_allowed_token_ids_reach_the_sampler(oai, grpc_client, gateway):
+    """vLLM's allowed_token_ids: the gateway's completion is the gRPC one restricted the same way; an id past the
+    vocabulary is a 400 naming the field."""
+    allowed = [11, 220, 1000]
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(ref.token_ids) <= set(allowed)
+    out = oai.completions.create(model="", prompt=PROMPT, max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert out.choices[0].text == ref.text
+    bad = _post(gateway, "/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [1 << 30]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids", bad.text
+
+
 def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
     """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
     out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
@@ -655,9 +668,9 @@ def test_the_documented_limits_are_the_schedulers():
             protocol.MAX_CACHE_SALT) == (requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES,
                                          requests.MAX_EMBED_INPUTS, requests.MAX_CACHE_SALT)
     assert (protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_STRING_LEN, protocol.MAX_STOP_TOKEN_IDS,
-            protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS) == (
+            protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS, protocol.MAX_ALLOWED_TOKEN_IDS) == (
         sampling.MAX_STOP_STRINGS, sampling.MAX_STOP_STRING_LEN, sampling.MAX_STOP_TOKEN_IDS, sampling.MAX_LOGIT_BIAS,
-        sampling.MAX_LOGPROBS)
+        sampling.MAX_LOGPROBS, sampling.MAX_ALLOWED_TOKEN_IDS)
     assert schemas.MAX_CHOICES == structured.MAX_CHOICES
 
 

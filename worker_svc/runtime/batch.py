@@ -85,8 +85,9 @@ class SamplingArrays:
     use_penalty: bool
     all_greedy: bool
     max_logprobs: int
-    general: np.ndarray      # bool: rows that need more than a temperature (a filter, a penalty, a bias, a grammar)
+    general: np.ndarray      # bool: rows that need more than a temperature (a filter, a penalty, a bias, a mask)
     bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logit biases: (sample row, token id, value)
+    allowed: tuple[np.ndarray, np.ndarray] | None = None  # allowed_token_ids: (sample row, token id)
     constrained: np.ndarray | None = None  # which sampling rows follow a grammar (structured output)
 
     def arrays(self) -> list[np.ndarray]:
@@ -127,6 +128,7 @@ class PersistentBatch:
         self.lora = np.full(rows, -1, np.int64)  # the row's LoRA adapter, an index into lora_adapters; -1: none
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
+        self.allowed: dict[int, np.ndarray] = {}  # row -> the only token ids it may sample, where given
         self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
         self.next_step = 1
 
@@ -257,6 +259,7 @@ class PersistentBatch:
         # a table never holds a block twice
         self.holders[self.block_table[row, self.num_released[row]:self.num_table_blocks[row]]] -= 1
         self.logit_bias.pop(row, None)
+        self.allowed.pop(row, None)
         self.grammar.pop(row, None)
         self.free_rows.append(row)
 
@@ -298,6 +301,8 @@ class PersistentBatch:
         if p.logit_bias:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))
+        if p.allowed_token_ids:
+            self.allowed[row] = np.asarray(p.allowed_token_ids, np.int64)
         if p.grammar:
             self.grammar[row] = p.grammar
         return state
@@ -358,9 +363,10 @@ class PersistentBatch:
         temperature, top_p, min_p = self.temperature[rows], self.top_p[rows], self.min_p[rows]
         use_p, use_min_p = top_p < 1, min_p > 0
         use_penalty = ((penalty[:, 0] != 1) | penalty[:, 1:].any(axis=1)) & penalties
-        bias, constrained = self._bias(rows), self._constrained(rows)
+        bias, allowed, constrained = self._bias(rows), self._allowed(rows), self._constrained(rows)
         general = use_k | use_p | use_min_p | use_penalty
-        for index in (bias[0] if bias is not None else None, constrained):
+        for index in (bias[0] if bias is not None else None, allowed[0] if allowed is not None else None,
+                      constrained):
             if index is not None:
                 general[index] = True
         return SamplingArrays(temperature=temperature, penalty=penalty, top_k=np.where(use_k, top_k, vocab_size),
@@ -368,7 +374,7 @@ class PersistentBatch:
                               use_min_p=bool(use_min_p.any()), use_penalty=bool(use_penalty.any()),
                               all_greedy=bool((temperature == 0).all()),
                               max_logprobs=int(self.logprobs[rows].max(initial=-1)), general=general, bias=bias,
-                              constrained=constrained)
+                              allowed=allowed, constrained=constrained)
 
     def _bias(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The logit biases of the sampling rows `rows`, as (index into rows, token id, bias) columns."""
@@ -379,6 +385,16 @@ class PersistentBatch:
             return None
         return (np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in found]),
                 np.concatenate([ids for _, (ids, _) in found]), np.concatenate([v for _, (_, v) in found]))
+
+    def _allowed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The allowed tokens of the sampling rows `rows` that restrict theirs, as (index into rows, token id)."""
+        if not self.allowed:
+            return None
+        found = [(i, self.allowed[r]) for i, r in enumerate(rows.tolist()) if r in self.allowed]
+        if not found:
+            return None
+        return (np.concatenate([np.full(len(ids), i, np.int64) for i, ids in found]),
+                np.concatenate([ids for _, ids in found]))
 
     def _constrained(self, rows: np.ndarray) -> np.ndarray | None:
         if not self.grammar:

@@ -643,7 +643,8 @@ class ModelRunner:
                 masks: StepMasks | None = None) -> SamplerOutput:
         """params_t: the device copies of params.arrays()."""
         temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
-        if params.use_penalty or params.max_logprobs >= 0 or params.bias is not None or masks is not None:
+        if (params.use_penalty or params.max_logprobs >= 0 or params.bias is not None or params.allowed is not None
+                or masks is not None):
             logits = logits.float()
         if params.bias is not None:  # OpenAI's logit_bias: before penalties and filters
             row, token, value = upload(list(params.bias), self.device)
@@ -653,6 +654,13 @@ class ModelRunner:
             logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
         if masks is not None:  # last: a disallowed token stays at -inf whatever its bias or penalty
             masks.apply(logits)
+        if params.allowed is not None:  # vLLM's allowed_token_ids, as last
+            row, token = upload(list(params.allowed), self.device)
+            keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            keep[row, token] = True
+            limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            limited[row] = True
+            logits = logits.masked_fill(limited[:, None] & ~keep, float("-inf"))
         return sample(logits, SamplingBatch(
             temperature=temperature_t, seeds=seeds, positions=positions, top_k=top_k_t if params.use_k else None,
             top_p=top_p_t if params.use_p else None, min_p=min_p_t if params.use_min_p else None,
