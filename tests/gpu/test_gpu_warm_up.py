@@ -37,7 +37,7 @@ def _traffic(address: str) -> None:
         # what sends rows through the general sampler (float32 logits): alone, and beside free rows
         special = [dict(structured={"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}),
                    dict(logprobs=2), dict(prompt_logprobs=1), dict(repetition_penalty=1.2), dict(logit_bias={5: 3.0}),
-                   dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05)]
+                   dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05), dict(allowed_token_ids=[5, 11, 220])]
         for extra in special:
             client.complete(token_ids=[7, 8, 9], max_tokens=8, temperature=0.7, seed=1, **extra)
             list(pool.map(lambda k: client.complete(token_ids=[k + 1, 5, 6], max_tokens=24, temperature=0.7, seed=k,
