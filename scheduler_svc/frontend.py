@@ -540,15 +540,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"emb-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        completions = await self._pool(rid, parsed, pooling.kind, context)
+        completions = await self._pool(rid, parsed, pooling.kind, context, started)
         normalize = pooling.normalize if parsed.normalize is None else parsed.normalize
         response = api.EmbedResponse(request_id=rid, pooling=pooling.kind)
         for c in completions:
             response.embeddings.add(values=embedding(c.pooled, pooling.kind, len(c.prompt_ids), parsed.dimensions,
                                                      normalize), prompt_tokens=len(c.prompt_ids))
-        log.info("embed %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
-                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
-                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
         return response
 
     async def Classify(self, request: api.ClassifyRequest,
@@ -566,14 +563,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"cls-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        completions = await self._pool(rid, parsed, "last", context)
+        completions = await self._pool(rid, parsed, "last", context, started)
         response = api.ClassifyResponse(request_id=rid, labels=info.labels)
         for c in completions:
             response.classifications.add(probs=class_probs(c.pooled, info.label_activation), logits=c.pooled,
                                          prompt_tokens=len(c.prompt_ids))
-        log.info("classify %s: %d inputs, %d tokens, %.3f s", rid, len(completions),
-                 sum(len(ids) for ids in parsed.inputs), time.perf_counter() - started,
-                 extra={"request_id": rid, "prompt_tokens": sum(len(ids) for ids in parsed.inputs)})
         return response
 
     async def _pooling_groups(self, context: grpc.aio.ServicerContext) -> list[GroupView]:
@@ -584,8 +578,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         return groups
 
-    async def _pool(self, rid: str, parsed: ParsedEmbed, pooling: str,
-                    context: grpc.aio.ServicerContext) -> list[Completion]:
+    async def _pool(self, rid: str, parsed: ParsedEmbed, pooling: str, context: grpc.aio.ServicerContext,
+                    started: float) -> list[Completion]:
         """Runs each input as a sequence that computes its prompt and samples nothing (max_tokens 0, pooled by
         `pooling`) and waits for all of them; their pooled rows come with their ends. Whatever did not end (the call
         cancelled, failed or past its deadline) is aborted, so its blocks are freed now."""
@@ -623,6 +617,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     self._abort(c)
         if any(c.pooled is None for c in completions):  # never from this project's workers
             await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
+        tokens = sum(len(ids) for ids in parsed.inputs)
+        log.info("pooled %s: %d inputs, %d tokens, %.3f s", rid, len(completions), tokens,
+                 time.perf_counter() - started, extra={"request_id": rid, "prompt_tokens": tokens})
         return completions
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:

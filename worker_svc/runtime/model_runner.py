@@ -203,11 +203,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
-            if self.classifier is not None:
+            if self.classifier is not None and not self.classifier.from_tokens:  # the checkpoint's, loaded below
                 self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
-                if self.classifier.from_tokens:  # not a checkpoint tensor: made below, not loaded
-                    score = self.model.score
-                    del self.model.score
         torch.set_default_dtype(torch.float32)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
@@ -219,8 +216,7 @@ class ModelRunner:
             self.model.ignored_prefixes = (*getattr(self.model, "ignored_prefixes", ()), "lm_head.")
         kv_scales = load_weights(self.model, model_dir)
         if self.classifier is not None and self.classifier.from_tokens:
-            score.weight.data.copy_(self._head_from_tokens(self.classifier))
-            self.model.score = score
+            self.model.score = self._head_from_tokens(self.classifier)
         self.lora_names = load_adapters(self.model, cfg.lora_modules)  # before the scales fold into their B too
         self.model.fold_scales()
         if fp8_cache:
@@ -279,7 +275,7 @@ class ModelRunner:
         self._bind_caches(self.kv_cache)
         return min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
 
-    def _head_from_tokens(self, classifier: model_files.Classifier) -> torch.Tensor:
+    def _head_from_tokens(self, classifier: model_files.Classifier) -> ReplicatedLinear:
         """The classifier's head made of the LM head's rows of its tokens, read from the checkpoint (whole on every
         TP rank, as the head is replicated; the LM head is not loaded)."""
         tokenizer = Tokenizer.from_str(model_files.tokenizer_json(self.model_dir))
@@ -288,7 +284,9 @@ class ModelRunner:
             raise ValueError(f"classifier_from_token {classifier.from_tokens[ids.index(None)]!r} is not a token of "
                              f"{self.model_dir.name}'s tokenizer")
         rows = lm_head_rows(self.model_dir, ids, self.model_config.tie_word_embeddings)
-        return rows[1:] - rows[:1] if classifier.two_way else rows
+        head = ReplicatedLinear(rows.shape[1], len(classifier.labels), self.kernels)
+        head.weight.data = (rows[1:] - rows[:1] if classifier.two_way else rows).to(self.device, self.dtype)
+        return head
 
     @property
     def _planes(self) -> int:
