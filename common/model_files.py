@@ -90,6 +90,10 @@ def pooling(model_dir: str | Path) -> Pooling:
 
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # transformers' class of a sequence classifier or cross-encoder
+# vLLM's overrides (the worker's --hf-overrides) that serve Qwen3-Reranker as published, a causal LM judging "yes" or
+# "no", as a cross-encoder: its head the LM head's "yes" row minus its "no" row
+QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                            "is_original_qwen3_reranker": True}
 
 
 def config_json(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -66,6 +66,21 @@ def test_embed(model: Path, tmp_path: Path) -> None:
         assert r["pct_of_floor"] >= 0  # the simulated worker keeps no floor
 
 
+def test_rerank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--rerank on a real model on the CPU (the simulated worker serves no classifier): Classify calls."""
+    from bench.__main__ import main
+
+    out = tmp_path / "rerank.json"
+    main(["embed", "--model", str(tiny_model_dir), "--device", "cpu", "--block-size", "16", "--max-num-seqs", "8",
+          "--max-num-batched-tokens", "128", "--inputs", "6", "--input-len", "20", "--batch", "3", "--concurrency", "2",
+          "--rerank", "--out", str(out)])
+    rows = _load(out, "rerank", "bench.embed")["results"]
+    assert [r["path"] for r in rows] == ["in-process", "grpc services"]
+    for r in rows:
+        assert r["inputs"] == 6 and r["tokens"] == 120
+        _positive(r, "seconds", "tokens_per_s", "floor_tokens_per_s")  # a CPU's share of an H200's floor rounds to 0
+
+
 def test_latency_through_dispatch(model: Path, tmp_path: Path) -> None:
     from bench.__main__ import main
 

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, processors
 
 from client import Client
 from client.launcher import LocalCluster
-from common.model_files import Classifier, classifier
+from common.model_files import QWEN3_RERANKER_OVERRIDES, Classifier, classifier
 from tests.test_gateway import Gateway
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,9 +33,6 @@ WORKER_ARGS = ["--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
 QUERY = "What is the capital of China?"
 DOCS = ["Beijing is the capital of China.", "Explain gravity " * 12, "x"]
 WAIT_S = 60.0
-# vLLM's overrides that serve Qwen3-Reranker as published (a causal LM judging "yes" or "no") as a cross-encoder
-QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-                  "is_original_qwen3_reranker": True}
 
 
 def _write_classifier(tiny_model_dir: Path, out: Path, cls: type, labels: list[str], seed: int,
@@ -111,13 +108,13 @@ def test_the_labels_and_activation_are_read_from_the_config():
                       ({"architectures": ["LlamaForSequenceClassification"], "num_labels": 3,
                         "problem_type": "multi_label_classification"},
                        Classifier(("LABEL_0", "LABEL_1", "LABEL_2"), "sigmoid")),
-                      ({**QWEN3_RERANKER, "architectures": ["Qwen3ForCausalLM"]}, None),
-                      (QWEN3_RERANKER, Classifier(("yes",), "sigmoid", ("no", "yes"), two_way=True)),
-                      ({**QWEN3_RERANKER, "is_original_qwen3_reranker": False},
+                      ({**QWEN3_RERANKER_OVERRIDES, "architectures": ["Qwen3ForCausalLM"]}, None),
+                      (QWEN3_RERANKER_OVERRIDES, Classifier(("yes",), "sigmoid", ("no", "yes"), two_way=True)),
+                      ({**QWEN3_RERANKER_OVERRIDES, "is_original_qwen3_reranker": False},
                        Classifier(("no", "yes"), "softmax", ("no", "yes")))):
         assert classifier(raw) == want, raw
     with pytest.raises(ValueError, match="two classifier_from_token"):
-        classifier({**QWEN3_RERANKER, "classifier_from_token": ["yes"]})
+        classifier({**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["yes"]})
 
 
 def test_classifications_equal_transformers_logits(cluster, reference):
@@ -220,7 +217,7 @@ def test_qwen3_reranker_as_published_scores_by_its_yes_and_no_logits(tiny_model_
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
     with LLM(tiny_model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=48,
-             hf_overrides=QWEN3_RERANKER) as llm:
+             hf_overrides=QWEN3_RERANKER_OVERRIDES) as llm:
         assert llm.engine.worker_info.labels == ["yes"]
         got = llm.score(QUERY, DOCS, use_tqdm=False)
     for doc, score in zip(DOCS, got):
@@ -233,7 +230,7 @@ def test_the_worker_refuses_overrides_it_cannot_serve(tiny_model_dir):
     from worker_svc.cli import main
 
     for overrides, message in (("[1]", "must be a JSON object"), ("{", "must be a JSON object"),
-                               (json.dumps({**QWEN3_RERANKER, "classifier_from_token": ["no", "yes", "x"]}),
+                               (json.dumps({**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["no", "yes", "x"]}),
                                 "two classifier_from_token")):
         with pytest.raises(SystemExit, match=message):
             main(["serve", "--model", str(tiny_model_dir), "--plaintext", "--hf-overrides", overrides])

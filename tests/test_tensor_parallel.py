@@ -384,8 +384,8 @@ def test_tp2_reranker_scores_equal_tp1(tp_model_dir):
     from worker_svc.runtime.model_runner import RunnerConfig
     from worker_svc.runtime.tensor_parallel import TensorParallelRunner
 
-    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-                 "is_original_qwen3_reranker": True}
+    from common.model_files import QWEN3_RERANKER_OVERRIDES as overrides
+
     query, docs = "What is the capital of China?", ["Beijing is.", "Explain gravity " * 8]
     with LLM(tp_model_dir, dtype="float32", num_blocks=64, block_size=16, hf_overrides=overrides) as llm:
         tp1 = llm.score(query, docs, use_tqdm=False)

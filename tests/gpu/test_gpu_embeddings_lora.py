@@ -18,6 +18,7 @@ import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from common.limits import Limits  # noqa: E402
+from common.model_files import QWEN3_RERANKER_OVERRIDES  # noqa: E402
 from protos import worker_pb2 as pb  # noqa: E402
 
 DEVICE = "cuda"
@@ -88,10 +89,8 @@ def test_a_reranker_on_the_gpu_scores_as_transformers(tmp_path):
     with torch.inference_mode():
         want = [float(hf(torch.tensor([tokenizer(query, d)["input_ids"]], device=DEVICE)).logits[0, -1, [no, yes]]
                       .softmax(-1)[1]) for d in docs]
-    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-                 "is_original_qwen3_reranker": True}
     with LLM(model_dir, device=DEVICE, num_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
-             hf_overrides=overrides) as llm:
+             hf_overrides=QWEN3_RERANKER_OVERRIDES) as llm:
         assert not llm.engine.core.executor.runner.decode.graphs
         got = llm.score(query, docs, use_tqdm=False)
     assert got == pytest.approx(want, abs=1e-4)
