@@ -259,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
                         "the gateway's `model`)")
     p.add_argument("--hf-overrides", default="{}", metavar="JSON",
-                   help="a JSON object over config.json's top-level keys (vLLM's --hf-overrides); Qwen3-Reranker as "
-                        "published, as a cross-encoder: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                   help="a JSON object over config.json's top-level keys as this worker reads them (vLLM's "
+                        "--hf-overrides: the architecture, shapes, rope, a classifier head; the scheduler learns the "
+                        "model's length and labels from the worker); Qwen3-Reranker as published, as a cross-encoder: "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                         "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' "
                         "(default: none)")
     limits.add_arguments(p)
