@@ -525,7 +525,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def Embed(self, request: api.EmbedRequest, context: grpc.aio.ServicerContext) -> api.EmbedResponse:
         """Each input runs as a sequence that computes its prompt and samples nothing (max_tokens 0, the model's
         pooling); its pooled row comes with its end, then is truncated and normalised here."""
-        started = time.perf_counter()
+        arrived = time.monotonic()
         groups = await self._pooling_groups(context)
         if groups[0].info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is a sequence classifier "
@@ -540,7 +540,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"emb-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        completions = await self._pool(rid, parsed, pooling.kind, context, started)
+        completions = await self._pool(rid, parsed, pooling.kind, context, arrived)
         normalize = pooling.normalize if parsed.normalize is None else parsed.normalize
         response = api.EmbedResponse(request_id=rid, pooling=pooling.kind)
         for c in completions:
@@ -552,7 +552,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> api.ClassifyResponse:
         """As Embed, with the last token's pooled row through the classifier's head (on the worker), then its
         activation here."""
-        started = time.perf_counter()
+        arrived = time.monotonic()
         info = (await self._pooling_groups(context))[0].info
         if not info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is not a sequence classifier "
@@ -563,7 +563,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"cls-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        completions = await self._pool(rid, parsed, "last", context, started)
+        completions = await self._pool(rid, parsed, "last", context, arrived)
         response = api.ClassifyResponse(request_id=rid, labels=info.labels)
         for c in completions:
             response.classifications.add(probs=class_probs(c.pooled, info.label_activation), logits=c.pooled,
@@ -579,10 +579,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         return groups
 
     async def _pool(self, rid: str, parsed: ParsedEmbed, pooling: str, context: grpc.aio.ServicerContext,
-                    started: float) -> list[Completion]:
+                    arrived: float) -> list[Completion]:
         """Runs each input as a sequence that computes its prompt and samples nothing (max_tokens 0, pooled by
         `pooling`) and waits for all of them; their pooled rows come with their ends. Whatever did not end (the call
-        cancelled, failed or past its deadline) is aborted, so its blocks are freed now."""
+        cancelled, failed or past its deadline) is aborted, so its blocks are freed now. Each input counts as a
+        request that finished ("stop") in the request metrics, with its prompt tokens and phases, as vLLM counts
+        pooling requests; the call's end-to-end latency is the request latency."""
         subs = [f"{rid}#{i}" for i in range(len(parsed.inputs))]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
@@ -617,9 +619,14 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     self._abort(c)
         if any(c.pooled is None for c in completions):  # never from this project's workers
             await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
+        for c in completions:
+            self._finished["stop"].inc()
+            self.metrics.observe_end(c.text.usage(), arrived, 0.0, c.scheduled_at)
+        elapsed = time.monotonic() - arrived
+        self.metrics.e2e.observe(elapsed)
         tokens = sum(len(ids) for ids in parsed.inputs)
-        log.info("pooled %s: %d inputs, %d tokens, %.3f s", rid, len(completions), tokens,
-                 time.perf_counter() - started, extra={"request_id": rid, "prompt_tokens": tokens})
+        log.info("pooled %s: %d inputs, %d tokens, %.3f s", rid, len(completions), tokens, elapsed,
+                 extra={"request_id": rid, "prompt_tokens": tokens})
         return completions
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:

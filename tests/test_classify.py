@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, processors
 from client import Client
 from client.launcher import LocalCluster
 from common.model_files import QWEN3_RERANKER_OVERRIDES, Classifier, classifier
+from tests.sim_cluster import free_port, sample, scrape
 from tests.test_gateway import Gateway
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,8 +81,11 @@ def reference(reranker_dir):
 
 @pytest.fixture(scope="module")
 def cluster(reranker_dir, tmp_path_factory):
-    c = LocalCluster(reranker_dir, worker_args=WORKER_ARGS, log_dir=tmp_path_factory.mktemp("classify-logs"))
+    metrics_port = free_port()
+    c = LocalCluster(reranker_dir, worker_args=WORKER_ARGS, log_dir=tmp_path_factory.mktemp("classify-logs"),
+                     scheduler_args=["--metrics-port", str(metrics_port)])
     c.start(timeout=240)
+    c.metrics_port = metrics_port
     yield c
     c.stop()
 
@@ -120,6 +124,7 @@ def test_the_labels_and_activation_are_read_from_the_config():
 def test_classifications_equal_transformers_logits(cluster, reference):
     """Texts, token ids (over several chunks) and a text pair in one call; then each input's last 5 tokens."""
     items = [QUERY, [5, 6, 7] * 20, (QUERY, DOCS[1])]
+    before = scrape(cluster.metrics_port)
     with Client(cluster.address, timeout=WAIT_S) as c:
         assert c.model_info()["labels"] == ["LABEL_0"]
         got = c.classify(items)
@@ -135,6 +140,14 @@ def test_classifications_equal_transformers_logits(cluster, reference):
         info = c.model_info()
     worker = info["workers"][0]
     assert worker["free_blocks"] == worker["num_blocks"] == NUM_BLOCKS  # nothing left held
+    # each input a finished request in the metrics, as vLLM counts pooling requests, with its prompt tokens
+    after = scrape(cluster.metrics_port)
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    assert grew("splitserve:request_success_total", finished_reason="stop") == len(items) + 1
+    assert grew("splitserve:prompt_tokens_total") == sum(got.prompt_tokens) + 5
+    assert grew("splitserve:e2e_request_latency_seconds_count") == 2
 
 
 def test_bad_classify_requests_name_their_field_and_other_calls_are_refused(cluster):
