@@ -1,7 +1,7 @@
 """Sequence classifiers and cross-encoder rerankers (the Classify call, Client.classify, the gateway's /classify;
 Client.score, /v1/score and /v1/rerank on a cross-encoder) from checkpoints transformers writes itself: a
 Qwen3ForSequenceClassification of one label (a cross-encoder reranker's layout, as Qwen3-Reranker's sequence
-classification conversions and BGE's rerankers ship) with a tokenizer that joins a pair with separators, served by one
+classification conversions ship) with a tokenizer that joins a pair with separators, served by one
 scheduler over one CPU worker whose steps take 48 tokens (long inputs run over several chunks); a
 LlamaForSequenceClassification of three labels, untied, run in-process; and a Qwen3ForCausalLM served as
 Qwen3-Reranker is (vLLM's overrides: its "yes" and "no" logits). Every logit is compared with transformers' on the same
