@@ -437,7 +437,6 @@ class _Connection:
         self._channel = create_channel(address, self.security, aio=self.aio)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._labels: list[str] | None = None  # the model's classifier labels (score's choice), once asked
 
 
 class Client(_Connection):
@@ -527,12 +526,11 @@ class Client(_Connection):
         or the i-th of each list against each other; by an embedding model the cosine similarity of their
         embeddings, by a cross-encoder its probability for the pair. ValueError where the two sides do not pair."""
         plan = score_plan(text_1, text_2)
-        if self._labels is None:
-            self._labels = self.model_info(timeout=timeout)["labels"]
+        labels = self.model_info(timeout=timeout)["labels"]  # asked each time: a scheduler may come back another model
         kwargs = dict(priority=priority, request_id=request_id, truncate_prompt_tokens=truncate_prompt_tokens,
                       lora=lora, timeout=timeout)
-        if self._labels:
-            got = self.classify(cross_encoder_pairs(plan, self._labels), **kwargs)
+        if labels:
+            got = self.classify(cross_encoder_pairs(plan, labels), **kwargs)
             return Scores([p[0] for p in got.probs], sum(got.prompt_tokens))
         embedded = self.embed(plan.inputs, **kwargs)
         return Scores(pair_scores(plan, embedded.vectors), sum(embedded.prompt_tokens))
@@ -631,12 +629,11 @@ class AsyncClient(_Connection):
                     request_id: str = "", truncate_prompt_tokens: int | None = None, lora: str = "",
                     timeout: float | None = None) -> Scores:
         plan = score_plan(text_1, text_2)
-        if self._labels is None:
-            self._labels = (await self.model_info(timeout=timeout))["labels"]
+        labels = (await self.model_info(timeout=timeout))["labels"]
         kwargs = dict(priority=priority, request_id=request_id, truncate_prompt_tokens=truncate_prompt_tokens,
                       lora=lora, timeout=timeout)
-        if self._labels:
-            got = await self.classify(cross_encoder_pairs(plan, self._labels), **kwargs)
+        if labels:
+            got = await self.classify(cross_encoder_pairs(plan, labels), **kwargs)
             return Scores([p[0] for p in got.probs], sum(got.prompt_tokens))
         embedded = await self.embed(plan.inputs, **kwargs)
         return Scores(pair_scores(plan, embedded.vectors), sum(embedded.prompt_tokens))
