@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     use_kernel_cache(args.kernel_cache_dir)
 
-    from common import logs, model_files
+    from common import logs
     from worker_svc.model.config import ModelConfig
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
@@ -83,7 +83,6 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # an architecture, a rope or a classifier this worker does not serve: say so, and stop
         ModelConfig.from_dir(model_dir, overrides)
-        model_files.classifier(model_files.config_json(model_dir, overrides))
     except (ValueError, KeyError) as e:
         raise SystemExit(f"splitserve-worker serve: {model_dir}: {e}") from None
     config = RunnerConfig(

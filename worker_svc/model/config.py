@@ -136,6 +136,8 @@ class ModelConfig:
     logit_scale: float = 1.0
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
+    # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
+    classifier: model_files.Classifier | None = None
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
@@ -149,14 +151,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> "ModelConfig":
-        """The config.json of model_dir, `overrides` (--hf-overrides) over its top-level keys."""
+        """The config.json of model_dir, `overrides` (--hf-overrides) over its top-level keys; ValueError for an
+        architecture, rope or classifier this worker does not serve."""
         from worker_svc.model.registry import architecture_of
 
         raw = model_files.config_json(model_dir, overrides)
         if not raw:
             raise FileNotFoundError(f"no config.json in {model_dir}")
         arch = architecture_of(raw)
-        return dataclasses.replace(arch.config(raw), architecture=arch.__name__)
+        return dataclasses.replace(arch.config(raw), architecture=arch.__name__,
+                                   classifier=model_files.classifier(raw))
 
     @classmethod
     def common(cls, raw: dict, **features) -> "ModelConfig":

@@ -199,7 +199,7 @@ class ModelRunner:
                      mc.rope_scaling.original_max_position_embeddings)
         # A sequence classifier's head takes the LM head's place over the last token: its checkpoint's `score`, or
         # the LM head's rows of some tokens (vLLM's classifier_from_token)
-        self.classifier = model_files.classifier(model_files.config_json(model_dir, cfg.hf_overrides))
+        self.classifier = mc.classifier
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
