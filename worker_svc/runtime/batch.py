@@ -128,7 +128,7 @@ class PersistentBatch:
         self.lora = np.full(rows, -1, np.int64)  # the row's LoRA adapter, an index into lora_adapters; -1: none
         self.penalty = np.zeros((rows, 3), np.float32)  # repetition, presence, frequency
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
-        self.allowed: dict[int, np.ndarray] = {}  # row -> the only token ids it may sample, where given
+        self.allowed: dict[int, tuple[np.ndarray]] = {}  # row -> (the only token ids it may sample,), where given
         self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
         self.next_step = 1
 
@@ -302,7 +302,7 @@ class PersistentBatch:
             self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), np.int64),
                                     np.fromiter(p.logit_bias.values(), np.float32))
         if p.allowed_token_ids:
-            self.allowed[row] = np.asarray(p.allowed_token_ids, np.int64)
+            self.allowed[row] = (np.asarray(p.allowed_token_ids, np.int64),)
         if p.grammar:
             self.grammar[row] = p.grammar
         return state
@@ -363,7 +363,8 @@ class PersistentBatch:
         temperature, top_p, min_p = self.temperature[rows], self.top_p[rows], self.min_p[rows]
         use_p, use_min_p = top_p < 1, min_p > 0
         use_penalty = ((penalty[:, 0] != 1) | penalty[:, 1:].any(axis=1)) & penalties
-        bias, allowed, constrained = self._bias(rows), self._allowed(rows), self._constrained(rows)
+        bias, allowed = self._columns(self.logit_bias, rows), self._columns(self.allowed, rows)
+        constrained = self._constrained(rows)
         general = use_k | use_p | use_min_p | use_penalty
         for index in (bias[0] if bias is not None else None, allowed[0] if allowed is not None else None,
                       constrained):
@@ -376,25 +377,15 @@ class PersistentBatch:
                               max_logprobs=int(self.logprobs[rows].max(initial=-1)), general=general, bias=bias,
                               allowed=allowed, constrained=constrained)
 
-    def _bias(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The logit biases of the sampling rows `rows`, as (index into rows, token id, bias) columns."""
-        if not self.logit_bias:
-            return None
-        found = [(i, self.logit_bias[r]) for i, r in enumerate(rows.tolist()) if r in self.logit_bias]
+    @staticmethod
+    def _columns(per_row: dict[int, tuple[np.ndarray, ...]], rows: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """The entries of the sampling rows `rows` in a table of per-row arrays (logit biases: token ids and biases;
+        allowed tokens: token ids), joined as columns led by each entry's index into rows; None where none has one."""
+        found = [(i, per_row[r]) for i, r in enumerate(rows.tolist()) if r in per_row] if per_row else []
         if not found:
             return None
-        return (np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in found]),
-                np.concatenate([ids for _, (ids, _) in found]), np.concatenate([v for _, (_, v) in found]))
-
-    def _allowed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The allowed tokens of the sampling rows `rows` that restrict theirs, as (index into rows, token id)."""
-        if not self.allowed:
-            return None
-        found = [(i, self.allowed[r]) for i, r in enumerate(rows.tolist()) if r in self.allowed]
-        if not found:
-            return None
-        return (np.concatenate([np.full(len(ids), i, np.int64) for i, ids in found]),
-                np.concatenate([ids for _, ids in found]))
+        index = np.concatenate([np.full(len(arrays[0]), i, np.int64) for i, arrays in found])
+        return (index, *(np.concatenate(column) for column in zip(*(arrays for _, arrays in found))))
 
     def _constrained(self, rows: np.ndarray) -> np.ndarray | None:
         if not self.grammar:

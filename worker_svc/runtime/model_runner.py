@@ -654,11 +654,10 @@ class ModelRunner:
             masks.apply(logits)
         if params.allowed is not None:  # vLLM's allowed_token_ids, as last
             row, token = upload(list(params.allowed), self.device)
-            keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-            keep[row, token] = True
-            limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-            limited[row] = True
-            logits = logits.masked_fill(limited[:, None] & ~keep, float("-inf"))
+            blocked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            blocked[row] = True  # the restricted rows, then their allowed tokens let through
+            blocked[row, token] = False
+            logits = logits.masked_fill(blocked, float("-inf"))
         return sample(logits, SamplingBatch(
             temperature=temperature_t, seeds=seeds, positions=positions, top_k=top_k_t if params.use_k else None,
             top_p=top_p_t if params.use_p else None, min_p=min_p_t if params.use_min_p else None,
