@@ -139,7 +139,7 @@ class LLM:
 
     def classify(self, prompts: str | list[int] | tuple[str, str] | Seq[str | list[int] | tuple[str, str]],
                  use_tqdm: bool = True, lora: str = "") -> list[list[float]]:
-        """A sequence classifier's probabilities of each label (model_files.classifier's labels) for each prompt, in
+        """A sequence classifier's probabilities of each label (its worker's labels) for each prompt, in
         order, as the Classify call gives them: a text, token ids, or a (text, text_pair) tuple that the tokenizer
         joins (a cross-encoder's query and document)."""
         info = self.engine.worker_info

@@ -308,7 +308,8 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         include_stop_str_in_output=st.include_stop_str_in_output,
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids), prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
+        logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids),
+        prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
         cache_salt=req.cache_salt)
     try:
         if req.HasField("structured"):
