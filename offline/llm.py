@@ -161,6 +161,30 @@ class LLM:
             return [p[0] for p in self.classify(cross_encoder_pairs(plan, labels), use_tqdm)]
         return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Loads the LoRA adapter in the PEFT folder `path` into a free slot (the option max_loras) under `name`,
+        which SamplingParams.lora then names. ValueError where it cannot: a name in use, no free slot, or what
+        the worker cannot read or serve."""
+        self._update_adapter(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Drops the LoRA adapter (loaded here or at start), freeing its slot. ValueError where it is not loaded."""
+        self._update_adapter(name, "")
+
+    def _update_adapter(self, name: str, path: str) -> None:
+        adapters = self.engine.scheduler.adapters
+        if not name:
+            raise ValueError("a LoRA adapter needs a name")
+        if path:
+            adapters.load(name, path)
+        else:
+            adapters.unload(name)
+        while adapters.pending:  # nothing else runs between generate calls: one plan, one result
+            self.engine.step()
+        for outcome in adapters.take_outcomes():
+            if outcome.error:
+                raise ValueError(outcome.error)
+
     def close(self) -> None:
         self.engine.close()
 

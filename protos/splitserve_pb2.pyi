@@ -323,6 +323,26 @@ class EmbedResponse(_message.Message):
     pooling: str
     def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., pooling: _Optional[str] = ...) -> None: ...
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TextPair(_message.Message):
     __slots__ = ("text", "text_pair")
     TEXT_FIELD_NUMBER: _ClassVar[int]

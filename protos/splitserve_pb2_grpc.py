@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve__pb2.ClassifyRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=protos_dot_splitserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -100,6 +110,24 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters loaded and unloaded at run time (vLLM's /v1/load_lora_adapter), on every worker group and on
+        groups that join later; refused (PERMISSION_DENIED) unless the scheduler runs with
+        --allow-runtime-lora-updating. A load answers once every group loaded it (a group that cannot refuses it for
+        all: ALREADY_EXISTS, RESOURCE_EXHAUSTED with every slot taken, INVALID_ARGUMENT for what the worker cannot
+        read or serve); an unload once every group dropped it, after the requests running under it have ended (new
+        ones are refused from the call on; NOT_FOUND where it is not loaded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +155,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Classify,
                     request_deserializer=protos_dot_splitserve__pb2.ClassifyRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_splitserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +302,60 @@ class Generation:
             '/splitserve.v1.Generation/Classify',
             protos_dot_splitserve__pb2.ClassifyRequest.SerializeToString,
             protos_dot_splitserve__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/LoadLoraAdapter',
+            protos_dot_splitserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/UnloadLoraAdapter',
+            protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,7 +66,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks")
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks", "unload_loras", "load_loras")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class StepPlan(_message.Message):
     OFFLOAD_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -101,10 +103,27 @@ class StepPlan(_message.Message):
     offload_host_blocks: _containers.RepeatedScalarFieldContainer[int]
     released_ids: _containers.RepeatedScalarFieldContainer[int]
     num_released_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    unload_loras: _containers.RepeatedScalarFieldContainer[str]
+    load_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ..., unload_loras: _Optional[_Iterable[str]] = ..., load_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids", "pooled_seq_ids", "pooled_starts", "pooled_counts", "pooled")
+    __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids", "pooled_seq_ids", "pooled_starts", "pooled_counts", "pooled", "failed_loras")
+    class FailedLorasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +142,7 @@ class StepResult(_message.Message):
     POOLED_STARTS_FIELD_NUMBER: _ClassVar[int]
     POOLED_COUNTS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LORAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -141,7 +161,8 @@ class StepResult(_message.Message):
     pooled_starts: _containers.RepeatedScalarFieldContainer[int]
     pooled_counts: _containers.RepeatedScalarFieldContainer[int]
     pooled: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., prompt_seq_ids: _Optional[_Iterable[int]] = ..., prompt_starts: _Optional[_Iterable[int]] = ..., prompt_counts: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., grammar_dead_ids: _Optional[_Iterable[int]] = ..., pooled_seq_ids: _Optional[_Iterable[int]] = ..., pooled_starts: _Optional[_Iterable[int]] = ..., pooled_counts: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Iterable[float]] = ...) -> None: ...
+    failed_loras: _containers.ScalarMap[str, str]
+    def __init__(self, step: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., prompt_seq_ids: _Optional[_Iterable[int]] = ..., prompt_starts: _Optional[_Iterable[int]] = ..., prompt_counts: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., grammar_dead_ids: _Optional[_Iterable[int]] = ..., pooled_seq_ids: _Optional[_Iterable[int]] = ..., pooled_starts: _Optional[_Iterable[int]] = ..., pooled_counts: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Iterable[float]] = ..., failed_loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("protocol_version", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "scheduler_id")
@@ -158,7 +179,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation")
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +201,8 @@ class DescribeResponse(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LABEL_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     dtype: str
@@ -201,4 +224,6 @@ class DescribeResponse(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.RepeatedScalarFieldContainer[str]
     label_activation: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...

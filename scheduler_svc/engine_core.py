@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from common.limits import Limits
 from protos import WORKER_PROTOCOL_VERSION, worker_pb2
+from scheduler_svc.adapters import Adapters
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
@@ -37,7 +38,8 @@ class EngineCore:
                         info.max_num_batched_tokens or limits.max_num_batched_tokens, info.max_model_len)
         self.config = dataclasses.replace(config, limits=limits.within(worker))
         self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, eos_token_ids, info.epoch,
-                                   info.num_host_blocks, info.sliding_window)
+                                   info.num_host_blocks, info.sliding_window,
+                                   Adapters(list(info.lora_adapters), info.max_loras))
         self._depth = self.config.pipeline_depth
         self._in_flight = 0
         self._next_seq_id = 1
@@ -51,7 +53,7 @@ class EngineCore:
         after prompt_len (a request that moved: recompute); force admits it beyond max_waiting (it was admitted
         once already). block_hashes: of its tokens' full blocks, when the caller has them (routing). Raises
         ValueError when it does not fit the worker, QueueFullError."""
-        if params.lora and params.lora not in self.worker_info.lora_adapters:
+        if params.lora and params.lora not in self.scheduler.adapters.served:
             raise ValueError(f"LoRA adapter {params.lora!r} is not served by this worker")
         if self.worker_info.embedding_only and not params.pooling:
             raise ValueError("this model has no LM head: it serves embeddings or classifications (Embed, Classify; "

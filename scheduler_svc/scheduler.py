@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from common.util import cdiv
 from protos import worker_pb2
+from scheduler_svc.adapters import Adapters
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import NEVER, Sequence, SequenceStatus, TokenLogprob
@@ -65,10 +66,10 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, eos_token_ids: Iterable[int] = (),
-                 epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0):
+                 epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0, adapters: Adapters | None = None):
         """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks, block_size and
         num_host_blocks: the worker's KV cache and its host pool; sliding_window: the model's when every layer
-        has one (DescribeResponse.sliding_window), else 0."""
+        has one (DescribeResponse.sliding_window), else 0; adapters: the worker's LoRA adapters (none: no slots)."""
         if config.limits.max_model_len < 1:
             raise ValueError("max_model_len must be resolved against the worker's before scheduling")
         self.config = config
@@ -78,6 +79,7 @@ class Scheduler:
         self.max_model_len = config.limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
+        self.adapters = adapters or Adapters([], 0)
         self.waiting: deque[Sequence] = deque()  # in arrival order
         self.running: list[Sequence] = []  # in arrival order; the last one is preempted first
         self._seqs: dict[int, Sequence] = {}  # every sequence not finished
@@ -185,7 +187,7 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.adapters.pending
 
     @property
     def num_waiting(self) -> int:
@@ -231,6 +233,10 @@ class Scheduler:
         self._waiting_tokens += len(seq.token_ids)
         self._preempted_ids.append(seq.seq_id)
         self.num_preemptions += 1
+
+    def _runs_under(self, lora: str) -> bool:
+        """Whether a sequence of this group (waiting, running or preempted) runs under the LoRA adapter."""
+        return any(seq.params.lora == lora for seq in self._seqs.values())
 
     def _window_blocks(self) -> int:
         """The most blocks a sequence holds at once behind a sliding window, however long it grows: its window and
@@ -416,7 +422,9 @@ class Scheduler:
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in):
+        unloads, loads = self.adapters.take(step, self._runs_under) if self.adapters.pending else ((), ())
+        if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in
+                or unloads or loads):
             return None
         # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
         bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, bs))
@@ -476,6 +484,9 @@ class Scheduler:
             for g, h in offload:
                 plan.offload_blocks.append(g)
                 plan.offload_host_blocks.append(h)
+        plan.unload_loras.extend(unloads)
+        for name, path in loads:
+            plan.load_loras.add(name=name, path=path)
         self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.
@@ -508,6 +519,8 @@ class Scheduler:
                 f"result for step {result.step} does not answer plan {step}: "
                 f"{len(result.seq_ids)} sequences, {len(ids)} expected"
             )
+        if self.adapters.pending:
+            self.adapters.answered(step, result.failed_loras)
         bs = self.block_size
         caching = self.config.enable_prefix_caching
         commit = self.block_manager.commit

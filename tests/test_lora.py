@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 from client import Client
 from client.launcher import LocalCluster
 from offline.executor import InProcessExecutor
+from offline.llm import LLM
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.sampling import SamplingParams
 from tests.test_engine_model import _run
 from tests.test_gateway import Gateway
 from worker_svc.checkpoints.writer import make_lora_adapter
-from worker_svc.model.lora import load_adapters
 from worker_svc.runtime.model_runner import RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,13 +123,25 @@ def test_adapted_sequences_swapped_to_the_host_and_back_equal_merged_weights(tin
 def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, tmp_path):
     from worker_svc.runtime.model_runner import ModelRunner
 
-    runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=4, block_size=16))
+    runner = ModelRunner(tiny_model_dir, RunnerConfig(num_blocks=4, block_size=16, max_loras=1, max_lora_rank=4))
+
+    def load_adapters(adapters: dict[str, Path]) -> None:
+        (name, folder), = adapters.items()
+        try:
+            runner.lora.load(0, name, folder)
+        finally:  # a failed load leaves its slot clear
+            assert all(not m.lora.a.any() and not m.lora.b.any() for m in runner.lora.modules.values())
+
+    with pytest.raises(ValueError, match="'big': rank 8 is above this worker's --max-lora-rank 4"):
+        load_adapters({"big": adapters["qv"]})
+    with pytest.raises(ValueError, match="is not a PEFT adapter folder"):
+        load_adapters({"gone": tmp_path / "gone"})
     bias = tmp_path / "bias"
     make_lora_adapter(tiny_model_dir, bias, rank=2)
     config = json.loads((bias / "adapter_config.json").read_text())
     (bias / "adapter_config.json").write_text(json.dumps({**config, "bias": "lora_only"}))
     with pytest.raises(ValueError, match="'bias'.*bias 'lora_only'"):
-        load_adapters(runner.model, {"bias": bias})
+        load_adapters({"bias": bias})
     embed = tmp_path / "embed"
     make_lora_adapter(tiny_model_dir, embed, rank=2, targets=("q_proj",))
     tensors = load_file(embed / "adapter_model.safetensors")
@@ -137,7 +149,7 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
     tensors["base_model.model.model.embed_tokens.lora_B.weight"] = torch.zeros(64, 2)
     save_file(tensors, str(embed / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="model.embed_tokens is not a projection"):
-        load_adapters(runner.model, {"embed": embed})
+        load_adapters({"embed": embed})
     other = tmp_path / "other"  # an adapter of a model with another hidden size
     make_lora_adapter(tiny_model_dir, other, rank=2, targets=("o_proj",))
     tensors = load_file(other / "adapter_model.safetensors")
@@ -146,7 +158,46 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
     save_file(tensors, str(other / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"'other': layers.0.self_attn.o_proj's A \(2, \d+\) and B "
                                          r"\(\d+, 2\) do not fit"):
-        load_adapters(runner.model, {"other": other})
+        load_adapters({"other": other})
+
+
+def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_model_dir, adapters, reference):
+    """One slot (max_loras 1): an adapter loaded into it serves as one loaded at start; a second finds no slot until
+    the first is unloaded, and an unload asked for while a sequence runs under the adapter waits for it to end (its
+    tokens stay the adapter's) while new requests under it are refused at once."""
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
+              max_loras=1, max_lora_rank=8)
+
+    def generate(name: str) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(PROMPTS, _params(name), use_tqdm=False)]
+
+    with pytest.raises(ValueError, match="'all' is not served"):
+        generate("all")
+    llm.load_lora("all", adapters["all"])
+    assert generate("all") == reference["all"]
+    with pytest.raises(ValueError, match=r"every LoRA slot of the worker \(1, its --max-loras\)"):
+        llm.load_lora("qv", adapters["qv"])
+    with pytest.raises(ValueError, match="'all' is loaded already"):
+        llm.load_lora("all", adapters["all"])
+    engine, adapters_of = llm.engine, llm.engine.scheduler.adapters
+    engine.add(PROMPTS[0], _params("all"), "running")
+    engine.step()
+    adapters_of.unload("all")
+    with pytest.raises(ValueError, match="'all' is not served"):
+        engine.add(PROMPTS[1], _params("all"), "late")
+    done = _run(engine)
+    assert done["running"][0] == reference["all"][0]
+    assert [(o.name, o.error) for o in adapters_of.take_outcomes()] == [("all", "")]
+    llm.load_lora("qv", adapters["qv"])
+    assert generate("qv") == reference["qv"] and generate("") == reference[""]
+    with pytest.raises(ValueError, match="'all' is not loaded"):
+        llm.unload_lora("all")
+    llm.unload_lora("qv")
+    with pytest.raises(ValueError, match="'x'.*is not a PEFT adapter folder"):
+        llm.load_lora("x", adapters["qv"] / "missing")
+    assert adapters_of.served == [] and not adapters_of.pending
+    llm.load_lora("qv", adapters["qv"])  # the failed load left the slot free
+    assert generate("qv") == reference["qv"]
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,13 @@ def hf_overrides(text: str) -> dict:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def lora_modules(specs: list[str]) -> dict[str, str]:
     """--lora-modules NAME=PATH ... as a dict; SystemExit naming a malformed or repeated one."""
     out: dict[str, str] = {}
@@ -90,7 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
-        lora_modules=lora_modules(args.lora_modules), hf_overrides=overrides)
+        lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        hf_overrides=overrides)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -257,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters to serve beside the weights (PEFT folders: adapter_config.json, "
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
                         "the gateway's `model`)")
+    p.add_argument("--max-loras", type=_non_negative, default=0, metavar="N",
+                   help="LoRA adapter slots, for --lora-modules and adapters loaded while serving (the scheduler's "
+                        "LoadLoraAdapter); every adapted step computes all slots' ranks (default: as many as "
+                        "--lora-modules; 0 of them: no LoRA)")
+    p.add_argument("--max-lora-rank", type=_non_negative, default=0, metavar="R",
+                   help="the largest adapter rank a slot takes (default: 16, or the largest of --lora-modules)")
     p.add_argument("--hf-overrides", default="{}", metavar="JSON",
                    help="a JSON object over config.json's top-level keys as this worker reads them (vLLM's "
                         "--hf-overrides: the architecture, shapes, rope, a classifier head; the scheduler learns the "

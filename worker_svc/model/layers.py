@@ -220,6 +220,7 @@ def scale_rows(proj: nn.Module, factor: float) -> None:
         proj.bias.mul_(factor)
     if getattr(proj, "lora", None) is not None:
         proj.lora.b.mul_(factor)
+        proj.lora.scale *= factor  # adapters loaded later too
 
 
 def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:

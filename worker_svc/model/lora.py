@@ -1,14 +1,15 @@
 """LoRA adapters served beside the base weights (vLLM's multi-LoRA): PEFT's layout (adapter_config.json,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]),
-loaded at start. An adapted projection adds (x A^T) B^T * scale for the tokens of the sequences that run under an
-adapter. Each projection keeps every adapter's A and B side by side (R rows of A and R columns of B an adapter, R
-the largest rank it takes over its shards: q, k and v of a packed qkv each have their own pair), sharded as the
+loaded at start (--lora-modules) or while serving (StepPlan.load_loras) into slots allocated at start (--max-loras,
+--max-lora-rank). An adapted projection adds (x A^T) B^T * scale for the tokens of the sequences that run under an
+adapter. Each projection keeps every slot's A and B side by side (R rows of A and R columns of B a slot, R the
+largest rank times the projection's packed parts: q, k and v of a packed qkv each have their own pair), sharded as the
 projection's weight is (B by output rows where the weight is column-parallel, A by input columns where it is
 row-parallel, so its partial sums join the weight's all-reduce). A step computes every loaded adapter's x A^T for
 every token and keeps each token's own adapter's columns (a mask from the step's adapter per token, set around the
 forward by `step_adapters`) before the B product: a fixed sequence of dense kernels whatever the tokens' adapters,
-so decode steps with adapters replay CUDA graphs too. It costs the adapters' ranks summed as extra columns, which
-is small beside the projection while few adapters are loaded; a step without an adapter's token runs none of it."""
+so decode steps with adapters replay CUDA graphs too. It costs the slots' ranks summed as extra columns, which is
+small beside the projection while few slots are allocated; a step without an adapter's token runs none of it."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,8 @@ from torch import nn
 
 from worker_svc.model.loader import _our_name
 from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+_PROJECTIONS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
 
 PEFT_PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -50,11 +53,12 @@ _STEP = _StepAdapters()
 
 @dataclass(slots=True)
 class LoraWeights:
-    """One projection's adapters side by side, the scale folded into B (zeros where an adapter leaves the
-    projection, or a shard of it, alone)."""
-    a: torch.Tensor  # [adapters * R, in] (this rank's input columns where the projection is row-parallel)
-    b: torch.Tensor  # [out, adapters * R] (this rank's output rows where it is column-parallel)
-    rank: int        # R
+    """One projection's adapter slots side by side (zeros where a slot is free or its adapter leaves the projection,
+    or a shard of it, alone), each adapter's scale folded into its B."""
+    a: torch.Tensor  # [slots * R, in] (this rank's input columns where the projection is row-parallel)
+    b: torch.Tensor  # [out, slots * R] (this rank's output rows where it is column-parallel)
+    rank: int        # R: a slot's columns, the largest adapter rank times the projection's packed parts
+    scale: float = 1.0  # the model's output scale of the projection (layers.scale_rows), folded into B as loaded
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the projection's output for x) plus each token's adapter's delta."""
@@ -68,7 +72,7 @@ class LoraWeights:
 @contextlib.contextmanager
 def step_adapters(of_token: torch.Tensor | None) -> Iterator[None]:
     """Within it, adapted projections add to each token's output row the delta of its adapter (of_token: int64,
-    one adapter index per token of the step, -1 for none; None: no token has one)."""
+    one adapter slot per token of the step, -1 for none; None: no token has one)."""
     _STEP.of_token = of_token
     try:
         yield
@@ -77,68 +81,119 @@ def step_adapters(of_token: torch.Tensor | None) -> Iterator[None]:
         _STEP.masks.clear()
 
 
-def load_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> list[str]:
-    """Loads each adapter (name -> PEFT folder) into the model's projections; returns the names in index order.
-    ValueError naming the adapter for what it cannot serve: a bias, modules saved whole, DoRA, per-module ranks, or
-    a module that is not one of the model's dense projections (embeddings, the LM head, fused experts, MLA's
-    absorbed kv_b_proj)."""
-    names = list(adapters)
-    # module path -> adapter index -> [(shard id, A, B scaled)]
-    found: dict[str, dict[int, list[tuple[object, torch.Tensor, torch.Tensor]]]] = {}
-    packed = getattr(model, "packed_modules", {})
-    prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
-    renamed = getattr(model, "renamed_fragments", {})
-    for index, (name, folder) in enumerate(adapters.items()):
-        folder = Path(folder)
-        config = json.loads((folder / "adapter_config.json").read_text())
+def adapter_rank(name: str, folder: str | Path) -> int:
+    """The rank r of the PEFT adapter in folder; ValueError where its config cannot be read."""
+    return int(_config(name, Path(folder)).get("r", 0))
+
+
+def _config(name: str, folder: Path) -> dict:
+    try:
+        return json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: {folder} is not a PEFT adapter folder: {e}") from None
+
+
+class LoraSlots:
+    """The model's LoRA adapter slots: every projection of its decoder layers that an adapter may adapt gets
+    `slots` slots of `max_rank` columns per packed part, allocated once, so that loading an adapter into a slot or
+    clearing one (copies into these tensors) changes no shape and no captured CUDA graph. Which adapter a slot holds
+    is the PersistentBatch's to know (its rows name slots); this class only moves weights."""
+
+    def __init__(self, model: nn.Module, slots: int, max_rank: int):
+        self.model, self.slots, self.max_rank = model, slots, max_rank
+        self.modules: dict[str, nn.Module] = {}
+        if not slots:
+            return
+        packed = getattr(model, "packed_modules", {})
+        for path, module in model.named_modules():
+            if (path.startswith("layers.") and isinstance(module, _PROJECTIONS)
+                    and not getattr(module, "absorbed", False)):
+                leaf = path.rpartition(".")[2]
+                width = max_rank * (sum(target == leaf for target, _ in packed.values()) or 1)
+                weight = module.weight
+                module.lora = LoraWeights(
+                    torch.zeros(slots * width, weight.shape[1], dtype=weight.dtype, device=weight.device),
+                    torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
+                self.modules[path] = module
+
+    @torch.no_grad()
+    def load(self, slot: int, name: str, folder: str | Path) -> None:
+        """Reads the PEFT adapter in `folder` into `slot`. ValueError naming the adapter for what it cannot serve
+        (the slot is left clear): a bias, modules saved whole, DoRA, per-module ranks, a rank above max_rank, or a
+        module that is not one of the decoder layers' projections (embeddings, the LM head, fused experts, MLA's
+        absorbed kv_b_proj), or of another shape."""
+        parts = self._read(name, Path(folder))
+        try:
+            for path, found in parts.items():
+                module = self.modules[path]
+                lora = module.lora
+                row_parallel = isinstance(module, RowParallelLinear)
+                col = slot * lora.rank
+                for shard, lora_a, lora_b in found:
+                    r = lora_a.shape[0]
+                    a, b = lora.a[col:col + r], lora.b[:, col:col + r]
+                    lora_a, lora_b = lora_a.to(a.dtype), (lora_b * lora.scale).to(b.dtype)
+                    # each shard's A and B go where the weight's loader puts that shard's rows (or columns)
+                    try:
+                        if row_parallel:
+                            _load(module, a, lora_a, shard)
+                            b.copy_(lora_b)
+                        else:
+                            a.copy_(lora_a)
+                            _load(module, b, lora_b, shard)
+                    except RuntimeError:  # a shape that is not this model's: an adapter of another model
+                        raise ValueError(f"LoRA adapter {name!r}: {path}'s A {tuple(lora_a.shape)} and B "
+                                         f"{tuple(lora_b.shape)} do not fit this model's projection") from None
+                    col += r
+        except BaseException:
+            self.clear(slot)
+            raise
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        for module in self.modules.values():
+            lora = module.lora
+            lora.a[slot * lora.rank:(slot + 1) * lora.rank] = 0
+            lora.b[:, slot * lora.rank:(slot + 1) * lora.rank] = 0
+
+    def _read(self, name: str, folder: Path) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
+        """The adapter's (shard id, A, B scaled) per module path, checked against what the slots take."""
+        if not self.slots:
+            raise ValueError(f"LoRA adapter {name!r}: this worker has no LoRA slots (--max-loras)")
+        config = _config(name, folder)
         for key, allowed in (("bias", ("none", None)), ("modules_to_save", (None, [])), ("use_dora", (False, None)),
                              ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None))):
             if config.get(key) not in allowed:
                 raise ValueError(f"LoRA adapter {name!r}: {key} {config[key]!r} is not served (only {allowed[0]!r})")
-        r, alpha = config["r"], config["lora_alpha"]
+        r, alpha = config.get("r"), config.get("lora_alpha")
+        if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+            raise ValueError(f"LoRA adapter {name!r}: adapter_config.json needs a rank r and lora_alpha")
+        if r > self.max_rank:
+            raise ValueError(f"LoRA adapter {name!r}: rank {r} is above this worker's --max-lora-rank "
+                             f"{self.max_rank}")
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        try:
+            tensors = load_file(str(folder / "adapter_model.safetensors"))
+        except Exception as e:  # missing, or not safetensors (safetensors' own SafetensorError)
+            raise ValueError(f"LoRA adapter {name!r}: {folder / 'adapter_model.safetensors'}: {e}") from None
+        model = self.model
+        packed = getattr(model, "packed_modules", {})
+        prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
+        renamed = getattr(model, "renamed_fragments", {})
+        found: dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]] = {}
         for key in tensors:
             if not key.endswith(_A):
                 continue
             base = key[: -len(_A)]
             ours, shard = _our_name(base.removeprefix(PEFT_PREFIX) + ".weight", packed, prefixes, renamed)
             path = ours.removesuffix(".weight")
-            try:
-                module = model.get_submodule(path)
-            except AttributeError:
-                module = None
-            if (not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
-                    or getattr(module, "absorbed", False)):
+            if path not in self.modules:
                 raise ValueError(f"LoRA adapter {name!r}: {base.removeprefix(PEFT_PREFIX)} is not a projection "
                                  "LoRA is served on (attention's and dense MLPs')")
-            found.setdefault(path, {}).setdefault(index, []).append(
-                (shard, tensors[key], tensors[base + _B] * scale))
-    for path, by_adapter in found.items():
-        module = model.get_submodule(path)
-        weight = module.weight
-        rank = max(sum(a.shape[0] for _, a, _ in parts) for parts in by_adapter.values())
-        row_parallel = isinstance(module, RowParallelLinear)
-        a = torch.zeros(len(names), rank, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        b = torch.zeros(len(names), weight.shape[0], rank, dtype=weight.dtype, device=weight.device)
-        for index, parts in by_adapter.items():
-            col = 0
-            for shard, lora_a, lora_b in parts:
-                r = lora_a.shape[0]
-                # each shard's A and B go where the weight's loader puts that shard's rows (or columns)
-                try:
-                    if row_parallel:
-                        _load(module, a[index, col:col + r], lora_a.to(weight.dtype), shard)
-                        b[index, :, col:col + r] = lora_b
-                    else:
-                        a[index, col:col + r] = lora_a
-                        _load(module, b[index, :, col:col + r], lora_b.to(weight.dtype), shard)
-                except RuntimeError:  # a shape that is not this model's: an adapter of another model
-                    raise ValueError(f"LoRA adapter {names[index]!r}: {path}'s A {tuple(lora_a.shape)} and B "
-                                     f"{tuple(lora_b.shape)} do not fit this model's projection") from None
-                col += r
-        module.lora = LoraWeights(a.flatten(0, 1), b.permute(1, 0, 2).flatten(1).contiguous(), rank)
-    return names
+            if base + _B not in tensors:
+                raise ValueError(f"LoRA adapter {name!r}: {base}{_A} has no {_B.lstrip('.')}")
+            found.setdefault(path, []).append((shard, tensors[key], tensors[base + _B] * scale))
+        return found
 
 
 def _load(module: nn.Module, target: torch.Tensor, loaded: torch.Tensor, shard: object) -> None:

@@ -65,6 +65,7 @@ class BatchStep:
     samples: np.ndarray       # bool: the row samples its next token in this step
     states: list[SeqState]
     new: list[SeqState]       # sequences this plan starts
+    unloaded_loras: list[int]  # LoRA slots this plan frees (StepPlan.unload_loras)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +101,7 @@ class PersistentBatch:
                  lora_adapters: list[str] | None = None):
         """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool;
         sliding_window: the model's, when every layer has one (ModelConfig.kv_window), else 0; lora_adapters: the
-        LoRA adapters served, by name (a row's index into it in `lora`)."""
+        LoRA adapter of each slot by name, "" where free (a row's slot in `lora`); the runner fills free slots."""
         self.lora_adapters = lora_adapters or []
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
         self.num_host_blocks, self.sliding_window = num_host_blocks, sliding_window
@@ -156,6 +157,7 @@ class PersistentBatch:
             self._drop(seq_id)
         if len(plan.released_ids):
             self._release(plan)
+        unloaded = [self._unload(name) for name in plan.unload_loras]
         if len(plan.swap_out_blocks) or len(plan.swap_in_blocks):
             self._check_swaps(plan)
         new = [self._add(ns, dropped) for ns in plan.new_seqs]
@@ -195,7 +197,18 @@ class PersistentBatch:
             self._check_offloads(plan)
         self.num_computed[rows] = end
         self.num_tokens[rows[samples]] = end[samples] + 1
-        return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new)
+        return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new, unloaded)
+
+    def _unload(self, name: str) -> int:
+        """Frees the LoRA adapter's slot, which no held sequence runs under; returns the slot."""
+        if not name or name not in self.lora_adapters:
+            raise PlanError(f"LoRA adapter {name!r} is unloaded but not loaded here")
+        slot = self.lora_adapters.index(name)
+        holders = [sid for sid, state in self.seqs.items() if self.lora[state.row] == slot]
+        if holders:
+            raise PlanError(f"LoRA adapter {name!r} is unloaded while sequence {holders[0]} runs under it")
+        self.lora_adapters[slot] = ""
+        return slot
 
     def _check_swaps(self, plan: pb.StepPlan) -> None:
         """Swap columns pair up and stay in range, and a swap-in fills only blocks no live sequence holds."""

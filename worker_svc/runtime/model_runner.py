@@ -30,7 +30,7 @@ from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
-from worker_svc.model.lora import load_adapters, step_adapters
+from worker_svc.model.lora import LoraSlots, adapter_rank, step_adapters
 from worker_svc.model.parallel import ReplicatedLinear, min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
@@ -59,6 +59,8 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve: name -> PEFT folder
+    max_loras: int = 0                  # LoRA adapter slots (loaded at start or later); 0: as many as lora_modules
+    max_lora_rank: int = 0              # the largest rank a slot takes; 0: 16, or the lora_modules' largest
     hf_overrides: dict = field(default_factory=dict)  # over config.json's top-level keys (vLLM's --hf-overrides)
 
 
@@ -126,6 +128,7 @@ class PendingStep:
         self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
         self.prompt, self.pooled, self.sampled = prompt, pooled, sampled
         self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
+        self.failed_loras: dict[str, str] = {}  # the plan's LoRA loads that failed, and why
         for part in (prompt, pooled):
             if part is not None:
                 part.to_host()
@@ -156,6 +159,7 @@ class PendingStep:
             if part is not None:
                 part.write(res)
         res.grammar_dead_ids.extend(self.grammar_dead)
+        res.failed_loras.update(self.failed_loras)
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
 
@@ -217,7 +221,14 @@ class ModelRunner:
         kv_scales = load_weights(self.model, model_dir)
         if self.classifier is not None and self.classifier.from_tokens:
             self.model.score = self._head_from_tokens(self.classifier)
-        self.lora_names = load_adapters(self.model, cfg.lora_modules)  # before the scales fold into their B too
+        static = list(cfg.lora_modules.items())
+        max_loras = cfg.max_loras or len(static)
+        if max_loras < len(static):
+            raise ValueError(f"{len(static)} LoRA adapters to load at start, in {max_loras} slots (max_loras)")
+        self.lora = LoraSlots(self.model, max_loras,  # before the scales fold into their B too
+                              cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]))
+        for slot, (name, folder) in enumerate(static):
+            self.lora.load(slot, name, folder)
         self.model.fold_scales()
         if fp8_cache:
             # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
@@ -237,7 +248,7 @@ class ModelRunner:
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
                                      num_host_blocks=self.num_host_blocks, sliding_window=mc.kv_window,
-                                     lora_adapters=self.lora_names)
+                                     lora_adapters=[name for name, _ in static] + [""] * (max_loras - len(static)))
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -248,7 +259,7 @@ class ModelRunner:
                                  scratch_block=self.num_blocks, block_size=self.block_size)
         if (self.device.type == "cuda" and cfg.cuda_graphs and self.kernels.attention.name != "torch"
                 and not self.embedding_only):  # its graphs are decode steps, which embeddings never run
-            self.decode.capture(capture_sizes(rows), adapters=bool(self.lora_names))
+            self.decode.capture(capture_sizes(rows), adapters=bool(max_loras))
 
     @property
     def epoch(self) -> int:
@@ -421,7 +432,8 @@ class ModelRunner:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
-            embedding_only=self.embedding_only, lora_adapters=self.lora_names,
+            embedding_only=self.embedding_only, lora_adapters=[name for name in self.batch.lora_adapters if name],
+            max_loras=self.lora.slots, max_lora_rank=self.lora.max_rank if self.lora.slots else 0,
             labels=self.classifier.labels if self.classifier else (),
             label_activation=self.classifier.activation if self.classifier else "")
 
@@ -449,13 +461,35 @@ class ModelRunner:
         returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
+        for slot in step.unloaded_loras:
+            self.lora.clear(slot)
+        failed_loras = self._load_adapters(plan)
         pool = self.host_pool
         if pool is not None:
             pool.swap(plan)
         pending = self._launch(plan, step, started)
+        pending.failed_loras = failed_loras
         if pool is not None:
             pool.offload(plan)
         return pending
+
+    def _load_adapters(self, plan: pb.StepPlan) -> dict[str, str]:
+        """Loads the plan's LoRA adapters into free slots; returns the ones that failed, with why."""
+        failed = {}
+        for adapter in plan.load_loras:
+            names = self.batch.lora_adapters
+            try:
+                if adapter.name in names:
+                    raise ValueError(f"LoRA adapter {adapter.name!r} is loaded already")
+                if "" not in names:
+                    raise ValueError(f"every LoRA slot ({len(names)}, --max-loras) holds an adapter")
+                slot = names.index("")
+                self.lora.load(slot, adapter.name, adapter.path)
+                names[slot] = adapter.name
+                log.info("LoRA adapter %s loaded from %s into slot %d", adapter.name, adapter.path, slot)
+            except ValueError as e:
+                failed[adapter.name] = str(e)
+        return failed
 
     def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
         if self.embedding_only and step.new and not self.batch.pooling[[s.row for s in step.new]].all():
