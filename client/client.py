@@ -489,6 +489,20 @@ class Client(_Connection):
         info = self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._deadline(timeout), metadata=self.metadata)
         return _model_info_dict(info)
 
+    def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> list[str]:
+        """Loads the LoRA adapter in the PEFT folder `path` (as the workers see their file systems) on every worker
+        under `name` (a scheduler run with --allow-runtime-lora-updating); returns the adapters served then."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path))
+        return list(self._stub.LoadLoraAdapter(request, timeout=self._deadline(timeout),
+                                               metadata=self.metadata).lora_adapters)
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> list[str]:
+        """Unloads the LoRA adapter from every worker, once the requests running under it have ended (new ones are
+        refused at once); returns the adapters served then."""
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return list(self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
+                                                 metadata=self.metadata).lora_adapters)
+
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
@@ -600,6 +614,18 @@ class AsyncClient(_Connection):
         info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._deadline(timeout),
                                              metadata=self.metadata)
         return _model_info_dict(info)
+
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> list[str]:
+        """As Client.load_lora_adapter."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path))
+        return list((await self._stub.LoadLoraAdapter(request, timeout=self._deadline(timeout),
+                                                      metadata=self.metadata)).lora_adapters)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> list[str]:
+        """As Client.unload_lora_adapter."""
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return list((await self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
+                                                        metadata=self.metadata)).lora_adapters)
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,

@@ -44,9 +44,9 @@ from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                               ClassificationRequest, ClassificationResponse, CompletionChunk, CompletionRequest,
                               CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
-                              EmbeddingResponse, ErrorBody, HealthBody, ModelCard, ModelList, RerankRequest,
+                              EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList, RerankRequest,
                               RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest, ScoreResponse,
-                              TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
+                              TokenizeChatRequest, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -210,6 +210,36 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(501, "detokenize needs the gateway's --tokenizer", "server_error", "tokens",
                            "not_implemented")
         return JSONResponse({"prompt": text})
+
+    lora_answers = {**ERRORS, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                    403: {"model": ErrorBody, "description": "the scheduler runs without --allow-runtime-lora-updating"},
+                    409: {"model": ErrorBody, "description": "an adapter of that name is loaded already"}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=lora_answers)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        """vLLM's: loads a LoRA adapter on every worker (the scheduler's LoadLoraAdapter), served by its name as a
+        request's `model` from then on; 429 when every slot of a worker (--max-loras) holds one."""
+        backend = backend_of(request)
+        try:
+            await backend.client.load_lora_adapter(body.lora_name, body.lora_path, timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            backend.forget_model_info()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=lora_answers)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        """vLLM's: unloads a LoRA adapter from every worker once the requests running under it have ended (new ones
+        get 404 from the call on); 404 when it is not loaded."""
+        backend = backend_of(request)
+        try:
+            await backend.client.unload_lora_adapter(body.lora_name, timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            backend.forget_model_info()
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:

@@ -62,6 +62,10 @@ class Backend:
     async def close(self) -> None:
         await self.client.close()
 
+    def forget_model_info(self) -> None:
+        """The next model_info asks the scheduler (its LoRA adapters changed)."""
+        self._info_at = -math.inf
+
     async def model_info(self) -> dict[str, Any]:
         """GetModelInfo, at most once per `model_info_ttl`; the last answer while the scheduler fails."""
         if self._info is not None and time.monotonic() - self._info_at < self.config.model_info_ttl:

@@ -372,6 +372,19 @@ class RerankRequest(BaseModel):
     user: str | None = None
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: NonEmpty
+    lora_path: NonEmpty  # a PEFT folder, as the workers see their file systems
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: NonEmpty
+    lora_int_id: int | None = None  # vLLM's, ignored: adapters go by name here
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

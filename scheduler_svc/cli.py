@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve LoadLoraAdapter and UnloadLoraAdapter (the gateway's /v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): any caller of the API "
+                        "may then have the workers read adapter folders off their file systems")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
     g.add_argument("--worker-keepalive-time", type=float, default=10.0,

@@ -7,9 +7,9 @@ stopped answering pings, or a step made no progress: see grpc_executor), the gro
 front-ends are told which of their requests it held ("down"), so that they continue them elsewhere, and the
 supervisor that it is gone ("group_down"), so that it retries the address.
 
-Messages in (ipc.py): connect, add, abort, stop, forget (a front-end is gone), drain, snapshot, metrics, stop_all.
-Messages out: to front-ends ack, out, moved, down; to the supervisor group_up, connect_failed, group_down,
-group_left, metrics.
+Messages in (ipc.py): connect, add, abort, stop, forget (a front-end is gone), drain, snapshot, lora (load or
+unload an adapter), metrics, stop_all. Messages out: to front-ends ack, out, moved, down; to the supervisor group_up,
+connect_failed, group_down, group_left, lora_done, metrics.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from scheduler_svc import ipc
+from scheduler_svc.adapters import AdapterError
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig, WorkerUnavailable
@@ -42,6 +43,7 @@ class Connect:
     timeout: float
     wait_for_ready: bool
     stale_epoch: int | None
+    adapters: dict[str, str]  # the tree's LoRA adapters loaded ("": unloaded) while serving, by name
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class EngineGroup:
             if self.core.worker_info.epoch == connect.stale_epoch:
                 raise WorkerUnavailable(f"worker {connect.address} is still at the epoch of its previous stream")
             executor.open(self._stream_ended)
+            self._sync_adapters(connect.adapters)
         except BaseException:
             executor.close()
             raise
@@ -98,6 +101,24 @@ class EngineGroup:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"engine-{connect.address}")
         self._thread.start()
+
+    def _sync_adapters(self, adapters: dict[str, str]) -> None:
+        """Before the group serves: loads the tree's adapters its worker lacks and drops those the tree unloaded,
+        so that it joins serving what the others serve; an adapter it cannot load is left out (logged)."""
+        mine = self.core.scheduler.adapters
+        for name, path in adapters.items():
+            try:
+                if path and name not in mine.served:
+                    mine.load(name, path)
+                elif not path and name in mine.served:
+                    mine.unload(name)
+            except AdapterError as e:
+                log.warning("worker %s: LoRA adapter %s: %s", self.address, name, e, extra={"worker": self.address})
+        while mine.pending:
+            self.core.step()
+        for outcome in mine.take_outcomes():
+            if outcome.error:
+                log.warning("worker %s: %s", self.address, outcome.error, extra={"worker": self.address})
 
     # ---- from other threads -----------------------------------------------------------------------
     def command(self, message: list) -> None:
@@ -128,6 +149,9 @@ class EngineGroup:
                     self._wake.clear()
                     continue
                 self._send(out, self.core.step())
+                if self.scheduler.adapters.outcomes:
+                    for o in self.scheduler.adapters.take_outcomes():
+                        self._adapter_done(out, o.ticket, o.code, o.error)
         except Exception as e:
             if self._stopping:
                 return
@@ -189,6 +213,20 @@ class EngineGroup:
                     self._move_out(out, waiting_only=True)
             elif op == "snapshot":
                 self._send_load(out, {}, snapshot=message[1])
+            elif op == "lora":  # [lora, group, ticket, name, path ("": unload)]
+                _, _, ticket, name, path = message
+                adapters = self.scheduler.adapters
+                try:
+                    if path:
+                        adapters.load(name, path, ticket)
+                    else:
+                        adapters.unload(name, ticket)
+                except AdapterError as e:
+                    self._adapter_done(out, ticket, e.code, str(e))
+
+    def _adapter_done(self, out: ipc.Outboxes, ticket: int, code: str, error: str) -> None:
+        out.send(ipc.SUPERVISOR, ["lora_done", self._engine_index, self.group_id, ticket, code, error,
+                                  list(self.scheduler.adapters.served)])
 
     def _add(self, out: ipc.Outboxes, message: list) -> None:
         _, f, key, _group, prompt_len, ids, params, priority, force, hashes = message
@@ -293,7 +331,7 @@ def _group_info(group: EngineGroup) -> dict:
             "device": info.device, "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
-            "lora_adapters": list(info.lora_adapters), "labels": list(info.labels),
+            "lora_adapters": list(group.scheduler.adapters.served), "labels": list(info.labels),
             "label_activation": info.label_activation}
 
 
@@ -344,14 +382,17 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
         if op == "connect":
             threading.Thread(target=connect, args=(Connect(*message[1:]),), daemon=True,
                              name=f"connect-{message[2]}").start()
-        elif op in ("add", "drain", "snapshot"):
-            group = groups.get(message[3] if op == "add" else message[1] if op == "drain" else message[2])
+        elif op in ("add", "drain", "snapshot", "lora"):
+            group = groups.get(message[3] if op == "add" else message[2] if op == "snapshot" else message[1])
             if group is not None and group.alive:
                 group.command(message)
             elif op == "add":  # gone meanwhile: its front-end moves it
                 out.send(ipc.frontend_name(message[1]), ["ack", message[3], message[2], "gone", "worker group gone"])
             elif op == "drain":
                 out.send(ipc.SUPERVISOR, ["group_left", index, message[1], "", 0, 0])
+            elif op == "lora":
+                out.send(ipc.SUPERVISOR, ["lora_done", index, message[1], message[2], "UNAVAILABLE",
+                                          "the worker group is gone", []])
         elif op in ("abort", "stop"):
             group = groups.get(message[3])
             if group is not None and group.alive:

@@ -66,6 +66,7 @@ PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                          ("grpc.server_max_unrequested_time_in_server", MAX_UNTAKEN_S),
                          ("grpc.so_reuseport", 1)]
 # what an engine's refusal of an add means for the client
+MAX_ADAPTER_NAME = 256  # characters of a LoRA adapter's name (the gateway's `model`)
 _REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.INVALID_ARGUMENT}
 
 
@@ -165,9 +166,10 @@ class Completion:
 
 
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
-    def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str):
+    def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str,
+                 allow_lora_updating: bool = False):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
-        self.model_dir = model_dir
+        self.model_dir, self.allow_lora_updating = model_dir, allow_lora_updating
         self.loop = asyncio.get_running_loop()
         self.groups: dict[int, GroupView] = {}
         self.completions: dict[int, Completion] = {}
@@ -660,6 +662,28 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         return api.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.tokenizer.id_to_token(i) or ""
                                                            for i in ids])
 
+    async def LoadLoraAdapter(self, request: api.LoadLoraAdapterRequest, context) -> api.LoraAdaptersResponse:
+        if not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name the adapter's folder")
+        return await self._update_adapter(request.lora_name, request.lora_path, context)
+
+    async def UnloadLoraAdapter(self, request: api.UnloadLoraAdapterRequest, context) -> api.LoraAdaptersResponse:
+        return await self._update_adapter(request.lora_name, "", context)
+
+    async def _update_adapter(self, name: str, path: str, context) -> api.LoraAdaptersResponse:
+        """A load (path) or unload (""), by the supervisor on every worker group."""
+        if not self.allow_lora_updating:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "LoRA adapters are loaded and unloaded while "
+                                "serving only where the scheduler runs with --allow-runtime-lora-updating")
+        groups = self.live_groups()
+        if not name or len(name) > MAX_ADAPTER_NAME or (groups and name == groups[0].info.model):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name must be 1 to {MAX_ADAPTER_NAME} "
+                                "characters, other than the base model's name")
+        reply = await self.ask_supervisor(["lora", name, path])
+        if reply.get("code"):
+            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+        return api.LoraAdaptersResponse(lora_adapters=self.lora_adapters)
+
     # ---- membership, through the supervisor ---------------------------------------------------------
     async def ask_supervisor(self, message: list) -> dict:
         """Sends a request to the supervisor and waits for its reply."""
@@ -685,7 +709,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
-    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model), args.model)
+    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model), args.model,
+                        args.allow_runtime_lora_updating)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

@@ -23,6 +23,10 @@ SIGTERM. It holds no request: a front-end holds its requests, an engine its sequ
 - Leave: Deregister (a worker that drains on SIGTERM) marks the group draining: nothing new is routed to it, its
   queued requests move at once, its running ones get the grace period the worker asks for, then what remains
   moves by recompute and the stream is closed, before Deregister returns.
+- LoRA adapters loaded or unloaded while serving (LoadLoraAdapter, UnloadLoraAdapter on any front-end): the
+  supervisor asks every live group's engine, answers once all did (a load any group refused is unloaded from the
+  others: one answer for the tree), and keeps the outcome, by name, for groups that join later: an engine loads what
+  its new group lacks, and drops what the tree unloaded, before the group serves.
 - A process dies: an engine's groups are gone (their front-ends move their requests, the supervisor retries
   their addresses on the other engines, and a new engine takes the dead one's place); a front-end's client
   streams are gone with it (clients see UNAVAILABLE and retry): its requests are aborted at the engines and a
@@ -113,6 +117,9 @@ class Supervisor:
         self._last_epoch: dict[str, int] = {}  # address -> epoch of its last group (gone)
         self._tasks: set[asyncio.Task] = set()
         self._receiving: asyncio.Task | None = None
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
+        self._adapter_lock = asyncio.Lock()  # one load or unload at a time
+        self._adapter_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> (code, error)
 
     # ---- the processes ----------------------------------------------------------------------------
     def _spawn(self, kind: str, index: int) -> _Child:
@@ -221,6 +228,17 @@ class Supervisor:
                 if group.left is not None and not group.left.done():
                     group.left.set_result(moved)
                 self._publish()
+        elif op == "lora_done":
+            _, _engine, gid, ticket, code, error, served = message
+            group = self.groups.get(gid)
+            if group is not None and group.info["lora_adapters"] != served:
+                group.info["lora_adapters"] = served
+                self._publish()
+            future = self._adapter_waits.pop((ticket, gid), None)
+            if future is not None and not future.done():
+                future.set_result((code, error))
+        elif op == "lora":
+            self._spawn_task(self._update_adapter(*message[1:]))
         elif op == "register":
             self._spawn_task(self._register(*message[1:]))
         elif op == "deregister":
@@ -247,6 +265,9 @@ class Supervisor:
                     sum(not g.draining for g in self.groups.values()), extra={"worker": group.address})
         if group.left is not None and not group.left.done():
             group.left.set_result(0)
+        for (_, gid), future in list(self._adapter_waits.items()):
+            if gid == group.group_id and not future.done():
+                future.set_result(("UNAVAILABLE", "the worker group is gone"))
         self._publish()
         self.schedule_reconnect(group.address)
 
@@ -273,7 +294,8 @@ class Supervisor:
             gid = next(self._group_ids)
             future = self.loop.create_future()
             self._connects[gid] = (engine, future)
-            self._to_engine(engine, ["connect", gid, address, timeout, wait_for_ready, self._last_epoch.get(address)])
+            self._to_engine(engine, ["connect", gid, address, timeout, wait_for_ready, self._last_epoch.get(address),
+                                     self.adapters])
             try:
                 group = await future
             finally:
@@ -388,6 +410,36 @@ class Supervisor:
         log.info("worker %s left: %d request(s) moved to other workers", group.address, moved,
                  extra={"worker": group.address})
         return moved
+
+    # ---- LoRA adapters, asked by a front-end -----------------------------------------------------------
+    async def _update_adapter(self, frontend: int, req_id: int, name: str, path: str) -> None:
+        """Loads (path) or unloads ("") the adapter on every live group; replies code and message where refused."""
+        async with self._adapter_lock:
+            groups = [g for g in self.groups.values() if not g.draining]
+            if not groups:
+                return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
+            answers = await self._ask_groups(groups, name, path)
+            done = [g for g, (code, _) in answers if not code]
+            refused = [(g, code, error) for g, (code, error) in answers if code and code != "UNAVAILABLE"]
+            if path and refused:
+                await self._ask_groups(done, name, "")  # one answer for the tree: no group keeps it
+            if not done or path and refused:
+                group, code, error = refused[0] if refused else (None, "UNAVAILABLE", "no worker is serving")
+                return self._reply(frontend, req_id, code=code,
+                                   message=f"worker {group.address}: {error}" if group else error)
+            self.adapters[name] = path
+            log.info("LoRA adapter %s %s on %d worker group(s)", name, f"loaded from {path}" if path else "unloaded",
+                     len(done))
+            self._reply(frontend, req_id)  # after the groups' new adapters: the front-end answers with them
+
+    async def _ask_groups(self, groups: list[_Group], name: str, path: str) -> list[tuple[_Group, tuple[str, str]]]:
+        ticket = next(self._req_ids)
+        waits = []
+        for g in groups:
+            future = self._adapter_waits[ticket, g.group_id] = self.loop.create_future()
+            waits.append(future)
+            self._to_engine(g.engine, ["lora", g.group_id, ticket, name, path])
+        return list(zip(groups, await asyncio.gather(*waits)))
 
     # ---- metrics ----------------------------------------------------------------------------------
     async def gather_metrics(self) -> list[str]:

@@ -6,6 +6,9 @@ output rows, A by input columns) and the gateway. A prefix is cached per adapter
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -225,6 +228,9 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ref
         with pytest.raises(grpc.RpcError) as e:
             c.complete("hi", max_tokens=2, lora="nope")
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lora 'nope'")
+        with pytest.raises(grpc.RpcError) as e:  # a scheduler without --allow-runtime-lora-updating
+            c.load_lora_adapter("more", "/anywhere")
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
     try:
         models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
@@ -241,3 +247,99 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ref
     with Client(cluster.address, timeout=60) as c:  # the gateway's answer is qv's, not the base model's
         assert answer["choices"][0]["text"] == c.complete(token_ids=PROMPTS[2], max_tokens=MAX_NEW, temperature=0.0,
                                                           ignore_eos=True, lora="qv")[0].text
+
+
+def _wait_for(check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.1)
+
+
+def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny_model_dir, adapters, reference,
+                                                                             tmp_path):
+    """Two registered workers of one slot each (a step slowed to 20 ms, so a request is in flight when asked): an
+    adapter loaded at run time serves on both; a load a worker cannot make is refused for the tree; an unload waits
+    for the request running under it; a worker that joins later serves what the tree loaded and drops what it
+    unloaded (its own --lora-modules included); the gateway's vLLM endpoints do the same."""
+    worker_args = ["--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-loras", "1",
+                   "--max-lora-rank", "8", "--debug-step-delay", "0.02"]
+    cluster = LocalCluster(tiny_model_dir, num_workers=2, register=True, log_dir=tmp_path / "logs",
+                           worker_args=worker_args, scheduler_args=["--allow-runtime-lora-updating"]).start(180)
+    try:
+        with Client(cluster.address, timeout=60) as c:
+            _wait_for(lambda: c.model_info()["num_workers"] == 2)
+
+            def complete(name: str) -> list[list[int]]:
+                return [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                                   lora=name)[0].token_ids for p in PROMPTS]
+
+            assert c.load_lora_adapter("all", str(adapters["all"])) == ["all"]
+            assert complete("all") == reference["all"] and complete("") == reference[""]
+            for name, path, code, text in (
+                    ("all", adapters["all"], grpc.StatusCode.ALREADY_EXISTS, "'all' is loaded already"),
+                    ("qv", adapters["qv"], grpc.StatusCode.RESOURCE_EXHAUSTED, "every LoRA slot"),
+                    ("model", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
+                    ("", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
+                    ("x", "", grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name")):
+                with pytest.raises(grpc.RpcError) as e:
+                    c.load_lora_adapter(name, str(path))
+                assert e.value.code() == code and text in e.value.details(), (name, e.value.details())
+            with pytest.raises(grpc.RpcError) as e:
+                c.unload_lora_adapter("qv")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            stream = c.generate(token_ids=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                                lora="all")
+            tokens = list(next(stream).token_ids)  # the request runs under the adapter now
+            unloaded: list[list[str]] = []
+            unloading = threading.Thread(target=lambda: unloaded.append(c.unload_lora_adapter("all")))
+            unloading.start()
+            _wait_for(lambda: "all" not in c.model_info()["lora_adapters"] or unloaded)
+            for delta in stream:
+                assert not unloaded  # the unload waits for the request running under the adapter
+                tokens += delta.token_ids
+            unloading.join(60)
+            assert tokens == reference["all"][0] and unloaded == [[]]
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("hi", max_tokens=2, lora="all")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            with pytest.raises(grpc.RpcError) as e:  # a folder the workers cannot read: refused by both
+                c.load_lora_adapter("qv", str(tmp_path / "nowhere"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a PEFT adapter folder" in \
+                e.value.details()
+            assert c.load_lora_adapter("qv", str(adapters["qv"])) == ["qv"]
+            assert complete("qv") == reference["qv"]
+
+            first = list(cluster.processes[1:])  # the two workers
+            cluster.start_worker(extra=["--lora-modules", f"all={adapters['all']}", "--max-loras", "2"])
+            _wait_for(lambda: c.model_info()["num_workers"] == 3)
+            for worker in first:
+                worker.popen.send_signal(signal.SIGTERM)
+                worker.popen.wait(30)
+            _wait_for(lambda: c.model_info()["num_workers"] == 1)
+            assert c.model_info()["lora_adapters"] == ["qv"]  # the newcomer loaded qv and dropped its own "all"
+            assert complete("qv") == reference["qv"]
+
+        gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+        try:
+            def post(path: str, **body) -> httpx.Response:
+                return httpx.post(f"{gateway.url}{path}", json=body, timeout=60)
+
+            answer = post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"]))
+            assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'all' added successfully.")
+            models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
+            assert [m["id"] for m in models] == ["model", "qv", "all"]
+            completion = post("/v1/completions", model="all", prompt=PROMPTS[2], max_tokens=MAX_NEW, temperature=0,
+                              ignore_eos=True).json()
+            assert completion["model"] == "all"
+            assert post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"])).status_code == 409
+            assert post("/v1/unload_lora_adapter", lora_name="all").text == \
+                "Success: LoRA adapter 'all' removed successfully."
+            assert post("/v1/unload_lora_adapter", lora_name="all").status_code == 404
+            assert post("/v1/completions", model="all", prompt="a").status_code == 404
+        finally:
+            gateway.stop()
+    finally:
+        cluster.stop()
