@@ -102,6 +102,13 @@ class PagedDriver:
             self.seqs[seq_id].tokens.append(token)
         return out
 
+    def update_adapters(self, load: dict[str, str] | None = None, unload: tuple[str, ...] = ()) -> dict[str, str]:
+        """One plan of LoRA adapter deltas alone (StepPlan.load_loras, unload_loras); returns the failed loads."""
+        self.step += 1
+        plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, unload_loras=unload,
+                           load_loras=[pb.LoraAdapter(name=n, path=str(p)) for n, p in (load or {}).items()])
+        return dict(self.runner.execute(plan).result().failed_loras)
+
     def run_all(self) -> None:
         while any(not self.done(s) for s in self.seqs.values()):
             self.run_step()

@@ -99,7 +99,7 @@ def test_a_reranker_on_the_gpu_scores_as_transformers(tmp_path):
 def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
     """Sequences of an adapter beside base ones, their decode steps replaying the graphs captured with the adapters'
     kernels (a step without an adapter's row: those without), against a runner of the merged checkpoint and a runner
-    without adapters."""
+    without adapters; the adapter loaded at start, or into a free slot of graphs captured before it came."""
     from tests.paged_driver import PagedDriver
     from worker_svc.checkpoints.writer import make_lora_adapter
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
@@ -114,12 +114,17 @@ def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
         "lora": (ModelRunner(model_dir, RunnerConfig(**config, lora_modules={"a": str(adapter)})),
                  ["a" if i % 2 else "" for i in range(len(prompts))]),
         "merged": (ModelRunner(merged, RunnerConfig(**config)), ["" if i % 2 else None for i in range(len(prompts))]),
-        "base": (ModelRunner(model_dir, RunnerConfig(**config)), [""] * len(prompts))}
+        "base": (ModelRunner(model_dir, RunnerConfig(**config)), [""] * len(prompts)),
+        "loaded": (ModelRunner(model_dir, RunnerConfig(**config, max_loras=2, max_lora_rank=16)),
+                   ["a" if i % 2 else "" for i in range(len(prompts))])}
     assert runs["lora"][0].decode.adapted_graphs.keys() == runs["lora"][0].decode.graphs.keys()
     assert not runs["base"][0].decode.adapted_graphs
     outs = {}
     for name, (runner, loras) in runs.items():
         driver = PagedDriver(runner)
+        if name == "loaded":
+            assert driver.update_adapters(load={"b": adapter, "a": adapter}) == {}
+            assert driver.update_adapters(unload=("b",)) == {}  # a slot of its own, cleared again
         seqs = {i: driver.add(p, 16, pb.SamplingParams(**greedy, lora=lora))
                 for i, (p, lora) in enumerate(zip(prompts, loras)) if lora is not None}
         driver.run_all()
@@ -128,3 +133,5 @@ def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
     assert sum(outs["lora"][i] == outs["merged"][i] for i in odd) >= 5, outs
     assert sum(outs["lora"][i] == outs["base"][i] for i in even) >= 5, outs
     assert sum(outs["lora"][i] != outs["base"][i] for i in odd) >= 5  # the adapter changes what the model says
+    assert sum(outs["loaded"][i] == outs["merged"][i] for i in odd) >= 5, outs
+    assert sum(outs["loaded"][i] == outs["base"][i] for i in even) >= 5, outs
