@@ -56,30 +56,37 @@ class Backend:
         self.tokens = TokenRenderer(config.tokenizer)
         self.created = int(time.time())
         self._info: dict[str, Any] | None = None
-        self._info_at = -math.inf
+        self._info_at = -math.inf  # when the cached answer was asked for
+        self._stale_before = -math.inf  # answers asked for before this are stale (forget_model_info)
         self._lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self.client.close()
 
     def forget_model_info(self) -> None:
-        """The next model_info asks the scheduler (its LoRA adapters changed)."""
-        self._info_at = -math.inf
+        """The next model_info asks the scheduler (its LoRA adapters changed), also where an answer asked for
+        before this call is still on its way."""
+        self._stale_before = time.monotonic()
+
+    def _fresh(self) -> bool:
+        return (self._info is not None and self._info_at >= self._stale_before
+                and time.monotonic() - self._info_at < self.config.model_info_ttl)
 
     async def model_info(self) -> dict[str, Any]:
         """GetModelInfo, at most once per `model_info_ttl`; the last answer while the scheduler fails."""
-        if self._info is not None and time.monotonic() - self._info_at < self.config.model_info_ttl:
+        if self._fresh():
             return self._info
         async with self._lock:
-            if self._info is not None and time.monotonic() - self._info_at < self.config.model_info_ttl:
+            if self._fresh():
                 return self._info
+            asked = time.monotonic()
             try:
                 self._info = await self.client.model_info(timeout=self.config.rpc_timeout)
             except grpc.RpcError:
                 if self._info is None:
                     raise
                 log.warning("model info: scheduler failed, using the last answer", exc_info=True)
-            self._info_at = time.monotonic()
+            self._info_at = asked
             return self._info
 
     async def model_names(self) -> list[str]:
