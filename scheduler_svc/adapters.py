@@ -5,7 +5,8 @@ unload_loras) like everything else it does.
 An adapter takes one of the worker's slots (DescribeResponse.max_loras) from its load's request until its unload
 is planned. A load is planned at once; requests may run under it once the worker answered that step (a failed load
 comes back in StepResult.failed_loras). An unload stops new requests under the adapter at once, and is planned once
-no sequence of the group runs or waits under it (the worker drops finished sequences before the plan's unloads).
+no sequence of the group runs or waits under it (the worker drops finished sequences before the plan's unloads); the
+scheduler then forgets the cached blocks no sequence holds (BlockManager.forget_free), among them all the adapter's.
 Each request ends in one AdapterOutcome, taken by whoever drives the group (the engine answers its asker)."""
 from __future__ import annotations
 

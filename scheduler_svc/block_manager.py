@@ -180,6 +180,23 @@ class BlockManager:
         self._ref[b] = 1
         return b
 
+    def forget_free(self) -> None:
+        """Unregisters every cached block no sequence holds, in both tiers (the KV of a LoRA adapter that is
+        unloaded: a later load under its name must not hit it). A block held now by running sequences stays."""
+        host = self.host
+        for b in list(self._free):
+            h = self._hash[b]
+            if h is not None:
+                del self._index[h]
+                self._hash[b] = self._data[b] = None
+                self._free.move_to_end(b, last=False)
+                if self.record_events and (host is None or h not in host.index):
+                    self.removed.append(h)
+        if host is not None:
+            for h in host.forget():
+                if self.record_events and h not in self._index:
+                    self.removed.append(h)
+
     def offload_ahead(self, n: int) -> None:
         """Copies to the host the cached blocks among the next n the GPU will reuse that the host lacks."""
         host = self.host
@@ -353,6 +370,17 @@ class HostTier:
         self.hash[hb], self.parent[hb], self.data[hb] = h, parent, data
         self._held.append(hb)
         return hb, old
+
+    def forget(self) -> list[int]:
+        """Unregisters every block (those a plan being built fills too: their copies land unfindable); returns
+        the hashes they held."""
+        gone = list(self.index)
+        for hb in self.index.values():
+            self.hash[hb] = self.data[hb] = None
+            if hb in self._lru:
+                self._lru.move_to_end(hb, last=False)
+        self.index = {}
+        return gone
 
     def hold(self, blocks: list[int]) -> None:
         """Swap-in sources: out of the reuse order until plan_done() (one this plan fills is held already: its

@@ -484,6 +484,8 @@ class Scheduler:
             for g, h in offload:
                 plan.offload_blocks.append(g)
                 plan.offload_host_blocks.append(h)
+        if unloads:  # KV computed under an adapter dies with it: nothing it left may be hit after a new load
+            bm.forget_free()
         plan.unload_loras.extend(unloads)
         for name, path in loads:
             plan.load_loras.add(name=name, path=path)

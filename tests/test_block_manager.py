@@ -116,6 +116,28 @@ def test_blocks_about_to_be_reused_are_offloaded_ahead_and_leave_without_a_copy(
     assert bm.num_swapped_out == 2
 
 
+def test_forget_free_unregisters_free_blocks_in_both_tiers_and_keeps_held_ones():
+    """What an unloaded LoRA adapter leaves: free cached blocks (GPU and host) are no longer found, their removal
+    reported to the routers; a block a running sequence holds stays cached."""
+    bm = BlockManager(6, BS, num_host_blocks=4)
+    bm.record_events = True
+    gone, kept = make_seq(range(1, 10), 1), make_seq(range(20, 29), 2)
+    prefill(bm, gone)
+    prefill(bm, kept)
+    bm.free(gone.block_table)
+    bm.offload_ahead(6)  # gone's two full blocks to the host as well
+    bm.take_swaps()
+    stored, _ = bm.take_events()
+    bm.forget_free()
+    assert bm.match_prefix(make_seq(range(1, 10))) == []
+    assert bm.match_prefix(make_seq(range(20, 29))) == kept.block_table[:2]
+    _, removed = bm.take_events()
+    assert sorted(removed) == sorted(set(stored) - set(bm.cached_hashes())) and len(removed) == 2
+    bm.free(kept.block_table)
+    bm.check([])
+    bm.host.check()
+
+
 def test_hit_on_free_cached_block_takes_it_off_the_free_list():
     bm = BlockManager(4, BS)
     a = make_seq(range(1, 6), 1)
@@ -254,6 +276,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.seqs))
         self.seqs.remove(seq)
         self.bm.free(seq.block_table)
+
+    @rule()
+    def forget_free(self):
+        self.bm.forget_free()
+        held = {b for s in self.seqs for b in s.block_table}
+        assert all(b in held for b in range(self.bm.num_blocks) if self.bm.block_hash(b) is not None)
 
     @invariant()
     def consistent(self):

@@ -167,7 +167,8 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
 def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_model_dir, adapters, reference):
     """One slot (max_loras 1): an adapter loaded into it serves as one loaded at start; a second finds no slot until
     the first is unloaded, and an unload asked for while a sequence runs under the adapter waits for it to end (its
-    tokens stay the adapter's) while new requests under it are refused at once."""
+    tokens stay the adapter's) while new requests under it are refused at once; what the prefix cache held under an
+    adapter is gone with it."""
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
               max_loras=1, max_lora_rank=8)
 
@@ -191,6 +192,13 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
     done = _run(engine)
     assert done["running"][0] == reference["all"][0]
     assert [(o.name, o.error) for o in adapters_of.take_outcomes()] == [("all", "")]
+    # other weights under the name: the prefixes "all" cached before are not hit
+    llm.load_lora("all", adapters["qv"])
+    again = llm.generate(PROMPTS, _params("all"), use_tqdm=False)
+    assert [o.token_ids for o in again] == reference["qv"]
+    assert [o.usage.cached_prompt_tokens for o in again] == [0, 0, 0]
+    engine.scheduler.block_manager.check([])
+    llm.unload_lora("all")
     llm.load_lora("qv", adapters["qv"])
     assert generate("qv") == reference["qv"] and generate("") == reference[""]
     with pytest.raises(ValueError, match="'all' is not loaded"):
