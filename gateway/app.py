@@ -215,7 +215,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     403: {"model": ErrorBody, "description": "the scheduler runs without --allow-runtime-lora-updating"},
                     409: {"model": ErrorBody, "description": "an adapter of that name is loaded already"}}
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=lora_answers)
+    @app.post("/v1/load_lora_adapter", responses=lora_answers)
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         """vLLM's: loads a LoRA adapter on every worker (the scheduler's LoadLoraAdapter), served by its name as a
         request's `model` from then on; 429 when every slot of a worker (--max-loras) holds one."""
@@ -228,7 +228,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             backend.forget_model_info()
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=lora_answers)
+    @app.post("/v1/unload_lora_adapter", responses=lora_answers)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         """vLLM's: unloads a LoRA adapter from every worker once the requests running under it have ended (new ones
         get 404 from the call on); 404 when it is not loaded."""
