@@ -148,6 +148,16 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.path is not None:
+            served = client.load_lora_adapter(args.name, args.path)
+        else:
+            served = client.unload_lora_adapter(args.name)
+    print(json.dumps(served))  # the adapters served after the call
+    return 0
+
+
 def _tokenize(args: argparse.Namespace) -> int:
     with _client(args) as client:
         ids = client.tokenize(args.text)
@@ -312,6 +322,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", parents=[common], help="print the served model's description")
     p.set_defaults(func=_info)
+
+    p = sub.add_parser("load-lora", parents=[common],
+                       help="load a LoRA adapter on every worker (a scheduler run with --allow-runtime-lora-updating); "
+                            "print the adapters served then")
+    p.add_argument("name", metavar="NAME", help="the adapter's name, as requests give it (--lora)")
+    p.add_argument("path", metavar="PATH", help="its PEFT folder, as the workers see their file systems")
+    p.set_defaults(func=_lora)
+
+    p = sub.add_parser("unload-lora", parents=[common],
+                       help="unload a LoRA adapter from every worker once the requests running under it have ended; "
+                            "print the adapters served then")
+    p.add_argument("name", metavar="NAME", help="the adapter's name")
+    p.set_defaults(func=_lora, path=None)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
     p.add_argument("text", metavar="TEXT", help="the text to tokenize")

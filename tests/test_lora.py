@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -350,5 +352,14 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             assert unknown.status_code == 404, unknown.text
         finally:
             gateway.stop()
+
+        def splitserve(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "client.cli", *args, "--address", cluster.address],
+                                  capture_output=True, text=True, timeout=120)
+
+        assert json.loads(splitserve("unload-lora", "qv").stdout) == []
+        assert json.loads(splitserve("load-lora", "qv", str(adapters["qv"])).stdout) == ["qv"]
+        refused = splitserve("unload-lora", "nope")
+        assert refused.returncode != 0 and "NOT_FOUND" in refused.stderr and "'nope' is not loaded" in refused.stderr
     finally:
         cluster.stop()
