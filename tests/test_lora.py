@@ -217,13 +217,15 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
 def cluster(tiny_model_dir, adapters, tmp_path_factory):
     c = LocalCluster(tiny_model_dir, log_dir=tmp_path_factory.mktemp("lora-logs"), worker_args=[
         "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8",
-        "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]).start(timeout=180)
+        "--max-loras", "3", "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
+        scheduler_args=["--allow-runtime-lora-updating"]).start(timeout=180)
     yield c
     c.stop()
 
 
-def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, reference, merged, tmp_path):
-    """Generations and embeddings under each adapter (by name over gRPC, by model name through the gateway)."""
+def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, adapters, reference, merged, tmp_path):
+    """Generations and embeddings under each adapter (by name over gRPC, by model name through the gateway), and under
+    one loaded while serving."""
     with Client(cluster.address, timeout=60) as c:
         assert c.model_info()["lora_adapters"] == ["all", "qv"]
         for name in NAMES:
@@ -238,9 +240,11 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ref
         with pytest.raises(grpc.RpcError) as e:
             c.complete("hi", max_tokens=2, lora="nope")
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lora 'nope'")
-        with pytest.raises(grpc.RpcError) as e:  # a scheduler without --allow-runtime-lora-updating
-            c.load_lora_adapter("more", "/anywhere")
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # loaded while serving: on both ranks (B split by output rows, A by input columns, as loaded at start)
+        assert c.load_lora_adapter("qv again", str(adapters["qv"])) == ["all", "qv", "qv again"]
+        assert [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                           lora="qv again")[0].token_ids for p in PROMPTS] == reference["qv"]
+        assert c.unload_lora_adapter("qv again") == ["all", "qv"]
     gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
     try:
         models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]

@@ -144,6 +144,9 @@ def test_model_info_reports_every_worker(client, cluster):
     assert sorted(w["address"] for w in info["workers"]) == sorted(f"127.0.0.1:{p}" for p in cluster.worker_ports)
     for w in info["workers"]:
         assert w["alive"] and w["num_blocks"] == NUM_BLOCKS
+    with pytest.raises(grpc.RpcError) as e:  # a scheduler without --allow-runtime-lora-updating
+        client.load_lora_adapter("more", "/anywhere")
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-runtime-lora-updating" in e.value.details()
 
 
 # --- correctness ---------------------------------------------------------------------------------------------
