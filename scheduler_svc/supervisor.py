@@ -209,6 +209,7 @@ class Supervisor:
                 return
             self.groups[gid] = _Group(gid, engine, address, info)
             future.set_result(self.groups[gid])
+            self._sync_adapters(self.groups[gid])
             self._publish()
         elif op == "connect_failed":
             _, _engine, gid, address, text, unavailable = message
@@ -428,9 +429,22 @@ class Supervisor:
                 return self._reply(frontend, req_id, code=code,
                                    message=f"worker {group.address}: {error}" if group else error)
             self.adapters[name] = path
+            asked = {g.group_id for g in groups}
+            for group in self.groups.values():
+                if group.group_id not in asked:  # joined meanwhile, from the adapters as they were
+                    self._sync_adapters(group)
             log.info("LoRA adapter %s %s on %d worker group(s)", name, f"loaded from {path}" if path else "unloaded",
                      len(done))
             self._reply(frontend, req_id)  # after the groups' new adapters: the front-end answers with them
+
+    def _sync_adapters(self, group: _Group) -> None:
+        """Has the group load the tree's adapters it lacks and drop those the tree unloaded (answered by lora_done
+        with no one waiting): for a group whose engine connected it from the adapters as they were before a load
+        or unload that ended meanwhile."""
+        served = group.info["lora_adapters"]
+        for name, path in self.adapters.items():
+            if (name in served) != bool(path):
+                self._to_engine(group.engine, ["lora", group.group_id, 0, name, path])
 
     async def _ask_groups(self, groups: list[_Group], name: str, path: str) -> list[tuple[_Group, tuple[str, str]]]:
         ticket = next(self._req_ids)
