@@ -58,7 +58,10 @@ class Adapters:
 
     def load(self, name: str, path: str, ticket: object = None) -> None:
         """Asks for the adapter at path (a folder on the worker's file system) under name. AdapterError:
-        ALREADY_EXISTS where the name is served or busy, RESOURCE_EXHAUSTED where every slot is taken."""
+        FAILED_PRECONDITION where the worker has no slots, ALREADY_EXISTS where the name is served or busy,
+        RESOURCE_EXHAUSTED where every slot is taken."""
+        if not self.slots:
+            raise AdapterError("FAILED_PRECONDITION", "the worker has no LoRA slots (its --max-loras)")
         if name in self.served or self._busy(name):
             raise AdapterError("ALREADY_EXISTS", f"LoRA adapter {name!r} is loaded already (or being loaded or "
                                                  "unloaded)")

@@ -65,8 +65,8 @@ PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                          ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
                          ("grpc.server_max_unrequested_time_in_server", MAX_UNTAKEN_S),
                          ("grpc.so_reuseport", 1)]
-# what an engine's refusal of an add means for the client
 MAX_ADAPTER_NAME = 256  # characters of a LoRA adapter's name (the gateway's `model`)
+# what an engine's refusal of an add means for the client
 _REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.INVALID_ARGUMENT}
 
 
@@ -663,18 +663,18 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                                            for i in ids])
 
     async def LoadLoraAdapter(self, request: api.LoadLoraAdapterRequest, context) -> api.LoraAdaptersResponse:
-        if not request.lora_path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name the adapter's folder")
-        return await self._update_adapter(request.lora_name, request.lora_path, context)
+        return await self._update_adapter(request.lora_name, request.lora_path, context, load=True)
 
     async def UnloadLoraAdapter(self, request: api.UnloadLoraAdapterRequest, context) -> api.LoraAdaptersResponse:
-        return await self._update_adapter(request.lora_name, "", context)
+        return await self._update_adapter(request.lora_name, "", context, load=False)
 
-    async def _update_adapter(self, name: str, path: str, context) -> api.LoraAdaptersResponse:
-        """A load (path) or unload (""), by the supervisor on every worker group."""
+    async def _update_adapter(self, name: str, path: str, context, load: bool) -> api.LoraAdaptersResponse:
+        """A load (of the folder at path) or unload, by the supervisor on every worker group."""
         if not self.allow_lora_updating:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "LoRA adapters are loaded and unloaded while "
                                 "serving only where the scheduler runs with --allow-runtime-lora-updating")
+        if load and not path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name the adapter's folder")
         groups = self.live_groups()
         if not name or len(name) > MAX_ADAPTER_NAME or (groups and name == groups[0].info.model):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name must be 1 to {MAX_ADAPTER_NAME} "

@@ -14,6 +14,10 @@ is a violation; its offloads copy after its writes.
 With a sliding window a step reads only the keys inside the window of its first position, so a released
 block (StepPlan.released_ids) that the window still covers shows up as a mismatch once it is reused.
 
+With LoRA slots (lora_slots) it loads and unloads adapters as plans say (a path "bad" fails to load), and a
+sequence's KV content chains from its adapter's load, so that a prefix hit on KV an earlier load of the same name
+computed shows up as a mismatch too.
+
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
 """
@@ -59,12 +63,13 @@ class _Tokens:
     token_ids: list[int]
     seed: int
     logprobs: int
+    root: int = 0  # its LoRA adapter's load (0: none)
     keys: list[int] = field(default_factory=list)
 
     def key(self, position: int) -> int:
         while len(self.keys) <= position:
             p = len(self.keys)
-            prev = self.keys[-1] if p else 0
+            prev = self.keys[-1] if p else self.root
             self.keys.append(hash((prev, self.token_ids[p])))
         return self.keys[position]
 
@@ -81,6 +86,7 @@ class FakeWorker:
         check_kv: bool = True,
         num_host_blocks: int = 0,
         sliding_window: int = 0,
+        lora_slots: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -94,6 +100,9 @@ class FakeWorker:
         self.sliding_window = sliding_window  # a query at position p reads keys in (p - this, p]; 0: all
         self.host_kv: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.num_swapped = 0  # blocks copied either way
+        self.lora_slots = lora_slots
+        self.loads: dict[str, int] = {}  # a loaded adapter's load, by name
+        self.num_loads = 0
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
         self.seqs: dict[int, _Tokens] = {}
         self.plans: list[worker_pb2.StepPlan] = []
@@ -106,7 +115,7 @@ class FakeWorker:
     def describe(self, request: worker_pb2.DescribeRequest) -> worker_pb2.DescribeResponse:
         self.batch = PersistentBatch(request.max_num_seqs or 1024, self.num_blocks, self.block_size,
                                      self.max_model_len, request.max_num_batched_tokens, self.epoch,
-                                     self.num_host_blocks, self.sliding_window)
+                                     self.num_host_blocks, self.sliding_window, [""] * self.lora_slots)
         return worker_pb2.DescribeResponse(
             protocol_version=WORKER_PROTOCOL_VERSION,
             model="fake",
@@ -123,6 +132,7 @@ class FakeWorker:
             max_num_batched_tokens=request.max_num_batched_tokens,
             num_host_blocks=self.num_host_blocks,
             sliding_window=self.sliding_window,
+            max_loras=self.lora_slots,
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -156,8 +166,20 @@ class FakeWorker:
         for sid in (*plan.finished_ids, *plan.preempted_ids):
             del self.seqs[sid]
         self._swap(plan)
+        result = worker_pb2.StepResult(step=plan.step)
+        for name in plan.unload_loras:  # the batch freed its slot
+            del self.loads[name]
+        for adapter in plan.load_loras:
+            names = self.batch.lora_adapters
+            if adapter.path == "bad" or adapter.name in names or "" not in names:
+                result.failed_loras[adapter.name] = f"cannot load {adapter.name!r} from {adapter.path!r}"
+                continue
+            names[names.index("")] = adapter.name
+            self.num_loads += 1
+            self.loads[adapter.name] = self.num_loads
         for ns in plan.new_seqs:
-            self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs)
+            self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs,
+                                           self.loads.get(ns.sampling.lora, 0))
         batch = [(int(sid), self.seqs[int(sid)], self.batch.block_table[row], int(c), int(n))
                  for sid, row, c, n in zip(step.seq_ids, step.rows, step.num_computed, step.num_scheduled)]
         # Reads first (KV of earlier steps only), then writes: a hit on a block written in this same
@@ -167,7 +189,6 @@ class FakeWorker:
                 for p in range(max(c + 1 - self.sliding_window, 0) if self.sliding_window else 0, c):
                     got = self.kv[table[p // bs]][p % bs]
                     _check(got == m.key(p), f"seq {sid}: wrong KV at position {p}")
-        result = worker_pb2.StepResult(step=plan.step)
         sampled: list[tuple[_Tokens, int]] = []
         for (sid, m, table, c, n), samples in zip(batch, step.samples):
             for p in range(c, c + n):

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from common.limits import Limits
 from protos import worker_pb2
+from scheduler_svc.adapters import AdapterError, Adapters
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError, Scheduler
@@ -31,6 +32,7 @@ def make(
     token_fn=None,
     num_host_blocks: int = 0,
     sliding_window: int = 0,
+    lora_slots: int = 0,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
         limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
@@ -39,10 +41,11 @@ def make(
         enable_prefix_caching=caching,
     )
     worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn,
-                        num_host_blocks=num_host_blocks, sliding_window=sliding_window)
+                        num_host_blocks=num_host_blocks, sliding_window=sliding_window, lora_slots=lora_slots)
     worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
     return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch,
-                     num_host_blocks=num_host_blocks, sliding_window=sliding_window), worker
+                     num_host_blocks=num_host_blocks, sliding_window=sliding_window,
+                     adapters=Adapters([], lora_slots)), worker
 
 
 def seq(seq_id: int, prompt, **params) -> Sequence:
@@ -340,6 +343,36 @@ def test_stop_token_ids_and_ignore_eos():
     assert a.output_token_ids == [EOS, 42] and a.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("host", [0, 8])
+def test_an_unloaded_adapter_leaves_no_kv_for_a_later_load_of_its_name(host):
+    """A prompt cached under adapter "a" (in the GPU's free blocks, and on the host) is not hit by the same prompt
+    under a later load of "a": the fake worker's KV of the new load chains from that load, so such a hit would read
+    wrong KV; the unload waits for the sequence under "a" that still runs."""
+    sched, worker = make(num_blocks=16, block_size=4, num_host_blocks=host, lora_slots=1)
+    driver = Driver(sched, worker)
+    prompt = list(range(1, 13))
+    sched.adapters.load("a", "/a")
+    driver.run()
+    first, running = seq(1, prompt, max_tokens=2, lora="a"), seq(2, [9, 9, 9, 9, 9], max_tokens=30, lora="a")
+    sched.add(first)
+    sched.add(running)
+    while not first.finish_reason:
+        driver.step()
+    sched.adapters.unload("a")
+    driver.step()
+    assert not any(p.unload_loras for p in driver.plans)  # "running" still runs under it
+    driver.run()
+    assert [list(p.unload_loras) for p in driver.plans if p.unload_loras] == [["a"]]
+    sched.adapters.load("a", "/a")
+    driver.run()
+    again = seq(3, prompt, max_tokens=2, lora="a")
+    sched.add(again)
+    driver.run()
+    assert again.num_cached_tokens == 0 and again.output_token_ids == expected_output(worker, again)[0]
+    assert [(o.name, o.error) for o in sched.adapters.take_outcomes()] == [("a", "")] * 3
+    sched.block_manager.check([])
+
+
 def test_abort_in_every_state_returns_every_block():
     sched, worker = make(num_blocks=12, block_size=2, budget=6, cap=2)
     d = Driver(sched, worker, 2)
@@ -506,11 +539,12 @@ PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9,
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random interleavings of add / schedule / result / abort / preempt / worker loss over tiny pools, with up to
-    three plans in flight, a host tier behind the GPU's blocks or none, and a sliding window or none. The fake
-    worker checks every plan (block tables, KV content of prefix hits wherever they came from, no write or swap-in
-    into a block another live sequence holds); every sequence must produce exactly the tokens f(seed, position), and
-    when everything ends every block of both tiers is free."""
+    """Random interleavings of add / schedule / result / abort / preempt / worker loss / LoRA adapter load and
+    unload over tiny pools, with up to three plans in flight, a host tier behind the GPU's blocks or none, a sliding
+    window or none, and LoRA slots or none. The fake worker checks every plan (block tables, KV content of prefix
+    hits wherever they came from and under whichever load of an adapter, no write or swap-in into a block another
+    live sequence holds, no unload of an adapter a held sequence runs under); every sequence must produce exactly
+    the tokens f(seed, position), and when everything ends every block of both tiers is free."""
 
     @initialize(
         num_blocks=st.integers(4, 20),
@@ -522,8 +556,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         depth=st.sampled_from([1, 2, 3]),
         host=st.sampled_from([0, 2, 6, 24, 24]),
         window=st.sampled_from([0, 0, 3, 5]),
+        lora_slots=st.sampled_from([0, 0, 1, 2]),
     )
-    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth, host, window):
+    def setup(self, num_blocks, block_size, budget, cap, max_num_seqs, caching, depth, host, window, lora_slots):
         self.shape = dict(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -536,6 +571,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             vocab_size=10,  # EOS (0) now and then
             num_host_blocks=host,
             sliding_window=window,
+            lora_slots=lora_slots,
         )
         self.sched, self.worker = make(**self.shape)
         self.sched.block_manager.record_events = True
@@ -553,8 +589,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         ignore_eos=st.booleans(),
         min_tokens=st.integers(0, 2),
         logprobs=st.sampled_from([None, 0, 2]),
+        lora=st.sampled_from(["", "", "a", "b"]),
     )
-    def add(self, prefix, keep, tail, max_tokens, ignore_eos, min_tokens, logprobs):
+    def add(self, prefix, keep, tail, max_tokens, ignore_eos, min_tokens, logprobs, lora):
+        if lora not in ("", *self.sched.adapters.served):
+            return  # EngineCore.add refuses it
         prompt = prefix[:keep] + tail
         s = seq(
             self.next_id,
@@ -564,6 +603,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens=min(min_tokens, max_tokens),
             logprobs=logprobs,
             stop_token_ids=[7] if max_tokens % 3 == 0 else [],
+            lora=lora,
         )
         try:
             self.sched.add(s)
@@ -571,6 +611,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.seqs[s.seq_id] = s
         self.next_id += 1
+
+    @rule(name=st.sampled_from(["a", "b"]), bad=st.sampled_from([False, False, False, True]))
+    def load_adapter(self, name, bad):
+        try:
+            self.sched.adapters.load(name, "bad" if bad else f"/adapters/{name}", ticket=bad)
+        except AdapterError:
+            pass
+
+    @rule(name=st.sampled_from(["a", "b"]))
+    def unload_adapter(self, name):
+        try:
+            self.sched.adapters.unload(name, ticket=False)
+        except AdapterError:
+            pass
 
     @precondition(lambda self: self.worker.num_in_flight < self.depth)
     @rule()
@@ -582,7 +636,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.worker.num_in_flight > 0)
     @rule()
     def result(self):
-        for s in self.sched.update(self.worker.receive()):
+        done = self.sched.update(self.worker.receive())
+        for outcome in self.sched.adapters.take_outcomes():
+            assert bool(outcome.error) == outcome.ticket, outcome  # only a bad path fails
+        for s in done:
             want, reason = expected_output(self.worker, s)
             assert s.output_token_ids == want[: s.num_output_tokens]
             if s.finish_reason is not None:
@@ -605,7 +662,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def lose_worker(self):
         """The worker group dies with both its tiers and its steps in flight: every live sequence moves to a
-        fresh group with the tokens it has and recomputes there, and the old group's blocks all come back."""
+        fresh group with the tokens it has and recomputes there (once the new group loaded the adapters the old one
+        served, as the supervisor has it), and the old group's blocks all come back."""
         old = self.sched
         self.swapped += old.block_manager.num_swapped_out + old.block_manager.num_swapped_in
         self.host_hits += old.num_host_hit_tokens
@@ -617,7 +675,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched, self.worker = make(**self.shape)
         self.sched.block_manager.record_events = True
         self.mirror = set()
+        for name in old.adapters.served:
+            self.sched.adapters.load(name, f"/adapters/{name}")
+        while self.sched.adapters.pending:
+            if (plan := self.sched.schedule()) is not None:
+                self.worker.submit(plan)
+            self.sched.update(self.worker.receive())
+        assert not any(o.error for o in self.sched.adapters.take_outcomes())
         for s in live:
+            if s.params.lora not in ("", *self.sched.adapters.served):  # being unloaded there: refused here
+                del self.seqs[s.seq_id]
+                continue
             moved = Sequence(s.seq_id, list(s.token_ids), s.params, prompt_len=s.prompt_len)
             self.sched.add(moved, force=True)
             self.seqs[s.seq_id] = moved
@@ -656,6 +724,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"preempted: {sched.num_preemptions > 0}")
         event(f"released behind a window: {any(len(p.released_ids) for p in worker.plans)}")
         event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
+        event(f"adapter loads: {min(worker.num_loads, 2)}")
+        event(f"adapter unloads: {any(len(p.unload_loras) for p in worker.plans)}")
         event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")
         for s in self.seqs.values():
             event(f"finish: {s.finish_reason}")
@@ -667,6 +737,28 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=250, stateful_step_count=80, deadline=None)
+
+
+class AdapterMachine(SchedulerMachine):
+    """The same with LoRA slots and the prefix cache always on, and prompts under adapters most of the time: loads
+    and unloads among running, waiting, preempted and cached sequences of the adapters, and loads again under a name
+    whose cached KV an earlier load computed."""
+
+    @initialize(num_blocks=st.integers(8, 20), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 24),
+                max_num_seqs=st.integers(1, 5), depth=st.sampled_from([1, 2, 3]), host=st.sampled_from([0, 6, 24]),
+                lora_slots=st.sampled_from([1, 2]))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, depth, host, lora_slots):
+        SchedulerMachine.setup(self, num_blocks, block_size, budget, 0, max_num_seqs, True, depth, host, 0,
+                               lora_slots)
+        self.load_adapter("a", False)
+
+    @rule(name=st.sampled_from(["a", "b"]), prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
+    def add_under(self, name, prefix, max_tokens):
+        self.add(prefix, 12, [], max_tokens, True, 0, None, name)
+
+
+TestAdapterMachine = AdapterMachine.TestCase
+TestAdapterMachine.settings = settings(max_examples=200, stateful_step_count=100, deadline=None)
 
 
 def test_block_count_bound_matches_the_worst_case():
