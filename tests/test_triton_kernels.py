@@ -408,29 +408,6 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, block_n, block_k):
     torch.testing.assert_close(y.float(), torch.nn.functional.linear(x.float(), w.float()), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,n,k,width,slots", [(1, 48, 64, 16, 1), (5, 300, 200, 24, 3), (8, 1100, 64, 48, 2)])
-def test_fused_lora_delta_matches_the_dense_masked_path(dtype, tokens, n, k, width, slots):
-    """model/lora.py's decode kernel against its dense path (x A^T masked to each token's slot, then B): tokens of
-    every slot and of none, N not a multiple of the column tile, a width not a power of two."""
-    from worker_svc.kernels.lora import lora_delta
-    from worker_svc.model.lora import LoraWeights, step_adapters
-
-    gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, k, generator=gen).to(dtype)
-    y = torch.randn(tokens, n, generator=gen).to(dtype)
-    a = (torch.randn(slots * width, k, generator=gen) / 8).to(dtype)
-    b = (torch.randn(n, slots * width, generator=gen) / 8).to(dtype)
-    of_token = torch.tensor([(i % (slots + 1)) - 1 for i in range(tokens)], dtype=torch.int64)
-    with step_adapters(of_token):
-        want = LoraWeights(a, b, width).apply(x, y.clone())
-    got = lora_delta(x, y.clone(), a, b, of_token, width)
-    tol = 1e-4 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert lora_delta(torch.zeros(9, k, dtype=dtype), torch.zeros(9, n, dtype=dtype), a, b,
-                      torch.zeros(9, dtype=torch.int64), width) is None  # more tokens than MAX_ROWS: the dense path
-
-
 def test_skinny_gemm_takes_a_row_slice_of_a_wider_buffer():
     """Decode graphs hand the projections row slices of static buffers: stride(0) is the buffer's."""
     gen = torch.Generator().manual_seed(3)

@@ -1,6 +1,6 @@
 """The worker's kernels, and the one place they are picked: `select(device, attention)` returns the Kernels a
 runner builds its model with. On a CUDA GPU: splitserve's Triton kernels (elementwise.py, gumbel.py,
-skinny_gemm.py, moe.py, lora.py) and the attention backend asked for (attention.py); elsewhere the torch references
+skinny_gemm.py, moe.py) and the attention backend asked for (attention.py); elsewhere the torch references
 (reference.py). Triton and flash-attn-4 are imported only when a GPU's kernels are selected."""
 from __future__ import annotations
 
@@ -33,9 +33,6 @@ class Kernels:
     gumbel_argmax: Callable[..., torch.Tensor]
     sampling_dtype: torch.dtype | None  # what the sampler computes in; None: the logits' own (16-bit on a GPU)
     attention: AttentionBackend
-    # (x, y, a, b, slot_of_token, width) -> y plus each token's LoRA delta, or None where it does not take the step
-    # (model/lora.py runs its dense kernels then); None: no such kernel here
-    lora_delta: Callable | None = None
 
 
 def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool = False,
@@ -44,11 +41,11 @@ def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool 
     device = torch.device(device)
     backend = make_attention(attention, device, fp8_cache, head_dim)
     if device.type == "cuda":
-        from worker_svc.kernels import elementwise, gumbel, lora, moe, skinny_gemm
+        from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 
         return Kernels("triton", elementwise.rms_norm, elementwise.silu_and_mul, elementwise.gelu_and_mul,
                        elementwise.clamped_swiglu, elementwise.qk_norm_rope_store, skinny_gemm.linear,
-                       moe.router_topk, moe.fused_moe, gumbel.gumbel_argmax, None, backend, lora.lora_delta)
+                       moe.router_topk, moe.fused_moe, gumbel.gumbel_argmax, None, backend)
     from worker_svc.kernels import reference
 
     return Kernels("torch", reference.rms_norm, reference.silu_and_mul, reference.gelu_and_mul,

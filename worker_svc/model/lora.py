@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,6 @@ class _StepAdapters:
     """The step's adapter per token (an index into the adapters, -1: none), or None where no token has one; and
     the masks derived from it, one per width of the adapters' side-by-side columns, made once per step."""
     of_token: torch.Tensor | None = None
-    decode: bool = False  # a decode step's: its few tokens may take the fused kernel (LoraWeights.delta)
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, adapters: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,31 +59,25 @@ class LoraWeights:
     b: torch.Tensor  # [out, slots * R] (this rank's output rows where it is column-parallel)
     rank: int        # R: a slot's columns, the largest adapter rank times the projection's packed parts
     scale: float = 1.0  # the model's output scale of the projection (layers.scale_rows), folded into B as loaded
-    delta: Callable | None = None  # the fused kernel for a decode step's few tokens (Kernels.lora_delta)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the projection's output for x) plus each token's adapter's delta."""
         if _STEP.of_token is None:
             return y
-        if _STEP.decode and self.delta is not None:
-            fused = self.delta(x, y, self.a, self.b, _STEP.of_token, self.rank)
-            if fused is not None:
-                return fused
         h = x @ self.a.T
         h *= _STEP.mask(self.a.shape[0] // self.rank, self.rank, h.dtype)
         return y.addmm_(h, self.b.T)
 
 
 @contextlib.contextmanager
-def step_adapters(of_token: torch.Tensor | None, decode: bool = False) -> Iterator[None]:
+def step_adapters(of_token: torch.Tensor | None) -> Iterator[None]:
     """Within it, adapted projections add to each token's output row the delta of its adapter (of_token: int64,
-    one adapter slot per token of the step, -1 for none; None: no token has one). decode: a decode step's forward
-    (its shapes are fixed per batch size, so a kernel it compiles at capture is the kernel it replays)."""
-    _STEP.of_token, _STEP.decode = of_token, decode
+    one adapter slot per token of the step, -1 for none; None: no token has one)."""
+    _STEP.of_token = of_token
     try:
         yield
     finally:
-        _STEP.of_token, _STEP.decode = None, False
+        _STEP.of_token = None
         _STEP.masks.clear()
 
 
@@ -106,8 +99,7 @@ class LoraSlots:
     clearing one (copies into these tensors) changes no shape and no captured CUDA graph. Which adapter a slot holds
     is the PersistentBatch's to know (its rows name slots); this class only moves weights."""
 
-    def __init__(self, model: nn.Module, slots: int, max_rank: int, delta: Callable | None = None):
-        """delta: the fused kernel for decode steps' few tokens (Kernels.lora_delta), where the device has one."""
+    def __init__(self, model: nn.Module, slots: int, max_rank: int):
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.modules: dict[str, nn.Module] = {}
         if not slots:
@@ -121,8 +113,7 @@ class LoraSlots:
                 weight = module.weight
                 module.lora = LoraWeights(
                     torch.zeros(slots * width, weight.shape[1], dtype=weight.dtype, device=weight.device),
-                    torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width,
-                    delta=delta)
+                    torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
                 self.modules[path] = module
 
     @torch.no_grad()

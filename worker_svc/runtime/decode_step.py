@@ -123,7 +123,7 @@ class DecodeStep:
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seqused_k=v.seqused_k,
                                  page_table=v.page_table, slot_mapping=v.slot_mapping, max_seqlen_q=1,
                                  query_lens=[1] * size, context_lens=context_lens)
-        with step_adapters(v.lora if adapted else None, decode=True):
+        with step_adapters(v.lora if adapted else None):
             hidden = self.model(ids, v.positions, meta)
         logits = self.model.compute_logits(hidden, out=b.logits)
         batch = SamplingBatch(temperature=v.temperature, seeds=v.seeds, positions=v.positions + 1, top_k=None,

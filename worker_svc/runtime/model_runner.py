@@ -226,8 +226,7 @@ class ModelRunner:
         if max_loras < len(static):
             raise ValueError(f"{len(static)} LoRA adapters to load at start, in {max_loras} slots (max_loras)")
         self.lora = LoraSlots(self.model, max_loras,  # before the scales fold into their B too
-                              cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
-                              self.kernels.lora_delta)
+                              cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]))
         for slot, (name, folder) in enumerate(static):
             self.lora.load(slot, name, folder)
         self.model.fold_scales()
