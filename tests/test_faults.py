@@ -268,6 +268,41 @@ def test_kill9_one_of_two_workers_every_stream_equals_a_run_without_the_fault(re
     assert "moved to worker" in log
 
 
+def test_kill9_a_worker_under_an_embed_call_its_inputs_move_and_the_call_equals_a_run_without_the_fault(real2):
+    """After the test above (its dead worker restarted on its port): an Embed call's inputs spread over both
+    workers; one is killed while it still holds some; they are recomputed on the other and the call answers as
+    it did without the fault."""
+    rng = random.Random(11)
+    inputs = [[rng.randrange(1, 150000) for _ in range(rng.randint(20, 60))] for _ in range(256)]
+    with Client(real2.address, timeout=WAIT_S * 3) as client:
+        dead = [p for p in workers_of(real2) if p.popen.poll() is not None]
+        for proc in dead:
+            real2.start_worker(int(proc.name.removeprefix("worker-")))
+        wait_for("both workers connected", lambda: len(live_workers(client)) == 2)
+        reference = client.embed(inputs).vectors
+        result: list = []
+        call = threading.Thread(target=lambda: result.append(client.embed(inputs).vectors))
+        call.start()
+        busy: list[str] = []
+
+        def one_is_busy() -> bool:
+            busy[:] = [a for a, w in live_workers(client).items() if w["num_running"] or w["num_waiting"]]
+            return bool(busy)
+
+        wait_for("inputs running", one_is_busy)
+        moved = scheduler_of(real2).log_path.read_text().count("moved to worker")
+        victim = next(p for p in workers_of(real2)
+                      if p.popen.poll() is None and p.name == f"worker-{busy[0].rpartition(':')[2]}")
+        kill(victim)
+        call.join(WAIT_S * 3)
+        assert result and len(result[0]) == len(inputs), "the Embed call did not answer"
+        for got, want in zip(result[0], reference):
+            assert got == pytest.approx(want, abs=1e-5)
+        assert len(live_workers(client)) == 1
+        wait_for("every block free", lambda: all_idle(client))
+    assert scheduler_of(real2).log_path.read_text().count("moved to worker") > moved  # the victim's inputs
+
+
 # --- worker stopped (SIGSTOP): the step-progress watchdog and the heartbeat ------------------------------------
 
 
