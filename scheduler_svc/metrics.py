@@ -9,6 +9,7 @@ Histograms written on hot paths (every step of an engine thread, every message o
 one writer thread each, summed up at scrape time."""
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable
 
@@ -186,7 +187,11 @@ class _GroupCollector:
         tier_hits = CounterMetricFamily("splitserve:prefix_cache_hit_tokens",
                                         "Admitted tokens served from the prefix cache, by the tier that held them",
                                         labels=["worker", "tier"])
-        gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive)
+        loras = GaugeMetricFamily("splitserve:lora_adapters_loaded", "LoRA adapters requests may run under",
+                                  labels=["worker"])
+        lora_requests = GaugeMetricFamily("splitserve:lora_requests", "Sequences under each LoRA adapter, running or "
+                                          "waiting", labels=["worker", "lora", "state"])
+        gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive, loras)
         counters = (preempt, swapped_out, swapped_in, released)
 
         def add_counters(address: str, values: tuple[int, ...]) -> None:
@@ -223,8 +228,12 @@ class _GroupCollector:
             host_usage.add_metric(w, host.num_cached_blocks / host.num_blocks if host is not None else 0.0)
             hit.add_metric(w, s.num_prefix_hit_tokens / max(1, s.num_admitted_tokens))
             alive.add_metric(w, 1.0 if g.alive else 0.0)
+            loras.add_metric(w, len(s.adapters.served))
+            for state, seqs in (("running", s.running), ("waiting", s.waiting)):
+                for lora, n in collections.Counter(seq.params.lora for seq in seqs if seq.params.lora).items():
+                    lora_requests.add_metric([g.address, lora, state], n)
             add_counters(g.address, self._counters(s))
-        yield from (*gauges, *counters, tier_hits)
+        yield from (*gauges, *counters, tier_hits, lora_requests)
 
 
 def merge(texts: Iterable[str]) -> list[Metric]:

@@ -273,7 +273,7 @@ def test_kill9_a_worker_under_an_embed_call_its_inputs_move_and_the_call_equals_
     workers; one is killed while it still holds some; they are recomputed on the other and the call answers as
     it did without the fault."""
     rng = random.Random(11)
-    inputs = [[rng.randrange(1, 150000) for _ in range(rng.randint(20, 60))] for _ in range(256)]
+    inputs = [[rng.randrange(1, 150000) for _ in range(rng.randint(20, 60))] for _ in range(384)]  # 6+ steps a worker
     with Client(real2.address, timeout=WAIT_S * 3) as client:
         dead = [p for p in workers_of(real2) if p.popen.poll() is not None]
         for proc in dead:

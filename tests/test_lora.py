@@ -22,12 +22,14 @@ from safetensors.torch import load_file, save_file
 
 from client import Client
 from client.launcher import LocalCluster
+from common.util import free_port
 from offline.executor import InProcessExecutor
 from offline.llm import LLM
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.sampling import SamplingParams
 from tests.test_engine_model import _run
+from tests.sim_cluster import sample, scrape
 from tests.test_gateway import Gateway
 from worker_svc.checkpoints.writer import make_lora_adapter
 from worker_svc.runtime.model_runner import RunnerConfig
@@ -278,8 +280,10 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
     unloaded (its own --lora-modules included); the gateway's vLLM endpoints do the same."""
     worker_args = ["--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-loras", "1",
                    "--max-lora-rank", "8", "--debug-step-delay", "0.02"]
+    metrics_port = free_port()
     cluster = LocalCluster(tiny_model_dir, num_workers=2, register=True, log_dir=tmp_path / "logs",
-                           worker_args=worker_args, scheduler_args=["--allow-runtime-lora-updating"]).start(180)
+                           worker_args=worker_args, scheduler_args=["--allow-runtime-lora-updating", "--metrics-port",
+                                                                    str(metrics_port)]).start(180)
     try:
         with Client(cluster.address, timeout=60) as c:
             _wait_for(lambda: c.model_info()["num_workers"] == 2)
@@ -303,18 +307,22 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
                 c.unload_lora_adapter("qv")
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
-            stream = c.generate(token_ids=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
-                                lora="all")
-            tokens = list(next(stream).token_ids)  # the request runs under the adapter now
+            # a request that runs for 4 s at least (200 steps of 20 ms): the checks below happen while it runs
+            stream = c.generate(token_ids=PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True, lora="all")
+            tokens = list(next(stream).token_ids)
+            samples = scrape(metrics_port)
+            assert sample(samples, "splitserve:lora_requests", lora="all", state="running") == 1
+            assert sample(samples, "splitserve:lora_adapters_loaded") == 2  # one on each worker
             unloaded: list[list[str]] = []
             unloading = threading.Thread(target=lambda: unloaded.append(c.unload_lora_adapter("all")))
             unloading.start()
-            _wait_for(lambda: "all" not in c.model_info()["lora_adapters"] or unloaded)
-            for delta in stream:
-                assert not unloaded  # the unload waits for the request running under the adapter
-                tokens += delta.token_ids
+            _wait_for(lambda: "all" not in c.model_info()["lora_adapters"])  # the idle worker dropped it
+            while len(tokens) < MAX_NEW:
+                tokens += next(stream).token_ids
+            assert tokens[:MAX_NEW] == reference["all"][0] and not unloaded  # the unload waits for the request
+            stream.close()  # cancelled: the unload goes on
             unloading.join(60)
-            assert tokens == reference["all"][0] and unloaded == [[]]
+            assert unloaded == [[]]
             with pytest.raises(grpc.RpcError) as e:
                 c.complete("hi", max_tokens=2, lora="all")
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
