@@ -41,7 +41,7 @@ from scheduler_svc.registration import MembershipService
 from scheduler_svc.requests import (InvalidRequest, ParsedEmbed, check_text_size, max_prompt_bytes, parse_classify,
                                     parse_embed, parse_generate, prompt_ids)
 from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
-from scheduler_svc.router import GroupInfo, GroupView, pick_group
+from scheduler_svc.router import GroupInfo, GroupView, pick_group, serving
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
@@ -199,10 +199,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 
     @property
     def lora_adapters(self) -> list[str]:
-        """The LoRA adapters every live group serves."""
-        groups = self.live_groups()
-        return [name for name in groups[0].info.lora_adapters
-                if all(name in g.info.lora_adapters for g in groups)] if groups else []
+        """The LoRA adapters some live group serves (a request under one goes to a group that serves it)."""
+        return list(dict.fromkeys(name for g in self.live_groups() for name in g.info.lora_adapters))
+
+    def _candidates(self, c: Completion, tried: set[int]) -> list[GroupView]:
+        """The live groups a completion may go to: not tried yet, and serving its LoRA adapter."""
+        return serving([g for g in self.live_groups() if g.group_id not in tried], c.params.lora)
 
     @property
     def vocab_size(self) -> int:
@@ -347,7 +349,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         hashes = PromptHashes(c.token_ids(), c.params.hash_root)
         tried: set[int] = set()
         while c.key in self.completions:
-            groups = [g for g in self.live_groups() if g.group_id not in tried]
+            groups = self._candidates(c, tried)
             if not groups:
                 log.warning("request %s: no live worker left to continue it", c.sub_id,
                             extra={"request_id": c.sub_id})
@@ -504,9 +506,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.completions[c.key] = c
         tried: set[int] = set()
         while True:
-            groups = [g for g in self.live_groups() if g.group_id not in tried]
+            groups = self._candidates(c, tried)
             if not groups:
                 self.completions.pop(c.key, None)
+                if c.params.lora and not tried and self.live_groups():  # unloaded since the request was checked
+                    await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"lora {c.params.lora!r} is "
+                                       "not served")
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
             group = prefer if prefer is not None and prefer in groups else pick_group(groups, hashes, self.num_frontends)
             code, text = await self._add(c, group, hashes)

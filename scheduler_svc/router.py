@@ -112,5 +112,11 @@ def cost(group: Group, hashes: PromptHashes, frontends: int) -> float:
     return uncached + frontends * group.own_tokens - 1e-6 * group.free_blocks
 
 
+def serving(groups: list[GroupView], lora: str) -> list[GroupView]:
+    """The groups a request under the LoRA adapter `lora` ("": none) may go to: those that serve it (while one is
+    loaded or unloaded, or where a group that joined could not load it, the groups differ)."""
+    return [g for g in groups if not lora or lora in g.info.lora_adapters]
+
+
 def pick_group(groups: list[G], hashes: PromptHashes, frontends: int) -> G:
     return min(groups, key=lambda g: cost(g, hashes, frontends))

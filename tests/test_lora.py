@@ -316,7 +316,12 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             unloaded: list[list[str]] = []
             unloading = threading.Thread(target=lambda: unloaded.append(c.unload_lora_adapter("all")))
             unloading.start()
-            _wait_for(lambda: "all" not in c.model_info()["lora_adapters"])  # the idle worker dropped it
+            # both take no new request under it at once; the idle worker drops it, the other once the request ends
+            _wait_for(lambda: sample(scrape(metrics_port), "splitserve:lora_adapters_loaded") == 0)
+            assert c.model_info()["lora_adapters"] == ["all"]  # still held by one worker
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("hi", max_tokens=2, lora="all")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             while len(tokens) < MAX_NEW:
                 tokens += next(stream).token_ids
             assert tokens[:MAX_NEW] == reference["all"][0] and not unloaded  # the unload waits for the request

@@ -6,15 +6,26 @@ from __future__ import annotations
 import random
 
 from scheduler_svc.prefix_hash import PromptHashes
-from scheduler_svc.router import GroupInfo, GroupView, pick_group
+from scheduler_svc.router import GroupInfo, GroupView, pick_group, serving
 
 BLOCK = 16
 
 
-def group(gid: int, num_blocks: int = 4096) -> GroupView:
+def group(gid: int, num_blocks: int = 4096, lora_adapters: tuple[str, ...] = ()) -> GroupView:
     return GroupView(GroupInfo(gid, engine=gid, address=f"w{gid}", model="m", dtype="bf16", device="cpu",
                                num_blocks=num_blocks, block_size=BLOCK, max_model_len=8192, vocab_size=1000,
-                               epoch=1, kv_cache_dtype="auto"))
+                               epoch=1, kv_cache_dtype="auto", lora_adapters=list(lora_adapters)))
+
+
+def test_a_request_under_an_adapter_goes_only_to_groups_that_serve_it():
+    """A group that lacks an adapter (one that joined and could not load it, or one that dropped it first in an
+    unload) takes none of its requests, however idle; requests under no adapter go anywhere."""
+    busy, idle = group(0, lora_adapters=("x",)), group(1)
+    busy.own_tokens = 10_000
+    for n in range(20):
+        assert pick_group(serving([busy, idle], "x"), PromptHashes(list(range(n + 5))), frontends=1) is busy
+    assert pick_group(serving([busy, idle], ""), PromptHashes([1, 2, 3]), frontends=1) is idle
+    assert serving([idle], "x") == []
 
 
 def test_front_ends_routing_a_burst_at_once_split_it_evenly():
