@@ -44,9 +44,10 @@ from gateway.metrics import HTTPMetrics, exposition
 from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                               ClassificationRequest, ClassificationResponse, CompletionChunk, CompletionRequest,
                               CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
-                              EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList, RerankRequest,
-                              RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest, ScoreResponse,
-                              TokenizeChatRequest, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest)
+                              EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList,
+                              RerankRequest, RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest,
+                              ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
+                              UnloadLoraAdapterRequest)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -212,7 +213,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"prompt": text})
 
     lora_answers = {**ERRORS, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                    403: {"model": ErrorBody, "description": "the scheduler runs without --allow-runtime-lora-updating"},
+                    403: {"model": ErrorBody,
+                          "description": "the scheduler runs without --allow-runtime-lora-updating"},
                     409: {"model": ErrorBody, "description": "an adapter of that name is loaded already"}}
 
     @app.post("/v1/load_lora_adapter", responses=lora_answers)
