@@ -118,7 +118,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._receiving: asyncio.Task | None = None
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
-        self._adapter_lock = asyncio.Lock()  # one load or unload at a time
+        self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load or unload of a name at a time
         self._adapter_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> (code, error)
 
     # ---- the processes ----------------------------------------------------------------------------
@@ -415,7 +415,7 @@ class Supervisor:
     # ---- LoRA adapters, asked by a front-end -----------------------------------------------------------
     async def _update_adapter(self, frontend: int, req_id: int, name: str, path: str) -> None:
         """Loads (path) or unloads ("") the adapter on every live group; replies code and message where refused."""
-        async with self._adapter_lock:
+        async with self._adapter_locks.setdefault(name, asyncio.Lock()):  # an unload may wait long: by name
             groups = [g for g in self.groups.values() if not g.draining]
             if not groups:
                 return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")

@@ -322,6 +322,12 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             with pytest.raises(grpc.RpcError) as e:
                 c.complete("hi", max_tokens=2, lora="all")
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            # another name is not held up by the unload: the busy worker's slot is still taken, so the load is
+            # refused at once, and unloaded again from the idle worker that took it
+            with pytest.raises(grpc.RpcError) as e:
+                c.load_lora_adapter("qv", str(adapters["qv"]), timeout=20)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert sample(scrape(metrics_port), "splitserve:lora_adapters_loaded") == 0
             while len(tokens) < MAX_NEW:
                 tokens += next(stream).token_ids
             assert tokens[:MAX_NEW] == reference["all"][0] and not unloaded  # the unload waits for the request
