@@ -106,19 +106,23 @@ class EngineGroup:
         """Before the group serves: loads the tree's adapters its worker lacks and drops those the tree unloaded,
         so that it joins serving what the others serve; an adapter it cannot load is left out (logged)."""
         mine = self.core.scheduler.adapters
-        for name, path in adapters.items():
-            try:
-                if path and name not in mine.served:
-                    mine.load(name, path)
-                elif not path and name in mine.served:
-                    mine.unload(name)
-            except AdapterError as e:
-                log.warning("worker %s: LoRA adapter %s: %s", self.address, name, e, extra={"worker": self.address})
-        while mine.pending:
-            self.core.step()
-        for outcome in mine.take_outcomes():
-            if outcome.error:
-                log.warning("worker %s: %s", self.address, outcome.error, extra={"worker": self.address})
+        unloads = [name for name, path in adapters.items() if not path and name in mine.served]
+        loads = [(name, path) for name, path in adapters.items() if path and name not in mine.served]
+        for ops in ([(name, "") for name in unloads], loads):  # unloads first: they free slots for the loads
+            for name, path in ops:
+                try:
+                    if path:
+                        mine.load(name, path)
+                    else:
+                        mine.unload(name)
+                except AdapterError as e:
+                    log.warning("worker %s: LoRA adapter %s: %s", self.address, name, e,
+                                extra={"worker": self.address})
+            while mine.pending:
+                self.core.step()
+            for outcome in mine.take_outcomes():
+                if outcome.error:
+                    log.warning("worker %s: %s", self.address, outcome.error, extra={"worker": self.address})
 
     # ---- from other threads -----------------------------------------------------------------------
     def command(self, message: list) -> None:

@@ -276,8 +276,8 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
                                                                              tmp_path):
     """Two registered workers of one slot each (a step slowed to 20 ms, so a request is in flight when asked): an
     adapter loaded at run time serves on both; a load a worker cannot make is refused for the tree; an unload waits
-    for the request running under it; a worker that joins later serves what the tree loaded and drops what it
-    unloaded (its own --lora-modules included); the gateway's vLLM endpoints do the same."""
+    for the request running under it; a worker of one slot that joins later drops what the tree unloaded (its own
+    --lora-modules) to load what the tree loaded; the gateway's vLLM endpoints and the CLI do the same."""
     worker_args = ["--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-loras", "1",
                    "--max-lora-rank", "8", "--debug-step-delay", "0.02"]
     metrics_port = free_port()
@@ -346,7 +346,7 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             assert complete("qv") == reference["qv"]
 
             first = list(cluster.processes[1:])  # the two workers
-            cluster.start_worker(extra=["--lora-modules", f"all={adapters['all']}", "--max-loras", "2"])
+            cluster.start_worker(extra=["--lora-modules", f"all={adapters['all']}"])  # in its one slot
             _wait_for(lambda: c.model_info()["num_workers"] == 3)
             for worker in first:
                 worker.popen.send_signal(signal.SIGTERM)
@@ -360,18 +360,20 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             def post(path: str, **body) -> httpx.Response:
                 return httpx.post(f"{gateway.url}{path}", json=body, timeout=60)
 
+            full = post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"]))
+            assert full.status_code == 429, full.text  # the worker's one slot holds qv
+            assert post("/v1/unload_lora_adapter", lora_name="qv").text == \
+                "Success: LoRA adapter 'qv' removed successfully."
             answer = post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"]))
             assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'all' added successfully.")
             models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
-            assert [m["id"] for m in models] == ["model", "qv", "all"]
+            assert [m["id"] for m in models] == ["model", "all"]
             completion = post("/v1/completions", model="all", prompt=PROMPTS[2], max_tokens=MAX_NEW, temperature=0,
                               ignore_eos=True).json()
             assert completion["model"] == "all"
             assert post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"])).status_code == 409
-            assert post("/v1/unload_lora_adapter", lora_name="all").text == \
-                "Success: LoRA adapter 'all' removed successfully."
-            assert post("/v1/unload_lora_adapter", lora_name="all").status_code == 404
-            unknown = post("/v1/completions", model="all", prompt="a")
+            assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 404
+            unknown = post("/v1/completions", model="qv", prompt="a")
             assert unknown.status_code == 404, unknown.text
         finally:
             gateway.stop()
@@ -380,7 +382,7 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             return subprocess.run([sys.executable, "-m", "client.cli", *args, "--address", cluster.address],
                                   capture_output=True, text=True, timeout=120)
 
-        assert json.loads(splitserve("unload-lora", "qv").stdout) == []
+        assert json.loads(splitserve("unload-lora", "all").stdout) == []
         assert json.loads(splitserve("load-lora", "qv", str(adapters["qv"])).stdout) == ["qv"]
         refused = splitserve("unload-lora", "nope")
         assert refused.returncode != 0 and "NOT_FOUND" in refused.stderr and "'nope' is not loaded" in refused.stderr
