@@ -215,6 +215,16 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
     assert generate("qv") == reference["qv"]
 
 
+def test_lora_modules_take_vllms_forms():
+    from worker_svc.cli import lora_modules
+
+    assert lora_modules(["sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "m"}']) == {
+        "sql": "/a/sql", "chat": "/a/chat"}
+    for bad in (["sql"], ["=/a"], ["sql=/a", "sql=/b"], ['{"name": "x"}'], ["{not json"]):
+        with pytest.raises(SystemExit, match="distinct NAME=PATH pairs"):
+            lora_modules(bad)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, adapters, tmp_path_factory):
     c = LocalCluster(tiny_model_dir, log_dir=tmp_path_factory.mktemp("lora-logs"), worker_args=[

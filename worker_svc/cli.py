@@ -65,12 +65,21 @@ def _non_negative(text: str) -> int:
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:
-    """--lora-modules NAME=PATH ... as a dict; SystemExit naming a malformed or repeated one."""
+    """--lora-modules NAME=PATH ... (or vLLM's JSON objects with "name" and "path") as a dict; SystemExit naming a
+    malformed or repeated one."""
     out: dict[str, str] = {}
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path or name in out:
-            raise SystemExit(f"splitserve-worker serve: --lora-modules takes distinct NAME=PATH pairs, got {spec!r}")
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+                name, path = str(entry["name"]), str(entry["path"])
+            except (ValueError, KeyError, TypeError):
+                name = path = ""
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path or name in out:
+            raise SystemExit(f"splitserve-worker serve: --lora-modules takes distinct NAME=PATH pairs (or JSON objects "
+                             f"with a name and a path), got {spec!r}")
         out[name] = path
     return out
 
@@ -264,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters to serve beside the weights (PEFT folders: adapter_config.json, "
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
-                        "the gateway's `model`)")
+                        "the gateway's `model`); vLLM's JSON form too: '{\"name\": ..., \"path\": ...}'")
     p.add_argument("--max-loras", type=_non_negative, default=0, metavar="N",
                    help="LoRA adapter slots, for --lora-modules and adapters loaded while serving (the scheduler's "
                         "LoadLoraAdapter); every adapted step computes all slots' ranks (default: as many as "
