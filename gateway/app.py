@@ -22,6 +22,7 @@ import re
 import time
 import uuid
 from array import array
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
@@ -217,31 +218,32 @@ def create_app(config: GatewayConfig) -> FastAPI:
                           "description": "the scheduler runs without --allow-runtime-lora-updating"},
                     409: {"model": ErrorBody, "description": "an adapter of that name is loaded already"}}
 
+    async def adapter_answer(backend: Backend, call: Awaitable, done: str) -> PlainTextResponse:
+        """The answer to a LoRA load or unload (`call`, the scheduler's): its refusal as an HTTP error, else vLLM's
+        text `done`."""
+        try:
+            await call
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            backend.forget_model_info()
+        return PlainTextResponse(done)
+
     @app.post("/v1/load_lora_adapter", responses=lora_answers)
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         """vLLM's: loads a LoRA adapter on every worker (the scheduler's LoadLoraAdapter), served by its name as a
         request's `model` from then on; 429 when every slot of a worker (--max-loras) holds one."""
         backend = backend_of(request)
-        try:
-            await backend.client.load_lora_adapter(body.lora_name, body.lora_path, timeout=backend.config.rpc_timeout)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
-        finally:
-            backend.forget_model_info()
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        call = backend.client.load_lora_adapter(body.lora_name, body.lora_path, timeout=backend.config.rpc_timeout)
+        return await adapter_answer(backend, call, f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses=lora_answers)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         """vLLM's: unloads a LoRA adapter from every worker once the requests running under it have ended (new ones
         get 404 from the call on); 404 when it is not loaded."""
         backend = backend_of(request)
-        try:
-            await backend.client.unload_lora_adapter(body.lora_name, timeout=backend.config.rpc_timeout)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
-        finally:
-            backend.forget_model_info()
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+        call = backend.client.unload_lora_adapter(body.lora_name, timeout=backend.config.rpc_timeout)
+        return await adapter_answer(backend, call, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:

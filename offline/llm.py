@@ -172,16 +172,10 @@ class LLM:
         self._update_adapter(name, "")
 
     def _update_adapter(self, name: str, path: str) -> None:
-        adapters = self.engine.scheduler.adapters
         if not name:
             raise ValueError("a LoRA adapter needs a name")
-        if path:
-            adapters.load(name, path)
-        else:
-            adapters.unload(name)
-        while adapters.pending:  # nothing else runs between generate calls: one plan, one result
-            self.engine.step()
-        for outcome in adapters.take_outcomes():
+        self.engine.scheduler.adapters.update(name, path)
+        for outcome in self.engine.core.settle_adapters():  # nothing else runs between generate calls
             if outcome.error:
                 raise ValueError(outcome.error)
 

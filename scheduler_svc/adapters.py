@@ -80,6 +80,13 @@ class Adapters:
         self.served.remove(name)
         self._waiting.append(_Op(name, "", ticket))
 
+    def update(self, name: str, path: str, ticket: object = None) -> None:
+        """load(name, path), or unload(name) where path is "": how the tree's messages carry both."""
+        if path:
+            self.load(name, path, ticket)
+        else:
+            self.unload(name, ticket)
+
     def take(self, step: int, holds: Callable[[str], bool]) -> tuple[list[str], list[tuple[str, str]]]:
         """The plan of `step`'s unloads (those no sequence holds: `holds(name)`) and loads, as planned."""
         ops = [op for op in self._waiting if op.path or not holds(op.name)]

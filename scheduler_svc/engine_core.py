@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from common.limits import Limits
 from protos import WORKER_PROTOCOL_VERSION, worker_pb2
-from scheduler_svc.adapters import Adapters
+from scheduler_svc.adapters import AdapterOutcome, Adapters
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import SamplingParams
@@ -79,6 +79,14 @@ class EngineCore:
         for seq in moving:
             self.scheduler.abort(seq.seq_id)
         return moving
+
+    def settle_adapters(self) -> list[AdapterOutcome]:
+        """Steps until no LoRA load or unload is pending, and returns their outcomes: where nothing else runs (a
+        group before it serves, an offline engine between calls)."""
+        adapters = self.scheduler.adapters
+        while adapters.pending:
+            self.step()
+        return adapters.take_outcomes()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight > 0

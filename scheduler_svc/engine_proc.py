@@ -106,21 +106,16 @@ class EngineGroup:
         """Before the group serves: loads the tree's adapters its worker lacks and drops those the tree unloaded,
         so that it joins serving what the others serve; an adapter it cannot load is left out (logged)."""
         mine = self.core.scheduler.adapters
-        unloads = [name for name, path in adapters.items() if not path and name in mine.served]
+        unloads = [(name, path) for name, path in adapters.items() if not path and name in mine.served]
         loads = [(name, path) for name, path in adapters.items() if path and name not in mine.served]
-        for ops in ([(name, "") for name in unloads], loads):  # unloads first: they free slots for the loads
+        for ops in (unloads, loads):  # unloads first: they free slots for the loads
             for name, path in ops:
                 try:
-                    if path:
-                        mine.load(name, path)
-                    else:
-                        mine.unload(name)
+                    mine.update(name, path)
                 except AdapterError as e:
                     log.warning("worker %s: LoRA adapter %s: %s", self.address, name, e,
                                 extra={"worker": self.address})
-            while mine.pending:
-                self.core.step()
-            for outcome in mine.take_outcomes():
+            for outcome in self.core.settle_adapters():
                 if outcome.error:
                     log.warning("worker %s: %s", self.address, outcome.error, extra={"worker": self.address})
 
@@ -219,12 +214,8 @@ class EngineGroup:
                 self._send_load(out, {}, snapshot=message[1])
             elif op == "lora":  # [lora, group, ticket, name, path ("": unload)]
                 _, _, ticket, name, path = message
-                adapters = self.scheduler.adapters
                 try:
-                    if path:
-                        adapters.load(name, path, ticket)
-                    else:
-                        adapters.unload(name, ticket)
+                    self.scheduler.adapters.update(name, path, ticket)
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
 
