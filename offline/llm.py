@@ -162,13 +162,13 @@ class LLM:
         return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
     def load_lora(self, name: str, path: str | Path) -> None:
-        """Loads the LoRA adapter in the PEFT folder `path` into a free slot (the option max_loras) under `name`,
-        which SamplingParams.lora then names. ValueError where it cannot: a name in use, no free slot, or what
-        the worker cannot read or serve."""
+        """Loads the LoRA adapter in the PEFT folder `path` under `name`, which SamplingParams.lora then names.
+        ValueError where it cannot: a name in use, no room left (the options max_cpu_loras, max_loras), or what the
+        worker cannot read or serve."""
         self._update_adapter(name, str(path))
 
     def unload_lora(self, name: str) -> None:
-        """Drops the LoRA adapter (loaded here or at start), freeing its slot. ValueError where it is not loaded."""
+        """Drops the LoRA adapter (loaded here or at start). ValueError where it is not loaded."""
         self._update_adapter(name, "")
 
     def _update_adapter(self, name: str, path: str) -> None:

@@ -66,7 +66,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks", "unload_loras", "load_loras")
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks", "unload_loras", "load_loras", "lora_slots")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StepPlan(_message.Message):
     NUM_RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
     LOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -105,7 +106,8 @@ class StepPlan(_message.Message):
     num_released_blocks: _containers.RepeatedScalarFieldContainer[int]
     unload_loras: _containers.RepeatedScalarFieldContainer[str]
     load_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ..., unload_loras: _Optional[_Iterable[str]] = ..., load_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    lora_slots: _containers.RepeatedCompositeFieldContainer[LoraSlot]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ..., unload_loras: _Optional[_Iterable[str]] = ..., load_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_slots: _Optional[_Iterable[_Union[LoraSlot, _Mapping]]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path")
@@ -114,6 +116,14 @@ class LoraAdapter(_message.Message):
     name: str
     path: str
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoraSlot(_message.Message):
+    __slots__ = ("slot", "name")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids", "pooled_seq_ids", "pooled_starts", "pooled_counts", "pooled", "failed_loras")
@@ -179,7 +189,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank")
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slots")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +213,8 @@ class DescribeResponse(_message.Message):
     LABEL_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     dtype: str
@@ -226,4 +238,6 @@ class DescribeResponse(_message.Message):
     label_activation: str
     max_loras: int
     max_lora_rank: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    max_cpu_loras: int
+    lora_slots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slots: _Optional[_Iterable[str]] = ...) -> None: ...

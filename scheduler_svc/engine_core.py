@@ -39,7 +39,7 @@ class EngineCore:
         self.config = dataclasses.replace(config, limits=limits.within(worker))
         self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, eos_token_ids, info.epoch,
                                    info.num_host_blocks, info.sliding_window,
-                                   Adapters(list(info.lora_adapters), info.max_loras))
+                                   Adapters(list(info.lora_adapters), list(info.lora_slots), info.max_cpu_loras))
         self._depth = self.config.pipeline_depth
         self._in_flight = 0
         self._next_seq_id = 1

@@ -108,7 +108,7 @@ class EngineGroup:
         mine = self.core.scheduler.adapters
         unloads = [(name, path) for name, path in adapters.items() if not path and name in mine.served]
         loads = [(name, path) for name, path in adapters.items() if path and name not in mine.served]
-        for ops in (unloads, loads):  # unloads first: they free slots for the loads
+        for ops in (unloads, loads):  # unloads first: they make room for the loads
             for name, path in ops:
                 try:
                     mine.update(name, path)

@@ -156,11 +156,11 @@ class _GroupCollector:
 
     @staticmethod
     def _counters(s) -> tuple[int, ...]:
-        """Preemptions, blocks swapped out and in, blocks released behind a sliding window, prefix-hit tokens from
-        the GPU and from the host."""
+        """Preemptions, blocks swapped out and in, blocks released behind a sliding window, LoRA adapters placed
+        into slots, prefix-hit tokens from the GPU and from the host."""
         bm = s.block_manager
         return (s.num_preemptions, bm.num_swapped_out, bm.num_swapped_in, s.num_released_blocks,
-                s.num_prefix_hit_tokens - s.num_host_hit_tokens, s.num_host_hit_tokens)
+                s.adapters.num_placements, s.num_prefix_hit_tokens - s.num_host_hit_tokens, s.num_host_hit_tokens)
 
     def collect(self):
         running = GaugeMetricFamily("splitserve:num_requests_running", "Sequences running", labels=["worker"])
@@ -191,14 +191,16 @@ class _GroupCollector:
                                   labels=["worker"])
         lora_requests = GaugeMetricFamily("splitserve:lora_requests", "Sequences under each LoRA adapter, running or "
                                           "waiting", labels=["worker", "lora", "state"])
+        placed = CounterMetricFamily("splitserve:lora_slot_loads", "LoRA adapters copied into a device slot for "
+                                     "a request (from the worker's host memory)", labels=["worker"])
         gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive, loras)
-        counters = (preempt, swapped_out, swapped_in, released)
+        counters = (preempt, swapped_out, swapped_in, released, placed)
 
         def add_counters(address: str, values: tuple[int, ...]) -> None:
             for family, value in zip(counters, values):
                 family.add_metric([address], value)
-            tier_hits.add_metric([address, "gpu"], values[4])
-            tier_hits.add_metric([address, "host"], values[5])
+            tier_hits.add_metric([address, "gpu"], values[-2])
+            tier_hits.add_metric([address, "host"], values[-1])
 
         now = time.monotonic()
         live = list(self._groups())

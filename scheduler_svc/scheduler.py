@@ -79,7 +79,7 @@ class Scheduler:
         self.max_model_len = config.limits.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
-        self.adapters = adapters or Adapters([], 0)
+        self.adapters = adapters or Adapters([], [])
         self.waiting: deque[Sequence] = deque()  # in arrival order
         self.running: list[Sequence] = []  # in arrival order; the last one is preempted first
         self._seqs: dict[int, Sequence] = {}  # every sequence not finished
@@ -358,13 +358,19 @@ class Scheduler:
             seq.num_computed_tokens = c + n
             budget -= n
 
-        # Admit waiting sequences, unless this step preempted (they would only thrash).
+        # Admit waiting sequences, unless this step preempted (they would only thrash). A sequence whose LoRA
+        # adapter finds no slot waits, and every adapter's sequence behind it: the others go on.
         if self.num_preemptions == n_preempted:
             waiting = self.waiting
+            no_slot: list[Sequence] = []
             while waiting and budget > 0 and len(running) < cfg.limits.max_num_seqs:
                 seq = waiting[0]
                 if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
                     break  # the worker must drop it before it is resent
+                lora = seq.params.lora
+                if lora and no_slot:
+                    no_slot.append(waiting.popleft())
+                    continue
                 hits = bm.match_prefix(seq)
                 total = len(seq.token_ids)
                 while True:
@@ -379,6 +385,9 @@ class Scheduler:
                     hits = hits[:max(bm.num_blocks - need, 0)]
                 if need + bm.num_free_among(hits) > bm.num_free_blocks:
                     break
+                if lora and not self.adapters.place(lora, step, lambda: {s.params.lora for s in running}):
+                    no_slot.append(waiting.popleft())
+                    continue
                 waiting.popleft()
                 self._waiting_tokens -= total
                 on_host = sum(1 for b in hits if b < 0)
@@ -404,6 +413,7 @@ class Scheduler:
                     capped.append(entry)
                 admitted.append(entry)
                 budget -= n
+            waiting.extendleft(reversed(no_slot))
 
         # Budget left: extend capped chunks, oldest first, with blocks that are free (no preemption).
         for entry in capped:
@@ -422,7 +432,7 @@ class Scheduler:
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        unloads, loads = self.adapters.take(step, self._runs_under) if self.adapters.pending else ((), ())
+        unloads, loads, placed = self.adapters.take(step, self._runs_under) if self.adapters.pending else ((), (), ())
         if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in
                 or unloads or loads):
             return None
@@ -489,6 +499,8 @@ class Scheduler:
         plan.unload_loras.extend(unloads)
         for name, path in loads:
             plan.load_loras.add(name=name, path=path)
+        for slot, name in placed:
+            plan.lora_slots.add(slot=slot, name=name)
         self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.
@@ -639,6 +651,9 @@ class Scheduler:
         assert live == self._seqs.keys()
         for seq in self.waiting:
             assert seq.start_step == NEVER
+        slots = [name for name in self.adapters.slots if name]
+        assert len(set(slots)) == len(slots), "an adapter in two slots"
+        assert all(s.params.lora in slots for s in self.running if s.params.lora), "running under no slot's adapter"
 
 
 def _arrival(seq: Sequence) -> int:

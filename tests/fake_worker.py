@@ -14,9 +14,11 @@ is a violation; its offloads copy after its writes.
 With a sliding window a step reads only the keys inside the window of its first position, so a released
 block (StepPlan.released_ids) that the window still covers shows up as a mismatch once it is reused.
 
-With LoRA slots (lora_slots) it loads and unloads adapters as plans say (a path "bad" fails to load), and a
-sequence's KV content chains from its adapter's load, so that a prefix hit on KV an earlier load of the same name
-computed shows up as a mismatch too.
+With LoRA slots (lora_slots, and lora_capacity adapters held) it loads, unloads and places adapters into slots as
+plans say (a path "bad" fails to load; a placement of an adapter it does not hold, or into a slot a held sequence
+runs under, is a violation), and a sequence's KV content chains from its adapter's load, so that a prefix hit on KV
+an earlier load of the same name computed shows up as a mismatch too (KV computed under the same load, whatever
+slots it went through, is still right).
 
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
@@ -87,6 +89,7 @@ class FakeWorker:
         num_host_blocks: int = 0,
         sliding_window: int = 0,
         lora_slots: int = 0,
+        lora_capacity: int = 0,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -101,8 +104,10 @@ class FakeWorker:
         self.host_kv: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.num_swapped = 0  # blocks copied either way
         self.lora_slots = lora_slots
+        self.lora_capacity = max(lora_capacity, lora_slots)
         self.loads: dict[str, int] = {}  # a loaded adapter's load, by name
         self.num_loads = 0
+        self.num_placements = 0
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
         self.seqs: dict[int, _Tokens] = {}
         self.plans: list[worker_pb2.StepPlan] = []
@@ -133,6 +138,8 @@ class FakeWorker:
             num_host_blocks=self.num_host_blocks,
             sliding_window=self.sliding_window,
             max_loras=self.lora_slots,
+            max_cpu_loras=self.lora_capacity,
+            lora_slots=self.batch.lora_adapters,
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -167,16 +174,19 @@ class FakeWorker:
             del self.seqs[sid]
         self._swap(plan)
         result = worker_pb2.StepResult(step=plan.step)
-        for name in plan.unload_loras:  # the batch freed its slot
+        for name in plan.unload_loras:  # the batch freed its slot, if it had one
+            _check(name in self.loads, f"unload of {name!r}, which is not loaded")
             del self.loads[name]
         for adapter in plan.load_loras:
-            names = self.batch.lora_adapters
-            if adapter.path == "bad" or adapter.name in names or "" not in names:
+            if adapter.path == "bad" or adapter.name in self.loads or len(self.loads) >= self.lora_capacity:
                 result.failed_loras[adapter.name] = f"cannot load {adapter.name!r} from {adapter.path!r}"
                 continue
-            names[names.index("")] = adapter.name
             self.num_loads += 1
             self.loads[adapter.name] = self.num_loads
+        for placed in plan.lora_slots:
+            _check(placed.name in self.loads and placed.name not in result.failed_loras,
+                   f"{placed.name!r} placed into a slot but not loaded")
+            self.num_placements += 1
         for ns in plan.new_seqs:
             self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs,
                                            self.loads.get(ns.sampling.lora, 0))

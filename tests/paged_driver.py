@@ -102,11 +102,14 @@ class PagedDriver:
             self.seqs[seq_id].tokens.append(token)
         return out
 
-    def update_adapters(self, load: dict[str, str] | None = None, unload: tuple[str, ...] = ()) -> dict[str, str]:
-        """One plan of LoRA adapter deltas alone (StepPlan.load_loras, unload_loras); returns the failed loads."""
+    def update_adapters(self, load: dict[str, str] | None = None, unload: tuple[str, ...] = (),
+                        place: dict[int, str] | None = None) -> dict[str, str]:
+        """One plan of LoRA adapter deltas alone (StepPlan.load_loras, unload_loras, lora_slots: slot -> adapter);
+        returns the failed loads."""
         self.step += 1
         plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, unload_loras=unload,
-                           load_loras=[pb.LoraAdapter(name=n, path=str(p)) for n, p in (load or {}).items()])
+                           load_loras=[pb.LoraAdapter(name=n, path=str(p)) for n, p in (load or {}).items()],
+                           lora_slots=[pb.LoraSlot(slot=k, name=n) for k, n in (place or {}).items()])
         return dict(self.runner.execute(plan).result().failed_loras)
 
     def run_all(self) -> None:

@@ -127,6 +127,24 @@ def test_adapted_sequences_swapped_to_the_host_and_back_equal_merged_weights(tin
     blocks.check([])
 
 
+def test_more_adapters_than_slots_equal_merged_weights(tiny_model_dir, adapters, reference):
+    """Two adapters and one slot (max_loras 1): the batch of every prompt under each adapter and the base model runs
+    one adapter's sequences at a time beside the base model's, each adapter copied into the slot from host memory
+    when its turn comes, and every token equals the merged weights'; a prefix cached under an adapter is hit again
+    after it left the slot and came back."""
+    engine = _run_every_prompt_under_each_adapter(tiny_model_dir, adapters, reference, {"max_num_batched_tokens": 32},
+                                                  num_blocks=64, block_size=16, max_loras=1)
+    adapters_of = engine.scheduler.adapters
+    assert adapters_of.num_placements == 1 and adapters_of.slots == ["qv"]  # "all" held the slot from the start
+    assert sorted(engine.worker_info.lora_adapters) == ["all", "qv"] and engine.worker_info.max_cpu_loras == 2
+    prompt = [(17 * i) % 997 for i in range(40)]
+    for name, cached in (("all", 0), ("qv", 0), ("all", 32), ("qv", 32)):
+        engine.add(prompt, _params(name), "again")
+        assert _run(engine)["again"][3].cached_prompt_tokens == cached, name
+    assert adapters_of.num_placements == 5
+    engine.scheduler.block_manager.check([])
+
+
 def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, tmp_path):
     from worker_svc.runtime.model_runner import ModelRunner
 
@@ -135,8 +153,9 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
     def load_adapters(adapters: dict[str, Path]) -> None:
         (name, folder), = adapters.items()
         try:
-            runner.lora.load(0, name, folder)
-        finally:  # a failed load leaves its slot clear
+            runner.lora.register(name, folder)
+        finally:  # a refused adapter is not held, and no slot was touched
+            assert not runner.lora.registered
             assert all(not m.lora.a.any() and not m.lora.b.any() for m in runner.lora.modules.values())
 
     with pytest.raises(ValueError, match="'big': rank 8 is above this worker's --max-lora-rank 4"):
@@ -183,7 +202,7 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
         generate("all")
     llm.load_lora("all", adapters["all"])
     assert generate("all") == reference["all"]
-    with pytest.raises(ValueError, match=r"every LoRA slot of the worker \(1, its --max-loras\)"):
+    with pytest.raises(ValueError, match=r"the worker holds 1 LoRA adapters \(its --max-cpu-loras\)"):
         llm.load_lora("qv", adapters["qv"])
     with pytest.raises(ValueError, match="'all' is loaded already"):
         llm.load_lora("all", adapters["all"])
@@ -229,15 +248,16 @@ def test_lora_modules_take_vllms_forms():
 def cluster(tiny_model_dir, adapters, tmp_path_factory):
     c = LocalCluster(tiny_model_dir, log_dir=tmp_path_factory.mktemp("lora-logs"), worker_args=[
         "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8",
-        "--max-loras", "3", "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
-        scheduler_args=["--allow-runtime-lora-updating"]).start(timeout=180)
+        "--max-loras", "1", "--max-cpu-loras", "3",
+        "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
+        scheduler_args=["--allow-runtime-lora-updating", "--metrics-port", str(free_port())]).start(timeout=180)
     yield c
     c.stop()
 
 
 def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, adapters, reference, merged, tmp_path):
     """Generations and embeddings under each adapter (by name over gRPC, by model name through the gateway), and under
-    one loaded while serving."""
+    one loaded while serving: three adapters held in host memory take turns in one slot on each rank."""
     with Client(cluster.address, timeout=60) as c:
         assert c.model_info()["lora_adapters"] == ["all", "qv"]
         for name in NAMES:
@@ -257,6 +277,8 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ada
         assert [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
                            lora="qv again")[0].token_ids for p in PROMPTS] == reference["qv"]
         assert c.unload_lora_adapter("qv again") == ["all", "qv"]
+        metrics_port = int(cluster.scheduler_args[cluster.scheduler_args.index("--metrics-port") + 1])
+        assert sample(scrape(metrics_port), "splitserve:lora_slot_loads_total") == 2  # "qv", then "qv again"
     gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
     try:
         models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
@@ -306,7 +328,7 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             assert complete("all") == reference["all"] and complete("") == reference[""]
             for name, path, code, text in (
                     ("all", adapters["all"], grpc.StatusCode.ALREADY_EXISTS, "'all' is loaded already"),
-                    ("qv", adapters["qv"], grpc.StatusCode.RESOURCE_EXHAUSTED, "every LoRA slot"),
+                    ("qv", adapters["qv"], grpc.StatusCode.RESOURCE_EXHAUSTED, "holds 1 LoRA adapters"),
                     ("model", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
                     ("", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
                     ("x", "", grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name")):

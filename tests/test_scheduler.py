@@ -33,6 +33,7 @@ def make(
     num_host_blocks: int = 0,
     sliding_window: int = 0,
     lora_slots: int = 0,
+    lora_capacity: int = 0,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
         limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
@@ -41,11 +42,12 @@ def make(
         enable_prefix_caching=caching,
     )
     worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn,
-                        num_host_blocks=num_host_blocks, sliding_window=sliding_window, lora_slots=lora_slots)
-    worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
+                        num_host_blocks=num_host_blocks, sliding_window=sliding_window, lora_slots=lora_slots,
+                        lora_capacity=lora_capacity)
+    info = worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
     return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch,
                      num_host_blocks=num_host_blocks, sliding_window=sliding_window,
-                     adapters=Adapters([], lora_slots)), worker
+                     adapters=Adapters(list(info.lora_adapters), list(info.lora_slots), info.max_cpu_loras)), worker
 
 
 def seq(seq_id: int, prompt, **params) -> Sequence:
@@ -290,6 +292,22 @@ def test_a_release_inside_the_window_is_refused():
             worker.execute(plan)
 
 
+def test_a_slot_change_under_a_held_sequence_is_refused():
+    """The worker's own check (PersistentBatch): a LoRA adapter placed into the slot a held sequence runs under, an
+    unload of that adapter, or a placement of an adapter into a second slot, is a protocol violation."""
+    for bad in (dict(lora_slots=[worker_pb2.LoraSlot(slot=0, name="b")]), dict(unload_loras=["a"]),
+                dict(lora_slots=[worker_pb2.LoraSlot(slot=1, name="a")])):
+        sched, worker = make(lora_slots=2, lora_capacity=2)
+        for name in "ab":
+            sched.adapters.load(name, f"/{name}")
+        Driver(sched, worker).run()
+        sched.add(seq(1, range(1, 9), max_tokens=4, lora="a"))
+        worker.execute(sched.schedule())
+        assert sched.adapters.slots == ["a", ""]
+        with pytest.raises(ProtocolViolation, match="runs under 'a'|placed into slot 1 of 2, or twice"):
+            worker.execute(worker_pb2.StepPlan(step=worker.step + 1, epoch=worker.epoch, **bad))
+
+
 def test_max_tokens_never_wastes_a_pipelined_step():
     sched, worker = make()
     d = Driver(sched, worker, 2)
@@ -370,6 +388,38 @@ def test_an_unloaded_adapter_leaves_no_kv_for_a_later_load_of_its_name(host):
     driver.run()
     assert again.num_cached_tokens == 0 and again.output_token_ids == expected_output(worker, again)[0]
     assert [(o.name, o.error) for o in sched.adapters.take_outcomes()] == [("a", "")] * 3
+    sched.block_manager.check([])
+
+
+def test_more_adapters_than_slots_take_turns_in_them():
+    """Three adapters served in one slot: each sequence runs once its adapter is in the slot, the adapter moves out
+    only when no running sequence needs it, its cached KV survives the move (the same load's KV, hit again), and
+    a stream of requests under the placed adapter does not starve the others' (they wait behind the first sequence
+    that found no slot, while a sequence without an adapter goes ahead)."""
+    sched, worker = make(num_blocks=32, block_size=4, max_num_seqs=8, lora_slots=1, lora_capacity=3)
+    driver = Driver(sched, worker)
+    for name in "abc":
+        sched.adapters.load(name, f"/{name}")
+    driver.run()
+    assert sorted(sched.adapters.served) == ["a", "b", "c"] and sched.adapters.slots == [""]
+    prompt = list(range(1, 13))
+    first = [seq(1, prompt, max_tokens=6, lora="a"), seq(2, prompt, max_tokens=3, lora="b"),
+             seq(3, prompt, max_tokens=3, lora="a"), seq(4, [5] * 9, max_tokens=3),
+             seq(5, prompt, max_tokens=3, lora="c")]
+    for s in first:
+        sched.add(s)
+    driver.step()
+    assert [s.seq_id for s in sched.running] == [1, 4]  # b waits for the slot, and so does a's later sequence
+    driver.run()
+    again = seq(6, prompt, max_tokens=2, lora="a")  # a's prompt is cached: a's KV, read under a's load
+    sched.add(again)
+    driver.run()
+    for s in [*first, again]:
+        assert s.output_token_ids == expected_output(worker, s)[0], s.seq_id
+    assert again.num_cached_tokens == 8
+    order = [p.name for plan in driver.plans for p in plan.lora_slots]
+    assert order == ["a", "b", "a", "c", "a"] and worker.num_placements == 5
+    assert sched.adapters.num_placements == 5
     sched.block_manager.check([])
 
 
@@ -741,20 +791,38 @@ TestSchedulerMachine.settings = settings(max_examples=250, stateful_step_count=8
 
 class AdapterMachine(SchedulerMachine):
     """The same with LoRA slots and the prefix cache always on, and prompts under adapters most of the time: loads
-    and unloads among running, waiting, preempted and cached sequences of the adapters, and loads again under a name
-    whose cached KV an earlier load computed."""
+    and unloads among running, waiting, preempted and cached sequences of the adapters, loads again under a name
+    whose cached KV an earlier load computed, and more adapters served than slots (the worker checks that no slot
+    changes under a held sequence and that each sequence's KV comes from its adapter's load, whatever slots it
+    went through)."""
 
     @initialize(num_blocks=st.integers(8, 20), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 24),
                 max_num_seqs=st.integers(1, 5), depth=st.sampled_from([1, 2, 3]), host=st.sampled_from([0, 6, 24]),
-                lora_slots=st.sampled_from([1, 2]))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, depth, host, lora_slots):
+                lora_slots=st.sampled_from([1, 2]), lora_capacity=st.sampled_from([0, 3]))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, depth, host, lora_slots, lora_capacity):
         SchedulerMachine.setup(self, num_blocks, block_size, budget, 0, max_num_seqs, True, depth, host, 0,
                                lora_slots)
-        self.load_adapter("a", False)
+        self.shape["lora_capacity"] = lora_capacity
+        self.sched, self.worker = make(**self.shape)
+        self.sched.block_manager.record_events = True
+        for name in "abc":
+            self.load_adapter(name, False)
+        while self.sched.adapters.pending:  # served from the start
+            self.schedule()
+            self.result()
 
-    @rule(name=st.sampled_from(["a", "b"]), prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
+    @rule(name=st.sampled_from(["a", "b", "c"]), bad=st.sampled_from([False, False, False, True]))
+    def load_more(self, name, bad):
+        self.load_adapter(name, bad)
+
+    @rule(name=st.sampled_from(["a", "b", "c"]), prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
     def add_under(self, name, prefix, max_tokens):
         self.add(prefix, 12, [], max_tokens, True, 0, None, name)
+
+    def teardown(self):
+        super().teardown()
+        if hasattr(self, "sched"):
+            event(f"adapters placed into slots: {min(self.worker.num_placements, 3)}")
 
 
 TestAdapterMachine = AdapterMachine.TestCase

@@ -107,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
         lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        hf_overrides=overrides)
+        max_cpu_loras=args.max_cpu_loras, hf_overrides=overrides)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -275,9 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
                         "the gateway's `model`); vLLM's JSON form too: '{\"name\": ..., \"path\": ...}'")
     p.add_argument("--max-loras", type=_non_negative, default=0, metavar="N",
-                   help="LoRA adapter slots, for --lora-modules and adapters loaded while serving (the scheduler's "
-                        "LoadLoraAdapter); every adapted step computes all slots' ranks (default: as many as "
-                        "--lora-modules; 0 of them: no LoRA)")
+                   help="LoRA adapter slots on the device: the most adapters one step runs under; the scheduler "
+                        "moves the adapters requests need into them; every adapted step computes all slots' ranks "
+                        "(default: as many as --lora-modules; 0 of them: no LoRA)")
+    p.add_argument("--max-cpu-loras", type=_non_negative, default=0, metavar="N",
+                   help="LoRA adapters held in host memory, ready for a slot: --lora-modules and adapters loaded "
+                        "while serving (the scheduler's LoadLoraAdapter) (default: --max-loras or as many as "
+                        "--lora-modules, whichever is more)")
     p.add_argument("--max-lora-rank", type=_non_negative, default=0, metavar="R",
                    help="the largest adapter rank a slot takes (default: 16, or the largest of --lora-modules)")
     p.add_argument("--hf-overrides", default="{}", metavar="JSON",

@@ -99,7 +99,7 @@ def test_a_reranker_on_the_gpu_scores_as_transformers(tmp_path):
 def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
     """Sequences of an adapter beside base ones, their decode steps replaying the graphs captured with the adapters'
     kernels (a step without an adapter's row: those without), against a runner of the merged checkpoint and a runner
-    without adapters; the adapter loaded at start, or into a free slot of graphs captured before it came."""
+    without adapters; the adapter loaded at start, or placed into a slot of graphs captured before it came."""
     from tests.paged_driver import PagedDriver
     from worker_svc.checkpoints.writer import make_lora_adapter
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
@@ -124,6 +124,7 @@ def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
         driver = PagedDriver(runner)
         if name == "loaded":
             assert driver.update_adapters(load={"b": adapter, "a": adapter}) == {}
+            assert driver.update_adapters(place={0: "b", 1: "a"}) == {}
             assert driver.update_adapters(unload=("b",)) == {}  # a slot of its own, cleared again
         seqs = {i: driver.add(p, 16, pb.SamplingParams(**greedy, lora=lora))
                 for i, (p, lora) in enumerate(zip(prompts, loras)) if lora is not None}

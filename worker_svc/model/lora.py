@@ -1,11 +1,13 @@
 """LoRA adapters served beside the base weights (vLLM's multi-LoRA): PEFT's layout (adapter_config.json,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]),
-loaded at start (--lora-modules) or while serving (StepPlan.load_loras) into slots allocated at start (--max-loras,
---max-lora-rank). An adapted projection adds (x A^T) B^T * scale for the tokens of the sequences that run under an
-adapter. Each projection keeps every slot's A and B side by side (R rows of A and R columns of B a slot, R the
-largest rank times the projection's packed parts: q, k and v of a packed qkv each have their own pair), sharded as the
-projection's weight is (B by output rows where the weight is column-parallel, A by input columns where it is
-row-parallel, so its partial sums join the weight's all-reduce). A step computes every loaded adapter's x A^T for
+read into host memory at start (--lora-modules) or while serving (StepPlan.load_loras; at most --max-cpu-loras of
+them), and copied from there into the slots allocated at start (--max-loras, --max-lora-rank) as the scheduler
+places them (StepPlan.lora_slots): more adapters may be served than a step runs. An adapted projection adds
+(x A^T) B^T * scale for the tokens of the sequences that run under an adapter. Each projection keeps every slot's A
+and B side by side (R rows of A and R columns of B a slot, R the largest rank times the projection's packed parts: q,
+k and v of a packed qkv each have their own pair), sharded as the projection's weight is (B by output rows where the
+weight is column-parallel, A by input columns where it is row-parallel, so its partial sums join the weight's
+all-reduce). A step computes every slot's x A^T for
 every token and keeps each token's own adapter's columns (a mask from the step's adapter per token, set around the
 forward by `step_adapters`) before the B product: a fixed sequence of dense kernels whatever the tokens' adapters,
 so decode steps with adapters replay CUDA graphs too. It costs the slots' ranks summed as extra columns, which is
@@ -94,14 +96,18 @@ def _config(name: str, folder: Path) -> dict:
 
 
 class LoraSlots:
-    """The model's LoRA adapter slots: every projection of its decoder layers that an adapter may adapt gets
-    `slots` slots of `max_rank` columns per packed part, allocated once, so that loading an adapter into a slot or
-    clearing one (copies into these tensors) changes no shape and no captured CUDA graph. Which adapter a slot holds
-    is the PersistentBatch's to know (its rows name slots); this class only moves weights."""
+    """The model's LoRA adapters: those held in host memory (`registered`, at most `capacity`), and the slots every
+    projection of its decoder layers that an adapter may adapt gets (`slots` slots of `max_rank` columns per packed
+    part), allocated once, so that placing an adapter into a slot or clearing one (copies into these tensors) changes
+    no shape and no captured CUDA graph. Which adapter a slot holds is the PersistentBatch's to know (its rows name
+    slots); this class only moves weights."""
 
-    def __init__(self, model: nn.Module, slots: int, max_rank: int):
+    def __init__(self, model: nn.Module, slots: int, max_rank: int, capacity: int = 0):
+        """capacity: adapters held in host memory (0: as many as slots)."""
         self.model, self.slots, self.max_rank = model, slots, max_rank
+        self.capacity = max(capacity, slots)
         self.modules: dict[str, nn.Module] = {}
+        self.registered: dict[str, dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]] = {}
         if not slots:
             return
         packed = getattr(model, "packed_modules", {})
@@ -116,38 +122,34 @@ class LoraSlots:
                     torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
                 self.modules[path] = module
 
-    @torch.no_grad()
-    def load(self, slot: int, name: str, folder: str | Path) -> None:
-        """Reads the PEFT adapter in `folder` into `slot`. ValueError naming the adapter for what it cannot serve
-        (the slot is left clear): a bias, modules saved whole, DoRA, per-module ranks, a rank above max_rank, or a
-        module that is not one of the decoder layers' projections (embeddings, the LM head, fused experts, MLA's
-        absorbed kv_b_proj), or of another shape."""
+    def register(self, name: str, folder: str | Path) -> None:
+        """Reads the PEFT adapter in `folder` into host memory under `name`. ValueError naming the adapter for what
+        it cannot serve: a name held already, no room left (capacity), a bias, modules saved whole, DoRA, per-module
+        ranks, a rank above max_rank, or a module that is not one of the decoder layers' projections (embeddings,
+        the LM head, fused experts, MLA's absorbed kv_b_proj), or of another shape."""
+        if name in self.registered:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already")
+        if len(self.registered) >= self.capacity:
+            raise ValueError(f"LoRA adapter {name!r}: this worker holds {self.capacity} adapters already "
+                             "(--max-cpu-loras)")
         parts = self._read(name, Path(folder))
-        try:
-            for path, found in parts.items():
-                module = self.modules[path]
-                lora = module.lora
-                row_parallel = isinstance(module, RowParallelLinear)
-                col = slot * lora.rank
-                for shard, lora_a, lora_b in found:
-                    r = lora_a.shape[0]
-                    a, b = lora.a[col:col + r], lora.b[:, col:col + r]
-                    lora_a, lora_b = lora_a.to(a.dtype), (lora_b * lora.scale).to(b.dtype)
-                    # each shard's A and B go where the weight's loader puts that shard's rows (or columns)
-                    try:
-                        if row_parallel:
-                            _load(module, a, lora_a, shard)
-                            b.copy_(lora_b)
-                        else:
-                            a.copy_(lora_a)
-                            _load(module, b, lora_b, shard)
-                    except RuntimeError:  # a shape that is not this model's: an adapter of another model
-                        raise ValueError(f"LoRA adapter {name!r}: {path}'s A {tuple(lora_a.shape)} and B "
-                                         f"{tuple(lora_b.shape)} do not fit this model's projection") from None
-                    col += r
-        except BaseException:
-            self.clear(slot)
-            raise
+        for path, found in parts.items():
+            module = self.modules[path]
+            meta = LoraWeights(module.lora.a.to("meta"), module.lora.b.to("meta"), module.lora.rank)
+            self._copy(name, path, module, meta, 0, found)  # raises on a shape that is not this model's
+        self.registered[name] = parts
+
+    def forget(self, name: str) -> None:
+        """Drops the adapter from host memory (a slot that holds it is the caller's to clear)."""
+        del self.registered[name]
+
+    @torch.no_grad()
+    def place(self, slot: int, name: str) -> None:
+        """Copies the registered adapter into `slot`, replacing what it held."""
+        self.clear(slot)
+        for path, found in self.registered[name].items():
+            module = self.modules[path]
+            self._copy(name, path, module, module.lora, slot, found)
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -155,6 +157,30 @@ class LoraSlots:
             lora = module.lora
             lora.a[slot * lora.rank:(slot + 1) * lora.rank] = 0
             lora.b[:, slot * lora.rank:(slot + 1) * lora.rank] = 0
+
+    @staticmethod
+    def _copy(name: str, path: str, module: nn.Module, lora: LoraWeights, slot: int,
+              found: list[tuple[object, torch.Tensor, torch.Tensor]]) -> None:
+        """One module's A and B shards into `slot` of `lora` (the module's, or a meta copy that only checks shapes),
+        each shard where the weight's loader puts that shard's rows (or columns), B times the model's output
+        scale."""
+        row_parallel = isinstance(module, RowParallelLinear)
+        col = slot * lora.rank
+        for shard, lora_a, lora_b in found:
+            r = lora_a.shape[0]
+            a, b = lora.a[col:col + r], lora.b[:, col:col + r]
+            lora_a, lora_b = lora_a.to(a.dtype), (lora_b * module.lora.scale).to(b.dtype)
+            try:
+                if row_parallel:
+                    _load(module, a, lora_a, shard)
+                    b.copy_(lora_b)
+                else:
+                    a.copy_(lora_a)
+                    _load(module, b, lora_b, shard)
+            except RuntimeError:  # a shape that is not this model's: an adapter of another model
+                raise ValueError(f"LoRA adapter {name!r}: {path}'s A {tuple(lora_a.shape)} and B "
+                                 f"{tuple(lora_b.shape)} do not fit this model's projection") from None
+            col += r
 
     def _read(self, name: str, folder: Path) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
         """The adapter's (shard id, A, B scaled) per module path, checked against what the slots take."""

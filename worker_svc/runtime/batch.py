@@ -65,7 +65,8 @@ class BatchStep:
     samples: np.ndarray       # bool: the row samples its next token in this step
     states: list[SeqState]
     new: list[SeqState]       # sequences this plan starts
-    unloaded_loras: list[int]  # LoRA slots this plan frees (StepPlan.unload_loras)
+    unloaded_loras: list[int]  # LoRA slots this plan clears (StepPlan.unload_loras of adapters in one)
+    placed_loras: list[tuple[int, str]]  # (slot, adapter) this plan fills (StepPlan.lora_slots)
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +102,7 @@ class PersistentBatch:
                  lora_adapters: list[str] | None = None):
         """max_num_batched_tokens 0: no bound on a step's tokens; num_host_blocks: of the host KV pool;
         sliding_window: the model's, when every layer has one (ModelConfig.kv_window), else 0; lora_adapters: the
-        LoRA adapter of each slot by name, "" where free (a row's slot in `lora`); the runner fills free slots."""
+        LoRA adapter in each slot by name, "" where free (a row's slot in `lora`), as plans place them."""
         self.lora_adapters = lora_adapters or []
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
         self.num_host_blocks, self.sliding_window = num_host_blocks, sliding_window
@@ -157,7 +158,8 @@ class PersistentBatch:
             self._drop(seq_id)
         if len(plan.released_ids):
             self._release(plan)
-        unloaded = [self._unload(name) for name in plan.unload_loras]
+        unloaded = [slot for name in plan.unload_loras if (slot := self._unload(name)) is not None]
+        placed = [self._place(p.slot, p.name) for p in plan.lora_slots]
         if len(plan.swap_out_blocks) or len(plan.swap_in_blocks):
             self._check_swaps(plan)
         new = [self._add(ns, dropped) for ns in plan.new_seqs]
@@ -197,18 +199,29 @@ class PersistentBatch:
             self._check_offloads(plan)
         self.num_computed[rows] = end
         self.num_tokens[rows[samples]] = end[samples] + 1
-        return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new, unloaded)
+        return BatchStep(plan.step, ids, rows, c, n, sent, samples, states, new, unloaded, placed)
 
-    def _unload(self, name: str) -> int:
-        """Frees the LoRA adapter's slot, which no held sequence runs under; returns the slot."""
-        if not name or name not in self.lora_adapters:
-            raise PlanError(f"LoRA adapter {name!r} is unloaded but not loaded here")
+    def _unload(self, name: str) -> int | None:
+        """Frees the LoRA adapter's slot, where it has one; returns the slot."""
+        if name not in self.lora_adapters or not name:
+            return None
         slot = self.lora_adapters.index(name)
-        holders = [sid for sid, state in self.seqs.items() if self.lora[state.row] == slot]
-        if holders:
-            raise PlanError(f"LoRA adapter {name!r} is unloaded while sequence {holders[0]} runs under it")
+        self._vacate(slot, f"LoRA adapter {name!r} is unloaded")
         self.lora_adapters[slot] = ""
         return slot
+
+    def _place(self, slot: int, name: str) -> tuple[int, str]:
+        """Puts the LoRA adapter into the slot, replacing the one there."""
+        if slot >= len(self.lora_adapters) or not name or name in self.lora_adapters:
+            raise PlanError(f"LoRA adapter {name!r} is placed into slot {slot} of {len(self.lora_adapters)}, or twice")
+        self._vacate(slot, f"LoRA slot {slot} takes {name!r}")
+        self.lora_adapters[slot] = name
+        return slot, name
+
+    def _vacate(self, slot: int, what: str) -> None:
+        holders = [sid for sid, state in self.seqs.items() if self.lora[state.row] == slot]
+        if holders:
+            raise PlanError(f"{what} while sequence {holders[0]} runs under {self.lora_adapters[slot]!r}")
 
     def _check_swaps(self, plan: pb.StepPlan) -> None:
         """Swap columns pair up and stay in range, and a swap-in fills only blocks no live sequence holds."""

@@ -59,7 +59,8 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"        # "auto": the model's dtype; "fp8": e4m3 with a scale per layer and tensor
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve: name -> PEFT folder
-    max_loras: int = 0                  # LoRA adapter slots (loaded at start or later); 0: as many as lora_modules
+    max_loras: int = 0                  # LoRA adapter slots on the device; 0: as many as lora_modules
+    max_cpu_loras: int = 0              # LoRA adapters held in host memory; 0: max_loras or lora_modules, the more
     max_lora_rank: int = 0              # the largest rank a slot takes; 0: 16, or the lora_modules' largest
     hf_overrides: dict = field(default_factory=dict)  # over config.json's top-level keys (vLLM's --hf-overrides)
 
@@ -223,12 +224,18 @@ class ModelRunner:
             self.model.score = self._head_from_tokens(self.classifier)
         static = list(cfg.lora_modules.items())
         max_loras = cfg.max_loras or len(static)
-        if max_loras < len(static):
-            raise ValueError(f"{len(static)} LoRA adapters to load at start, in {max_loras} slots (max_loras)")
-        self.lora = LoraSlots(self.model, max_loras,  # before the scales fold into their B too
-                              cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]))
-        for slot, (name, folder) in enumerate(static):
-            self.lora.load(slot, name, folder)
+        capacity = cfg.max_cpu_loras or max(max_loras, len(static))
+        if capacity < max(max_loras, len(static)):
+            raise ValueError(f"max_cpu_loras {capacity} is below max_loras {max_loras} or the {len(static)} LoRA "
+                             "adapters to load at start")
+        self.lora = LoraSlots(self.model, max_loras,
+                              cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
+                              capacity)
+        for name, folder in static:
+            self.lora.register(name, folder)
+        placed = [name for name, _ in static[:max_loras]]
+        for slot, name in enumerate(placed):  # before the scales fold into their B too
+            self.lora.place(slot, name)
         self.model.fold_scales()
         if fp8_cache:
             # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
@@ -248,7 +255,7 @@ class ModelRunner:
         self.batch = PersistentBatch(rows, self.num_blocks, self.block_size, self.max_model_len,
                                      self.limits.max_num_batched_tokens, epoch=random.getrandbits(63),
                                      num_host_blocks=self.num_host_blocks, sliding_window=mc.kv_window,
-                                     lora_adapters=[name for name, _ in static] + [""] * (max_loras - len(static)))
+                                     lora_adapters=placed + [""] * (max_loras - len(placed)))
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
@@ -432,8 +439,9 @@ class ModelRunner:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
-            embedding_only=self.embedding_only, lora_adapters=[name for name in self.batch.lora_adapters if name],
+            embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
             max_loras=self.lora.slots, max_lora_rank=self.lora.max_rank if self.lora.slots else 0,
+            max_cpu_loras=self.lora.capacity if self.lora.slots else 0, lora_slots=self.batch.lora_adapters,
             labels=self.classifier.labels if self.classifier else (),
             label_activation=self.classifier.activation if self.classifier else "")
 
@@ -461,9 +469,7 @@ class ModelRunner:
         returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
-        for slot in step.unloaded_loras:
-            self.lora.clear(slot)
-        failed_loras = self._load_adapters(plan)
+        failed_loras = self._update_adapters(plan, step)
         pool = self.host_pool
         if pool is not None:
             pool.swap(plan)
@@ -473,22 +479,27 @@ class ModelRunner:
             pool.offload(plan)
         return pending
 
-    def _load_adapters(self, plan: pb.StepPlan) -> dict[str, str]:
-        """Loads the plan's LoRA adapters into free slots; returns the ones that failed, with why."""
+    def _update_adapters(self, plan: pb.StepPlan, step: BatchStep) -> dict[str, str]:
+        """The plan's LoRA adapters forgotten, read and placed into slots (the batch took the slots' changes);
+        returns the reads that failed, with why."""
+        lora = self.lora
+        for slot in step.unloaded_loras:
+            lora.clear(slot)
+        for name in plan.unload_loras:
+            if name not in lora.registered:
+                raise PlanError(f"LoRA adapter {name!r} is unloaded but not loaded here")
+            lora.forget(name)
         failed = {}
         for adapter in plan.load_loras:
-            names = self.batch.lora_adapters
             try:
-                if adapter.name in names:
-                    raise ValueError(f"LoRA adapter {adapter.name!r} is loaded already")
-                if "" not in names:
-                    raise ValueError(f"every LoRA slot ({len(names)}, --max-loras) holds an adapter")
-                slot = names.index("")
-                self.lora.load(slot, adapter.name, adapter.path)
-                names[slot] = adapter.name
-                log.info("LoRA adapter %s loaded from %s into slot %d", adapter.name, adapter.path, slot)
+                lora.register(adapter.name, adapter.path)
+                log.info("LoRA adapter %s loaded from %s", adapter.name, adapter.path)
             except ValueError as e:
                 failed[adapter.name] = str(e)
+        for slot, name in step.placed_loras:
+            if name not in lora.registered or name in failed:
+                raise PlanError(f"LoRA adapter {name!r} is placed into slot {slot} but not loaded here")
+            lora.place(slot, name)
         return failed
 
     def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
