@@ -145,6 +145,33 @@ def test_more_adapters_than_slots_equal_merged_weights(tiny_model_dir, adapters,
     engine.scheduler.block_manager.check([])
 
 
+def test_adapters_of_a_model_with_output_scales_equal_merged_weights(tmp_path_factory):
+    """Granite scales its residual branches (folded into o_proj's and down_proj's rows at load): an adapter's B takes
+    the same scale whether it was loaded at start or while serving, and after it moved between slots."""
+    from tests.test_architectures import _write
+
+    _, folder, hf = _write("granite", tmp_path_factory)
+    adapter = make_lora_adapter(folder, tmp_path_factory.mktemp("granite-lora") / "a", rank=4, seed=3)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    state, scale = hf.state_dict(), config["lora_alpha"] / config["r"]
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
+    hf.load_state_dict(state)
+    prompts = [[(31 * i + j) % 4000 + 1 for j in range(5 + 7 * i)] for i in range(3)]
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
+              lora_modules={"start": str(adapter)}, max_loras=1, max_cpu_loras=2)
+    llm.load_lora("later", adapter)
+    for name in ("start", "later", "start"):
+        assert [o.token_ids for o in llm.generate(prompts, _params(name), use_tqdm=False)] == want, name
+    assert llm.engine.scheduler.adapters.num_placements == 2
+
+
 def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, tmp_path):
     from worker_svc.runtime.model_runner import ModelRunner
 

@@ -107,7 +107,7 @@ class LoraSlots:
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.capacity = max(capacity, slots)
         self.modules: dict[str, nn.Module] = {}
-        self.registered: dict[str, dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]] = {}
+        self.registered: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # module -> A, B
         if not slots:
             return
         packed = getattr(model, "packed_modules", {})
@@ -122,22 +122,29 @@ class LoraSlots:
                     torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
                 self.modules[path] = module
 
+    @torch.no_grad()
     def register(self, name: str, folder: str | Path) -> None:
-        """Reads the PEFT adapter in `folder` into host memory under `name`. ValueError naming the adapter for what
-        it cannot serve: a name held already, no room left (capacity), a bias, modules saved whole, DoRA, per-module
-        ranks, a rank above max_rank, or a module that is not one of the decoder layers' projections (embeddings,
-        the LM head, fused experts, MLA's absorbed kv_b_proj), or of another shape."""
+        """Reads the PEFT adapter in `folder` into host memory under `name`, each adapted projection's share as a slot
+        holds it (this rank's shard, in the slot's dtype, times the model's output scale; pinned on a GPU), so that
+        placing it is a copy per projection. ValueError naming the adapter for what it cannot serve: a name held
+        already, no room left (capacity), a bias, modules saved whole, DoRA, per-module ranks, a rank above max_rank,
+        or a module that is not one of the decoder layers' projections (embeddings, the LM head, fused experts, MLA's
+        absorbed kv_b_proj), or of another shape."""
         if name in self.registered:
             raise ValueError(f"LoRA adapter {name!r} is loaded already")
         if len(self.registered) >= self.capacity:
             raise ValueError(f"LoRA adapter {name!r}: this worker holds {self.capacity} adapters already "
                              "(--max-cpu-loras)")
-        parts = self._read(name, Path(folder))
-        for path, found in parts.items():
+        image = {}
+        for path, found in self._read(name, Path(folder)).items():
             module = self.modules[path]
-            meta = LoraWeights(module.lora.a.to("meta"), module.lora.b.to("meta"), module.lora.rank)
-            self._copy(name, path, module, meta, 0, found)  # raises on a shape that is not this model's
-        self.registered[name] = parts
+            lora = module.lora
+            pin = lora.a.is_cuda
+            block = LoraWeights(torch.zeros(lora.rank, lora.a.shape[1], dtype=lora.a.dtype, pin_memory=pin),
+                                torch.zeros(lora.b.shape[0], lora.rank, dtype=lora.b.dtype, pin_memory=pin), lora.rank)
+            _copy_shards(name, path, module, block, found)
+            image[path] = (block.a, block.b)
+        self.registered[name] = image
 
     def forget(self, name: str) -> None:
         """Drops the adapter from host memory (a slot that holds it is the caller's to clear)."""
@@ -146,10 +153,16 @@ class LoraSlots:
     @torch.no_grad()
     def place(self, slot: int, name: str) -> None:
         """Copies the registered adapter into `slot`, replacing what it held."""
-        self.clear(slot)
-        for path, found in self.registered[name].items():
-            module = self.modules[path]
-            self._copy(name, path, module, module.lora, slot, found)
+        image = self.registered[name]
+        for path, module in self.modules.items():
+            lora = module.lora
+            a, b = lora.a[slot * lora.rank:(slot + 1) * lora.rank], lora.b[:, slot * lora.rank:(slot + 1) * lora.rank]
+            if path in image:
+                a.copy_(image[path][0], non_blocking=True)
+                b.copy_(image[path][1], non_blocking=True)
+            else:
+                a.zero_()
+                b.zero_()
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -157,30 +170,6 @@ class LoraSlots:
             lora = module.lora
             lora.a[slot * lora.rank:(slot + 1) * lora.rank] = 0
             lora.b[:, slot * lora.rank:(slot + 1) * lora.rank] = 0
-
-    @staticmethod
-    def _copy(name: str, path: str, module: nn.Module, lora: LoraWeights, slot: int,
-              found: list[tuple[object, torch.Tensor, torch.Tensor]]) -> None:
-        """One module's A and B shards into `slot` of `lora` (the module's, or a meta copy that only checks shapes),
-        each shard where the weight's loader puts that shard's rows (or columns), B times the model's output
-        scale."""
-        row_parallel = isinstance(module, RowParallelLinear)
-        col = slot * lora.rank
-        for shard, lora_a, lora_b in found:
-            r = lora_a.shape[0]
-            a, b = lora.a[col:col + r], lora.b[:, col:col + r]
-            lora_a, lora_b = lora_a.to(a.dtype), (lora_b * module.lora.scale).to(b.dtype)
-            try:
-                if row_parallel:
-                    _load(module, a, lora_a, shard)
-                    b.copy_(lora_b)
-                else:
-                    a.copy_(lora_a)
-                    _load(module, b, lora_b, shard)
-            except RuntimeError:  # a shape that is not this model's: an adapter of another model
-                raise ValueError(f"LoRA adapter {name!r}: {path}'s A {tuple(lora_a.shape)} and B "
-                                 f"{tuple(lora_b.shape)} do not fit this model's projection") from None
-            col += r
 
     def _read(self, name: str, folder: Path) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
         """The adapter's (shard id, A, B scaled) per module path, checked against what the slots take."""
@@ -220,6 +209,29 @@ class LoraSlots:
                 raise ValueError(f"LoRA adapter {name!r}: {base}{_A} has no {_B.lstrip('.')}")
             found.setdefault(path, []).append((shard, tensors[key], tensors[base + _B] * scale))
         return found
+
+
+def _copy_shards(name: str, path: str, module: nn.Module, block: LoraWeights,
+                 found: list[tuple[object, torch.Tensor, torch.Tensor]]) -> None:
+    """One module's A and B shards into a slot's block, each shard where the weight's loader puts that shard's rows
+    (or columns), B times the model's output scale."""
+    row_parallel = isinstance(module, RowParallelLinear)
+    col = 0
+    for shard, lora_a, lora_b in found:
+        r = lora_a.shape[0]
+        a, b = block.a[col:col + r], block.b[:, col:col + r]
+        lora_a, lora_b = lora_a.to(a.dtype), (lora_b * module.lora.scale).to(b.dtype)
+        try:
+            if row_parallel:
+                _load(module, a, lora_a, shard)
+                b.copy_(lora_b)
+            else:
+                a.copy_(lora_a)
+                _load(module, b, lora_b, shard)
+        except RuntimeError:  # a shape that is not this model's: an adapter of another model
+            raise ValueError(f"LoRA adapter {name!r}: {path}'s A {tuple(lora_a.shape)} and B "
+                             f"{tuple(lora_b.shape)} do not fit this model's projection") from None
+        col += r
 
 
 def _load(module: nn.Module, target: torch.Tensor, loaded: torch.Tensor, shard: object) -> None:

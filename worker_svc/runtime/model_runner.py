@@ -228,15 +228,15 @@ class ModelRunner:
         if capacity < max(max_loras, len(static)):
             raise ValueError(f"max_cpu_loras {capacity} is below max_loras {max_loras} or the {len(static)} LoRA "
                              "adapters to load at start")
-        self.lora = LoraSlots(self.model, max_loras,
+        self.lora = LoraSlots(self.model, max_loras,  # before the scales fold: adapters take them too
                               cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
                               capacity)
+        self.model.fold_scales()
         for name, folder in static:
             self.lora.register(name, folder)
         placed = [name for name, _ in static[:max_loras]]
-        for slot, name in enumerate(placed):  # before the scales fold into their B too
+        for slot, name in enumerate(placed):
             self.lora.place(slot, name)
-        self.model.fold_scales()
         if fp8_cache:
             # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
             # is written (cached blocks outlive any change), so a dynamic one could only come from made-up
