@@ -7,6 +7,7 @@ python -m bench runner-step --block-sizes 256 --batches 1,32,256 --graphs-only -
 python -m bench runner-step --block-sizes 256 --prefill 16384 --context 585 --profile   # a prefill step
 python -m bench runner-step --preset llama-3.1-8b --num-layers 8 --block-sizes 256 --batches 128 --graphs-only --profile
 python -m bench runner-step --block-sizes 256 --batches 1,128 --graphs-only --loras 0,1,4   # LoRA adapters' cost
+python -m bench runner-step --loras 2 --place   # reading a LoRA adapter into host memory, and moving it into a slot
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import itertools
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -156,6 +158,30 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
             "step_ms": round(ms, 3), "tokens_per_s": round(seqs * context / ms * 1e3)}
 
 
+def place_lora(model_dir: Path, adapters: dict[str, Path], device: str, reps: int = 10) -> dict:
+    """How long a worker takes to read each adapter into host memory (StepPlan.load_loras) and to copy one into its
+    only slot (StepPlan.lora_slots; the adapters in turn, each replacing the last): both hold the worker's steps."""
+    runner = ModelRunner(model_dir, RunnerConfig(device=device, num_blocks=16, cuda_graphs=False, max_loras=1,
+                                                 max_cpu_loras=len(adapters), limits=Limits(max_num_seqs=8)))
+    reads, places = [], []
+    for name, folder in adapters.items():
+        _sync()
+        t = time.perf_counter()
+        runner.lora.register(name, folder)
+        reads.append((time.perf_counter() - t) * 1e3)
+    names = list(adapters)
+    for i in range(reps + 1):
+        _sync()
+        t = time.perf_counter()
+        runner.lora.place(0, names[i % len(names)])
+        _sync()
+        places.append((time.perf_counter() - t) * 1e3)
+    size = sum(t.numel() * t.element_size() for a, b in runner.lora.registered[names[0]].values() for t in (a, b))
+    return {"adapters": len(adapters), "adapter_mb": round(size / 1e6, 2),
+            "read_ms": round(statistics.median(reads), 2), "place_ms": round(statistics.median(places[1:]), 3),
+            "first_place_ms": round(places[0], 3)}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-0.6b")
@@ -173,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--loras", default="0", help="LoRA adapters served, comma-separated counts to time (decode "
                     "steps only): the sequences run under them in turn")
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--place", action="store_true", help="time reading the largest --loras count of adapters into "
+                    "host memory and moving them into a slot in turn, instead of steps")
     ap.add_argument("--out", default="bench/results/runner_step.json")
     args = ap.parse_args(argv)
     rows = []
@@ -182,7 +210,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                                num_layers=args.num_layers)
         adapters = {f"lora{i}": make_lora_adapter(model_dir, Path(tmp) / f"lora{i}", rank=args.lora_rank, seed=i)
                     for i in range(max(counts))}
-        for bs in [int(b) for b in args.block_sizes.split(",")]:
+        if args.place:
+            rows.append(place_lora(model_dir, adapters, args.device))
+            print(json.dumps(rows[-1]), flush=True)
+        for bs in [int(b) for b in args.block_sizes.split(",")] if not args.place else []:
             if args.prefill:
                 rows.append(prefill_step(model_dir, args.prefill, args.context, bs, args.steps, args.profile,
                                          args.device))

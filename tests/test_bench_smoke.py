@@ -304,14 +304,19 @@ def test_grpc_accept_times_every_new_call_under_a_streaming_load(tmp_path: Path)
 
 def test_runner_step_decode_and_prefill_on_a_cpu(tmp_path: Path) -> None:
     """The ModelRunner alone, fed plans the way the GPU runs feed it: decode batches (without LoRA adapters, then
-    under two), then prefill steps whose sequences end as the next ones start."""
+    under two), then prefill steps whose sequences end as the next ones start; then LoRA adapters read and placed."""
     from bench.__main__ import main
 
-    for extra in (["--loras", "0,2"], ["--prefill", "64"]):
-        out = tmp_path / f"runner_step{extra[0]}.json"
+    for extra in (["--loras", "0,2"], ["--prefill", "64"], ["--loras", "2", "--place"]):
+        out = tmp_path / f"runner_step{len(extra)}{extra[0]}.json"
         main(["runner-step", "--preset", "qwen3-tiny", "--device", "cpu", "--block-sizes", "16", "--batches", "2",
               "--context", "24", "--steps", "2", "--graphs-only", *extra, "--out", str(out)])
         rows = _load(out, "runner_step", "bench.runner_step")["results"]
+        if "--place" in extra:  # reading two adapters into host memory, moving them into a slot in turn
+            (row,) = rows
+            assert row["adapters"] == 2
+            _positive(row, "adapter_mb", "read_ms", "place_ms")
+            continue
         assert [row.get("loras") for row in rows] == ([0, 2] if extra[0] == "--loras" else [None])
         for row in rows:
             _positive(row, "step_ms", "tokens_per_s")
