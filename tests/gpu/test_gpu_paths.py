@@ -334,6 +334,21 @@ def test_cuda_graph_decode_matches_eager(tmp_path, sampling):
     assert agree >= 12, outs  # bf16 padded vs unpadded matmuls may flip one near-tie at most
 
 
+def test_a_runner_with_fewer_blocks_than_its_longest_chunk_warms_up_and_serves(tmp_path):
+    """Warm-up steps stay within the KV cache however few blocks it has (a chunk's KV must fit it to be served)."""
+    from tests.paged_driver import PagedDriver
+    from worker_svc.checkpoints.writer import make_model
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
+    runner = ModelRunner(model_dir, RunnerConfig(device="cuda", num_blocks=4, block_size=16,
+                                                 limits=Limits(max_num_seqs=8, max_model_len=1024)))
+    driver = PagedDriver(runner)
+    seq = driver.add(list(range(1, 41)), 8)
+    driver.run_all()
+    assert len(seq.generated) == 8
+
+
 # ---- fp8 KV cache ---------------------------------------------------------------------------------------
 FP8_SCALES = (0.05, 0.02)  # k_scale, v_scale: maps the test's N(0, 1) values into e4m3's upper range
 

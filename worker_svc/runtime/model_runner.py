@@ -362,7 +362,7 @@ class ModelRunner:
         kernels compiled on first use (flash-attn-4's variants, Triton's specialisations) are built now, not
         inside a request; runtime/kernel_builds.py counts any that are not."""
         budget = self.limits.max_num_batched_tokens
-        longest = min(budget, self.max_model_len - 1)
+        longest = min(budget, self.max_model_len - 1, self.num_blocks * self.block_size - 1)  # a chunk's KV fits
         attention = self.kernels.attention
         for kernel in getattr(attention, "prefills", None) or [None]:
             if kernel is not None:
