@@ -312,6 +312,64 @@ def test_tp2_ranks_hold_their_slices_and_gather_the_same_logits(tp_model_dir, tm
             start += len(prompt)
 
 
+def _lora_rank(rank: int, size: int, port: int, model_dir: str, adapter: str, out: str) -> None:
+    """One rank of a TP group whose rank 1 cannot read adapter "x" (a disk error there): the load's outcome, the
+    adapters each rank holds after it, and a placement of the one every rank read."""
+    import torch.distributed as dist
+
+    from worker_svc.model.lora import LoraSlots
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.runtime.tensor_parallel import _init_process_group
+
+    if rank == 1:
+        read = LoraSlots._read
+
+        def failing(self, name, folder):
+            if name == "x":
+                raise ValueError(f"LoRA adapter {name!r}: an I/O error on rank 1")
+            return read(self, name, folder)
+
+        LoraSlots._read = failing
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=120))
+    _init_process_group(rank, size, store, "cpu")
+    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", num_blocks=8, max_loras=1,
+                                                 max_cpu_loras=2, limits=Limits(max_num_seqs=4)))
+    loads = [worker_pb2.LoraAdapter(name=n, path=adapter) for n in "xy"]
+    step = runner.execute(worker_pb2.StepPlan(step=1, epoch=runner.epoch, load_loras=loads))
+    failed = dict(step.result().failed_loras)
+    held = sorted(runner.lora.registered)
+    runner.execute(worker_pb2.StepPlan(step=2, epoch=runner.epoch, lora_slots=[worker_pb2.LoraSlot(slot=0, name="y")]))
+    torch.save({"failed": failed, "held": held, "slots": list(runner.batch.lora_adapters)},
+               Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_tp2_an_adapter_one_rank_cannot_read_is_refused_by_all(tp_model_dir, tmp_path):
+    """Ranks that disagree on a LoRA load would place different adapters and fall out of step: an adapter serves
+    only where every rank read it, and the leader answers why not."""
+    import torch.distributed as dist
+
+    from worker_svc.checkpoints.writer import make_lora_adapter
+
+    adapter = make_lora_adapter(tp_model_dir, tmp_path / "adapter", rank=4)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_lora_rank, args=(r, 2, store.port, str(tp_model_dir), str(adapter), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    leader, follower = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert list(leader["failed"]) == ["x"] and "another tensor-parallel rank" in leader["failed"]["x"]
+    assert "I/O error on rank 1" in follower["failed"]["x"]
+    assert leader["held"] == follower["held"] == ["y"] and leader["slots"] == follower["slots"] == ["y"]
+
+
 # ---- full gRPC path ------------------------------------------------------------------------------
 def _cluster(model_dir: Path, tp: int, tmp: Path, *extra: str) -> LocalCluster:
     return LocalCluster(model_dir, worker_args=["--tensor-parallel-size", str(tp), "--dtype", "float32",

@@ -31,6 +31,15 @@ def min_over_ranks(value: int, device: torch.device | str) -> int:
     return int(t.item())
 
 
+def all_over_ranks(flags: list[bool], device: torch.device | str) -> list[bool]:
+    """Each flag true on every tensor-parallel rank (the flags themselves at world size 1)."""
+    if tp_size() == 1 or not flags:
+        return flags
+    t = torch.tensor(flags, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(x) for x in t.tolist()]
+
+
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * (t.shape[dim] // size), t.shape[dim] // size)
 

@@ -31,7 +31,7 @@ from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
 from worker_svc.model.lora import LoraSlots, adapter_rank, step_adapters
-from worker_svc.model.parallel import ReplicatedLinear, min_over_ranks, tp_size
+from worker_svc.model.parallel import ReplicatedLinear, all_over_ranks, min_over_ranks, tp_size
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
                                       pooled_span)
@@ -495,7 +495,15 @@ class ModelRunner:
                 lora.register(adapter.name, adapter.path)
                 log.info("LoRA adapter %s loaded from %s", adapter.name, adapter.path)
             except ValueError as e:
+                log.warning("%s", e)
                 failed[adapter.name] = str(e)
+        # an adapter serves only where every rank read it: the ranks' batches place the same ones
+        for adapter, everywhere in zip(plan.load_loras, all_over_ranks(
+                [adapter.name not in failed for adapter in plan.load_loras], self.device)):
+            if not everywhere and adapter.name not in failed:
+                lora.forget(adapter.name)
+                failed[adapter.name] = (f"LoRA adapter {adapter.name!r}: another tensor-parallel rank of this worker "
+                                        "could not load it (its log says why)")
         for slot, name in step.placed_loras:
             if name not in lora.registered or name in failed:
                 raise PlanError(f"LoRA adapter {name!r} is placed into slot {slot} but not loaded here")
