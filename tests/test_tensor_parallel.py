@@ -192,6 +192,25 @@ def test_unreduced_row_parallel_outputs_sum_to_the_layer_with_its_bias_once(monk
 
 
 # ---- a real TP=2 group: sharded loading, logits, block count --------------------------------------
+def _run_ranks(target, size: int, out: Path, *args: str) -> list[dict]:
+    """target(rank, size, store port, *args) in a spawned process per rank of one group; what each saved in
+    out/rank<r>.pt."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, size, store.port, *args)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * size
+    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+
+
 def _probe_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
     """One rank of a TP group in its own process: load the model, save its parameters, its logits of
     two prompts and its block count."""
@@ -246,22 +265,8 @@ def tp_reference(tp_model_dir) -> list[list[int]]:
 
 
 def test_tp2_ranks_hold_their_slices_and_gather_the_same_logits(tp_model_dir, tmp_path):
-    import torch.distributed as dist
-
     size = 2
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_probe_rank, args=(r, size, store.port, str(tp_model_dir), str(tmp_path)))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * size
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+    ranks = _run_ranks(_probe_rank, size, tmp_path, str(tp_model_dir), str(tmp_path))
 
     from safetensors.torch import load_file
     from worker_svc.model.config import ModelConfig
@@ -347,24 +352,10 @@ def _lora_rank(rank: int, size: int, port: int, model_dir: str, adapter: str, ou
 def test_tp2_an_adapter_one_rank_cannot_read_is_refused_by_all(tp_model_dir, tmp_path):
     """Ranks that disagree on a LoRA load would place different adapters and fall out of step: an adapter serves
     only where every rank read it, and the leader answers why not."""
-    import torch.distributed as dist
-
     from worker_svc.checkpoints.writer import make_lora_adapter
 
     adapter = make_lora_adapter(tp_model_dir, tmp_path / "adapter", rank=4)
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_lora_rank, args=(r, 2, store.port, str(tp_model_dir), str(adapter), str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
-    leader, follower = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    leader, follower = _run_ranks(_lora_rank, 2, tmp_path, str(tp_model_dir), str(adapter), str(tmp_path))
     assert list(leader["failed"]) == ["x"] and "another tensor-parallel rank" in leader["failed"]["x"]
     assert "I/O error on rank 1" in follower["failed"]["x"]
     assert leader["held"] == follower["held"] == ["y"] and leader["slots"] == follower["slots"] == ["y"]
