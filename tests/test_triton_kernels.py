@@ -438,6 +438,27 @@ def test_prefill_attention_matches_reference(dtype, page, block_m, block_n, head
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (16, 16, 32)])
+def test_encoder_prefill_attention_sees_every_key_of_its_sequence(page, block_m, block_n):
+    """An encoder's step (meta.causal False): whole sequences, each query over every key of its own sequence,
+    against the reference; and not what the causal kernel computes."""
+    query_lens = [37, 1, 20, block_m, 5]
+    k, v, table = _paged(query_lens, page, 2, 32, torch.float32)
+    q = torch.randn(sum(query_lens), 4, 32, generator=torch.Generator().manual_seed(7))
+    cu = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    seqused = torch.tensor(query_lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu, seqused, table, None, max(query_lens), query_lens, query_lens, causal=False)
+    ref = TorchAttention().forward(q, k, v, meta, 32 ** -0.5)
+    blocks = query_blocks(query_lens, block_m, q.device)
+    out = paged_prefill_attention(q, k, v, cu, seqused, table, blocks, 32 ** -0.5, block_m=block_m, block_n=block_n,
+                                  causal=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    causal = paged_prefill_attention(q, k, v, cu, seqused, table, blocks, 32 ** -0.5, block_m=block_m,
+                                     block_n=block_n)
+    assert not torch.allclose(causal[:37], out[:37], atol=1e-3)  # the first sequence's early queries saw more keys
+    torch.testing.assert_close(causal[37:38], out[37:38])  # a one-token sequence sees itself either way
+
+
 # ---- fp8 KV cache: e4m3 values with a scale per tensor, read by both attention kernels --------------------
 
 FP8 = torch.float8_e4m3fn

@@ -36,10 +36,11 @@ class AttentionMetadata:
     max_seqlen_q: int
     query_lens: list[int]       # host copies, for backends that loop on the host
     context_lens: list[int]
+    causal: bool = True         # False: an encoder's step, each sequence whole, every query seeing every key
 
 
 def prefill_metadata(query_lens: list[int], block_size: int, device: torch.device | str,
-                     cached: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
+                     cached: int = 0, causal: bool = True) -> tuple[torch.Tensor, AttentionMetadata]:
     """The positions and metadata of one step in which sequence i runs query_lens[i] new tokens after `cached`
     tokens already in its blocks, the sequences on consecutive blocks from block 0 (warm-up, scoring, tests)."""
     ctx = [cached + n for n in query_lens]
@@ -56,7 +57,7 @@ def prefill_metadata(query_lens: list[int], block_size: int, device: torch.devic
         cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32, device=device),
         seqused_k=torch.tensor(ctx, dtype=torch.int32, device=device), page_table=torch.from_numpy(page).to(device),
         slot_mapping=torch.from_numpy(slots).to(device), max_seqlen_q=max(query_lens), query_lens=list(query_lens),
-        context_lens=ctx)
+        context_lens=ctx, causal=causal)
     return torch.from_numpy(positions).to(device), meta
 
 
@@ -67,7 +68,8 @@ class AttentionBackend(Protocol):
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; the new K/V are already in the cache (q's dtype, or fp8 holding
-        k / k_scale and v / v_scale). With a sliding `window`, a query at position p sees keys in
+        k / k_scale and v / v_scale). A query sees the keys up to its position, or all of its sequence's where
+        meta.causal is False (an encoder's). With a sliding `window`, a query at position p sees keys in
         (p - window, p]; with `softcap`, each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); with
         `sinks` (float32 [heads]: gpt-oss's), each head's softmax has one more logit, its sink, which takes a share
         of the weight and adds nothing to the output. Returns q's shape."""
@@ -143,7 +145,8 @@ class TritonPrefill:
             self._blocks, self._blocks_of = kernel.query_blocks(meta.query_lens, block_m, q.device), (meta, block_m)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqused_k,
                                               meta.page_table, self._blocks, scale, k_scale=k_scale, v_scale=v_scale,
-                                              window=window, softcap=softcap, sinks=sinks, block_m=block_m)
+                                              window=window, softcap=softcap, sinks=sinks, block_m=block_m,
+                                              causal=meta.causal)
 
 
 class FlashAttnPrefill:
@@ -161,7 +164,7 @@ class FlashAttnPrefill:
         # flash-attn's window counts the keys left of the query, (p - window, p] being window - 1 of them
         out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqused_k,
                        page_table=meta.page_table, max_seqlen_q=meta.max_seqlen_q, softmax_scale=scale,
-                       causal=True, window_size=(None, None) if window is None else (window - 1, 0),
+                       causal=meta.causal, window_size=(None, None) if window is None else (window - 1, 0),
                        learnable_sink=sinks, **({"softcap": softcap} if softcap else {}))
         return out[0] if isinstance(out, tuple) else out
 
@@ -200,7 +203,7 @@ class PagedAttention:
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if meta.max_seqlen_q == 1:
+        if meta.max_seqlen_q == 1 and meta.causal:
             return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
         if self._chosen_for is not meta:  # the first layer of a step decides for all
             name = self.forced or (prefill_kernel(meta, q.shape[1], q.shape[2]) if len(self.prefills) > 1

@@ -1,4 +1,5 @@
-"""Paged causal attention for steps with prefills (chunks over cached prefixes, decodes mixed in), in Triton.
+"""Paged causal attention for steps with prefills (chunks over cached prefixes, decodes mixed in), in Triton; or
+an encoder's, every query over every key of its sequence (CAUSAL off).
 
 The prefill path of the `triton` backend, for CUDA GPUs that flash-attn-4 does not run on (it needs
 Hopper or Blackwell); how the two compare: bench/results/prefill_attention.md.
@@ -29,7 +30,7 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
                     stride_pt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
-                    SINKS: tl.constexpr):
+                    SINKS: tl.constexpr, CAUSAL: tl.constexpr):
     blk, kvh = tl.program_id(0), tl.program_id(1)
     seq = tl.load(BlockSeq + blk)
     start = tl.load(BlockStart + blk)
@@ -49,8 +50,12 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     pages = PageTable + seq.to(tl.int64) * stride_pt
-    last = ctx - q_len + tl.minimum(start + BLOCK_M, q_len)  # one past the block's last query position
-    first = tl.maximum(ctx - q_len + start - window + 1, 0)  # the first key the block's first query sees
+    if CAUSAL:
+        last = ctx - q_len + tl.minimum(start + BLOCK_M, q_len)  # one past the block's last query position
+        first = tl.maximum(ctx - q_len + start - window + 1, 0)  # the first key the block's first query sees
+    else:
+        last = ctx
+        first = 0
     for t0 in tl.range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
         t = t0 + n
         valid = t < last
@@ -60,8 +65,11 @@ def _prefill_kernel(Q, K, V, Out, CuQ, SeqUsed, PageTable, BlockSeq, BlockStart,
         kv_mask = head_cols(valid[:, None], d, HEAD_DIM, HEAD_PAD)
         k = tl.load(K + kvh * stride_kh + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = capped(dot(q, tl.trans(k.to(q.dtype))) * scale_log2e, softcap_log2, SOFTCAP)
-        seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
-        s = tl.where(seen & valid[None, :], s, float("-inf"))
+        if CAUSAL:
+            seen = (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window) & valid[None, :]
+        else:
+            seen = valid[None, :] & live[:, None]
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of dead tokens see no key at all
         p = tl.exp2(s - m_safe[:, None])
@@ -103,13 +111,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             blocks: tuple[torch.Tensor, torch.Tensor], scale: float, *, k_scale: float = 1.0,
                             v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
                             sinks: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
-                            num_warps: int = 8,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_warps: int = 8, num_stages: int = 2, causal: bool = True) -> torch.Tensor:
     """q: [tokens, heads, head_dim], the new tokens of each sequence (K/V already in the cache, q's dtype or
     fp8: see paged_decode_attention); `blocks` = query_blocks(query lens, block_m), block_m by default
     block_m_for(the GQA group, head_dim). With a sliding `window`, the
     query at position p sees keys in (p - window, p]; `softcap` caps scores and `sinks` join each head's softmax as
-    paged_decode_attention's. Returns q's shape and dtype."""
+    paged_decode_attention's; causal False: every query sees every key of its sequence (an encoder's, the sequence
+    whole in this step). Returns q's shape and dtype."""
     q = q.contiguous()
     tokens, heads, head_dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -128,5 +136,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
             HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page,
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=triton.next_power_of_2(block_m * heads // kv_heads),
-            SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
+            SOFTCAP=bool(softcap), SINKS=sinks is not None, CAUSAL=causal, num_warps=num_warps, num_stages=num_stages)
     return out

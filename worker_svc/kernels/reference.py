@@ -188,7 +188,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 # ---- attention --------------------------------------------------------------------------------------
 class TorchAttention:
-    """Plain reference over the paged layout: gathers each sequence's context and runs causal SDPA.
+    """Plain reference over the paged layout: gathers each sequence's context and runs causal SDPA (or, where
+    meta.causal is False, an encoder's: every query over every key of its sequence).
     An fp8 cache is read as the kernels read it: its values in q's dtype, k_scale folded into the softmax
     scale, the output times v_scale.
 
@@ -211,7 +212,7 @@ class TorchAttention:
             v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(groups, 0).to(q.dtype)
             qpos = torch.arange(ctx - n, ctx, device=q.device)
             kpos = torch.arange(ctx, device=q.device)[None, :]
-            mask = kpos <= qpos[:, None]
+            mask = kpos <= qpos[:, None] if meta.causal else torch.ones(n, ctx, dtype=torch.bool, device=q.device)
             if window is not None:
                 mask &= kpos > qpos[:, None] - window
             qs = q[start:start + n].transpose(0, 1)
