@@ -36,10 +36,15 @@ class EngineCore:
         # The worker refuses plans beyond what it answered it can hold (0: it did not say).
         worker = Limits(info.max_num_seqs or limits.max_num_seqs,
                         info.max_num_batched_tokens or limits.max_num_batched_tokens, info.max_model_len)
-        self.config = dataclasses.replace(config, limits=limits.within(worker))
+        limits = limits.within(worker)
+        if info.encoder:  # a sequence runs whole in one step, and no prefix is reused: its keys depend on later tokens
+            limits = dataclasses.replace(limits, max_model_len=min(limits.max_model_len, limits.max_num_batched_tokens))
+            config = dataclasses.replace(config, enable_prefix_caching=False)
+        self.config = dataclasses.replace(config, limits=limits)
         self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, eos_token_ids, info.epoch,
                                    info.num_host_blocks, info.sliding_window,
-                                   Adapters(list(info.lora_adapters), list(info.lora_slots), info.max_cpu_loras))
+                                   Adapters(list(info.lora_adapters), list(info.lora_slots), info.max_cpu_loras),
+                                   whole_prompts=info.encoder)
         self._depth = self.config.pipeline_depth
         self._in_flight = 0
         self._next_seq_id = 1

@@ -66,10 +66,13 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, eos_token_ids: Iterable[int] = (),
-                 epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0, adapters: Adapters | None = None):
+                 epoch: int = 0, num_host_blocks: int = 0, sliding_window: int = 0, adapters: Adapters | None = None,
+                 whole_prompts: bool = False):
         """config.limits.max_model_len must be resolved (the worker's, or smaller); num_blocks, block_size and
         num_host_blocks: the worker's KV cache and its host pool; sliding_window: the model's when every layer
-        has one (DescribeResponse.sliding_window), else 0; adapters: the worker's LoRA adapters (none: no slots)."""
+        has one (DescribeResponse.sliding_window), else 0; adapters: the worker's LoRA adapters (none: no slots);
+        whole_prompts: a sequence is admitted only with its whole prompt in one step (an encoder's,
+        DescribeResponse.encoder: its attention sees both ways), so no prompt may be longer than a step."""
         if config.limits.max_model_len < 1:
             raise ValueError("max_model_len must be resolved against the worker's before scheduling")
         self.config = config
@@ -77,6 +80,9 @@ class Scheduler:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.max_model_len = config.limits.max_model_len
+        self.whole_prompts = whole_prompts
+        if whole_prompts and self.max_model_len > config.limits.max_num_batched_tokens:
+            raise ValueError("whole prompts need max_model_len within max_num_batched_tokens")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
         self.adapters = adapters or Adapters([], [])
@@ -280,7 +286,7 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         bs = self.block_size
-        cap = cfg.chunk_cap(bs)
+        cap = self.max_model_len if self.whole_prompts else cfg.chunk_cap(bs)
         caching = cfg.enable_prefix_caching
         step = self._step + 1
         budget = cfg.limits.max_num_batched_tokens
@@ -383,7 +389,7 @@ class Scheduler:
                     # Behind a sliding window a sequence may outgrow the pool, and so may its cached prefix: the
                     # part that does not fit beside its first chunk is computed again.
                     hits = hits[:max(bm.num_blocks - need, 0)]
-                if need + bm.num_free_among(hits) > bm.num_free_blocks:
+                if need + bm.num_free_among(hits) > bm.num_free_blocks or (self.whole_prompts and n < remaining):
                     break
                 if lora and not self.adapters.place(lora, step, lambda: {s.params.lora for s in running}):
                     no_slot.append(waiting.popleft())

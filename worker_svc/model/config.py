@@ -88,6 +88,16 @@ class MlaConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class EncoderConfig:
+    """An encoder's (BERT's, model/bert.py): its attention sees both ways, its positions are a learnt table."""
+    positions: int        # rows of the position table, the first `position_offset` standing for padding (RoBERTa's)
+    position_offset: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str       # of its MLP, not gated: gelu (erf), gelu_new (tanh), relu
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -138,6 +148,11 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
     # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
     classifier: model_files.Classifier | None = None
+    encoder: EncoderConfig | None = None  # an encoder-only model: bidirectional attention, embeddings only
+
+    @property
+    def causal(self) -> bool:
+        return self.encoder is None
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from common.model_files import CLASSIFIER_SUFFIX
+from worker_svc.model.bert import BertModel, RobertaModel, XLMRobertaModel
 from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
 from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
@@ -25,7 +26,7 @@ from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 from worker_svc.model.qwen_vl import (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
                                      Qwen3VLMoeForConditionalGeneration)
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
+ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -64,10 +65,13 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": XLMRobertaModel,
 }
 
 
-def architecture_of(raw: dict) -> type[CausalLM]:
+def architecture_of(raw: dict) -> type[CausalLM | BertModel]:
     """The model class for a config.json's contents (a sequence classifier's, `XForSequenceClassification`, is X's
     causal LM's: the runner swaps its LM head for the classification head); a clear error for any other."""
     names = raw.get("architectures") or []

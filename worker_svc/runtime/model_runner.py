@@ -213,7 +213,7 @@ class ModelRunner:
         torch.set_default_dtype(torch.float32)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
-        self.embedding_only = self.classifier is not None or not mc.tie_word_embeddings and not any(
+        self.embedding_only = self.classifier is not None or not mc.causal or not mc.tie_word_embeddings and not any(
             name.endswith("lm_head.weight") for name in checkpoint_names(self.model_dir))
         if self.embedding_only:
             self.model.lm_head = None
@@ -338,7 +338,7 @@ class ModelRunner:
         slots = positions % (blocks_each * self.block_size)
         meta = AttentionMetadata(cu_seqlens_q=cu, seqused_k=torch.tensor(lens, dtype=torch.int32, device=self.device),
                                  page_table=page, slot_mapping=slots, max_seqlen_q=max(lens),
-                                 query_lens=lens, context_lens=lens)
+                                 query_lens=lens, context_lens=lens, causal=mc.causal)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
         if not self.embedding_only:
             self.model.compute_logits(hidden[:limits.max_num_seqs]).float().softmax(-1)
@@ -423,7 +423,8 @@ class ModelRunner:
     def _warm_up_step(self, lens: list[int]) -> torch.Tensor:
         """One eager step of chunks of `lens` tokens, each over a one-token cached prefix; returns its logits (an
         embedding model's: its last rows)."""
-        positions, meta = prefill_metadata(lens, self.block_size, self.device, cached=1)
+        causal = self.model_config.causal  # an encoder's chunks: whole sequences, nothing cached before them
+        positions, meta = prefill_metadata(lens, self.block_size, self.device, cached=int(causal), causal=causal)
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.int64, device=self.device), positions, meta)
         last = hidden[meta.cu_seqlens_q[1:] - 1]
         return last if self.embedding_only else self.model.compute_logits(last)
@@ -442,6 +443,7 @@ class ModelRunner:
             embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
             max_loras=self.lora.slots, max_lora_rank=self.lora.max_rank if self.lora.slots else 0,
             max_cpu_loras=self.lora.capacity if self.lora.slots else 0, lora_slots=self.batch.lora_adapters,
+            encoder=not self.model_config.causal,
             labels=self.classifier.labels if self.classifier else (),
             label_activation=self.classifier.activation if self.classifier else "")
 
@@ -513,6 +515,9 @@ class ModelRunner:
     def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
         if self.embedding_only and step.new and not self.batch.pooling[[s.row for s in step.new]].all():
             raise PlanError("this model has no LM head: a sequence it runs must be an embedding (pooling)")
+        if not self.model_config.causal and (len(plan.seq_ids) or any(
+                ns.num_computed_tokens or ns.num_scheduled_tokens != len(ns.token_ids) for ns in plan.new_seqs)):
+            raise PlanError("an encoder's sequence runs whole in the step that starts it (DescribeResponse.encoder)")
         for state in step.new:
             self._start_penalties(state)
             if state.row in self.batch.grammar:
@@ -551,7 +556,7 @@ class ModelRunner:
             ids_t[dec_at_t] = self.last_token[dec_rows_t]
         meta = AttentionMetadata(cu_seqlens_q=cu_t, seqused_k=seqused_t, page_table=page_t.view(page_table.shape),
                                  slot_mapping=slots_t, max_seqlen_q=int(n.max()), query_lens=n.tolist(),
-                                 context_lens=(c + n).tolist())
+                                 context_lens=(c + n).tolist(), causal=self.model_config.causal)
         with step_adapters(adapter_t if (adapters >= 0).any() else None):
             hidden = self.model(ids_t, pos_t, meta)
         prompt, pooled = self._score_prompts(step, cu, hidden), self._pool(step, cu, hidden)
