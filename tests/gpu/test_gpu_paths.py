@@ -79,6 +79,25 @@ def test_fast_backends_match_torch_backend(backend, block_size, case):
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
                                      pytest.param("auto", marks=_NEEDS_FA4)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("q_lens", [[37, 300, 1, 512], [1, 1], [4000, 7]])
+def test_fast_backends_attend_both_ways_for_an_encoder(backend, block_size, q_lens):
+    """An encoder's step (meta.causal False): whole sequences, every query over every key of its own sequence;
+    one-token sequences (the decode kernel's shape, not its path) and a long one past auto's flash_attn bound."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, num_blocks = 12, 12, 64, 4096 // block_size * 4
+    meta = _meta(q_lens, q_lens, block_size, num_blocks, gen)
+    meta.causal = False
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    fast = make_attention(backend, torch.device("cuda")).forward(q, k_cache, v_cache, meta, dim ** -0.5)
+    ref = TorchAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    torch.testing.assert_close(fast.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash_attn", marks=_NEEDS_FA4),
+                                     pytest.param("auto", marks=_NEEDS_FA4)])
 @pytest.mark.parametrize("window", [1, 100, 1000])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_backends_with_a_sliding_window_match_torch_backend(backend, window, case):

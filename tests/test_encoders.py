@@ -1,0 +1,125 @@
+"""Encoder-only embedding models (model/bert.py): BERT, RoBERTa and XLM-RoBERTa checkpoints written by transformers
+itself (odd shapes, each of its activations, RoBERTa's position offset), with the real Qwen tokenizer given a BERT-like
+post-processor (a first token and a closing one, as [CLS] ... [SEP]) and sentence-transformers' pooling (CLS, mean).
+Every vector is compared with transformers' hidden states on the same weights: offline, through the services on two
+tensor-parallel ranks, with inputs batched into steps whole (their attention sees both ways)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, processors
+
+from client import Client
+from client.launcher import LocalCluster
+from offline.llm import LLM
+from tests.test_embeddings import write_sentence_transformers
+from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
+from worker_svc.model.bert import BertModel
+
+pytestmark = pytest.mark.timeout(300)
+
+CLS, SEP = "<|im_start|>", "<|endoftext|>"
+COMMON = dict(vocab_size=151936, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, intermediate_size=160)
+CONFIGS = {  # (transformers' config, its model class, the pooling of its sentence-transformers files)
+    "bert": (transformers.BertConfig(max_position_embeddings=128, **COMMON), transformers.BertModel, "cls_token"),
+    "roberta": (transformers.RobertaConfig(max_position_embeddings=130, hidden_act="gelu_new", **COMMON),
+                transformers.RobertaModel, "mean_tokens"),
+    "xlm_roberta": (transformers.XLMRobertaConfig(max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                                  **COMMON), transformers.XLMRobertaModel, "cls_token"),
+}
+TEXTS = ["What is the capital of China?", "Explain gravity " * 12, "x", "Hello, world. " * 20]  # 9, 28, 3, 83 tokens
+
+
+def write_encoder(name: str, folder) -> transformers.PreTrainedModel:
+    """CONFIGS[name] saved by transformers into folder (random weights, LayerNorms away from their init), with the
+    tokenizer and pooling files; returns transformers' model."""
+    config, model_class, mode = CONFIGS[name]
+    torch.manual_seed(0)
+    hf = model_class(config).eval()
+    with torch.no_grad():
+        for param_name, param in hf.named_parameters():
+            if "LayerNorm" in param_name:
+                param.uniform_(-0.5, 0.5).add_(1.0 if param_name.endswith("weight") else 0.0)
+    hf.save_pretrained(folder)
+    write_qwen_tokenizer(folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, tokenizer.token_to_id(CLS)), (SEP, tokenizer.token_to_id(SEP))])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    write_sentence_transformers(folder, mode, normalize=True)
+    return hf
+
+
+def expected(hf, folder, items: list[str | list[int]]) -> list[torch.Tensor]:
+    """transformers' embeddings of the items (texts through the tokenizer, or token ids as they are), pooled as the
+    checkpoint says and normalised."""
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    cls = CONFIGS[folder.name][2] == "cls_token"
+    out = []
+    for item in items:
+        ids = tokenizer.encode(item).ids if isinstance(item, str) else item
+        with torch.inference_mode():
+            states = hf(torch.tensor([ids])).last_hidden_state[0]
+        pooled = states[0] if cls else states.mean(0)
+        out.append(pooled / pooled.norm())
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def encoder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("encoders") / request.param
+    return folder, write_encoder(request.param, folder)
+
+
+def test_embeddings_equal_transformers_with_every_input_whole_in_its_step(encoder):
+    folder, hf = encoder
+    items = [*TEXTS, [5, 6, 7] * 20]
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_batched_tokens=128, max_num_seqs=8)
+    assert llm.engine.worker_info.encoder and not llm.engine.scheduler.config.enable_prefix_caching
+    # 9 + 28 + 3 + 83 + 60 tokens: more than one step takes, so some wait for the next (the worker refuses a plan
+    # that splits one)
+    for vector, want in zip(llm.embed(items, use_tqdm=False), expected(hf, folder, items)):
+        torch.testing.assert_close(torch.tensor(vector), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no LM head"):
+        llm.generate([[5, 6]], use_tqdm=False)
+
+
+def test_an_input_longer_than_a_step_is_refused_by_name(tmp_path):
+    write_encoder("bert", tmp_path / "bert")
+    llm = LLM(tmp_path / "bert", device="cpu", dtype="float32", max_num_batched_tokens=64)
+    assert llm.engine.scheduler.max_model_len == 64  # the position table's 128, cut to what one step holds
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.embed([[5] * 70], use_tqdm=False)
+
+
+def test_relative_positions_are_refused_at_start():
+    raw = CONFIGS["bert"][0].to_dict() | {"architectures": ["BertModel"], "position_embedding_type": "relative_key"}
+    with pytest.raises(ValueError, match="position_embedding_type 'relative_key' is not served"):
+        BertModel.config(raw)
+
+
+def test_embeddings_through_the_services_on_two_ranks(tmp_path):
+    """XLM-RoBERTa over two tensor-parallel ranks (heads, MLP and vocabulary split): Embed's vectors equal
+    transformers', inputs sent at once share steps whole; a generation is refused by name."""
+    folder = tmp_path / "xlm_roberta"
+    hf = write_encoder("xlm_roberta", folder)
+    cluster = LocalCluster(folder, log_dir=tmp_path / "logs", worker_args=[
+        "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64", "--max-num-batched-tokens",
+        "128"]).start(timeout=180)
+    try:
+        with Client(cluster.address, timeout=60) as c:
+            assert c.model_info()["max_model_len"] == 128
+            got = c.embed(TEXTS[:3]).vectors
+            for vector, want in zip(got, expected(hf, folder, TEXTS[:3])):
+                torch.testing.assert_close(torch.tensor(vector), want, atol=1e-5, rtol=1e-5)
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("hi", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no LM head" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                c.embed(TEXTS[3] * 2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in e.value.details()
+    finally:
+        cluster.stop()
