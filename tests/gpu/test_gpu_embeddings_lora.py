@@ -61,6 +61,25 @@ def test_embeddings_on_the_gpu_equal_transformers_hidden_states(tmp_path):
         torch.testing.assert_close(torch.tensor(g), w.cpu(), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["bert", "xlm_roberta"])
+def test_encoders_on_the_gpu_equal_transformers(name, tmp_path):
+    """BERT's and XLM-R's embeddings (attention both ways, on the auto backend's prefill kernels) in float32 against
+    transformers', inputs of 3 to ~120 tokens batched whole into steps of 128."""
+    from offline.llm import LLM
+    from tests.test_encoders import TEXTS, expected, write_encoder
+
+    folder = tmp_path / name
+    hf = write_encoder(name, folder)
+    items = [*TEXTS, *([(11 * i + j) % 5000 + 1 for j in range(3 + 29 * i)] for i in range(5))]
+    want = expected(hf, folder, items)
+    with LLM(folder, device=DEVICE, dtype="float32", num_blocks=256, block_size=16, max_num_seqs=32,
+             max_num_batched_tokens=128) as llm:
+        assert llm.engine.core.executor.runner.embedding_only
+        got = llm.embed(items, use_tqdm=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g), w, rtol=1e-3, atol=1e-4)
+
+
 def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
     """The checkpoint with the adapter merged into its weights: W + alpha / r * B A."""
     shutil.copytree(model_dir, out)
