@@ -26,6 +26,7 @@ from client.scores import ScorePlan, pair_scores, score_plan
 from common.model_files import Pooling, pooling
 from protos import worker_pb2 as pb
 from tests.test_gateway import Gateway
+from worker_svc.checkpoints.writer import write_sentence_transformers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,19 +35,6 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 48
 WORKER_ARGS = ["--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS), "--max-num-batched-tokens", "48"]
 TEXTS = ["What is the capital of China?", "Explain gravity " * 30, "x"]
 WAIT_S = 60.0
-
-
-def write_sentence_transformers(model_dir: Path, mode: str, normalize: bool) -> None:
-    """modules.json with a Pooling module of `mode` (its config.json key) and, where asked, a Normalize one."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (model_dir / "modules.json").write_text(json.dumps(modules))
-    (model_dir / "1_Pooling").mkdir(exist_ok=True)
-    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
-    config = {"word_embedding_dimension": 64, **{f"pooling_mode_{m}": m == mode for m in modes}}
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, processors
 from client import Client
 from client.launcher import LocalCluster
 from offline.llm import LLM
-from tests.test_embeddings import write_sentence_transformers
 from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
+from worker_svc.checkpoints.writer import write_sentence_transformers
 from worker_svc.model.bert import BertModel
 
 pytestmark = pytest.mark.timeout(300)

@@ -382,6 +382,20 @@ def make_model(
     return out
 
 
+def write_sentence_transformers(model_dir: Path, mode: str, normalize: bool) -> None:
+    """sentence-transformers' files of an embedding checkpoint: modules.json with a Pooling module of `mode` (its
+    config.json key, e.g. cls_token, mean_tokens, lasttoken) and, where asked, a Normalize one."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    config = {"word_embedding_dimension": 64, **{f"pooling_mode_{m}": m == mode for m in modes}}
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(config))
+
+
 def cache_root() -> Path:
     """`$SPLITSERVE_CACHE`, else `~/.cache/splitserve`."""
     return Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve")
