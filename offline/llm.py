@@ -149,7 +149,8 @@ class LLM:
         if isinstance(prompts, (str, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.engine.tokenizer.encode_pair(*p) if isinstance(p, tuple) else p for p in prompts]
-        outs = self.generate(ids, SamplingParams(max_tokens=0, temperature=0.0, pooling="last", lora=lora), use_tqdm)
+        outs = self.generate(ids, SamplingParams(max_tokens=0, temperature=0.0, pooling=info.label_pooling, lora=lora),
+                             use_tqdm)
         return [class_probs(o.pooled, info.label_activation) for o in outs]
 
     def score(self, text_1: str | list[int] | Seq[str | list[int]], text_2: str | list[int] | Seq[str | list[int]],

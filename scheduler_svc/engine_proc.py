@@ -327,7 +327,7 @@ def _group_info(group: EngineGroup) -> dict:
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
             "lora_adapters": list(group.scheduler.adapters.served), "labels": list(info.labels),
-            "label_activation": info.label_activation}
+            "label_activation": info.label_activation, "label_pooling": info.label_pooling or "last"}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:

@@ -557,8 +557,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 
     async def Classify(self, request: api.ClassifyRequest,
                        context: grpc.aio.ServicerContext) -> api.ClassifyResponse:
-        """As Embed, with the last token's pooled row through the classifier's head (on the worker), then its
-        activation here."""
+        """As Embed, with the pooled row of the token the classifier reads (the last, or an encoder's first)
+        through its head (on the worker), then its activation here."""
         arrived = time.monotonic()
         info = (await self._pooling_groups(context))[0].info
         if not info.labels:
@@ -570,7 +570,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"cls-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        completions = await self._pool(rid, parsed, "last", context, arrived)
+        completions = await self._pool(rid, parsed, info.label_pooling, context, arrived)
         response = api.ClassifyResponse(request_id=rid, labels=info.labels)
         for c in completions:
             response.classifications.add(probs=class_probs(c.pooled, info.label_activation), logits=c.pooled,

@@ -44,6 +44,7 @@ class GroupInfo:
     lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters its worker serves, by name
     labels: list[str] = field(default_factory=list)  # a sequence classifier's (Classify); empty: not one
     label_activation: str = ""  # how its logits become probabilities: sigmoid or softmax
+    label_pooling: str = "last"  # the token its head reads: the last, or an encoder's first ("cls")
     draining: bool = False
 
 

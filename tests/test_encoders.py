@@ -32,10 +32,18 @@ CONFIGS = {  # (transformers' config, its model class, the pooling of its senten
 TEXTS = ["What is the capital of China?", "Explain gravity " * 12, "x", "Hello, world. " * 20]  # 9, 28, 3, 83 tokens
 
 
-def write_encoder(name: str, folder) -> transformers.PreTrainedModel:
+RERANKERS = {"bert": transformers.BertForSequenceClassification,  # (a cross-encoder's class per encoder)
+             "xlm_roberta": transformers.XLMRobertaForSequenceClassification}  # bge-reranker's
+
+
+def write_encoder(name: str, folder, reranker: bool = False) -> transformers.PreTrainedModel:
     """CONFIGS[name] saved by transformers into folder (random weights, LayerNorms away from their init), with the
-    tokenizer and pooling files; returns transformers' model."""
+    tokenizer and pooling files; returns transformers' model. reranker: as a cross-encoder of one label
+    (ForSequenceClassification, num_labels 1: bge-reranker's)."""
     config, model_class, mode = CONFIGS[name]
+    if reranker:
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("id2label", "label2id")}
+        config, model_class = config.__class__(**fields, num_labels=1), RERANKERS[name]
     torch.manual_seed(0)
     hf = model_class(config).eval()
     with torch.no_grad():
@@ -121,5 +129,29 @@ def test_embeddings_through_the_services_on_two_ranks(tmp_path):
             with pytest.raises(grpc.RpcError) as e:
                 c.embed(TEXTS[3] * 2)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in e.value.details()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("name", list(RERANKERS))
+def test_cross_encoders_score_as_transformers(name, tmp_path):
+    """bge-reranker's shape (XLMRobertaForSequenceClassification, one label) and BERT's: each (query, document)
+    pair joined by the tokenizer, the first token's state through the checkpoint's own head (BERT's pooler, RoBERTa's
+    dense + tanh + out_proj), sigmoid; offline and through the services' Classify and score."""
+    folder = tmp_path / name
+    hf = write_encoder(name, folder, reranker=True)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    pairs = [("what is gravity?", "Gravity pulls masses together. " * 3), ("capital of China", "Beijing"),
+             ("x", "y z")]
+    with torch.inference_mode():
+        want = [torch.sigmoid(hf(torch.tensor([tokenizer.encode(q, d).ids])).logits[0, 0]).item() for q, d in pairs]
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_batched_tokens=128)
+    assert [p[0] for p in llm.classify(pairs, use_tqdm=False)] == pytest.approx(want, abs=1e-5)
+    llm.close()
+    cluster = LocalCluster(folder, log_dir=tmp_path / "logs", worker_args=[
+        "--dtype", "float32", "--num-blocks", "64", "--max-num-batched-tokens", "128"]).start(timeout=180)
+    try:
+        with Client(cluster.address, timeout=60) as c:
+            assert c.score(pairs[0][0], [pairs[0][1]]).scores == pytest.approx(want[:1], abs=1e-5)
     finally:
         cluster.stop()

@@ -2,11 +2,13 @@
 sentence-transformers/all-MiniLM-L6-v2), RoBERTa and XLM-RoBERTa (BAAI/bge-m3, intfloat/multilingual-e5-large), in
 transformers' layout (`embeddings.*`, `encoder.layer.N.*`; a `bert.` / `roberta.` prefix of a model saved with a head
 is stripped, the head and the pooler left). Every layer attends both ways (AttentionMetadata.causal False), so a
-sequence runs whole in one step and no prefix of it is cached (DescribeResponse.causal tells the scheduler); the
+sequence runs whole in one step and no prefix of it is cached (DescribeResponse.encoder tells the scheduler); the
 layers are post-norm: LayerNorm(x + attention(x)), then LayerNorm(x + down(act(up(x)))), all with biases. Positions
 are learnt embeddings added to the tokens' with the first token type's, then a LayerNorm; RoBERTa's count from
 pad_token_id + 1. These serve embeddings only (no LM head), pooled as the checkpoint's sentence-transformers files
-say."""
+say; or, saved as `ForSequenceClassification` (BAAI/bge-reranker-base / large / v2-m3, cross-encoders), scores: the
+first token's state through the checkpoint's head (BERT's pooler and classifier, RoBERTa's classifier.dense and
+out_proj), which is not linear, so it sees the state of the whole sequence (one step)."""
 from __future__ import annotations
 
 import torch
@@ -72,10 +74,40 @@ class Embeddings(nn.Module):
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
 
+class BertClassifier(nn.Module):
+    """BertForSequenceClassification's head: `pooler.dense` and tanh over the first token's state, then
+    `classifier`."""
+
+    def __init__(self, hidden: int, labels: int):
+        super().__init__()
+        self.pooler = nn.ModuleDict({"dense": nn.Linear(hidden, hidden)})
+        self.classifier = nn.Linear(hidden, labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(F.linear(x, *_float(self.pooler["dense"]))), *_float(self.classifier))
+
+
+class RobertaClassifier(nn.Module):
+    """RobertaForSequenceClassification's (and XLM-R's) head: `classifier.dense`, tanh, `classifier.out_proj`."""
+
+    def __init__(self, hidden: int, labels: int):
+        super().__init__()
+        self.classifier = nn.ModuleDict({"dense": nn.Linear(hidden, hidden), "out_proj": nn.Linear(hidden, labels)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.classifier
+        return F.linear(torch.tanh(F.linear(x, *_float(head["dense"]))), *_float(head["out_proj"]))
+
+
+def _float(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear.weight.float(), linear.bias.float()
+
+
 class BertModel(nn.Module):
     checkpoint_prefixes: tuple[str, ...] = ("bert.", "roberta.")
-    ignored_prefixes: tuple[str, ...] = ("pooler.", "bert.pooler.", "roberta.pooler.", "cls.", "lm_head.",
-                                         "embeddings.position_ids")
+    ignored_prefixes: tuple[str, ...] = ("pooler.", "bert.pooler.", "cls.", "lm_head.", "embeddings.position_ids",
+                                         "bert.embeddings.position_ids", "roberta.embeddings.position_ids")
+    head = BertClassifier
     # the attention's output names first: "output.dense" is also the MLP's
     renamed_fragments = {"encoder.layer.": "layers.", "attention.self.query": "self_attn.q_proj",
                          "attention.self.key": "self_attn.k_proj", "attention.self.value": "self_attn.v_proj",
@@ -91,6 +123,15 @@ class BertModel(nn.Module):
         self.embeddings = Embeddings(cfg)
         self.layers = nn.ModuleList(EncoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
         self.lm_head = None
+        self.score = None  # a classifier's head, over the first token's float32 state (ModelRunner._pool)
+        if cfg.classifier is not None:
+            self.score = type(self).head(cfg.hidden_size, len(cfg.classifier.labels))
+            for p in self.score.parameters():
+                p.requires_grad_(False)
+            # the head's names stay as the checkpoint has them (no layer prefix to strip or rename)
+            self.ignored_prefixes = tuple(p for p in self.ignored_prefixes if "pooler." not in p)
+            self.renamed_fragments = {**self.renamed_fragments, "pooler.": "score.pooler.",
+                                      "classifier.": "score.classifier."}
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
@@ -124,6 +165,8 @@ class BertModel(nn.Module):
 
 class RobertaModel(BertModel):
     """RoBERTa's and XLM-RoBERTa's positions count from pad_token_id + 1 (the rows before stand for padding)."""
+
+    head = RobertaClassifier
 
     @staticmethod
     def position_offset(raw: dict) -> int:

@@ -73,11 +73,14 @@ ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
 
 def architecture_of(raw: dict) -> type[CausalLM | BertModel]:
     """The model class for a config.json's contents (a sequence classifier's, `XForSequenceClassification`, is X's
-    causal LM's: the runner swaps its LM head for the classification head); a clear error for any other."""
+    causal LM's, the runner swapping its LM head for the classification head, or encoder X's, which has its own); a
+    clear error for any other."""
     names = raw.get("architectures") or []
     for name in names:
-        causal = name.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM" if name.endswith(CLASSIFIER_SUFFIX) else name
-        if causal in ARCHITECTURES:
-            return ARCHITECTURES[causal]
+        base = name.removesuffix(CLASSIFIER_SUFFIX)
+        for model in (base + "ForCausalLM", base + "Model") if name.endswith(CLASSIFIER_SUFFIX) else (name,):
+            if model in ARCHITECTURES:
+                return ARCHITECTURES[model]
     raise ValueError(f"unsupported architecture {', '.join(names) or '(config.json names none)'}: this worker "
-                     f"serves {', '.join(ARCHITECTURES)}, and the {CLASSIFIER_SUFFIX} of each ForCausalLM")
+                     f"serves {', '.join(ARCHITECTURES)}, and the {CLASSIFIER_SUFFIX} of each ForCausalLM and "
+                     "encoder Model")

@@ -208,7 +208,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
-            if self.classifier is not None and not self.classifier.from_tokens:  # the checkpoint's, loaded below
+            if self.classifier is not None and not self.classifier.from_tokens and mc.causal:  # loaded below (an
+                # encoder's head is its own)
                 self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
         torch.set_default_dtype(torch.float32)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
@@ -445,7 +446,8 @@ class ModelRunner:
             max_cpu_loras=self.lora.capacity if self.lora.slots else 0, lora_slots=self.batch.lora_adapters,
             encoder=not self.model_config.causal,
             labels=self.classifier.labels if self.classifier else (),
-            label_activation=self.classifier.activation if self.classifier else "")
+            label_activation=self.classifier.activation if self.classifier else "",
+            label_pooling=("last" if self.model_config.causal else "cls") if self.classifier else "")
 
     @property
     def num_host_blocks(self) -> int:
@@ -591,7 +593,9 @@ class ModelRunner:
         values = torch.stack(rows)
         if self.model_config.logit_scale != 1.0:
             values /= self.model_config.logit_scale
-        if self.classifier is not None:  # linear: a chunk's sum of rows maps to the sum of their scores
+        if self.classifier is not None and not self.model_config.causal:  # one whole sequence's first token
+            values = self.model.score(values)
+        elif self.classifier is not None:  # linear: a chunk's sum of rows maps to the sum of their scores
             values = values @ self.model.score.weight.float().T
         return PooledRows(seqs, starts, counts, values)
 
