@@ -80,6 +80,25 @@ def test_encoders_on_the_gpu_equal_transformers(name, tmp_path):
         torch.testing.assert_close(torch.tensor(g), w, rtol=1e-3, atol=1e-4)
 
 
+def test_an_encoder_cross_encoder_on_the_gpu_scores_as_transformers(tmp_path):
+    """bge-reranker's shape (XLMRobertaForSequenceClassification, one label) in float32: its head over the first
+    token of each joined pair, sigmoid, against transformers'."""
+    from tokenizers import Tokenizer
+
+    from offline.llm import LLM
+    from tests.test_encoders import write_encoder
+
+    folder = tmp_path / "xlm_roberta"
+    hf = write_encoder("xlm_roberta", folder, reranker=True)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    pairs = [("what is gravity?", "Gravity pulls masses together. " * 3), ("capital of China", "Beijing")]
+    with torch.inference_mode():
+        want = [torch.sigmoid(hf(torch.tensor([tokenizer.encode(q, d).ids])).logits[0, 0]).item() for q, d in pairs]
+    with LLM(folder, device=DEVICE, dtype="float32", num_blocks=64, block_size=16, max_num_batched_tokens=128) as llm:
+        got = [p[0] for p in llm.classify(pairs, use_tqdm=False)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
 def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
     """The checkpoint with the adapter merged into its weights: W + alpha / r * B A."""
     shutil.copytree(model_dir, out)
