@@ -14,9 +14,11 @@ from tokenizers import Tokenizer, processors
 from client import Client
 from client.launcher import LocalCluster
 from offline.llm import LLM
+from protos import worker_pb2 as pb
 from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
 from worker_svc.checkpoints.writer import write_sentence_transformers
 from worker_svc.model.bert import BertModel
+from worker_svc.runtime.batch import PlanError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,6 +103,12 @@ def test_an_input_longer_than_a_step_is_refused_by_name(tmp_path):
     assert llm.engine.scheduler.max_model_len == 64  # the position table's 128, cut to what one step holds
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([[5] * 70], use_tqdm=False)
+    runner = llm.engine.core.executor.runner  # and the worker refuses a plan that would split one
+    split = pb.StepPlan(step=runner.batch.next_step, epoch=runner.epoch, new_seqs=[pb.NewSequence(
+        seq_id=99, token_ids=[5] * 20, prompt_len=20, sampling=pb.SamplingParams(pooling="cls"), block_ids=[0, 1],
+        num_scheduled_tokens=16)])
+    with pytest.raises(PlanError, match="runs whole in the step that starts it"):
+        runner.execute(split)
 
 
 def test_relative_positions_are_refused_at_start():

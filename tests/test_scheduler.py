@@ -423,6 +423,27 @@ def test_more_adapters_than_slots_take_turns_in_them():
     sched.block_manager.check([])
 
 
+def test_whole_prompts_are_admitted_whole_into_one_step_each():
+    """An encoder's scheduler (whole_prompts): every sequence starts with all of its prompt in one step, however the
+    step's budget and the chunk cap would cut it; one that does not fit what is left waits for the next step, and
+    none is ever a running column."""
+    sched, worker = make(budget=32, cap=4, max_model_len=32, caching=False)
+    sched = Scheduler(sched.config, 64, 4, eos_token_ids=[EOS], epoch=worker.epoch, whole_prompts=True)
+    seqs = [seq(i, range(1, n + 1), max_tokens=0, pooling="last") for i, n in enumerate([5, 20, 31, 3, 12, 1], 1)]
+    for s in seqs:
+        sched.add(s)
+    driver = Driver(sched, worker)
+    driver.run()
+    for plan in driver.plans:
+        assert not plan.seq_ids
+        assert all(ns.num_computed_tokens == 0 and ns.num_scheduled_tokens == len(ns.token_ids) for ns in plan.new_seqs)
+        assert sum(ns.num_scheduled_tokens for ns in plan.new_seqs) <= 32
+    assert [len(p.new_seqs) for p in driver.plans if p.new_seqs] == [2, 1, 3]  # 5 + 20; 31; 3 + 12 + 1
+    assert all(s.is_finished for s in seqs)
+    with pytest.raises(ValueError, match="within max_num_batched_tokens"):
+        Scheduler(make(budget=16, max_model_len=32)[0].config, 64, 4, whole_prompts=True)
+
+
 def test_abort_in_every_state_returns_every_block():
     sched, worker = make(num_blocks=12, block_size=2, budget=6, cap=2)
     d = Driver(sched, worker, 2)

@@ -21,7 +21,7 @@ from worker_svc.model.config import EncoderConfig, ModelConfig
 from worker_svc.model.layers import Attention, RotaryEmbedding
 from worker_svc.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
