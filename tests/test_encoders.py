@@ -6,6 +6,7 @@ tensor-parallel ranks, with inputs batched into steps whole (their attention see
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 import torch
 import transformers
@@ -161,5 +162,20 @@ def test_cross_encoders_score_as_transformers(name, tmp_path):
     try:
         with Client(cluster.address, timeout=60) as c:
             assert c.score(pairs[0][0], [pairs[0][1]]).scores == pytest.approx(want[:1], abs=1e-5)
+        if name == "xlm_roberta":  # bge-reranker through the gateway's /v1/rerank, best first
+            from tests.test_gateway import Gateway  # its imports are the gateway's (tests/gpu imports this module)
+
+            gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+            try:
+                body = httpx.post(f"{gateway.url}/v1/rerank", json={"query": "q", "documents": [d for _, d in pairs]},
+                                  timeout=60).json()
+            finally:
+                gateway.stop()
+            with torch.inference_mode():
+                scores = [torch.sigmoid(hf(torch.tensor([tokenizer.encode("q", d).ids])).logits[0, 0]).item()
+                          for _, d in pairs]
+            order = sorted(range(len(pairs)), key=lambda i: -scores[i])
+            assert [r["index"] for r in body["results"]] == order
+            assert [r["relevance_score"] for r in body["results"]] == pytest.approx(sorted(scores)[::-1], abs=1e-5)
     finally:
         cluster.stop()
