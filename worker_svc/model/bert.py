@@ -25,14 +25,6 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tan
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
-class LayerNorm(nn.LayerNorm):
-    """transformers' LayerNorm (weight and bias), in float32 whatever the model's dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
-                            self.eps).to(x.dtype)
-
-
 class EncoderMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
@@ -48,9 +40,9 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
         self.self_attn = Attention(cfg, layer, rotary, kernels)
-        self.attn_norm = LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
         self.mlp = EncoderMLP(cfg, kernels)
-        self.mlp_norm = LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
+        self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.attn_norm(x + self.self_attn(positions, x, meta))
@@ -64,7 +56,7 @@ class Embeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(enc.positions, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(enc.type_vocab_size, cfg.hidden_size)
-        self.LayerNorm = LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
         self.offset = enc.position_offset
         for embedding in (self.position_embeddings, self.token_type_embeddings):
             embedding.weight.requires_grad_(False)
