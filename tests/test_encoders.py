@@ -1,6 +1,7 @@
 """Encoder-only embedding models (model/bert.py): BERT, RoBERTa and XLM-RoBERTa checkpoints written by transformers
 itself (odd shapes, each of its activations, RoBERTa's position offset), with the real Qwen tokenizer given a BERT-like
-post-processor (a first token and a closing one, as [CLS] ... [SEP]) and sentence-transformers' pooling (CLS, mean).
+post-processor (a first token and a closing one, as [CLS] ... [SEP]) and sentence-transformers' pooling (CLS, mean);
+and the make-model presets' encoders (bge-base-en-v1.5's and bge-m3's layouts) against transformers.
 Every vector is compared with transformers' hidden states on the same weights: offline, through the services on two
 tensor-parallel ranks, with inputs batched into steps whole (their attention sees both ways)."""
 from __future__ import annotations
@@ -10,20 +11,19 @@ import httpx
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer
 
 from client import Client
 from client.launcher import LocalCluster
 from offline.llm import LLM
 from protos import worker_pb2 as pb
-from worker_svc.checkpoints.tokenizer_files import write_qwen_tokenizer
-from worker_svc.checkpoints.writer import write_sentence_transformers
+from worker_svc.checkpoints.tokenizer_files import add_encoder_special_tokens, write_qwen_tokenizer
+from worker_svc.checkpoints.writer import make_model, write_sentence_transformers
 from worker_svc.model.bert import BertModel
 from worker_svc.runtime.batch import PlanError
 
 pytestmark = pytest.mark.timeout(300)
 
-CLS, SEP = "<|im_start|>", "<|endoftext|>"
 COMMON = dict(vocab_size=151936, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, intermediate_size=160)
 CONFIGS = {  # (transformers' config, its model class, the pooling of its sentence-transformers files)
     "bert": (transformers.BertConfig(max_position_embeddings=128, **COMMON), transformers.BertModel, "cls_token"),
@@ -55,11 +55,7 @@ def write_encoder(name: str, folder, reranker: bool = False) -> transformers.Pre
                 param.uniform_(-0.5, 0.5).add_(1.0 if param_name.endswith("weight") else 0.0)
     hf.save_pretrained(folder)
     write_qwen_tokenizer(folder)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-        special_tokens=[(CLS, tokenizer.token_to_id(CLS)), (SEP, tokenizer.token_to_id(SEP))])
-    tokenizer.save(str(folder / "tokenizer.json"))
+    add_encoder_special_tokens(folder)
     write_sentence_transformers(folder, mode, normalize=True)
     return hf
 
@@ -179,3 +175,19 @@ def test_cross_encoders_score_as_transformers(name, tmp_path):
             assert [r["relevance_score"] for r in body["results"]] == pytest.approx(sorted(scores)[::-1], abs=1e-5)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("preset,model_class", [("bert-tiny", transformers.BertModel),
+                                                ("xlm-roberta-tiny", transformers.XLMRobertaModel)])
+def test_the_encoder_presets_load_into_transformers_and_embed_as_it_does(preset, model_class, tmp_path):
+    """make-model's encoders (the tiny shapes of bge-base-en-v1.5's and bge-m3's presets): every tensor one
+    transformers' model expects, the tokenizer closing each text, CLS pooling, normalised."""
+    folder = make_model(preset, tmp_path / preset)
+    hf, info = model_class.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values()), info
+    llm = LLM(folder, device="cpu", dtype="float32")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text, vector in zip(TEXTS[:2], llm.embed(TEXTS[:2], use_tqdm=False)):
+        with torch.inference_mode():
+            state = hf.eval()(torch.tensor([tokenizer.encode(text).ids])).last_hidden_state[0, 0]
+        torch.testing.assert_close(torch.tensor(vector), state / state.norm(), atol=1e-5, rtol=1e-5)

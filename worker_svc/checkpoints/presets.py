@@ -303,12 +303,45 @@ def _gpt_oss(layers, experts, hidden=2880, heads=64, kv_heads=8, head_dim=64, in
                       "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 
+def _bert(hidden: int, layers: int, heads: int, intermediate: int, max_pos: int = 512, dtype: str = "bfloat16",
+          model_type: str = "bert") -> dict:
+    """An encoder (BAAI/bge-base-en-v1.5's BertModel; XLM-RoBERTa's with model_type "xlm-roberta": positions past
+    pad_token_id 1, one token type)."""
+    roberta = model_type == "xlm-roberta"
+    return {
+        "architectures": ["XLMRobertaModel" if roberta else "BertModel"],
+        "attention_probs_dropout_prob": 0.1,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "layer_norm_eps": 1e-05 if roberta else 1e-12,
+        "max_position_embeddings": max_pos + 2 if roberta else max_pos,
+        "model_type": model_type,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "pad_token_id": 1 if roberta else 0,
+        "position_embedding_type": "absolute",
+        "rope_theta": 10000.0,  # none: the worker's reading of a config takes one (no layer turns by it)
+        "tie_word_embeddings": False,
+        "type_vocab_size": 1 if roberta else 2,
+        "vocab_size": VOCAB_SIZE,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 128, 3072, tied=True),
     "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 128, 6144, tied=True),
     "qwen3-4b": _qwen3(2560, 36, 32, 8, 128, 9728, tied=True),
     "qwen3-8b": _qwen3(4096, 36, 32, 8, 128, 12288, tied=False),
     "qwen3-tiny": _qwen3(64, 2, 4, 2, 16, 128, tied=True, max_pos=512, dtype="float32"),
+    "bge-base-en-v1.5": _bert(768, 12, 12, 3072),
+    "bge-m3": _bert(1024, 24, 16, 4096, max_pos=8192, model_type="xlm-roberta"),
+    "bert-tiny": _bert(96, 2, 6, 160, max_pos=128, dtype="float32"),
+    "xlm-roberta-tiny": _bert(96, 2, 6, 160, max_pos=128, dtype="float32", model_type="xlm-roberta"),
     "qwen3-tiny-untied": _qwen3(64, 2, 4, 2, 16, 128, tied=False, max_pos=512, dtype="float32"),
     "qwen3-small": _qwen3(128, 4, 4, 2, 32, 256, tied=True, max_pos=1024, dtype="float32"),
     # Heads, KV heads and intermediate size divisible by 2 and 4 for tensor-parallel tests.

@@ -191,6 +191,23 @@ def tokenizer_config() -> dict:
     }
 
 
+ENCODER_FIRST, ENCODER_LAST = "<|im_start|>", "<|endoftext|>"  # an encoder's [CLS] and [SEP] in Qwen's vocabulary
+
+
+def add_encoder_special_tokens(out_dir: Path) -> None:
+    """Give the tokenizer in out_dir BERT's post-processor: a first token before each text and a closing one after
+    it ([CLS] $A [SEP], a pair as [CLS] $A [SEP] $B [SEP]), as an encoder's tokenizer adds them."""
+    from tokenizers import Tokenizer, processors
+
+    path = str(Path(out_dir) / "tokenizer.json")
+    tokenizer = Tokenizer.from_file(path)
+    first, last = ENCODER_FIRST, ENCODER_LAST
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}", pair=f"{first} $A {last} $B:1 {last}:1",
+        special_tokens=[(first, tokenizer.token_to_id(first)), (last, tokenizer.token_to_id(last))])
+    tokenizer.save(path)
+
+
 def write_qwen_tokenizer(out_dir: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json, vocab.json and merges.txt into `out_dir`."""
     out_dir = Path(out_dir)

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from common.util import cdiv
 from worker_svc.checkpoints.presets import DEFAULT_PRESET, GENERATION_CONFIG, get_preset
-from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, write_qwen_tokenizer
+from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, add_encoder_special_tokens, write_qwen_tokenizer
 
 LOGIT_SCALE = 8.0
 QK_NORM_SCALE = 2.0
@@ -64,6 +64,7 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # model types with DeepSeek's latent attention
 OLMO = ("olmo2", "olmo3", "olmoe", "minimax_m2")  # model types whose q/k norms span all heads
+ENCODERS = ("bert", "xlm-roberta")  # encoder-only: embeddings, their tokenizer closing each text, CLS pooling
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # experts on every layer as `block_sparse_moe.experts.N.w1` (w3, w2)
 
 
@@ -71,10 +72,12 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes in transformers' state_dict order for the config's architecture: q/k norms
     for Qwen3, q/k/v biases for Qwen2 (and Qwen2-MoE), Llama's (and SmolLM3's) attention and MLP biases where its
     config sets them, experts (and Qwen2-MoE's shared one; GraniteMoE's stored whole per projection)."""
+    kind = config["model_type"]
+    if kind in ENCODERS:
+        return _encoder_shapes(config)
     h, inter = config["hidden_size"], config.get("intermediate_size", 0)  # Solar Open has no dense MLP
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    kind = config["model_type"]
     if kind == "gpt_oss":
         return _gpt_oss_shapes(config)
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1")
@@ -181,6 +184,23 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # MXFP4's magnitudes; code | 8: negative
+
+
+def _encoder_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """BertModel's (and XLMRobertaModel's) tensors, pooler included, as transformers saves them."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    shapes = [("embeddings.word_embeddings.weight", (config["vocab_size"], h)),
+              ("embeddings.position_embeddings.weight", (config["max_position_embeddings"], h)),
+              ("embeddings.token_type_embeddings.weight", (config["type_vocab_size"], h)),
+              ("embeddings.LayerNorm.weight", (h,)), ("embeddings.LayerNorm.bias", (h,))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        for name, shape in (("attention.self.query", (h, h)), ("attention.self.key", (h, h)),
+                            ("attention.self.value", (h, h)), ("attention.output.dense", (h, h)),
+                            ("attention.output.LayerNorm", (h,)), ("intermediate.dense", (inter, h)),
+                            ("output.dense", (h, inter)), ("output.LayerNorm", (h,))):
+            shapes += [(p + name + ".weight", shape), (p + name + ".bias", shape[:1])]
+    return shapes + [("pooler.dense.weight", (h, h)), ("pooler.dense.bias", (h,))]
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,8 +397,12 @@ def make_model(
         _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", GENERATION_CONFIG)
     write_qwen_tokenizer(out)
+    if config["model_type"] in ENCODERS:  # an embedding model as bge's is published: [CLS] pooled, normalised
+        add_encoder_special_tokens(out)
+        write_sentence_transformers(out, "cls_token", normalize=True)
+    else:
+        _write_json(out / "generation_config.json", GENERATION_CONFIG)
     return out
 
 
