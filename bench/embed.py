@@ -25,13 +25,15 @@ from common.util import run_loop
 
 
 def floor_seconds(model: Path, inputs: list[list[int]]) -> float:
-    """The inputs' FLOPs at the bf16 peak: the layers' weights a token computes with, and causal attention."""
+    """The inputs' FLOPs at the bf16 peak: the layers' weights a token computes with, and attention (causal, or both
+    ways for an encoder)."""
     from worker_svc.model.registry import architecture_of
 
     cfg = json.loads((model / "config.json").read_text())
     shape = ModelShape.from_config(cfg)
     m = architecture_of(cfg).config(cfg)
-    layers = shape.active_params() - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    heads = 1 if m.tie_word_embeddings or m.encoder is not None else 2  # the embedding, and an untied LM head
+    layers = shape.active_params() - m.vocab_size * m.hidden_size * heads
     flops = sum(2 * layers * len(ids) + 4 * shape.heads * shape.head_dim * shape.prompt_pairs(len(ids))
                 for ids in inputs)
     return flops / H200_FLOPS

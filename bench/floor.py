@@ -37,6 +37,7 @@ class ModelShape:
     top_k: int = 0
     windows: tuple[int, ...] = ()  # the sliding window of each layer that has one (a layer reads its last w keys)
     kv_planes: int = 2  # K and V, or K alone where V is K (latent attention)
+    bidirectional: bool = False  # an encoder's: every query sees every key of its sequence
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelShape":
@@ -55,6 +56,8 @@ class ModelShape:
             attention = (q + h * (a.kv_lora_rank + a.qk_rope_head_dim)
                          + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim) + heads * a.v_head_dim * h)
         embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+        if m.encoder is not None:  # no LM head; an MLP of two projections, not gated
+            return cls(layers, heads, kv, d, layers * (attention + 2 * h * i) + m.vocab_size * h, bidirectional=True)
         if m.moe is None:
             return cls(layers, heads, kv, d, layers * (attention + 3 * h * i) + embed, windows=windows,
                        kv_planes=planes)
@@ -84,7 +87,9 @@ class ModelShape:
         return (self.layers - len(self.windows)) * ctx + sum(min(ctx, w) for w in self.windows)
 
     def prompt_pairs(self, p: int) -> int:
-        """(query, key) pairs of a p-token prompt, causal, summed over the layers."""
+        """(query, key) pairs of a p-token prompt, causal (or both ways: an encoder's), summed over the layers."""
+        if self.bidirectional:
+            return self.layers * p * p
         full = p * (p + 1) // 2
         return (self.layers - len(self.windows)) * full + sum(
             full if p <= w else w * (w + 1) // 2 + (p - w) * w for w in self.windows)

@@ -159,6 +159,9 @@ def test_floor_of_the_offline_workload_is_the_figure_the_project_quotes() -> Non
     assert 32_000 < bf16 < 36_000 and 1.5 * bf16 < fp8 < 2 * bf16
     many = [(len(r.prompt_ids), r.max_tokens) for r in short(512)]
     assert floor_tokens_per_s(shape, many, max_num_seqs=64) < floor_tokens_per_s(shape, many, max_num_seqs=512)
+    bert = ModelShape.from_config(get_preset("bge-base-en-v1.5"))  # an encoder: MLPs of two projections, no LM head,
+    assert bert.params == 12 * (4 * 768 * 768 + 2 * 768 * 3072) + 151936 * 768  # attention both ways
+    assert bert.prompt_pairs(10) == 12 * 100
 
 
 def test_floor_of_a_windowed_model_reads_only_inside_its_windows() -> None:
