@@ -47,3 +47,18 @@ def _dequantized_fp8(model_dir: Path, out: Path) -> Path:
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def merge_lora(state: dict[str, torch.Tensor], adapter: Path) -> dict[str, torch.Tensor]:
+    """A state dict (transformers' names) with the PEFT adapter in `adapter` merged into its weights:
+    W + alpha / r * B A for every module the adapter adapts."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    tensors = load_file(Path(adapter) / "adapter_model.safetensors")
+    scale = config["lora_alpha"] / config["r"]
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
+    return state

@@ -17,8 +17,9 @@ from client import Client
 from client.launcher import LocalCluster
 from offline.llm import LLM
 from protos import worker_pb2 as pb
+from tests.hf_reference import merge_lora
 from worker_svc.checkpoints.tokenizer_files import add_encoder_special_tokens, write_qwen_tokenizer
-from worker_svc.checkpoints.writer import make_model, write_sentence_transformers
+from worker_svc.checkpoints.writer import make_lora_adapter, make_model, write_sentence_transformers
 from worker_svc.model.bert import BertModel
 from worker_svc.runtime.batch import PlanError
 
@@ -191,3 +192,17 @@ def test_the_encoder_presets_load_into_transformers_and_embed_as_it_does(preset,
         with torch.inference_mode():
             state = hf.eval()(torch.tensor([tokenizer.encode(text).ids])).last_hidden_state[0, 0]
         torch.testing.assert_close(torch.tensor(vector), state / state.norm(), atol=1e-5, rtol=1e-5)
+
+
+def test_an_encoder_embeds_under_a_lora_adapter_as_its_merged_weights(tmp_path):
+    """A PEFT adapter of BERT's query, key and value (as PEFT names them: encoder.layer.N.attention.self.query) beside
+    the base model in one batch: each vector equals transformers' with the adapter merged, or without it."""
+    folder = tmp_path / "bert"
+    hf = write_encoder("bert", folder)
+    adapter = make_lora_adapter(folder, tmp_path / "adapter", rank=4, targets=("query", "key", "value"))
+    base = expected(hf, folder, TEXTS[:2])
+    hf.load_state_dict(merge_lora(hf.state_dict(), adapter))
+    llm = LLM(folder, device="cpu", dtype="float32", lora_modules={"a": str(adapter)})
+    for lora, want in (("a", expected(hf, folder, TEXTS[:2])), ("", base)):
+        for vector, w in zip(llm.embed(TEXTS[:2], use_tqdm=False, lora=lora), want):
+            torch.testing.assert_close(torch.tensor(vector), w, atol=1e-5, rtol=1e-5)

@@ -28,6 +28,7 @@ from offline.llm import LLM
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.sampling import SamplingParams
+from tests.hf_reference import merge_lora
 from tests.test_engine_model import _run
 from tests.sim_cluster import sample, scrape
 from tests.test_gateway import Gateway
@@ -56,15 +57,7 @@ def merged(tiny_model_dir, adapters) -> dict[str, transformers.Qwen3ForCausalLM]
     for name in NAMES:
         hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         if name:
-            config = json.loads((adapters[name] / "adapter_config.json").read_text())
-            scale = config["lora_alpha"] / config["r"]
-            tensors = load_file(adapters[name] / "adapter_model.safetensors")
-            state = hf.state_dict()
-            for key, a in tensors.items():
-                if key.endswith(".lora_A.weight"):
-                    module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
-                    state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
-            hf.load_state_dict(state)
+            hf.load_state_dict(merge_lora(hf.state_dict(), adapters[name]))
         out[name] = hf
     return out
 
@@ -152,14 +145,7 @@ def test_adapters_of_a_model_with_output_scales_equal_merged_weights(tmp_path_fa
 
     _, folder, hf = _write("granite", tmp_path_factory)
     adapter = make_lora_adapter(folder, tmp_path_factory.mktemp("granite-lora") / "a", rank=4, seed=3)
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    state, scale = hf.state_dict(), config["lora_alpha"] / config["r"]
-    for key, a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
-            state[f"{module}.weight"] += scale * tensors[key.replace("lora_A", "lora_B")] @ a
-    hf.load_state_dict(state)
+    hf.load_state_dict(merge_lora(hf.state_dict(), adapter))
     prompts = [[(31 * i + j) % 4000 + 1 for j in range(5 + 7 * i)] for i in range(3)]
     with torch.inference_mode():
         want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,

@@ -101,14 +101,10 @@ def test_an_encoder_cross_encoder_on_the_gpu_scores_as_transformers(tmp_path):
 
 def _merged(model_dir: Path, adapter: Path, out: Path) -> Path:
     """The checkpoint with the adapter merged into its weights: W + alpha / r * B A."""
+    from tests.hf_reference import merge_lora
+
     shutil.copytree(model_dir, out)
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    lora = load_file(adapter / "adapter_model.safetensors")
-    weights = load_file(out / "model.safetensors")
-    for key, a in lora.items():
-        if key.endswith(".lora_A.weight"):
-            name = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.") + ".weight"
-            weights[name] += config["lora_alpha"] / config["r"] * lora[key.replace("lora_A", "lora_B")] @ a
+    weights = merge_lora(load_file(out / "model.safetensors"), adapter)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
