@@ -30,7 +30,8 @@ def _list_presets(args: argparse.Namespace) -> int:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         print(
             f"{name:20} {cfg['architectures'][0]:20} hidden={cfg['hidden_size']} layers={cfg['num_hidden_layers']} "
-            f"heads={cfg['num_attention_heads']}/{cfg['num_key_value_heads']} head_dim={head_dim} "
+            f"heads={cfg['num_attention_heads']}/{cfg.get('num_key_value_heads', cfg['num_attention_heads'])} "
+            f"head_dim={head_dim} "
             f"intermediate={cfg.get('intermediate_size', 'none')} tied={cfg['tie_word_embeddings']} "
             f"dtype={cfg['dtype']}"
         )
