@@ -636,7 +636,8 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
     96), Gemma 2 (attention scores capped at 5), Phi-4-mini (rope over 24 of 32 dims: a table whose last
     columns turn by 0), SmolLM3 (layers without rope: a table that turns nothing), GLM-4 (rope over half of each
     head, on neighbouring dims: rows reordered at load), gpt-oss (a sink per head, windows of 16 on some layers) and
-    DeepSeek-V2 (latent attention cached per head: heads of 24, rope over 8 of them, V padded to K's width)."""
+    DeepSeek-V2 (latent attention cached per head: heads of 24, rope over 8 of them, V padded to K's width). The KV
+    cache starts as NaN: a kernel that read a slot no step wrote (a masked score times a garbage V) would show."""
     from worker_svc.checkpoints.writer import make_model
     from tests.paged_driver import PagedDriver
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
@@ -648,6 +649,7 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
         runner = ModelRunner(model_dir, RunnerConfig(num_blocks=64, limits=Limits(max_model_len=256),
                                                           attention=attention))
         assert runner.kernels.attention.name == attention
+        runner.kv_cache.fill_(float("nan"))
         driver = PagedDriver(runner, chunk=7, shuffle_seed=1)
         seqs = [driver.add(p, 10) for p in prompts]
         driver.run_all()
