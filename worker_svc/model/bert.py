@@ -66,40 +66,24 @@ class Embeddings(nn.Module):
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
 
-class BertClassifier(nn.Module):
-    """BertForSequenceClassification's head: `pooler.dense` and tanh over the first token's state, then
-    `classifier`."""
+class SequenceHead(nn.Module):
+    """A ForSequenceClassification's head over the first token's state: out(tanh(dense(x))), in float32 (BERT's
+    pooler.dense and classifier; RoBERTa's classifier.dense and classifier.out_proj)."""
 
     def __init__(self, hidden: int, labels: int):
         super().__init__()
-        self.pooler = nn.ModuleDict({"dense": nn.Linear(hidden, hidden)})
-        self.classifier = nn.Linear(hidden, labels)
+        self.dense, self.out = nn.Linear(hidden, hidden), nn.Linear(hidden, labels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.tanh(F.linear(x, *_float(self.pooler["dense"]))), *_float(self.classifier))
-
-
-class RobertaClassifier(nn.Module):
-    """RobertaForSequenceClassification's (and XLM-R's) head: `classifier.dense`, tanh, `classifier.out_proj`."""
-
-    def __init__(self, hidden: int, labels: int):
-        super().__init__()
-        self.classifier = nn.ModuleDict({"dense": nn.Linear(hidden, hidden), "out_proj": nn.Linear(hidden, labels)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        head = self.classifier
-        return F.linear(torch.tanh(F.linear(x, *_float(head["dense"]))), *_float(head["out_proj"]))
-
-
-def _float(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    return linear.weight.float(), linear.bias.float()
+        h = torch.tanh(F.linear(x, self.dense.weight.float(), self.dense.bias.float()))
+        return F.linear(h, self.out.weight.float(), self.out.bias.float())
 
 
 class BertModel(nn.Module):
     checkpoint_prefixes: tuple[str, ...] = ("bert.", "roberta.")
     ignored_prefixes: tuple[str, ...] = ("pooler.", "bert.pooler.", "cls.", "lm_head.", "embeddings.position_ids",
                                          "bert.embeddings.position_ids", "roberta.embeddings.position_ids")
-    head = BertClassifier
+    head_names = {"pooler.dense.": "score.dense.", "classifier.": "score.out."}  # its head's, as ours
     # the attention's output names first: "output.dense" is also the MLP's
     renamed_fragments = {"encoder.layer.": "layers.", "attention.self.query": "self_attn.q_proj",
                          "attention.self.key": "self_attn.k_proj", "attention.self.value": "self_attn.v_proj",
@@ -117,13 +101,11 @@ class BertModel(nn.Module):
         self.lm_head = None
         self.score = None  # a classifier's head, over the first token's float32 state (ModelRunner._pool)
         if cfg.classifier is not None:
-            self.score = type(self).head(cfg.hidden_size, len(cfg.classifier.labels))
+            self.score = SequenceHead(cfg.hidden_size, len(cfg.classifier.labels))
             for p in self.score.parameters():
                 p.requires_grad_(False)
-            # the head's names stay as the checkpoint has them (no layer prefix to strip or rename)
             self.ignored_prefixes = tuple(p for p in self.ignored_prefixes if "pooler." not in p)
-            self.renamed_fragments = {**self.renamed_fragments, "pooler.": "score.pooler.",
-                                      "classifier.": "score.classifier."}
+            self.renamed_fragments = {**self.renamed_fragments, **self.head_names}
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
@@ -158,7 +140,7 @@ class BertModel(nn.Module):
 class RobertaModel(BertModel):
     """RoBERTa's and XLM-RoBERTa's positions count from pad_token_id + 1 (the rows before stand for padding)."""
 
-    head = RobertaClassifier
+    head_names = {"classifier.dense.": "score.dense.", "classifier.out_proj.": "score.out."}
 
     @staticmethod
     def position_offset(raw: dict) -> int:

@@ -62,6 +62,10 @@ class LoraWeights:
     rank: int        # R: a slot's columns, the largest adapter rank times the projection's packed parts
     scale: float = 1.0  # the model's output scale of the projection (layers.scale_rows), folded into B as loaded
 
+    def slot(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot k's rows of A and columns of B (views)."""
+        return self.a[k * self.rank:(k + 1) * self.rank], self.b[:, k * self.rank:(k + 1) * self.rank]
+
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the projection's output for x) plus each token's adapter's delta."""
         if _STEP.of_token is None:
@@ -155,8 +159,7 @@ class LoraSlots:
         """Copies the registered adapter into `slot`, replacing what it held."""
         image = self.registered[name]
         for path, module in self.modules.items():
-            lora = module.lora
-            a, b = lora.a[slot * lora.rank:(slot + 1) * lora.rank], lora.b[:, slot * lora.rank:(slot + 1) * lora.rank]
+            a, b = module.lora.slot(slot)
             if path in image:
                 a.copy_(image[path][0], non_blocking=True)
                 b.copy_(image[path][1], non_blocking=True)
@@ -167,9 +170,8 @@ class LoraSlots:
     @torch.no_grad()
     def clear(self, slot: int) -> None:
         for module in self.modules.values():
-            lora = module.lora
-            lora.a[slot * lora.rank:(slot + 1) * lora.rank] = 0
-            lora.b[:, slot * lora.rank:(slot + 1) * lora.rank] = 0
+            for part in module.lora.slot(slot):
+                part.zero_()
 
     def _read(self, name: str, folder: Path) -> dict[str, list[tuple[object, torch.Tensor, torch.Tensor]]]:
         """The adapter's (shard id, A, B scaled) per module path, checked against what the slots take."""
