@@ -153,6 +153,48 @@ def test_uploads_start_on_16_byte_boundaries():
         assert np.array_equal(flat[start:start + a.nbytes].view(a.dtype), a.reshape(-1))
 
 
+class _DeviceTensor:
+    """Stands for a GPU tensor on a CPU machine: what a step's results read (is_cuda, an asynchronous copy to the
+    host) and nothing else."""
+    is_cuda = True
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+
+    def to(self, device: str, non_blocking: bool = False, copy: bool = False) -> torch.Tensor:
+        return self.host.clone()
+
+
+@pytest.mark.parametrize("part", ["pooled", "prompt"])
+def test_a_step_that_samples_nothing_waits_for_its_results_copy(monkeypatch, part):
+    """A step of embeddings or of a prompt's middle chunk (pooled rows or prompt logprobs, no sampled token): its
+    result is read only after the event recorded behind the copies of its device tensors to the host."""
+    from worker_svc.runtime.model_runner import PendingStep, PooledRows, PromptScores
+
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.calls = []
+            events.append(self)
+
+        def record(self):
+            self.calls.append("record")
+
+        def synchronize(self):
+            self.calls.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    values = _DeviceTensor(torch.arange(6, dtype=torch.float32))
+    parts = {"pooled": PooledRows([7], [0], [3], values),
+             "prompt": PromptScores([7], [0], [6], [0], values, None, None)}
+    pending = PendingStep(3, [7], None, [], 0.0, **{part: parts[part]})
+    assert [e.calls for e in events] == [["record"]]
+    res = pending.result()
+    assert events[0].calls == ["record", "synchronize"]
+    assert list(res.pooled if part == "pooled" else res.prompt_logprobs) == list(range(6))
+
+
 def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
     """The CLI lists them without importing torch; the lists are kernels/attention.py's and model/config.py's."""
     from worker_svc import cli

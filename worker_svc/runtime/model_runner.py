@@ -130,17 +130,19 @@ class PendingStep:
         self.prompt, self.pooled, self.sampled = prompt, pooled, sampled
         self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
         self.failed_loras: dict[str, str] = {}  # the plan's LoRA loads that failed, and why
+        # asked before the copies: after them every tensor is the host's, yet filled only once the event is reached
+        on_gpu = ((out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda)
+                  or (pooled is not None and pooled.values.is_cuda))
         for part in (prompt, pooled):
             if part is not None:
                 part.to_host()
         self.host: list[torch.Tensor | None] = []
-        self.event = None
         if out is not None:
             tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
             # copy=True: on a CPU, token_ids may be the decode step's static buffer, which the next step reuses
             self.host = [t.to("cpu", non_blocking=True, copy=True) if t is not None else None for t in tensors]
-        if ((out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda)
-                or (pooled is not None and pooled.values.is_cuda)):
+        self.event = None
+        if on_gpu:
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -261,7 +263,7 @@ class ModelRunner:
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
         self.grammars = Grammars(model_dir, mc.vocab_size, self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.embedding_only:  # an embedding model samples nothing
             self.grammars.warm_up()
         self.decode = DecodeStep(self.model, self.kernels, self.last_token, rows, self.batch.block_table.shape[1],
                                  scratch_block=self.num_blocks, block_size=self.block_size)
