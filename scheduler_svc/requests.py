@@ -98,16 +98,17 @@ def check_text_size(text: str, field: str, max_bytes: int) -> None:
         raise InvalidRequest(f"{field} must be at most {max_bytes} bytes of UTF-8")
 
 
-def kept_tokens(req: AnyRequest, max_model_len: int) -> int | None:
-    """How many of a prompt's last tokens the request keeps (truncate_prompt_tokens), or None: all of them."""
+def kept_tokens(req: AnyRequest, most: int) -> int | None:
+    """How many of a prompt's last tokens the request keeps (truncate_prompt_tokens), or None: all of them. `most`:
+    the longest prompt the request may run (a generation's leaves room for a token, a pooled input's need not)."""
     if not req.HasField("truncate_prompt_tokens"):
         return None
     keep = req.truncate_prompt_tokens
     if keep == -1:
-        return max_model_len - 1
-    if not 1 <= keep < max_model_len:
-        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as the model takes) or in [1, "
-                             f"{max_model_len - 1}] (fewer than max_model_len), got {keep}")
+        return most
+    if not 1 <= keep <= most:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as the model takes) or in [1, {most}], "
+                             f"got {keep}")
     return keep
 
 
@@ -253,7 +254,7 @@ def _pooled_inputs(req: api.EmbedRequest | api.ClassifyRequest, tokenizer: Model
     if not 1 <= len(req.inputs) <= MAX_EMBED_INPUTS:
         raise InvalidRequest(f"inputs must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(req.inputs)}")
     max_bytes = max_prompt_bytes(max_model_len)
-    keep = kept_tokens(req, max_model_len)
+    keep = kept_tokens(req, max_model_len)  # a pooled input samples no token: it may fill the model's length
     inputs = []
     for i, item in enumerate(req.inputs):
         field, kind = f"inputs[{i}]", item.WhichOneof("input")
@@ -276,8 +277,8 @@ def _pooled_inputs(req: api.EmbedRequest | api.ClassifyRequest, tokenizer: Model
                                  + (" or pair" if isinstance(req, api.ClassifyRequest) else ""))
         if keep is not None:
             ids = ids[-keep:]
-        if len(ids) >= max_model_len:
-            raise InvalidRequest(f"{field}.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "
+        if len(ids) > max_model_len:
+            raise InvalidRequest(f"{field}.{kind} must be at most max_model_len ({max_model_len}) tokens, "
                                  f"got {len(ids)}")
         inputs.append(ids)
     return inputs
@@ -323,7 +324,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         raise InvalidRequest(f"{e.field} {e.detail}") from None
     except InvalidParam as e:
         raise InvalidRequest(f"{PROTO_FIELD.get(e.field, 'sampling.' + e.field)} {e.detail}") from None
-    ids = prompt_ids(req, tokenizer, vocab_size, max_model_len, kept_tokens(req, max_model_len))
+    ids = prompt_ids(req, tokenizer, vocab_size, max_model_len, kept_tokens(req, max_model_len - 1))
     kind = req.WhichOneof("prompt")
     if len(ids) >= max_model_len:
         raise InvalidRequest(f"prompt.{kind} must be fewer than max_model_len ({max_model_len}) tokens, "

@@ -127,7 +127,9 @@ class Scheduler:
             # last chunk (an embedding's worker samples none: a 0) finishes it ("length") in that same step, no
             # decode is scheduled, and OutputState drops the token.
             max_new = 1
-        if max_new < 1 or p + max_new > self.max_model_len or n >= p + max_new:
+        # a pooled input's one step samples no token (a 0 stands for it): its prompt may fill max_model_len
+        length = p + max_new - 1 if params.pooling else p + max_new
+        if max_new < 1 or length > self.max_model_len or n >= p + max_new:
             raise ValueError(
                 f"prompt ({p} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.max_model_len})"
             )

@@ -96,15 +96,19 @@ def test_embeddings_equal_transformers_with_every_input_whole_in_its_step(encode
 
 
 def test_an_input_longer_than_a_step_is_refused_by_name(tmp_path):
-    write_encoder("bert", tmp_path / "bert")
+    """max_model_len is what one step holds; an input of exactly that many tokens embeds (it samples no token)."""
+    hf = write_encoder("bert", tmp_path / "bert")
     llm = LLM(tmp_path / "bert", device="cpu", dtype="float32", max_num_batched_tokens=64)
     assert llm.engine.scheduler.max_model_len == 64  # the position table's 128, cut to what one step holds
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.embed([[5] * 70], use_tqdm=False)
+        llm.embed([[5] * 65], use_tqdm=False)
+    full = [(11 * j) % 5000 + 1 for j in range(64)]
+    (vector,) = llm.embed([full], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(vector), expected(hf, tmp_path / "bert", [full])[0], atol=1e-5, rtol=1e-5)
     runner = llm.engine.core.executor.runner  # and the worker refuses a plan that would split one
     split = pb.StepPlan(step=runner.batch.next_step, epoch=runner.epoch, new_seqs=[pb.NewSequence(
-        seq_id=99, token_ids=[5] * 20, prompt_len=20, sampling=pb.SamplingParams(pooling="cls"), block_ids=[0, 1],
-        num_scheduled_tokens=16)])
+        seq_id=99, token_ids=[5] * 20, prompt_len=20, sampling=pb.SamplingParams(pooling="cls"),
+        block_ids=[runner.num_blocks - 2, runner.num_blocks - 1], num_scheduled_tokens=16)])
     with pytest.raises(PlanError, match="runs whole in the step that starts it"):
         runner.execute(split)
 

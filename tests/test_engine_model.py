@@ -235,8 +235,9 @@ def test_llm_returns_prompt_and_token_logprobs_as_transformers_computes_them(tin
 def test_embeddings_pool_as_transformers_beside_generations(tiny_model_dir, hf, reference):
     """Embedding requests (max_tokens 0, a pooling) of a generative checkpoint, each pooling in turn, in steps of
     32 tokens beside greedy generations that ask for logprobs: the last row, the first, and the sum of every row
-    (the engine sums a mean's chunks) of transformers' final hidden states; the generations are unchanged."""
-    engine = _engine(tiny_model_dir, num_blocks=64, block_size=16, max_num_batched_tokens=32)
+    (the engine sums a mean's chunks) of transformers' final hidden states; the generations are unchanged. The long
+    input fills max_model_len: a pooled input samples no token, so it needs no room for one."""
+    engine = _engine(tiny_model_dir, num_blocks=64, block_size=16, max_num_batched_tokens=32, max_model_len=70)
     prompts = _prompts()
     long = [(7 * i) % 1000 for i in range(70)]
     for kind in ("last", "cls", "mean"):

@@ -112,7 +112,7 @@ CASES = [
     ("truncate_prompt_tokens 0", req(truncate_prompt_tokens=0), "truncate_prompt_tokens", f"[1, {MAX_MODEL_LEN - 1}]"),
     ("truncate_prompt_tokens -2", req(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "-1 (as many as"),
     ("truncate_prompt_tokens = model", req(truncate_prompt_tokens=MAX_MODEL_LEN), "truncate_prompt_tokens",
-     "fewer than max_model_len"),
+     f"[1, {MAX_MODEL_LEN - 1}]"),
     ("prompt truncated to the model + max_tokens", req(prompt=token_ids([7] * 400), truncate_prompt_tokens=-1),
      "stopping.max_tokens", "at most 1"),
     ("huge max_tokens", req(stopping_max_tokens=2**32 - 1), "stopping.max_tokens", "at most 253"),

@@ -184,7 +184,7 @@ class PersistentBatch:
         bad |= decode & ((n != 1) | (c != known - 1))  # a decode runs its last sampled token, alone
         bad |= ~decode & (end > sent)  # a chunk stays within the sent tokens
         samples = end >= known
-        bad |= samples & (end >= self.max_model_len)  # the sampled token's position must fit too
+        bad |= samples & (end >= self.max_model_len) & (self.pooling[rows] == 0)  # a sampled token's position too
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise PlanError(f"sequence {ids[i]}: {n[i]} tokens from position {c[i]} (of {known[i]} known, {sent[i]} "
