@@ -195,6 +195,20 @@ def test_a_step_that_samples_nothing_waits_for_its_results_copy(monkeypatch, par
     assert list(res.pooled if part == "pooled" else res.prompt_logprobs) == list(range(6))
 
 
+def test_a_closed_runner_holds_neither_its_model_nor_its_kv_cache(tiny_model_dir):
+    """After close nothing keeps the model or the KV cache alive (its LoRA slots, graphs, batch), so another runner
+    in the same process can take the GPU's memory (a bench's in-process run, then its services)."""
+    import gc
+    import weakref
+
+    runner = ModelRunner(tiny_model_dir, RunnerConfig(device="cpu", dtype="float32", num_blocks=16, block_size=16,
+                                                      max_loras=1))
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_cache)
+    runner.close()
+    gc.collect()
+    assert model() is None and cache() is None
+
+
 def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
     """The CLI lists them without importing torch; the lists are kernels/attention.py's and model/config.py's."""
     from worker_svc import cli

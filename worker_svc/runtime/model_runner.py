@@ -457,7 +457,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
-        self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.last_token = None
+        self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.last_token = self.lora = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
