@@ -109,6 +109,7 @@ class GenerateParams(TypedDict, total=False):
     seed: int | None
     logit_bias: dict[int, float] | None
     allowed_token_ids: Sequence[int] | None
+    bad_words: Sequence[str] | None
     prompt_logprobs: int | None
     structured: dict[str, Any] | None
     stop: str | Sequence[str] | None
@@ -147,6 +148,7 @@ def build_request(
     seed: int | None = None,
     logit_bias: dict[int, float] | None = None,
     allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] | None = None,
     prompt_logprobs: int | None = None,
     structured: dict[str, Any] | None = None,
     stop: str | Sequence[str] | None = None,
@@ -197,6 +199,8 @@ def build_request(
         request.sampling.logit_bias.update(logit_bias)
     if allowed_token_ids:
         request.sampling.allowed_token_ids.extend(allowed_token_ids)
+    if bad_words:
+        request.sampling.bad_words.extend(bad_words)
 
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens

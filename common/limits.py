@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+# Tokens of one bad word (SamplingParams.bad_words): a worker keeps each row's last MAX_BAD_WORD_TOKENS - 1 sampled
+# tokens to match the tokens before a word's last.
+MAX_BAD_WORD_TOKENS = 32
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:

@@ -52,9 +52,9 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
 # The first word of a scheduler message names a field of the public proto (e.g. "stopping.max_tokens:",
 # "prompt.chat.messages[0].role", "temperature must be ..."); these are their OpenAI names.
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "stop", "stop_token_ids", "allowed_token_ids", "min_tokens", "n",
-                    "priority",
-                    "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions", "truncate_prompt_tokens"}
+                    "frequency_penalty", "seed", "stop", "stop_token_ids", "allowed_token_ids", "bad_words",
+                    "min_tokens", "n", "priority", "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions",
+                    "truncate_prompt_tokens"}
 _HEAD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 

@@ -87,6 +87,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         repetition_penalty=None if body.repetition_penalty is None else max(body.repetition_penalty, MIN_FLOAT32),
         frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=_logit_bias(body), stop=body.stop or None,
         stop_token_ids=body.stop_token_ids or None, allowed_token_ids=body.allowed_token_ids or None,
+        bad_words=body.bad_words or None,
         ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0, cache_salt=body.cache_salt or "",

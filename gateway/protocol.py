@@ -36,6 +36,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 16
+MAX_BAD_WORDS = 128
 MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_CHAT_MESSAGES = 256
@@ -97,6 +98,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = None

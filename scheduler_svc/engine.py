@@ -55,6 +55,10 @@ class LLMEngine:
         worker) or QueueFullError."""
         params = params if params is not None else SamplingParams()
         check_params(params, self._vocab_size)
+        if params.bad_words:
+            params = dataclasses.replace(params)  # the caller's object stays as it gave it
+            params.resolve_bad_words(lambda word: self.tokenizer.encode(word, add_special_tokens=False),
+                                     self._vocab_size)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             check_prompt_ids(token_ids, self._vocab_size, "prompt")

@@ -309,7 +309,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         include_stop_str_in_output=st.include_stop_str_in_output,
         logprobs=opt(req, "logprobs", None), skip_special_tokens=opt(req, "skip_special_tokens", True),
-        logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids),
+        logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids), bad_words=list(s.bad_words),
         prompt_logprobs=opt(req, "prompt_logprobs", None), lora=req.lora,
         cache_salt=req.cache_salt)
     try:
@@ -320,6 +320,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
                 raise InvalidStructured("structured.reasoning", f"{req.structured.reasoning} needs the special tokens "
                                         f"{', '.join(missing)}, which this model's tokenizer lacks")
         check_params(params, vocab_size)
+        params.resolve_bad_words(lambda word: tokenizer.encode(word, add_special_tokens=False), vocab_size)
     except InvalidStructured as e:
         raise InvalidRequest(f"{e.field} {e.detail}") from None
     except InvalidParam as e:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.limits import MAX_BAD_WORD_TOKENS
 from common.model_files import POOLING_TYPES
 from protos import worker_pb2
 from scheduler_svc.prefix_hash import root_hash
@@ -18,10 +20,12 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI: 300)
 MAX_LOGPROBS = 20  # top alternatives per token
 MAX_ALLOWED_TOKEN_IDS = 1 << 16  # tokens one request may restrict sampling to
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
 # What an engine process needs of a request's parameters (front-ends keep the stop strings and detokenize).
 ENGINE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "logit_bias",
-                 "allowed_token_ids", "prompt_logprobs", "grammar", "pooling", "lora", "cache_salt")
+                 "allowed_token_ids", "bad_words_token_ids", "prompt_logprobs", "grammar", "pooling", "lora",
+                 "cache_salt")
 _seed_source = random.SystemRandom()
 
 
@@ -54,6 +58,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] = field(default_factory=list)  # only these may be sampled (vLLM's); empty: any
+    bad_words: list[str] = field(default_factory=list)  # words the output may not contain (vLLM's)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # resolved at the edge: resolve_bad_words
     prompt_logprobs: int | None = None  # None = none, 0 = each prompt token's, n = also the top n
     grammar: str | None = None  # llguidance grammar of structured output (scheduler_svc/structured.py)
     pooling: str | None = None  # an embedding request (max_tokens 0): how its hidden states pool (POOLING_TYPES)
@@ -122,6 +128,31 @@ class SamplingParams:
                                                     f"got {len(self.allowed_token_ids)}")
         if any(t < 0 for t in self.allowed_token_ids):
             raise InvalidParam("allowed_token_ids", "must be non-negative token ids")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidParam("bad_words", f"must hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_STOP_STRING_LEN:
+                got = f"one of {len(word)} characters" if isinstance(word, str) else repr(word)
+                raise InvalidParam("bad_words", f"must hold words (not only spaces) of at most {MAX_STOP_STRING_LEN} "
+                                                f"characters, got {got}")
+
+    def resolve_bad_words(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
+        """bad_words_token_ids from bad_words, as vLLM tokenizes them: each word without its leading spaces, then after
+        one space where that gives other tokens of the same count (a word begins the text or follows a space)."""
+        resolved = []
+        for word in self.bad_words:
+            bare = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            resolved.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                resolved.append(spaced)
+        longest = max(map(len, resolved), default=0)
+        if longest > MAX_BAD_WORD_TOKENS:
+            raise InvalidParam("bad_words", f"must hold words of at most {MAX_BAD_WORD_TOKENS} tokens, got one of "
+                                            f"{longest}")
+        if any(t >= vocab_size for ids in resolved for t in ids):
+            raise InvalidParam("bad_words", f"must tokenize within the model's vocabulary of {vocab_size}")
+        self.bad_words_token_ids = resolved
 
     @property
     def hash_root(self) -> int:
@@ -151,6 +182,7 @@ class SamplingParams:
             logprobs=-1 if self.logprobs is None else self.logprobs,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=[worker_pb2.BadWord(token_ids=ids) for ids in self.bad_words_token_ids],
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar or "",
             pooling=self.pooling or "",

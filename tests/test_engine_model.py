@@ -303,6 +303,32 @@ def test_llm_chat_renders_each_conversation_as_transformers_does(tiny_model_dir,
             llm.chat(conversations[0], continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
 
 
+def test_bad_words_are_tokenized_as_vllm_and_keep_their_tokens_out(tiny_model_dir):
+    """vLLM's bad_words: each word tokenized as it is (its leading spaces dropped) and after one space where that gives
+    other tokens of the same count; offline, a word of one token of a greedy output never comes, and a word of two
+    never has its second token right after its first: the output follows the plain one until then."""
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8) as llm:
+        tokenizer, vocab = llm.engine.tokenizer, llm.engine.worker_info.vocab_size
+
+        def resolved(*words: str) -> list[list[int]]:
+            params = SamplingParams(bad_words=list(words))
+            params.resolve_bad_words(lambda w: tokenizer.encode(w, add_special_tokens=False), vocab)
+            return params.bad_words_token_ids
+
+        enc = lambda w: tokenizer.encode(w, add_special_tokens=False)  # noqa: E731
+        assert resolved("hello", "  hello") == [enc("hello"), enc(" hello")] * 2
+        assert enc(" hello") != enc("hello")
+        (base,) = llm.generate([_prompts()[0]], _greedy(max_tokens=16), use_tqdm=False)
+        out = base.token_ids
+        one = next(k for k in range(len(out)) if [out[k]] in resolved(tokenizer.decode([out[k]])))
+        two = next(k for k in range(len(out) - 1) if out[k:k + 2] in resolved(tokenizer.decode(out[k:k + 2])))
+        (no_one, no_two) = llm.generate([_prompts()[0]] * 2, [
+            _greedy(max_tokens=16, bad_words=[tokenizer.decode([out[one]])]),
+            _greedy(max_tokens=16, bad_words=[tokenizer.decode(out[two:two + 2])])], use_tqdm=False)
+    assert out[one] not in no_one.token_ids and no_one.token_ids[:one] == out[:one]
+    assert no_two.token_ids[:two + 1] == out[:two + 1] and no_two.token_ids[two + 1] != out[two + 1]
+
+
 def test_allowed_token_ids_restrict_every_sampled_token(tiny_model_dir, hf):
     """vLLM's allowed_token_ids: greedy picks transformers' argmax among them at every position (prefill and decode
     steps); sampled tokens (with logprobs, beside unrestricted rows) are all among them."""

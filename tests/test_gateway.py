@@ -357,6 +357,24 @@ def test_allowed_token_ids_reach_the_sampler(oai, grpc_client, gateway):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids", bad.text
 
 
+def test_bad_words_reach_the_sampler(oai, grpc_client, gateway, tiny_model_dir):
+    """vLLM's bad_words: a word of the plain completion's tokens is kept out of the gateway's completion as out of the
+    gRPC one; more words than the scheduler takes is a 400 naming the field."""
+    from tokenizers import Tokenizer
+
+    (plain,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    word = next(tokenizer.decode([t]) for t in plain.token_ids  # a token that is a word of its own
+                if tokenizer.encode(tokenizer.decode([t]).lstrip(), add_special_tokens=False).ids == [t])
+    (ref,) = grpc_client.complete(PROMPT, max_tokens=6, temperature=0, ignore_eos=True, bad_words=[word])
+    assert ref.token_ids != plain.token_ids
+    out = oai.completions.create(model="", prompt=PROMPT, max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert out.choices[0].text == ref.text
+    bad = _post(gateway, "/v1/completions", {"prompt": PROMPT, "bad_words": ["x"] * 129})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words", bad.text
+
+
 def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
     """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
     out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
@@ -668,9 +686,9 @@ def test_the_documented_limits_are_the_schedulers():
             protocol.MAX_CACHE_SALT) == (requests.MAX_N, requests.MAX_PRIORITY, requests.MAX_CHAT_MESSAGES,
                                          requests.MAX_EMBED_INPUTS, requests.MAX_CACHE_SALT)
     assert (protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_STRING_LEN, protocol.MAX_STOP_TOKEN_IDS,
-            protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS, protocol.MAX_ALLOWED_TOKEN_IDS) == (
+            protocol.MAX_LOGIT_BIAS, protocol.MAX_LOGPROBS, protocol.MAX_ALLOWED_TOKEN_IDS, protocol.MAX_BAD_WORDS) == (
         sampling.MAX_STOP_STRINGS, sampling.MAX_STOP_STRING_LEN, sampling.MAX_STOP_TOKEN_IDS, sampling.MAX_LOGIT_BIAS,
-        sampling.MAX_LOGPROBS, sampling.MAX_ALLOWED_TOKEN_IDS)
+        sampling.MAX_LOGPROBS, sampling.MAX_ALLOWED_TOKEN_IDS, sampling.MAX_BAD_WORDS)
     assert schemas.MAX_CHOICES == structured.MAX_CHOICES
 
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from common.limits import Limits
+from protos import worker_pb2 as pb
 from tests.paged_driver import PagedDriver, prefill_logits, run_with_drops
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.kernels.uploads import pack_aligned
@@ -126,6 +127,27 @@ def test_greedy_after_drop_and_recompute(checkpoints, reference):
     seqs = [driver.add(p, 32) for p in _prompts()]
     run_with_drops(driver, seqs, drop_at=(4, 9))
     assert [s.generated for s in seqs] == reference
+
+
+def test_bad_words_ban_a_words_last_token_where_its_first_ones_end_the_output(checkpoints, reference):
+    """A bad word of two tokens taken from a greedy output: its second token is never sampled right after its first,
+    so the output leaves the reference there; a row beside it without one is unchanged; and a sequence dropped just
+    after the first token recomputes its recent tokens from those it generated, and is banned alike."""
+    ref = reference[0]
+    word = pb.BadWord(token_ids=ref[4:6])
+    params = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1, bad_words=[word])
+    driver = PagedDriver(_runner(checkpoints["tied"]), chunk=11)
+    banned, plain = driver.add(_prompts()[0], 12, params), driver.add(_prompts()[0], 12)
+    driver.run_all()
+    assert plain.generated == ref[:12]
+    assert banned.generated[:5] == ref[:5] and banned.generated[5] != ref[5]
+    driver = PagedDriver(_runner(checkpoints["tied"]), chunk=11)
+    dropped = driver.add(_prompts()[0], 12, params)
+    while len(dropped.generated) < 5:
+        driver.run_step()
+    driver.drop(dropped)
+    driver.run_all()
+    assert dropped.generated == banned.generated
 
 
 def test_untied_generation_matches(checkpoints):

@@ -20,6 +20,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from common.limits import MAX_BAD_WORD_TOKENS
 from common.model_files import POOLING_TYPES
 from common.util import cdiv
 from protos import worker_pb2 as pb
@@ -90,6 +91,7 @@ class SamplingArrays:
     general: np.ndarray      # bool: rows that need more than a temperature (a filter, a penalty, a bias, a mask)
     bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logit biases: (sample row, token id, value)
     allowed: tuple[np.ndarray, np.ndarray] | None = None  # allowed_token_ids: (sample row, token id)
+    bad_words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (sample row, tokens before, last token)
     constrained: np.ndarray | None = None  # which sampling rows follow a grammar (structured output)
 
     def arrays(self) -> list[np.ndarray]:
@@ -132,6 +134,9 @@ class PersistentBatch:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), where given
         self.allowed: dict[int, tuple[np.ndarray]] = {}  # row -> (the only token ids it may sample,), where given
         self.grammar: dict[int, str] = {}  # row -> the llguidance grammar its output follows, where given
+        # row -> (the tokens before each bad word's last: [words, MAX_BAD_WORD_TOKENS - 1], right-aligned, -1 before
+        # them; each word's last token), where given
+        self.bad_words: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.next_step = 1
 
     def reset(self, epoch: int) -> None:
@@ -287,6 +292,7 @@ class PersistentBatch:
         self.logit_bias.pop(row, None)
         self.allowed.pop(row, None)
         self.grammar.pop(row, None)
+        self.bad_words.pop(row, None)
         self.free_rows.append(row)
 
     def _add(self, new: pb.NewSequence, dropped: list[int]) -> SeqState:
@@ -331,6 +337,8 @@ class PersistentBatch:
             self.allowed[row] = (np.asarray(p.allowed_token_ids, np.int64),)
         if p.grammar:
             self.grammar[row] = p.grammar
+        if p.bad_words:
+            self.bad_words[row] = _bad_words(sid, p.bad_words)
         return state
 
     def _append_blocks(self, plan: pb.StepPlan, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -390,10 +398,11 @@ class PersistentBatch:
         use_p, use_min_p = top_p < 1, min_p > 0
         use_penalty = ((penalty[:, 0] != 1) | penalty[:, 1:].any(axis=1)) & penalties
         bias, allowed = self._columns(self.logit_bias, rows), self._columns(self.allowed, rows)
+        bad_words = self._columns(self.bad_words, rows)
         constrained = self._constrained(rows)
         general = use_k | use_p | use_min_p | use_penalty
         for index in (bias[0] if bias is not None else None, allowed[0] if allowed is not None else None,
-                      constrained):
+                      bad_words[0] if bad_words is not None else None, constrained):
             if index is not None:
                 general[index] = True
         return SamplingArrays(temperature=temperature, penalty=penalty, top_k=np.where(use_k, top_k, vocab_size),
@@ -401,7 +410,7 @@ class PersistentBatch:
                               use_min_p=bool(use_min_p.any()), use_penalty=bool(use_penalty.any()),
                               all_greedy=bool((temperature == 0).all()),
                               max_logprobs=int(self.logprobs[rows].max(initial=-1)), general=general, bias=bias,
-                              allowed=allowed, constrained=constrained)
+                              allowed=allowed, bad_words=bad_words, constrained=constrained)
 
     @staticmethod
     def _columns(per_row: dict[int, tuple[np.ndarray, ...]], rows: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -426,3 +435,18 @@ class PersistentBatch:
     def num_blocks_in_use(self) -> int:
         """Distinct blocks in the tables of the sequences held."""
         return int(np.count_nonzero(self.holders))
+
+
+def _bad_words(seq_id: int, words) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's bad words (BadWord messages) as PersistentBatch.bad_words holds them."""
+    before = np.full((len(words), MAX_BAD_WORD_TOKENS - 1), -1, np.int64)
+    last = np.empty(len(words), np.int64)
+    for i, word in enumerate(words):
+        ids = word.token_ids
+        if not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS or min(ids) < 0:
+            raise PlanError(f"sequence {seq_id}: a bad word must be 1 to {MAX_BAD_WORD_TOKENS} token ids, got "
+                            f"{list(ids)}")
+        if len(ids) > 1:
+            before[i, before.shape[1] - len(ids) + 1:] = ids[:-1]
+        last[i] = ids[-1]
+    return before, last

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from common import model_files
-from common.limits import Limits
+from common.limits import MAX_BAD_WORD_TOKENS, Limits
 from common.util import cdiv
 from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
@@ -39,7 +39,7 @@ from worker_svc.runtime.grammar import Grammars, StepMasks
 from worker_svc.runtime.kv_offload import HostKVPool
 from worker_svc.runtime.kernel_builds import BUILDS
 from worker_svc.runtime.decode_step import DecodeInputs, DecodeStep, capture_sizes
-from worker_svc.runtime.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from worker_svc.runtime.sampler import Penalties, RecentTokens, SamplerOutput, SamplingBatch, sample
 from worker_svc.runtime.tier_policy import host_tier_pays
 
 log = logging.getLogger("splitserve.worker")
@@ -262,6 +262,7 @@ class ModelRunner:
         # each row's last sampled token (the next one it runs), and a scratch row for padding
         self.last_token = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
         self.penalties: Penalties | None = None
+        self.recent: RecentTokens | None = None  # rows' last sampled tokens, once a sequence with bad words ran
         self.grammars = Grammars(model_dir, mc.vocab_size, self.device)
         if self.device.type == "cuda" and not self.embedding_only:  # an embedding model samples nothing
             self.grammars.warm_up()
@@ -457,7 +458,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
-        self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.last_token = self.lora = None
+        self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.recent = None
+        self.last_token = self.lora = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -524,6 +526,7 @@ class ModelRunner:
             raise PlanError("an encoder's sequence runs whole in the step that starts it (DescribeResponse.encoder)")
         for state in step.new:
             self._start_penalties(state)
+            self._start_bad_words(state)
             if state.row in self.batch.grammar:
                 self.grammars.start(state.row, self.batch.grammar[state.row], state.token_ids[state.prompt_len:])
         rows, n, c = step.rows, step.num_scheduled, step.num_computed
@@ -644,6 +647,16 @@ class ModelRunner:
         ids = torch.tensor(state.token_ids, dtype=torch.int64, device=self.device)
         self.penalties.reset_row(state.row, ids[: state.prompt_len], ids[state.prompt_len:])
 
+    def _start_bad_words(self, state) -> None:
+        """A new sequence with bad words: its row's recent tokens, from the tokens it generated before (a preempted
+        one's)."""
+        if state.row not in self.batch.bad_words:
+            return
+        if self.recent is None:
+            self.recent = RecentTokens(self.limits.max_num_seqs, MAX_BAD_WORD_TOKENS - 1, self.device)
+        self.recent.reset_row(state.row, torch.tensor(state.token_ids[state.prompt_len:], dtype=torch.int64,
+                                                      device=self.device))
+
     def _execute_decode(self, step: BatchStep, started: float) -> PendingStep:
         """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);
         the sampler runs again outside only on the rows that need what its Gumbel kernel does not do (filters,
@@ -688,6 +701,8 @@ class ModelRunner:
         """ended: the result's sequences where embedding requests end beside the sampled ones (`sampled` of them)."""
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
+        if self.recent is not None:
+            self.recent.record(rows_t, out.token_ids)
         counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
         pending = PendingStep(step, (ids if ended is None else ended).tolist(), out, counts, started, prompt, pooled,
                               sampled)
@@ -706,7 +721,7 @@ class ModelRunner:
         """params_t: the device copies of params.arrays()."""
         temperature_t, penalty_t, top_k_t, top_p_t, min_p_t = params_t
         if (params.use_penalty or params.max_logprobs >= 0 or params.bias is not None or params.allowed is not None
-                or masks is not None):
+                or params.bad_words is not None or masks is not None):
             logits = logits.float()
         if params.bias is not None:  # OpenAI's logit_bias: before penalties and filters
             row, token, value = upload(list(params.bias), self.device)
@@ -714,6 +729,9 @@ class ModelRunner:
         if params.use_penalty:
             penalty_t = penalty_t.view(-1, 3)
             logits = self.penalties.apply(logits, rows_t, penalty_t[:, 0], penalty_t[:, 1], penalty_t[:, 2])
+        if params.bad_words is not None:  # vLLM's bad_words, after penalties (a -inf they would not move)
+            word_row, before, last = upload(list(params.bad_words), self.device)
+            logits = self.recent.ban(logits, rows_t, word_row, before.view(len(last), -1), last)
         if masks is not None:  # last: a disallowed token stays at -inf whatever its bias or penalty
             masks.apply(logits)
         if params.allowed is not None:  # vLLM's allowed_token_ids, as last

@@ -101,3 +101,32 @@ class Penalties:
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                accumulate=True)
+
+
+class RecentTokens:
+    """Each persistent-batch row's last `width` sampled tokens on the device (-1 before its first), for bad words:
+    a word's last token is banned where the tokens before it end the row's output. Kept on the device, as penalties'
+    counts are, so that a step launched before the previous one's tokens reach the host still sees them; allocated
+    on first use."""
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        self.tokens = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+
+    def reset_row(self, row: int, output_ids: torch.Tensor) -> None:
+        self.tokens[row] = -1
+        if len(output_ids):
+            kept = output_ids[-self.tokens.shape[1]:]
+            self.tokens[row, self.tokens.shape[1] - len(kept):] = kept
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.tokens[rows] = torch.cat([self.tokens[rows, 1:], tokens[:, None]], dim=1)
+
+    def ban(self, logits: torch.Tensor, rows: torch.Tensor, word_row: torch.Tensor, before: torch.Tensor,
+            last: torch.Tensor) -> torch.Tensor:
+        """logits [S, vocab] of the sampling rows `rows` with each word's last token at -inf where the row's recent
+        tokens end with the word's tokens before it (-1 in `before`: no token asked there). word_row: each word's
+        index into rows."""
+        recent = self.tokens[rows[word_row]]
+        ends = ((recent == before) | (before < 0)).all(dim=1)
+        banned = torch.where(ends, float("-inf"), 0.0).to(logits.dtype)
+        return logits.index_put((word_row, last), banned, accumulate=True)
