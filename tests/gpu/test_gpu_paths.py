@@ -353,6 +353,40 @@ def test_cuda_graph_decode_matches_eager(tmp_path, sampling):
     assert agree >= 12, outs  # bf16 padded vs unpadded matmuls may flip one near-tie at most
 
 
+def test_bad_words_under_cuda_graphs(tmp_path):
+    """Decode steps replaying graphs, every other row with a bad word of two tokens of its own greedy output: its
+    second token never follows its first (the rows' recent tokens recorded on the device between launches), the
+    other rows' outputs unchanged."""
+    from tests.paged_driver import GREEDY, PagedDriver
+    from worker_svc.checkpoints.writer import make_model
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    model_dir = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
+    runner = ModelRunner(model_dir, RunnerConfig(device="cuda", num_blocks=512, block_size=16,
+                                                 limits=Limits(max_num_seqs=64, max_model_len=1024)))
+    assert runner.decode.graphs
+    prompts = [[(7 * i + j) % 5000 for j in range(5 + 11 * i)] for i in range(12)]
+    driver = PagedDriver(runner)
+    plain = [driver.add(p, 16) for p in prompts]
+    driver.run_all()
+    refs = [s.generated for s in plain]
+    driver = PagedDriver(runner)
+    seqs = []
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        params = pb.SamplingParams()
+        params.CopyFrom(GREEDY)
+        if i % 2:
+            params.bad_words.add(token_ids=ref[6:8])
+        seqs.append(driver.add(p, 16, params))
+    driver.run_all()
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        if i % 2:
+            k = next(k for k in range(7) if ref[k:k + 2] == ref[6:8])  # where the word first comes
+            assert s.generated[:k + 1] == ref[:k + 1] and s.generated[k + 1] != ref[k + 1]
+        else:
+            assert s.generated == ref
+
+
 def test_a_runner_with_fewer_blocks_than_its_longest_chunk_warms_up_and_serves(tmp_path):
     """Warm-up steps stay within the KV cache however few blocks it has (a chunk's KV must fit it to be served)."""
     from tests.paged_driver import PagedDriver

@@ -1,7 +1,7 @@
 """A fresh worker on the GPU builds every kernel it needs before it reports SERVING: after readiness, traffic
 of every step shape within its limits (prefills from 1 token to the batch budget, chunks over cached prefixes,
 decode batches from 1 to max_num_seqs, mixed steps, sampling and greedy, and rows that need the general sampler:
-a grammar, logprobs, penalties, a bias, filters) builds nothing
+a grammar, logprobs, penalties, a bias, filters, bad words) builds nothing
 (`splitserve:worker_kernel_builds_total{phase="serving"}` stays 0). One worker per attention choice and KV
 cache dtype. Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _traffic(address: str) -> None:
         # what sends rows through the general sampler (float32 logits): alone, and beside free rows
         special = [dict(structured={"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}),
                    dict(logprobs=2), dict(prompt_logprobs=1), dict(repetition_penalty=1.2), dict(logit_bias={5: 3.0}),
-                   dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05), dict(allowed_token_ids=[5, 11, 220])]
+                   dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05), dict(allowed_token_ids=[5, 11, 220]),
+                   dict(bad_words=["hello", "the world"])]
         for extra in special:
             client.complete(token_ids=[7, 8, 9], max_tokens=8, temperature=0.7, seed=1, **extra)
             list(pool.map(lambda k: client.complete(token_ids=[k + 1, 5, 6], max_tokens=24, temperature=0.7, seed=k,
