@@ -177,13 +177,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def model(model_id: str, request: Request) -> JSONResponse:
         backend = backend_of(request)
-        return JSONResponse(await _model_card(backend, await backend.resolve_model(model_id)))
+        return JSONResponse(await _model_card(backend, await backend.resolve_model(model_id, may_load=False)))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call)."""
         backend = backend_of(request)
-        await backend.resolve_model(body.model)
+        await backend.resolve_model(body.model, may_load=False)
         try:
             if isinstance(body, TokenizeChatRequest):
                 plan = plan_tools(body.tools, None, None)
@@ -203,7 +203,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         **ERRORS, 501: {"model": ErrorBody, "description": "the gateway was started without --tokenizer"}})
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         backend = backend_of(request)
-        await backend.resolve_model(body.model)
+        await backend.resolve_model(body.model, may_load=False)
         info = await backend.model_info()
         if not all(0 <= t < info["vocab_size"] for t in body.tokens):
             raise invalid("tokens", f"token ids must lie in [0, {info['vocab_size']})")

@@ -96,14 +96,20 @@ class Backend:
         return base + [name for name in info.get("lora_adapters", []) if name not in base]
 
     async def lora_of(self, model: str) -> str:
-        """The LoRA adapter a resolved `model` names, or "" for the base model."""
-        return model if model in (await self.model_info()).get("lora_adapters", []) else ""
+        """The LoRA adapter a resolved `model` names, or "" for the base model: a name the scheduler's resolver may
+        load (ModelInfo.lora_resolver) is an adapter's, as one it serves."""
+        info = await self.model_info()
+        if model in info.get("lora_adapters", []):
+            return model
+        return model if info.get("lora_resolver") and model not in await self.model_names() else ""
 
-    async def resolve_model(self, requested: str | None) -> str:
+    async def resolve_model(self, requested: str | None, may_load: bool = True) -> str:
+        """The served name a request's `model` gives (the base model's where none); a name the scheduler's resolver
+        may load passes where the request would run under it (`may_load`), else it is a 404 as any unknown name."""
         names = await self.model_names()
         if not requested:
             return names[0]
-        if requested not in names:
+        if requested not in names and not (may_load and (await self.model_info()).get("lora_resolver")):
             raise APIError(404, f"The model `{requested}` does not exist (served: {', '.join(names)}).",
                            "invalid_request_error", "model", "model_not_found")
         return requested

@@ -84,6 +84,9 @@ def from_grpc(error: grpc.RpcError, **param_names: str) -> APIError:
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = (error.details() if callable(getattr(error, "details", None)) else None) or str(code)
     status, type_, err_code = _GRPC_TO_HTTP.get(code, (500, "server_error", "internal_error"))
+    if code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("lora ") and "is not an adapter" in details:
+        # the model named an adapter no worker serves (nor could the scheduler's resolver load it), as vLLM answers
+        return APIError(404, details, "invalid_request_error", "model", "model_not_found")
     param = openai_param(details, **param_names) if status == 400 else None
     if status == 400 and err_code is None:
         err_code = "invalid_value"

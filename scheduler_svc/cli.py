@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve LoadLoraAdapter and UnloadLoraAdapter (the gateway's /v1/load_lora_adapter, "
                         "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): any caller of the API "
                         "may then have the workers read adapter folders off their file systems")
+    p.add_argument("--lora-resolver-dir", default=None,
+                   help="a request naming a LoRA adapter that no worker serves has the workers load the folder of "
+                        "that name in this directory first, where there is one (vLLM's filesystem resolver, "
+                        "VLLM_LORA_RESOLVER_CACHE_DIR); the workers need room for it (--max-cpu-loras)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
     g.add_argument("--worker-keepalive-time", type=float, default=10.0,

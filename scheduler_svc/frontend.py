@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 from array import array
 from dataclasses import dataclass, field
 
@@ -167,9 +168,11 @@ class Completion:
 
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str,
-                 allow_lora_updating: bool = False):
+                 allow_lora_updating: bool = False, lora_resolver_dir: str | None = None):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
         self.model_dir, self.allow_lora_updating = model_dir, allow_lora_updating
+        self.lora_resolver_dir = Path(lora_resolver_dir) if lora_resolver_dir else None
+        self._resolving: dict[str, asyncio.Future] = {}  # adapter name -> its load from lora_resolver_dir
         self.loop = asyncio.get_running_loop()
         self.groups: dict[int, GroupView] = {}
         self.completions: dict[int, Completion] = {}
@@ -397,6 +400,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not self.live_groups():
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+        await self._resolve_adapter(request.lora, context)
         try:
             parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
         except InvalidRequest as e:
@@ -541,6 +545,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             pooling = model_files.pooling(self.model_dir)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
+        await self._resolve_adapter(request.lora, context)
         try:
             parsed = parse_embed(request, self.tokenizer, self.max_model_len, self.vocab_size,
                                  min(g.info.hidden_size for g in groups), self.lora_adapters)
@@ -565,6 +570,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is not a sequence classifier "
                                "(config.json, with the worker's --hf-overrides, names no ForSequenceClassification): "
                                "it serves Embed, not Classify")
+        await self._resolve_adapter(request.lora, context)
         try:
             parsed = parse_classify(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
         except InvalidRequest as e:
@@ -645,7 +651,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=list(self.tokenizer.eos_token_ids), num_workers=len(groups), dtype=info.dtype,
             block_size=info.block_size, lora_adapters=self.lora_adapters,
-            labels=info.labels,
+            lora_resolver=self.lora_resolver_dir is not None, labels=info.labels,
             workers=[api.WorkerStatus(address=g.address, alive=True, num_blocks=g.info.num_blocks,
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,
@@ -689,6 +695,26 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
         return api.LoraAdaptersResponse(lora_adapters=self.lora_adapters)
 
+    async def _resolve_adapter(self, name: str, context) -> None:
+        """A request's adapter that no worker serves, where the scheduler resolves adapters by name
+        (--lora-resolver-dir, vLLM's filesystem resolver): the folder of that name there is loaded on every worker
+        first, once for all the requests that ask for it meanwhile. A name with no such folder is left to the
+        request's checks, which refuse it."""
+        if not name or self.lora_resolver_dir is None or name in self.lora_adapters:
+            return
+        folder = self.lora_resolver_dir / name
+        if (len(name) > MAX_ADAPTER_NAME or name in (".", "..") or "/" in name or "\\" in name
+                or not (folder / "adapter_config.json").is_file()):
+            return
+        loading = self._resolving.get(name)
+        if loading is None:
+            loading = self._resolving[name] = asyncio.ensure_future(self.ask_supervisor(["lora", name, str(folder)]))
+            loading.add_done_callback(lambda _: self._resolving.pop(name, None))
+        reply = await asyncio.shield(loading)  # a cancelled request leaves the load to the others
+        if reply.get("code") not in (None, "ALREADY_EXISTS"):  # ALREADY_EXISTS: another front-end's load won
+            await self._reject(context, grpc.StatusCode[reply["code"]], f"lora {name!r}, resolved from {folder}: "
+                               f"{reply['message']}")
+
     # ---- membership, through the supervisor ---------------------------------------------------------
     async def ask_supervisor(self, message: list) -> dict:
         """Sends a request to the supervisor and waits for its reply."""
@@ -715,7 +741,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
     frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model), args.model,
-                        args.allow_runtime_lora_updating)
+                        args.allow_runtime_lora_updating, args.lora_resolver_dir)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

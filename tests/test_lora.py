@@ -5,6 +5,7 @@ in-process with chunked prefills, then through the services on a worker of two t
 output rows, A by input columns) and the gateway. A prefix is cached per adapter: never shared across them."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -259,11 +260,14 @@ def test_lora_modules_take_vllms_forms():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, adapters, tmp_path_factory):
+    resolver = tmp_path_factory.mktemp("resolver")  # what the scheduler's LoRA resolver finds: qv under another name
+    (resolver / "qv-resolved").symlink_to(adapters["qv"], target_is_directory=True)
     c = LocalCluster(tiny_model_dir, log_dir=tmp_path_factory.mktemp("lora-logs"), worker_args=[
         "--tensor-parallel-size", "2", "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8",
         "--max-loras", "1", "--max-cpu-loras", "3",
         "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
-        scheduler_args=["--allow-runtime-lora-updating", "--metrics-port", str(free_port())]).start(timeout=180)
+        scheduler_args=["--allow-runtime-lora-updating", "--metrics-port", str(free_port()), "--lora-resolver-dir",
+                        str(resolver)]).start(timeout=180)
     yield c
     c.stop()
 
@@ -308,6 +312,36 @@ def test_adapters_through_the_services_on_two_ranks_and_the_gateway(cluster, ada
     with Client(cluster.address, timeout=60) as c:  # the gateway's answer is qv's, not the base model's
         assert answer["choices"][0]["text"] == c.complete(token_ids=PROMPTS[2], max_tokens=MAX_NEW, temperature=0.0,
                                                           ignore_eos=True, lora="qv")[0].text
+
+
+def test_an_adapter_a_request_names_is_loaded_from_the_resolver_folder(cluster, reference, tmp_path):
+    """vLLM's filesystem LoRA resolver (--lora-resolver-dir): requests naming an adapter that no worker serves, whose
+    folder the directory holds, have it loaded first (once, for requests that ask at once), then run under it as under
+    one loaded at start, over gRPC and as the gateway's model; a name with no folder there, or one that would leave
+    the directory, is refused by name (the gateway's 404)."""
+    with Client(cluster.address, timeout=60) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert c.model_info()["lora_resolver"] and "qv-resolved" not in c.model_info()["lora_adapters"]
+        got = list(pool.map(lambda p: c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                                                 lora="qv-resolved")[0], PROMPTS))
+        assert [g.token_ids for g in got] == reference["qv"] and "qv-resolved" in c.model_info()["lora_adapters"]
+        for name in ("nope", "../qv", "..", "qv-resolved/../../qv"):
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("hi", max_tokens=2, lora=name)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("lora ")
+        assert c.unload_lora_adapter("qv-resolved") == ["all", "qv"]
+    gateway = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+    try:
+        def complete(model: str) -> httpx.Response:
+            return httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": PROMPTS[2], "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+
+        answer = complete("qv-resolved").json()
+        assert answer["model"] == "qv-resolved" and answer["choices"][0]["text"] == got[2].text
+        unknown = complete("nope")
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model", unknown.text
+        assert httpx.get(f"{gateway.url}/v1/models/nope", timeout=30).status_code == 404
+    finally:
+        gateway.stop()
 
 
 def _wait_for(check, timeout: float = 60.0) -> None:
