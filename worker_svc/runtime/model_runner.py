@@ -701,7 +701,7 @@ class ModelRunner:
         """ended: the result's sequences where embedding requests end beside the sampled ones (`sampled` of them)."""
         if self.penalties is not None:
             self.penalties.record(rows_t, out.token_ids)
-        if self.recent is not None:
+        if self.batch.bad_words:  # rows without bad words need no history: one that starts with some resets its own
             self.recent.record(rows_t, out.token_ids)
         counts = self.batch.logprobs[rows].tolist() if out.logprobs is not None else []
         pending = PendingStep(step, (ids if ended is None else ended).tolist(), out, counts, started, prompt, pooled,
