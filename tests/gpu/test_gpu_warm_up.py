@@ -62,3 +62,27 @@ def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, work
     built = [line for log in (tmp_path / "logs").glob("worker*.log") for line in log.read_text().splitlines()
              if "built while serving" in line]
     assert sample(after, "splitserve:worker_kernel_builds_total", phase="serving") == 0, built[:20]
+
+
+def test_a_fresh_encoder_worker_builds_no_kernel_after_it_reports_serving(tmp_path):
+    """An encoder (BERT's layout; attention both ways, each input whole in one step): embeddings of every length up to
+    the model's, one at a time and many per step, build nothing after readiness."""
+    from worker_svc.checkpoints.writer import make_model
+
+    model = make_model("bert-tiny", tmp_path / "m", seed=0, dtype="bfloat16")
+    port = free_port()
+    limits = ["--max-num-seqs", "64", "--max-num-batched-tokens", "128"]
+    with LocalCluster(model, device="cuda", worker_args=["--metrics-port", str(port), *limits],
+                      scheduler_args=limits, log_dir=tmp_path / "logs") as cluster:
+        assert sample(scrape(port), "splitserve:worker_kernel_builds_total", phase="warm_up") > 0
+        rng = random.Random(0)
+        inputs = [[rng.randrange(2, 5000) for _ in range(n)] for n in (1, 2, 7, 16, 17, 63, 64, 100, 127, 128)]
+        with Client(cluster.address, timeout=300) as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+            for item in inputs:
+                client.embed([item])
+            client.embed(inputs)
+            list(pool.map(lambda k: client.embed([inputs[k % len(inputs)]] * (k % 5 + 1)), range(48)))
+        after = scrape(port)
+    built = [line for log in (tmp_path / "logs").glob("worker*.log") for line in log.read_text().splitlines()
+             if "built while serving" in line]
+    assert sample(after, "splitserve:worker_kernel_builds_total", phase="serving") == 0, built[:20]
