@@ -100,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
                 min_tokens=args.min_tokens, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, n=args.n,
-                priority=args.priority,
+                priority=args.priority, bad_words=args.bad_word,
             )
         except ValueError as e:  # e.g. a number out of its protobuf field's range
             raise _UsageError(str(e)) from None
@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, help="reproducible sampling (default: random)")
     p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, metavar="ID", help="stop token (repeatable)")
+    p.add_argument("--bad-word", action="append", metavar="WORD",
+                   help="a word the output may not contain (vLLM's bad_words; repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="generate past EOS, to --max-tokens")
     p.add_argument("--n", type=_positive_int, help="completions of the prompt (default 1)")
     p.add_argument("--logprobs", type=_non_negative_int, metavar="N", help="logprobs of the sampled token and top N")

@@ -292,7 +292,7 @@ def test_cli_streams_text(address: str, capsys):
 
 def test_cli_json_lines(address: str, fake: FakeGeneration, capsys):
     argv = ["generate", "--address", address, "--json", "--chat", "--no-thinking", "--temperature", "0",
-            "--stop", "x", "--stop", "y", "--ignore-eos", "--seed", "7", "Hi"]
+            "--stop", "x", "--stop", "y", "--ignore-eos", "--seed", "7", "--bad-word", "no", "Hi"]
     assert main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["type"] for line in lines] == ["delta", "delta", "delta", "completion"]
@@ -305,6 +305,7 @@ def test_cli_json_lines(address: str, fake: FakeGeneration, capsys):
     assert request.chat.messages[0].role == "user" and request.chat.HasField("enable_thinking")
     assert request.sampling.HasField("temperature") and request.sampling.seed == 7
     assert list(request.stopping.stop) == ["x", "y"] and request.stopping.ignore_eos
+    assert list(request.sampling.bad_words) == ["no"]
     assert not request.sampling.HasField("top_p")
 
 
