@@ -107,8 +107,8 @@ def kept_tokens(req: AnyRequest, most: int) -> int | None:
     if keep == -1:
         return most
     if not 1 <= keep <= most:
-        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as the model takes) or in [1, {most}], "
-                             f"got {keep}")
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as the model takes) or in [1, {most}] "
+                             f"(within max_model_len), got {keep}")
     return keep
 
 
