@@ -362,15 +362,17 @@ def test_bad_words_under_cuda_graphs(tmp_path):
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     model_dir = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
-    runner = ModelRunner(model_dir, RunnerConfig(device="cuda", num_blocks=512, block_size=16,
-                                                 limits=Limits(max_num_seqs=64, max_model_len=1024)))
+    config = RunnerConfig(device="cuda", num_blocks=512, block_size=16,
+                          limits=Limits(max_num_seqs=64, max_model_len=1024))
+    runner = ModelRunner(model_dir, config)
     assert runner.decode.graphs
     prompts = [[(7 * i + j) % 5000 for j in range(5 + 11 * i)] for i in range(12)]
     driver = PagedDriver(runner)
     plain = [driver.add(p, 16) for p in prompts]
     driver.run_all()
     refs = [s.generated for s in plain]
-    driver = PagedDriver(runner)
+    runner.close()
+    driver = PagedDriver(ModelRunner(model_dir, config))
     seqs = []
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         params = pb.SamplingParams()
