@@ -712,8 +712,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             loading.add_done_callback(lambda _: self._resolving.pop(name, None))
         reply = await asyncio.shield(loading)  # a cancelled request leaves the load to the others
         if reply.get("code") not in (None, "ALREADY_EXISTS"):  # ALREADY_EXISTS: another front-end's load won
-            await self._reject(context, grpc.StatusCode[reply["code"]], f"lora {name!r}, resolved from {folder}: "
-                               f"{reply['message']}")
+            await self._reject(context, grpc.StatusCode[reply["code"]], f"lora {name!r}: {reply['message']}")
 
     # ---- membership, through the supervisor ---------------------------------------------------------
     async def ask_supervisor(self, message: list) -> dict:

@@ -644,7 +644,7 @@ class ModelRunner:
             return
         if self.penalties is None:
             self.penalties = Penalties(self.limits.max_num_seqs, self.model_config.vocab_size, self.device)
-        ids = torch.tensor(state.token_ids, dtype=torch.int64, device=self.device)
+        ids = upload([np.asarray(state.token_ids, np.int64)], self.device)[0]  # no wait for the GPU's queue
         self.penalties.reset_row(state.row, ids[: state.prompt_len], ids[state.prompt_len:])
 
     def _start_bad_words(self, state) -> None:
@@ -654,8 +654,8 @@ class ModelRunner:
             return
         if self.recent is None:
             self.recent = RecentTokens(self.limits.max_num_seqs, MAX_BAD_WORD_TOKENS - 1, self.device)
-        self.recent.reset_row(state.row, torch.tensor(state.token_ids[state.prompt_len:], dtype=torch.int64,
-                                                      device=self.device))
+        generated = state.token_ids[state.prompt_len:][-(MAX_BAD_WORD_TOKENS - 1):]
+        self.recent.reset_row(state.row, upload([np.asarray(generated, np.int64)], self.device)[0])
 
     def _execute_decode(self, step: BatchStep, started: float) -> PendingStep:
         """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);

@@ -113,9 +113,10 @@ class RecentTokens:
         self.tokens = torch.full((rows, width), -1, dtype=torch.int64, device=device)
 
     def reset_row(self, row: int, output_ids: torch.Tensor) -> None:
+        """The row's tokens: the last `width` of output_ids (a preempted sequence's), -1 before them."""
         self.tokens[row] = -1
-        if len(output_ids):
-            kept = output_ids[-self.tokens.shape[1]:]
+        kept = output_ids[-self.tokens.shape[1]:]
+        if len(kept):
             self.tokens[row, self.tokens.shape[1] - len(kept):] = kept
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
