@@ -654,8 +654,8 @@ class ModelRunner:
             return
         if self.recent is None:
             self.recent = RecentTokens(self.limits.max_num_seqs, MAX_BAD_WORD_TOKENS - 1, self.device)
-        generated = state.token_ids[state.prompt_len:][-(MAX_BAD_WORD_TOKENS - 1):]
-        self.recent.reset_row(state.row, upload([np.asarray(generated, np.int64)], self.device)[0])
+        generated = np.asarray(state.token_ids[state.prompt_len:], np.int64)
+        self.recent.reset_row(state.row, upload([generated], self.device)[0])
 
     def _execute_decode(self, step: BatchStep, started: float) -> PendingStep:
         """A step of one token per row, every row sampling: DecodeStep runs it whole (a CUDA graph on a GPU);
