@@ -484,8 +484,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 self._streams.pop(c.sub_id, None)
                 if c.sub_id in pending:  # cancelled, failed or deadline passed: free its blocks now
                     self._abort(c)
-            # Every completion handed to an engine counts once: by its finish reason, or as an abort.
-            aborted = len(pending & submitted)
+            # Once the first completion reached an engine, every completion counts once: by its finish reason, or
+            # as an abort (those of n > 1 that the call ended before they were submitted too).
+            aborted = len(pending) if submitted else 0
             if aborted:
                 self._finished["abort"].inc(aborted)
             elapsed = time.perf_counter() - started

@@ -296,6 +296,11 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
             client.complete(token_ids=[1, 2], **bad)
     cancelled = client.generate(token_ids=_ids(R_PROMPT), max_tokens=R_TOKENS, ignore_eos=True)
     cancelled_seen = len(next(cancelled).token_ids)
+    # n = 2 behind it (the pool fits one of them): its deadline passes while its first completion waits and before its
+    # second is submitted. Both count as aborts.
+    with pytest.raises(grpc.RpcError) as late:
+        client.complete(token_ids=_ids(W_PROMPT), max_tokens=W_TOKENS, n=2, timeout=1.0)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     cancelled.close()
     wait_for("every block free", lambda: all_idle(client), FREED_S)
     _log_entry(slow, "metrics-len-2")
@@ -306,7 +311,7 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
         return sample(after, name, **labels) - sample(before, name, **labels)
 
     by_reason = {r: delta("splitserve:request_success_total", finished_reason=r) for r in ("stop", "length", "abort")}
-    assert by_reason == {"stop": 1, "length": 4, "abort": 1}
+    assert by_reason == {"stop": 1, "length": 4, "abort": 3}
     assert delta("splitserve:request_rejected_total", status="INVALID_ARGUMENT") == 2
     seen_tokens = sum(len(tokens) for _, tokens, _ in finished)
     generated = delta("splitserve:generation_tokens_total")
@@ -315,7 +320,7 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
     assert delta("splitserve:prompt_tokens_total") == sum(c.usage.prompt_tokens for c, _, _ in finished)
     assert delta("splitserve:prefix_cache_hits_total") == sum(c.usage.cached_prompt_tokens for c, _, _ in finished)
     assert delta("splitserve:time_to_first_token_seconds_count") == len(finished) + 1
-    assert delta("splitserve:e2e_request_latency_seconds_count") == len(finished) + 1
+    assert delta("splitserve:e2e_request_latency_seconds_count") == len(finished) + 2
     assert delta("splitserve:inter_token_latency_seconds_count") >= sum(m - 1 for _, _, m in finished)
     (w,) = workers(client)
     address = w["address"]
