@@ -147,7 +147,7 @@ class LocalCluster:
                     raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
             if health_status(self.address, PUBLIC_SERVICE, security=self.security) == "SERVING":
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError(f"scheduler not serving after {timeout:.0f} s; logs in {self.log_dir}")
 
     def exited(self) -> Process | None:

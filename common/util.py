@@ -37,6 +37,11 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
+# gRPC's reconnect backoff starts at 1 s and grows to 120 s, so a channel whose peer was not up yet (or went away)
+# tries again up to that long after the peer is back. Between this project's processes: soon and often.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2_000)]
+
+
 _handed_out: set[int] = set()
 
 

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.util import RECONNECT_OPTIONS
 from protos import worker_pb2, worker_pb2_grpc
 
-_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    *RECONNECT_OPTIONS]
 
 
 @dataclass(slots=True)

@@ -491,6 +491,7 @@ class Supervisor:
         self._receiving = asyncio.ensure_future(self._receive())
         for index in range(self.num_frontends):
             self._spawn("frontend", index)
+        self._spawn("engine", 0)  # the first worker group's, starting beside the front-ends
         await asyncio.gather(*(c.ready for c in self.frontends.values()))
         if self.args.metrics_port:
             self.serve_metrics(self.args.metrics_port, self.args.host)

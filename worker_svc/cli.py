@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common import limits
 from common.cli_help import use_everywhere
-from common.lifetime import exit_with_launcher
+from common.lifetime import exit_now, exit_with_launcher
 from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
 from worker_svc.checkpoints.presets import PRESETS
 
@@ -348,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _load_security(args)
         except (ValueError, SecurityConfigError) as e:
             parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+        exit_now(args.func(args))
     return args.func(args)
 
 
