@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from common.util import RECONNECT_OPTIONS
+
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 TLS_ENV = {"tls_ca": "SPLITSERVE_TLS_CA", "tls_cert": "SPLITSERVE_TLS_CERT", "tls_key": "SPLITSERVE_TLS_KEY"}
 
@@ -76,8 +78,9 @@ class ChannelSecurity:
 
 
 # gRPC shares one connection between the channels of a process that have the same target and options, so
-# several clients would reach one front-end of a scheduler only: each channel has a connection of its own.
-CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+# several clients would reach one front-end of a scheduler only: each channel has a connection of its own. A
+# scheduler that comes back is reached within RECONNECT_OPTIONS' backoff.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), *RECONNECT_OPTIONS]
 
 
 def create_channel(address: str, security: ChannelSecurity | None = None, *, aio: bool = False,

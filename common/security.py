@@ -50,6 +50,8 @@ from pathlib import Path
 
 import grpc
 
+from common.util import RECONNECT_OPTIONS
+
 log = logging.getLogger("splitserve.security")
 
 REGISTRATION_SECRET_ENV = "SPLITSERVE_REGISTRATION_SECRET"
@@ -242,6 +244,7 @@ def add_port(server, address: str, tls: TLSConfig | None) -> int:
 
 def channel(address: str, tls: TLSConfig | None, options: list | None = None) -> grpc.Channel:
     """A blocking channel to the other service, secured like this process."""
+    options = [*RECONNECT_OPTIONS, *(options or [])]
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, tls.channel_credentials(), options=options)
