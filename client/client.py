@@ -53,7 +53,7 @@ class Delta:
     stop_reason: str | None = None  # the stop string or token that ended it, if any
     usage: Usage | None = None  # on the completion's last delta
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1..
-    prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs: every prompt token
+    prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs or return_prompt_token_ids
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class Completion:
     usage: Usage | None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (the first has no context)
-    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the prompt as the scheduler encoded it
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs or return_prompt_token_ids: as encoded
 
 
 class GenerateParams(TypedDict, total=False):
@@ -126,6 +126,7 @@ class GenerateParams(TypedDict, total=False):
     lora: str
     cache_salt: str
     truncate_prompt_tokens: int | None
+    return_prompt_token_ids: bool
 
 
 def build_request(
@@ -165,6 +166,7 @@ def build_request(
     lora: str = "",
     cache_salt: str = "",
     truncate_prompt_tokens: int | None = None,
+    return_prompt_token_ids: bool = False,
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
@@ -173,11 +175,13 @@ def build_request(
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
     free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
     prefixes are shared only between requests of the same salt. truncate_prompt_tokens: keep the prompt's last n
-    tokens (-1: as many as the model takes)."""
+    tokens (-1: as many as the model takes). return_prompt_token_ids: each completion's first delta carries the
+    prompt's token ids (Delta.prompt_token_ids), as the scheduler encoded it."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt,
-                                 truncate_prompt_tokens=truncate_prompt_tokens)
+                                 truncate_prompt_tokens=truncate_prompt_tokens,
+                                 return_prompt_token_ids=return_prompt_token_ids)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:
@@ -345,9 +349,9 @@ def _logprobs(entries) -> list[TokenLogprob]:
 
 
 def _delta(response: pb.GenerateResponse) -> Delta:
-    if response.prompt_token_ids:  # a completion's first message, when it asked for prompt logprobs
+    if response.prompt_token_ids:  # a completion's first message, when it asked for prompt logprobs or token ids
         delta = _delta_fields(response)
-        delta.prompt_logprobs = _logprobs(response.prompt_logprobs)
+        delta.prompt_logprobs = _logprobs(response.prompt_logprobs) if response.prompt_logprobs else None
         delta.prompt_token_ids = list(response.prompt_token_ids)
         return delta
     return _delta_fields(response)

@@ -17,7 +17,7 @@ from gateway.jobs import Job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningStream
 from gateway.render import (DONE, Usage, chat_logprobs, chunker, completion_logprobs, echo_logprobs, joined_logprobs,
-                            sse_event)
+                            renderer, sse_event)
 from gateway.tools import ToolStream, call_bodies
 
 log = logging.getLogger("splitserve.gateway")
@@ -30,26 +30,32 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
     started = [False] * job.num_choices
 
     chunk = chunker(rid, "text_completion", created, model, include_usage)
+    tokens = renderer(job, backend)
 
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
         index = prompt_index * job.n + delta.index
         text = delta.text
         logprobs = None
-        if body.echo and not started[index]:  # the first chunk of a choice: the prompt, and its logprobs
+        first = not started[index]
+        if body.echo and first:  # the first chunk of a choice: the prompt, and its logprobs
             text = job.prompts[prompt_index].get("echo", "") + text
             if body.logprobs is not None and delta.prompt_token_ids:
-                logprobs, offsets[index] = echo_logprobs(backend.tokens, delta.prompt_token_ids,
-                                                          delta.prompt_logprobs)
+                logprobs, offsets[index] = echo_logprobs(tokens, delta.prompt_token_ids, delta.prompt_logprobs)
         started[index] = True
         if delta.logprobs:
-            generated, offsets[index] = completion_logprobs(backend.tokens, delta.token_ids, delta.logprobs,
-                                                             offsets[index])
+            generated, offsets[index] = completion_logprobs(tokens, delta.token_ids, delta.logprobs, offsets[index])
             logprobs = generated if logprobs is None else joined_logprobs(logprobs, generated)
-        if not text and logprobs is None and delta.finish_reason is None:
+        ids = job.return_token_ids and (first or bool(delta.token_ids))
+        if not text and logprobs is None and delta.finish_reason is None and not ids:
             return None
-        return chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                       "stop_reason": delta.stop_reason}])
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                  "stop_reason": delta.stop_reason}
+        if job.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+            if first:
+                choice["prompt_token_ids"] = delta.prompt_token_ids
+        return chunk([choice])
 
     async for event in _stream_events(it, first, render, job):
         yield event
@@ -70,6 +76,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
     called = [0] * job.num_choices  # harmony's calls sent so far, by choice
 
     chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
+    tokens = renderer(job, backend)
 
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
@@ -107,16 +114,22 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
                 message["tool_calls"] = calls
             if finish == "stop" and tools[index].called:
                 finish = "tool_calls"
-        logprobs = {"content": chat_logprobs(backend.tokens, delta.token_ids, delta.logprobs)} \
-            if delta.logprobs else None
-        if not message and logprobs is None and finish is None:
+        logprobs = {"content": chat_logprobs(tokens, delta.token_ids, delta.logprobs)} if delta.logprobs else None
+        ids = job.return_token_ids and bool(delta.token_ids)
+        if not message and logprobs is None and finish is None and not ids:
             return None
-        return chunk([{"index": index, "delta": message, "logprobs": logprobs,
-                       "finish_reason": finish, "stop_reason": delta.stop_reason}])
+        choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": delta.stop_reason}
+        if job.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return chunk([choice])
 
     for index in range(job.num_choices):
+        # return_token_ids: the prompt's ids in the first chunk (the first delta has them)
+        more = {"prompt_token_ids": first[1].prompt_token_ids} if (
+            index == 0 and job.return_token_ids and first is not None) else {}
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+                      "finish_reason": None}], **more)
     async for event in _stream_events(it, first, render, job):
         yield event
     if include_usage and not job.failed:

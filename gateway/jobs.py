@@ -18,6 +18,7 @@ from gateway.tokens import TokenRenderer
 from gateway.tool_parsers import PARSERS
 from gateway.tools import ToolPlan, plan_tools
 
+TOKEN_IDS = TokenRenderer()  # return_tokens_as_token_ids: every token named `token_id:N`
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 INT32 = 1 << 31
 # For a top_p or repetition_penalty the schema allows (> 0) but float32 would round to 0 (a subnormal): the same
@@ -35,6 +36,9 @@ class Job:
     failed: bool = False  # a stream failed after its start (no usage chunk then)
     tools: ToolPlan | None = None  # a chat request with tools
     harmony: bool = False  # a chat answer read as gpt-oss's harmony messages (gateway/harmony.py)
+    return_token_ids: bool = False  # the answer carries the prompt's and each choice's token ids
+    prompt_logprobs: bool = False  # the answer carries vLLM's prompt_logprobs
+    tokens: TokenRenderer | None = None  # how logprobs name tokens: None, the gateway's own way
 
     @property
     def num_choices(self) -> int:
@@ -65,6 +69,8 @@ def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
     _logit_bias(body)
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs", "prompt_logprobs are not available with stream: true")
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stops):
         raise invalid("stop", "stop strings must not be empty")
@@ -92,7 +98,16 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0, cache_salt=body.cache_salt or "",
         truncate_prompt_tokens=body.truncate_prompt_tokens,
-        skip_special_tokens=body.skip_special_tokens, structured=_structured(body))
+        skip_special_tokens=body.skip_special_tokens, structured=_structured(body),
+        prompt_logprobs=body.prompt_logprobs, return_prompt_token_ids=bool(body.return_token_ids))
+
+
+def _answer(job: Job, body: CompletionRequest | ChatCompletionRequest) -> Job:
+    """The job, with what its answer carries beside the text."""
+    job.return_token_ids = bool(body.return_token_ids)
+    job.prompt_logprobs = body.prompt_logprobs is not None
+    job.tokens = TOKEN_IDS if body.return_tokens_as_token_ids else None
+    return job
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
@@ -144,9 +159,12 @@ def completion_job(body: CompletionRequest, tokens: TokenRenderer | None = None)
     # max_tokens unset: the scheduler's default, 16, which is OpenAI's for completions.
     params = _sampling(body, body.max_tokens, body.logprobs)
     if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+        if body.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs", "prompt_logprobs cannot be set where echo scores the prompt (echo with "
+                                             "logprobs or max_tokens 0)")
         # Scoring the prompt: max_tokens 0 needs it even without logprobs (then none are returned).
         params["prompt_logprobs"] = body.logprobs or 0
-    return Job(prompts, params, n)
+    return _answer(Job(prompts, params, n), body)
 
 
 def _tool_calls(i: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -282,4 +300,4 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     if backend.config.harmony or (plan is not None and plan.mode == "auto"
                                   and PARSERS[backend.config.tool_call_parser].keeps_special_tokens):
         params["skip_special_tokens"] = False
-    return Job([prompt], params, body.n or 1, names, tools=plan, harmony=backend.config.harmony)
+    return _answer(Job([prompt], params, body.n or 1, names, tools=plan, harmony=backend.config.harmony), body)

@@ -105,6 +105,9 @@ class _GenerationRequest(BaseModel):
     priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt
     truncate_prompt_tokens: TruncatePromptTokens = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's tokens (and top n); not streamed
+    return_token_ids: bool | None = False  # the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
     # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
     response_format: dict[str, Any] | None = Field(None, **doc(RESPONSE_FORMAT))
     structured_outputs: dict[str, Any] | None = Field(None, **doc(STRUCTURED_OUTPUTS))
@@ -417,12 +420,20 @@ class UsageBody(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+# vLLM's prompt_logprobs: null for the first token, then {token id: {"logprob", "rank", "decoded_token"}} per token.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None  # stop, length, abort, grammar
     stop_reason: str | int | None = None
+    # return_token_ids: this answer's (a chunk's) tokens, and the prompt's (in a choice's first chunk)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _Answer(BaseModel):
@@ -454,12 +465,15 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None  # stop, length, tool_calls, abort, grammar
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(_Answer):
     """A whole answer of /v1/chat/completions (with stream: server-sent events of chat.completion.chunk)."""
     object: str = "chat.completion"
     choices: list[ChatChoice]
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _Chunk(BaseModel):
@@ -489,11 +503,13 @@ class ChatChunkChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(_Chunk):
     object: str = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ResponseUsage(BaseModel):

@@ -21,11 +21,11 @@ LOGPROB_FLOOR = -9999.0  # -inf (a masked token) as a JSON number, like vLLM
 
 
 def chunker(rid: str, object_type: str, created: int, model: str, include_usage: bool):
-    """One SSE chunk of a streamed answer: its choices, and usage (null until the last chunk) when the
-    client asked for stream_options.include_usage."""
-    def chunk(choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None) -> str:
+    """One SSE chunk of a streamed answer: its choices (and `more` fields), and usage (null until the last chunk)
+    when the client asked for stream_options.include_usage."""
+    def chunk(choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None, **more: Any) -> str:
         obj: dict[str, Any] = {"id": rid, "object": object_type, "created": created, "model": model,
-                               "choices": choices}
+                               "choices": choices, **more}
         if include_usage:
             obj["usage"] = usage_body
         return sse_event(obj)
@@ -90,6 +90,25 @@ def echo_logprobs(tokens: TokenRenderer, prompt_ids: list[int], prompt_logprobs)
     rest, offset = completion_logprobs(tokens, prompt_ids[1:], prompt_logprobs, len(first))
     return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
+
+
+def prompt_logprobs(tokens: TokenRenderer, prompt_ids: list[int], logprobs) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: null for the first token (no context), then each token's logprob and its top
+    alternatives by token id, each with its rank among them (the prompt token's where it is one of them, else
+    null) and its text."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, (logprob, top) in zip(prompt_ids[1:], logprobs or ()):
+        entry = {str(t): {"logprob": _lp(p), "rank": rank, "decoded_token": tokens.render(t)[0]}
+                 for rank, (t, p) in enumerate(top or (), 1)}
+        entry.setdefault(str(token_id), {"logprob": _lp(logprob), "rank": None,
+                                         "decoded_token": tokens.render(token_id)[0]})
+        out.append(entry)
+    return out
+
+
+def renderer(job: Job, backend: Backend) -> TokenRenderer:
+    """How the job's logprobs name tokens."""
+    return job.tokens or backend.tokens
 
 
 def joined_logprobs(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
@@ -170,6 +189,7 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
     """A whole chat answer: each choice's message (its thinking and tool calls apart) and logprobs."""
     out = []
     include_reasoning = body.include_reasoning is not False
+    tokens = renderer(job, backend)
     for c in choices:
         finish = c.finish_reason
         if job.harmony:
@@ -178,17 +198,25 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
             message = chat_message("".join(c.text), backend.config.text_reasoning_parser, include_reasoning)
         if job.tools is not None and not (job.harmony and job.reads_calls):  # harmony's own calls: above
             message, finish = with_tool_calls(message, finish, job.tools, backend.config.tool_call_parser)
-        logprobs = {"content": chat_logprobs(backend.tokens, c.token_ids, c.logprobs)} if c.logprobs else None
+        logprobs = {"content": chat_logprobs(tokens, c.token_ids, c.logprobs)} if c.logprobs else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish, "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-            "usage": usage.body(), "system_fingerprint": None}
+        if job.return_token_ids:
+            out[-1]["token_ids"] = c.token_ids
+    answer = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+              "usage": usage.body(), "system_fingerprint": None}
+    if choices and job.return_token_ids:
+        answer["prompt_token_ids"] = choices[0].prompt_token_ids
+    if choices and job.prompt_logprobs:
+        answer["prompt_logprobs"] = prompt_logprobs(tokens, choices[0].prompt_token_ids or [],
+                                                    choices[0].prompt_logprobs)
+    return answer
 
 
 def text_completion(choices: list[Choice], usage: Usage, job: Job, backend: Backend, rid: str, model: str,
                     created: int, body: CompletionRequest) -> dict[str, Any]:
     """A whole completions answer: each choice's text (after its echoed prompt) and legacy logprobs."""
-    tokens, out = backend.tokens, []
+    tokens, out = renderer(job, backend), []
     for c in choices:
         prefix = job.prompts[c.index // job.n].get("echo", "")
         if body.echo and body.logprobs is not None and c.prompt_token_ids:
@@ -198,5 +226,9 @@ def text_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
             logprobs = completion_logprobs(tokens, c.token_ids, c.logprobs, 0)[0] if c.logprobs else None
         out.append({"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if job.return_token_ids:
+            out[-1].update(token_ids=c.token_ids, prompt_token_ids=c.prompt_token_ids)
+        if job.prompt_logprobs:
+            out[-1]["prompt_logprobs"] = prompt_logprobs(tokens, c.prompt_token_ids or [], c.prompt_logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage.body(), "system_fingerprint": None}

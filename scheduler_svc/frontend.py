@@ -148,6 +148,7 @@ class Completion:
     out_text: list[str] = field(default_factory=list)
     out_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # once it ended
+    prompt_ids_due: bool = False  # its next message carries the prompt's token ids (return_prompt_token_ids)
     stop_reason: str | None = None
     queued: bool = False  # in its stream's outputs
     since_wake: int = -1  # tokens since it last woke its call (stream_interval other than 1); -1: none yet
@@ -417,7 +418,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             params = parsed.completion_params(i)
             completions.append(Completion(next(self._keys), s, i, stream, parsed.prompt_ids, params, parsed.priority,
                                           OutputState(s, self.tokenizer.tokenizer, parsed.prompt_ids,
-                                                      len(parsed.prompt_ids), params)))
+                                                      len(parsed.prompt_ids), params),
+                                          prompt_ids_due=request.return_prompt_token_ids))
             self._streams[s] = stream
         pending = set(subs)
         submitted: set[str] = set()

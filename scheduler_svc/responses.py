@@ -31,8 +31,11 @@ def response_of(rid: str, c: Completion) -> api.GenerateResponse:
         c.out_logprobs = None
     if c.prompt_logprobs is not None:
         _add_logprobs(r.prompt_logprobs, c.prompt_logprobs)
-        r.prompt_token_ids.extend(c.prompt_ids)
         c.prompt_logprobs = None
+        c.prompt_ids_due = True
+    if c.prompt_ids_due:
+        r.prompt_token_ids.extend(c.prompt_ids)
+        c.prompt_ids_due = False
     if c.finish_reason is not None:
         r.finish_reason = FINISH.get(c.finish_reason, api.FINISH_REASON_STOP)
         r.stop_reason = c.stop_reason or ""

@@ -392,3 +392,61 @@ def test_lm_eval_local_completions_scores_and_generates_with_text_prompts(gatewa
         greedy = greedy[:next((i for i, t in enumerate(greedy) if t in eos), len(greedy))]
         want = tokenizer.decode(greedy, skip_special_tokens=True).split("\n")[0]
         assert sample["resps"][0][0] == want, (prompt, sample["resps"], want)
+
+
+def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
+    """vLLM's answer fields: `return_token_ids` (the prompt's ids and each choice's tokens beside the text; streamed,
+    the prompt's in the first chunk and each chunk's own tokens), `prompt_logprobs` (null, then each prompt token's
+    logprob and its top n by token id, ranked, equal to transformers' log-softmax) and `return_tokens_as_token_ids`.
+    Over gRPC, return_prompt_token_ids gives the prompt's ids without scoring it (its cached prefix is used)."""
+    rng = random.Random(17)
+    text = _text(rng, 30)
+    ids = grpc_client.tokenize(text)
+    ref = _log_softmax(hf, ids)
+    generated: list[int] = []
+    for _ in range(3):
+        generated.append(int(_log_softmax(hf, ids + generated)[-1].argmax()))
+    body = {"prompt": text, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    (choice,) = _post(gateway, {**body, "prompt_logprobs": 2})["choices"]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == generated
+    assert choice["text"] == renderer.decode(generated)
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for p in range(1, len(ids)):
+        row = ref[p - 1]
+        assert scored[p][str(ids[p])]["logprob"] == pytest.approx(row[ids[p]].item(), abs=TOL)
+        top = [int(t) for t, e in scored[p].items() if e["rank"] is not None]
+        assert top == row.topk(2).indices.tolist()
+        assert [scored[p][str(t)]["rank"] for t in top] == [1, 2]
+        assert all(e["decoded_token"] == renderer.render(int(t))[0] for t, e in scored[p].items())
+    chunks = [c["choices"][0] for c in _events(gateway, body)]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == generated
+
+    messages = [{"role": "user", "content": text}]
+    chat_ids = grpc_client.tokenize(messages=messages)
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+            "logprobs": True, "return_tokens_as_token_ids": True}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={**chat, "prompt_logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    (c,) = answer["choices"]
+    assert answer["prompt_token_ids"] == chat_ids and len(c["token_ids"]) == 3
+    assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert [list(e) for e in answer["prompt_logprobs"][1:]] == [[str(t)] for t in chat_ids[1:]]
+    assert answer["prompt_logprobs"][1][str(chat_ids[1])]["decoded_token"] == f"token_id:{chat_ids[1]}"
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat_ids
+    assert [t for e in events for ch in e["choices"] for t in ch.get("token_ids", [])] == c["token_ids"]
+
+    for bad in ({**body, "prompt_logprobs": 1, "stream": True}, {**body, "prompt_logprobs": 1, "echo": True,
+                                                                  "logprobs": 1}):
+        r = httpx.post(f"{gateway.url}/v1/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+    grpc_client.complete(token_ids=ids, max_tokens=1)  # its prefix cached
+    (again,) = grpc_client.complete(token_ids=ids, max_tokens=1, return_prompt_token_ids=True)
+    assert again.prompt_token_ids == ids and again.prompt_logprobs is None
+    assert again.usage.cached_prompt_tokens > 0
+    wait_for("all blocks free", lambda: _all_free(grpc_client))
