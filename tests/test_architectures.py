@@ -420,6 +420,15 @@ def test_greedy_with_prefix_reuse(checkpoint):
     assert second.generated == _generate_hf(hf, extended, 16)
 
 
+# Every architecture's tokens are proven in-process above, by the runner the worker serves. Through the services, the
+# kinds of model the scheduler and the worker's start see differently: rope scaling past the original length, sliding
+# windows (the blocks behind them given back), nested multimodal configs, latent attention's cache, expert layouts.
+THROUGH_THE_SERVICES = ["qwen3", "llama-tied", "phi3-longrope", "qwen3-yarn", "mistral", "qwen2-window", "gemma2",
+                        "gemma3", "gemma3_mm", "mistral3_mm", "glm4v", "qwen3_vl_moe", "qwen3_moe", "gpt_oss_moe",
+                        "minimax_m2_moe", "deepseek_v3_moe", "glm4_moe_lite_moe"]
+
+
+@pytest.mark.parametrize("checkpoint", THROUGH_THE_SERVICES, indirect=True)
 def test_greedy_through_the_services(checkpoint, tmp_path):
     """client -> scheduler -> worker, requests at once (chunked prefill under a small token budget)."""
     _, folder, hf = checkpoint
