@@ -52,7 +52,7 @@ class Delta:
     finish_reason: str | None = None  # None until the completion's last delta: "stop", "length" or "abort"
     stop_reason: str | None = None  # the stop string or token that ended it, if any
     usage: Usage | None = None  # on the completion's last delta
-    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1..
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1.. (None: none)
     prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs or return_prompt_token_ids
 
 

@@ -17,7 +17,7 @@ from gateway.jobs import Job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningStream
 from gateway.render import (DONE, Usage, chat_logprobs, chunker, completion_logprobs, echo_logprobs, joined_logprobs,
-                            renderer, sse_event)
+                            prompt_logprobs, renderer, sse_event)
 from gateway.tools import ToolStream, call_bodies
 
 log = logging.getLogger("splitserve.gateway")
@@ -46,8 +46,9 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
         if delta.logprobs:
             generated, offsets[index] = completion_logprobs(tokens, delta.token_ids, delta.logprobs, offsets[index])
             logprobs = generated if logprobs is None else joined_logprobs(logprobs, generated)
-        ids = job.return_token_ids and (first or bool(delta.token_ids))
-        if not text and logprobs is None and delta.finish_reason is None and not ids:
+        prompt = first and (job.return_token_ids or job.prompt_logprobs)
+        if not text and logprobs is None and delta.finish_reason is None and not prompt and not (
+                job.return_token_ids and delta.token_ids):
             return None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                   "stop_reason": delta.stop_reason}
@@ -55,6 +56,8 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
             choice["token_ids"] = delta.token_ids
             if first:
                 choice["prompt_token_ids"] = delta.prompt_token_ids
+        if job.prompt_logprobs and first:
+            choice["prompt_logprobs"] = prompt_logprobs(tokens, delta.prompt_token_ids or [], delta.prompt_logprobs)
         return chunk([choice])
 
     async for event in _stream_events(it, first, render, job):
@@ -124,12 +127,15 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
             choice["token_ids"] = delta.token_ids
         return chunk([choice])
 
+    # The prompt's ids and logprobs, where asked, in the first chunk (the first delta has them).
+    more: dict[str, Any] = {}
+    if first is not None and job.return_token_ids:
+        more["prompt_token_ids"] = first[1].prompt_token_ids
+    if first is not None and job.prompt_logprobs:
+        more["prompt_logprobs"] = prompt_logprobs(tokens, first[1].prompt_token_ids or [], first[1].prompt_logprobs)
     for index in range(job.num_choices):
-        # return_token_ids: the prompt's ids in the first chunk (the first delta has them)
-        more = {"prompt_token_ids": first[1].prompt_token_ids} if (
-            index == 0 and job.return_token_ids and first is not None) else {}
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}], **more)
+                      "finish_reason": None}], **(more if index == 0 else {}))
     async for event in _stream_events(it, first, render, job):
         yield event
     if include_usage and not job.failed:

@@ -69,8 +69,6 @@ def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
     _logit_bias(body)
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    if body.prompt_logprobs is not None and body.stream:
-        raise invalid("prompt_logprobs", "prompt_logprobs are not available with stream: true")
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stops):
         raise invalid("stop", "stop strings must not be empty")

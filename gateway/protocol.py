@@ -17,10 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from common.model_files import TEMPLATE_ARGUMENTS
 
-from gateway.schemas import (CHOICES, CONTENT_RULE, GENERATION_PROMPT_RULE, INPUT_RULE, MAX_TOKENS_0_RULE,
-                             RESPONSE_FORMAT,
-                             STREAM_OPTIONS_RULE, STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE,
-                             TOP_LOGPROBS_RULE, doc)
+from gateway.schemas import (CHOICES, CONTENT_RULE, ECHO_PROMPT_LOGPROBS_RULE, GENERATION_PROMPT_RULE, INPUT_RULE,
+                             MAX_TOKENS_0_RULE, RESPONSE_FORMAT, STREAM_OPTIONS_RULE,
+                             STRUCTURED_OUTPUTS, TOOL, TOOL_CALL, TOOL_CHOICE, TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE, doc)
 from gateway.tools import MAX_TOOLS
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20)
@@ -105,7 +104,7 @@ class _GenerationRequest(BaseModel):
     priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt
     truncate_prompt_tokens: TruncatePromptTokens = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's tokens (and top n); not streamed
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's tokens (and top n)
     return_token_ids: bool | None = False  # the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
     # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
@@ -119,7 +118,8 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"additionalProperties": False,
-                                                 "allOf": [STREAM_OPTIONS_RULE, MAX_TOKENS_0_RULE]})
+                                                 "allOf": [STREAM_OPTIONS_RULE, MAX_TOKENS_0_RULE,
+                                                           ECHO_PROMPT_LOGPROBS_RULE]})
     # A string, a list of strings, a list of token ids, or a list of lists of token ids; none empty.
     prompt: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
@@ -430,7 +430,8 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None  # stop, length, abort, grammar
     stop_reason: str | int | None = None
-    # return_token_ids: this answer's (a chunk's) tokens, and the prompt's (in a choice's first chunk)
+    # return_token_ids: this answer's (a chunk's) tokens, and the prompt's (in a choice's first chunk, as
+    # prompt_logprobs)
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -510,6 +511,7 @@ class ChatCompletionChunk(_Chunk):
     object: str = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk
 
 
 class ResponseUsage(BaseModel):

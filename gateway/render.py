@@ -87,7 +87,7 @@ def echo_logprobs(tokens: TokenRenderer, prompt_ids: list[int], prompt_logprobs)
     if len(prompt_logprobs or ()) != len(prompt_ids) - 1:
         raise RuntimeError(f"{len(prompt_logprobs or ())} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
     first, _ = tokens.render(prompt_ids[0])
-    rest, offset = completion_logprobs(tokens, prompt_ids[1:], prompt_logprobs, len(first))
+    rest, offset = completion_logprobs(tokens, prompt_ids[1:], prompt_logprobs or (), len(first))
     return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}, offset
 

@@ -29,6 +29,10 @@ def _set(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 # Rules between fields that the gateway checks (jobs.py), as JSON Schema.
 STREAM_OPTIONS_RULE = _either(_unset_or("stream_options", {"type": "null"}), _set("stream", {"const": True}))
 MAX_TOKENS_0_RULE = _either(_unset_or("max_tokens", {"not": {"const": 0}}), _set("echo", {"const": True}))
+# prompt_logprobs, not where echo scores the prompt (echo with logprobs, or max_tokens 0)
+ECHO_PROMPT_LOGPROBS_RULE = {"anyOf": [
+    _unset_or("prompt_logprobs", {"type": "null"}), _unset_or("echo", {"enum": [False, None]}),
+    {"allOf": [_unset_or("logprobs", {"type": "null"}), _unset_or("max_tokens", {"not": {"const": 0}})]}]}
 TOP_LOGPROBS_RULE = _either(_unset_or("top_logprobs", {"enum": [None, 0]}), _set("logprobs", {"const": True}))
 # add_generation_prompt, where given, is the opposite of continue_final_message (jobs.continues)
 GENERATION_PROMPT_RULE = {"anyOf": [

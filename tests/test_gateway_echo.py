@@ -255,7 +255,7 @@ def test_echo_token_ids_needs_a_tokenizer():
     assert e.value.status == 400 and e.value.param == "echo"
     job = completion_job(CompletionRequest(prompt="hi", echo=True, logprobs=2, max_tokens=0), TokenRenderer(None))
     assert job.params["prompt_logprobs"] == 2 and job.params["max_tokens"] == 0
-    assert "prompt_logprobs" not in completion_job(CompletionRequest(prompt="hi", logprobs=2), None).params
+    assert completion_job(CompletionRequest(prompt="hi", logprobs=2), None).params["prompt_logprobs"] is None
 
 
 # ---- lm-evaluation-harness ------------------------------------------------------------------------------
@@ -397,7 +397,8 @@ def test_lm_eval_local_completions_scores_and_generates_with_text_prompts(gatewa
 def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
     """vLLM's answer fields: `return_token_ids` (the prompt's ids and each choice's tokens beside the text; streamed,
     the prompt's in the first chunk and each chunk's own tokens), `prompt_logprobs` (null, then each prompt token's
-    logprob and its top n by token id, ranked, equal to transformers' log-softmax) and `return_tokens_as_token_ids`.
+    logprob and its top n by token id, ranked, equal to transformers' log-softmax; streamed, in the first chunk) and
+    `return_tokens_as_token_ids`.
     Over gRPC, return_prompt_token_ids gives the prompt's ids without scoring it (its cached prefix is used)."""
     rng = random.Random(17)
     text = _text(rng, 30)
@@ -419,9 +420,10 @@ def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
         assert top == row.topk(2).indices.tolist()
         assert [scored[p][str(t)]["rank"] for t in top] == [1, 2]
         assert all(e["decoded_token"] == renderer.render(int(t))[0] for t, e in scored[p].items())
-    chunks = [c["choices"][0] for c in _events(gateway, body)]
+    chunks = [c["choices"][0] for c in _events(gateway, {**body, "prompt_logprobs": 2})]
     assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks for t in c["token_ids"]] == generated
+    assert [list(e or ()) for e in chunks[0]["prompt_logprobs"]] == [list(e or ()) for e in scored]
 
     messages = [{"role": "user", "content": text}]
     chat_ids = grpc_client.tokenize(messages=messages)
@@ -435,15 +437,16 @@ def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
     assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
     assert [list(e) for e in answer["prompt_logprobs"][1:]] == [[str(t)] for t in chat_ids[1:]]
     assert answer["prompt_logprobs"][1][str(chat_ids[1])]["decoded_token"] == f"token_id:{chat_ids[1]}"
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as s:
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json={**chat, "stream": True, "prompt_logprobs": 0},
+                      timeout=60) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[0]["prompt_token_ids"] == chat_ids
+    assert events[0]["prompt_logprobs"] == answer["prompt_logprobs"]
     assert [t for e in events for ch in e["choices"] for t in ch.get("token_ids", [])] == c["token_ids"]
 
-    for bad in ({**body, "prompt_logprobs": 1, "stream": True}, {**body, "prompt_logprobs": 1, "echo": True,
-                                                                  "logprobs": 1}):
-        r = httpx.post(f"{gateway.url}/v1/completions", json=bad, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    r = httpx.post(f"{gateway.url}/v1/completions", json={**body, "prompt_logprobs": 1, "echo": True, "logprobs": 1},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
     grpc_client.complete(token_ids=ids, max_tokens=1)  # its prefix cached
     (again,) = grpc_client.complete(token_ids=ids, max_tokens=1, return_prompt_token_ids=True)
