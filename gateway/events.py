@@ -23,9 +23,28 @@ from gateway.tools import ToolStream, call_bodies
 log = logging.getLogger("splitserve.gateway")
 
 
+class ChoiceUsage:
+    """stream_options.continuous_usage_stats: each choice's usage so far, for every chunk of it."""
+
+    def __init__(self, num_choices: int):
+        self.prompt = [0] * num_choices
+        self.completion = [0] * num_choices
+
+    def add(self, index: int, delta: Delta) -> dict[str, Any]:
+        if delta.prompt_token_ids is not None:
+            self.prompt[index] = len(delta.prompt_token_ids)
+        self.completion[index] += len(delta.token_ids)
+        return self.body(index)
+
+    def body(self, index: int) -> dict[str, Any]:
+        prompt, completion = self.prompt[index], self.completion[index]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def completion_events(it, first, job: Job, backend: Backend, rid: str, model: str, created: int,
                              body: CompletionRequest, include_usage: bool) -> AsyncGenerator[str, None]:
     usage = Usage()
+    so_far = ChoiceUsage(job.num_choices) if job.continuous_usage else None
     offsets = [0] * job.num_choices
     started = [False] * job.num_choices
 
@@ -35,6 +54,7 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
         index = prompt_index * job.n + delta.index
+        choice_usage = so_far.add(index, delta) if so_far is not None else None
         text = delta.text
         logprobs = None
         first = not started[index]
@@ -58,7 +78,7 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
                 choice["prompt_token_ids"] = delta.prompt_token_ids
         if job.prompt_logprobs and first:
             choice["prompt_logprobs"] = prompt_logprobs(tokens, delta.prompt_token_ids or [], delta.prompt_logprobs)
-        return chunk([choice])
+        return chunk([choice], choice_usage)
 
     async for event in _stream_events(it, first, render, job):
         yield event
@@ -77,6 +97,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
         if job.tools is not None else None
     harmonies = [HarmonyStream(calls=job.reads_calls) for _ in range(job.num_choices)] if job.harmony else None
     called = [0] * job.num_choices  # harmony's calls sent so far, by choice
+    so_far = ChoiceUsage(job.num_choices) if job.continuous_usage else None
 
     chunk = chunker(rid, "chat.completion.chunk", created, model, include_usage)
     tokens = renderer(job, backend)
@@ -84,6 +105,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
     def render(prompt_index: int, delta: Delta) -> str | None:
         usage.add(prompt_index, delta)
         index = prompt_index * job.n + delta.index
+        choice_usage = so_far.add(index, delta) if so_far is not None else None
         message: dict[str, Any] = {}
         finish = delta.finish_reason
         if harmonies is not None:
@@ -125,7 +147,7 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
                   "stop_reason": delta.stop_reason}
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return chunk([choice])
+        return chunk([choice], choice_usage)
 
     # The prompt's ids and logprobs, where asked, in the first chunk (the first delta has them).
     more: dict[str, Any] = {}
@@ -133,9 +155,14 @@ async def chat_events(it, first, job: Job, backend: Backend, rid: str, model: st
         more["prompt_token_ids"] = first[1].prompt_token_ids
     if first is not None and job.prompt_logprobs:
         more["prompt_logprobs"] = prompt_logprobs(tokens, first[1].prompt_token_ids or [], first[1].prompt_logprobs)
+    prompt = len(first[1].prompt_token_ids or ()) if first is not None else 0  # one prompt: every choice's
     for index in range(job.num_choices):
+        role_usage = None
+        if so_far is not None:
+            so_far.prompt[index] = prompt
+            role_usage = so_far.body(index)
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}], **(more if index == 0 else {}))
+                      "finish_reason": None}], role_usage, **(more if index == 0 else {}))
     async for event in _stream_events(it, first, render, job):
         yield event
     if include_usage and not job.failed:

@@ -38,6 +38,7 @@ class Job:
     harmony: bool = False  # a chat answer read as gpt-oss's harmony messages (gateway/harmony.py)
     return_token_ids: bool = False  # the answer carries the prompt's and each choice's token ids
     prompt_logprobs: bool = False  # the answer carries vLLM's prompt_logprobs
+    continuous_usage: bool = False  # every chunk carries its choice's usage so far
     tokens: TokenRenderer | None = None  # how logprobs name tokens: None, the gateway's own way
 
     @property
@@ -97,7 +98,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0, cache_salt=body.cache_salt or "",
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         skip_special_tokens=body.skip_special_tokens, structured=_structured(body),
-        prompt_logprobs=body.prompt_logprobs, return_prompt_token_ids=bool(body.return_token_ids))
+        prompt_logprobs=body.prompt_logprobs)
 
 
 def _answer(job: Job, body: CompletionRequest | ChatCompletionRequest) -> Job:
@@ -105,6 +106,10 @@ def _answer(job: Job, body: CompletionRequest | ChatCompletionRequest) -> Job:
     job.return_token_ids = bool(body.return_token_ids)
     job.prompt_logprobs = body.prompt_logprobs is not None
     job.tokens = TOKEN_IDS if body.return_tokens_as_token_ids else None
+    options = body.stream_options
+    job.continuous_usage = bool(body.stream and options and options.include_usage and options.continuous_usage_stats)
+    # the prompt's length, for continuous usage, is its ids' count
+    job.params["return_prompt_token_ids"] = job.return_token_ids or job.continuous_usage
     return job
 
 

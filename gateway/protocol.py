@@ -54,6 +54,7 @@ Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk has its choice's so far
 
 
 class _GenerationRequest(BaseModel):
@@ -483,7 +484,9 @@ class _Chunk(BaseModel):
     object: str
     created: int
     model: str
-    usage: UsageBody | None = None  # with stream_options.include_usage: null until the last chunk, which has it
+    # with stream_options.include_usage: null until the last chunk, which has it (continuous_usage_stats: every chunk
+    # has its choice's so far)
+    usage: UsageBody | None = None
 
 
 class CompletionChunk(_Chunk):

@@ -9,6 +9,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import random
@@ -397,8 +398,8 @@ def test_lm_eval_local_completions_scores_and_generates_with_text_prompts(gatewa
 def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
     """vLLM's answer fields: `return_token_ids` (the prompt's ids and each choice's tokens beside the text; streamed,
     the prompt's in the first chunk and each chunk's own tokens), `prompt_logprobs` (null, then each prompt token's
-    logprob and its top n by token id, ranked, equal to transformers' log-softmax; streamed, in the first chunk) and
-    `return_tokens_as_token_ids`.
+    logprob and its top n by token id, ranked, equal to transformers' log-softmax; streamed, in the first chunk),
+    `return_tokens_as_token_ids` and stream_options.continuous_usage_stats (every chunk, its choice's usage so far).
     Over gRPC, return_prompt_token_ids gives the prompt's ids without scoring it (its cached prefix is used)."""
     rng = random.Random(17)
     text = _text(rng, 30)
@@ -424,6 +425,13 @@ def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
     assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks for t in c["token_ids"]] == generated
     assert [list(e or ()) for e in chunks[0]["prompt_logprobs"]] == [list(e or ()) for e in scored]
+    # vLLM's continuous_usage_stats: every chunk has its choice's usage so far, the last the whole
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *events, last = _events(gateway, {**body, "stream_options": options})
+    so_far = list(itertools.accumulate(len(e["choices"][0]["token_ids"]) for e in events))
+    assert [e["usage"] for e in events] == [{"prompt_tokens": len(ids), "completion_tokens": k,
+                                              "total_tokens": len(ids) + k} for k in so_far]
+    assert so_far[-1] == 3 and last["choices"] == [] and last["usage"]["completion_tokens"] == 3
 
     messages = [{"role": "user", "content": text}]
     chat_ids = grpc_client.tokenize(messages=messages)
@@ -442,6 +450,13 @@ def test_vllm_token_ids_and_prompt_logprobs(gateway, grpc_client, hf, renderer):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[0]["prompt_token_ids"] == chat_ids
     assert events[0]["prompt_logprobs"] == answer["prompt_logprobs"]
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=60,
+                      json={**chat, "stream": True, "stream_options": options}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 0,
+                                  "total_tokens": len(chat_ids)}
+    assert all(e["usage"]["prompt_tokens"] == len(chat_ids) for e in events) and events[-1]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == events[-1]["usage"]["completion_tokens"] == 3
     assert [t for e in events for ch in e["choices"] for t in ch.get("token_ids", [])] == c["token_ids"]
 
     r = httpx.post(f"{gateway.url}/v1/completions", json={**body, "prompt_logprobs": 1, "echo": True, "logprobs": 1},
