@@ -57,8 +57,8 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
         choice_usage = so_far.add(index, delta) if so_far is not None else None
         text = delta.text
         logprobs = None
-        first = not started[index]
-        if body.echo and first:  # the first chunk of a choice: the prompt, and its logprobs
+        opening = not started[index]
+        if body.echo and opening:  # the first chunk of a choice: the prompt, and its logprobs
             text = job.prompts[prompt_index].get("echo", "") + text
             if body.logprobs is not None and delta.prompt_token_ids:
                 logprobs, offsets[index] = echo_logprobs(tokens, delta.prompt_token_ids, delta.prompt_logprobs)
@@ -66,17 +66,18 @@ async def completion_events(it, first, job: Job, backend: Backend, rid: str, mod
         if delta.logprobs:
             generated, offsets[index] = completion_logprobs(tokens, delta.token_ids, delta.logprobs, offsets[index])
             logprobs = generated if logprobs is None else joined_logprobs(logprobs, generated)
-        prompt = first and (job.return_token_ids or job.prompt_logprobs)
-        if not text and logprobs is None and delta.finish_reason is None and not prompt and not (
-                job.return_token_ids and delta.token_ids):
+        # what the client asked for beside the text: a choice's first chunk (the prompt's), and a chunk's tokens
+        asked = (opening and (job.return_token_ids or job.prompt_logprobs)) or (
+            job.return_token_ids and delta.token_ids)
+        if not text and logprobs is None and delta.finish_reason is None and not asked:
             return None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                   "stop_reason": delta.stop_reason}
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids
-            if first:
+            if opening:
                 choice["prompt_token_ids"] = delta.prompt_token_ids
-        if job.prompt_logprobs and first:
+        if job.prompt_logprobs and opening:
             choice["prompt_logprobs"] = prompt_logprobs(tokens, delta.prompt_token_ids or [], delta.prompt_logprobs)
         return chunk([choice], choice_usage)
 
