@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.metadata
 import logging
 import re
 import time
@@ -48,7 +49,7 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
                               EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList,
                               RerankRequest, RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest,
                               ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
-                              UnloadLoraAdapterRequest)
+                              UnloadLoraAdapterRequest, VersionBody)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -84,7 +85,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await app.state.backend.close()
 
-    app = FastAPI(title="splitserve OpenAI-compatible gateway", lifespan=lifespan)
+    app = FastAPI(title="splitserve OpenAI-compatible gateway", version=_version(), lifespan=lifespan)
     if config.api_keys:
         app.add_middleware(APIKeys, keys=config.api_keys)
     if config.allowed_origins:
@@ -160,6 +161,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             status = e.code().name
         code = 200 if status == "SERVING" else 503
         return JSONResponse({"status": "ok" if code == 200 else "unavailable", "scheduler": status}, code)
+
+    @app.get("/version", response_model=VersionBody)
+    async def version() -> JSONResponse:
+        """vLLM's: the server's version (open, as /health is)."""
+        return JSONResponse({"version": app.version})
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -352,6 +358,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     return app
 
+
+
+def _version() -> str:
+    """The installed splitserve's version (a checkout run without installing has none)."""
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 async def _model_card(backend: Backend, name: str) -> dict[str, Any]:
     """A served name's card: the base model's, or a LoRA adapter's, whose parent is the base model (vLLM's)."""

@@ -553,6 +553,10 @@ class ResponseBody(BaseModel):
     user: str | None = None
 
 
+class VersionBody(BaseModel):
+    version: str
+
+
 class HealthBody(BaseModel):
     status: Literal["ok", "unavailable"]
     scheduler: str  # the Generation service's health: SERVING, NOT_SERVING, UNAVAILABLE, ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -173,6 +174,8 @@ def _post(gateway: Gateway, path: str, body, key: str | None = API_KEY, **kw) ->
 def test_health_and_models(gateway, oai, grpc_client):
     r = httpx.get(f"{gateway.url}/health", timeout=10)  # open without a key, for probes
     assert r.status_code == 200 and r.json()["scheduler"] == "SERVING"
+    r = httpx.get(f"{gateway.url}/version", timeout=10)  # vLLM's, open too
+    assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("splitserve")}
     info = grpc_client.model_info()
     (model,) = oai.models.list().data
     assert model.id == info["model"] and model.object == "model"
