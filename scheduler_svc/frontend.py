@@ -422,7 +422,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                           prompt_ids_due=request.return_prompt_token_ids))
             self._streams[s] = stream
         pending = set(subs)
-        submitted: set[str] = set()
+        reached = False  # the first completion reached an engine
         usage = api.Usage()
         # Metrics, per completion: tokens streamed, when its last message went out; the request's TTFT.
         metrics, itl = self.metrics, self.metrics.itl
@@ -437,7 +437,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             # With n > 1 the first completion computes the prompt; the others start once it has, on the same
             # group, and hit its cached blocks.
             where = (await self._submit(completions[0], hashes, context)).address
-            submitted.add(subs[0])
+            reached = True
             started_rest = parsed.n == 1
             while pending:
                 await stream.wait()
@@ -454,7 +454,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                         for c in completions[1:]:
                             await self._submit(c, hashes, context,
                                                prefer=completions[0].group or self.groups_by_address(where))
-                            submitted.add(c.sub_id)
                     for i, count, response in responses:
                         if response.finish_reason:
                             pending.discard(subs[i])
@@ -488,11 +487,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     self._abort(c)
             # Once the first completion reached an engine, every completion counts once: by its finish reason, or
             # as an abort (those of n > 1 that the call ended before they were submitted too).
-            aborted = len(pending) if submitted else 0
+            aborted = len(pending) if reached else 0
             if aborted:
                 self._finished["abort"].inc(aborted)
             elapsed = time.perf_counter() - started
-            if submitted:
+            if reached:
                 metrics.generation_tokens.inc(sum(streamed))
                 metrics.e2e.observe(elapsed)
             status = "cancelled" if pending else "done"
