@@ -238,7 +238,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/load_lora_adapter", responses=lora_answers)
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
         """vLLM's: loads a LoRA adapter on every worker (the scheduler's LoadLoraAdapter), served by its name as a
-        request's `model` from then on; 429 when a worker holds all the adapters it may (--max-cpu-loras)."""
+        request's `model` from then on; 429 when each adapter a worker holds in host memory (--max-cpu-loras) runs a
+        request, so that none can make room."""
         backend = backend_of(request)
         call = backend.client.load_lora_adapter(body.lora_name, body.lora_path, timeout=backend.config.rpc_timeout)
         return await adapter_answer(backend, call, f"Success: LoRA adapter '{body.lora_name}' added successfully.")

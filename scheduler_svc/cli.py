@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-resolver-dir", default=None,
                    help="a request naming a LoRA adapter that no worker serves has the workers load the folder of "
                         "that name in this directory first, where there is one (vLLM's filesystem resolver, "
-                        "VLLM_LORA_RESOLVER_CACHE_DIR); the workers need room for it (--max-cpu-loras)")
+                        "VLLM_LORA_RESOLVER_CACHE_DIR); it takes turns in the workers' host memory with the others")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
     g.add_argument("--worker-keepalive-time", type=float, default=10.0,

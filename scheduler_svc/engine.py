@@ -5,6 +5,7 @@ the same two halves over processes (engine_proc.py: the core; frontend.py: the t
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from scheduler_svc.sequence import Sequence
 from scheduler_svc.tokenizer import ModelTokenizer, load_tokenizer
 
 __all__ = ["EngineRequest", "LLMEngine", "RequestOutput"]
+
+log = logging.getLogger("splitserve.scheduler")
 
 
 @dataclass(slots=True)
@@ -140,6 +143,14 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         for seq in self.core.step():
             outputs.append(self._output(seq))
+        for name, why, seqs in self.scheduler.take_lost():
+            log.error("LoRA adapter %s could not be read again; its %d waiting request(s) end (reason abort): %s",
+                      name, len(seqs), why)
+            for seq in seqs:
+                text = self._by_seq[seq.seq_id].text
+                text.cached_tokens = seq.num_cached_tokens
+                outputs.append(RequestOutput(seq.request_id, [], "", True, "abort", usage=text.usage()))
+                self._forget(seq)
         return outputs
 
     def close(self) -> None:

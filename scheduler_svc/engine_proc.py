@@ -148,6 +148,8 @@ class EngineGroup:
                     self._wake.clear()
                     continue
                 self._send(out, self.core.step())
+                if self.scheduler.lost:
+                    self._send_lost(out)
                 if self.scheduler.adapters.outcomes:
                     for o in self.scheduler.adapters.take_outcomes():
                         self._adapter_done(out, o.ticket, o.code, o.error)
@@ -244,6 +246,24 @@ class EngineGroup:
         self.num_requests += 1
         out.send(ipc.frontend_name(f), ["ack", self.group_id, key, "", ""])
 
+    def _send_lost(self, out: ipc.Outboxes) -> None:
+        """LoRA adapters this group could not read again (Scheduler.lost): the requests that waited for one leave the
+        group (its front-ends continue them where another group serves the adapter, else end them with why), and
+        the supervisor learns that the group no longer serves it."""
+        for name, why, seqs in self.scheduler.take_lost():
+            log.warning("worker %s: LoRA adapter %s could not be read again, %d request(s) under it leave: %s",
+                        self.address, name, len(seqs), why, extra={"worker": self.address})
+            by_frontend: dict[int, list[int]] = {}
+            for seq in seqs:
+                owned = self._by_seq.pop(seq.seq_id, None)
+                if owned is not None:
+                    del self._owned[owned.frontend, owned.key]
+                    by_frontend.setdefault(owned.frontend, []).append(owned.key)
+            reason = f"LoRA adapter {name!r} could not be read again from its folder ({why})"
+            for f, keys in by_frontend.items():
+                out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), reason])
+            self._adapter_done(out, 0, "UNAVAILABLE", reason)
+
     def _move_out(self, out: ipc.Outboxes, waiting_only: bool = False) -> int:
         moved = self.core.move_out([o.seq for o in self._owned.values()], waiting_only)
         by_frontend: dict[int, list[int]] = {}
@@ -252,7 +272,7 @@ class EngineGroup:
             del self._owned[owned.frontend, owned.key]
             by_frontend.setdefault(owned.frontend, []).append(owned.key)
         for f, keys in by_frontend.items():
-            out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys)])
+            out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), ""])
         return len(moved)
 
     def _drained(self, out: ipc.Outboxes) -> bool:

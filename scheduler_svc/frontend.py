@@ -66,6 +66,7 @@ PUBLIC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                          ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
                          ("grpc.server_max_unrequested_time_in_server", MAX_UNTAKEN_S),
                          ("grpc.so_reuseport", 1)]
+NO_WORKER_LEFT = "its worker failed and no other worker is serving; retry the request"
 MAX_ADAPTER_NAME = 256  # characters of a LoRA adapter's name (the gateway's `model`)
 # what an engine's refusal of an add means for the client
 _REFUSED = {"full": grpc.StatusCode.RESOURCE_EXHAUSTED, "fit": grpc.StatusCode.INVALID_ARGUMENT}
@@ -79,7 +80,7 @@ class _Stream:
     loop's work."""
     interval: int = 1
     outputs: list[Completion] = field(default_factory=list)  # in the order their output came
-    failed: bool = False  # its request cannot continue anywhere: the call ends UNAVAILABLE
+    failed: str = ""  # why its request cannot continue anywhere: the call ends UNAVAILABLE with it
     due: bool = False  # an output calls for the call to wake
     waiter: asyncio.Future | None = None  # while the call waits
 
@@ -98,8 +99,8 @@ class _Stream:
         if first or due:
             self._wake()
 
-    def fail(self) -> None:
-        self.failed = True
+    def fail(self, why: str) -> None:
+        self.failed = why
         self._wake()
 
     def _wake(self) -> None:
@@ -262,9 +263,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if (c is not None and c.ack is not None and not c.ack.done() and c.group is not None
                     and c.group.group_id == gid):
                 c.ack.set_result((code, text))
-        elif op in ("moved", "down"):
-            if op == "down":
-                self.groups.pop(message[1], None)
+        elif op == "moved":  # [moved, group, keys, why they left ("": it drains)]
+            self._group_gone(message[1], list(ipc.unints(message[2])), message[3])
+        elif op == "down":
+            self.groups.pop(message[1], None)
             self._group_gone(message[1], list(ipc.unints(message[2])))
         elif op == "groups":
             self._table(message[1])
@@ -333,10 +335,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             c.move_to(None)
             c.stream.put(c, 1, True)
 
-    def _group_gone(self, group_id: int, keys: list[int]) -> None:
-        """These requests left group `group_id` unfinished (it failed, drained or its engine died): each one still
-        there continues elsewhere, or its add is answered as refused. One that has moved on already (the
-        supervisor's table and the engine's notice both report a group's loss, in either order) is left alone."""
+    def _group_gone(self, group_id: int, keys: list[int], why: str = "") -> None:
+        """These requests left group `group_id` unfinished (it failed, drained or its engine died, or it lost their
+        LoRA adapter: `why`): each one still there continues elsewhere, or its add is answered as refused. One that
+        has moved on already (the supervisor's table and the engine's notice both report a group's loss, in either
+        order) is left alone."""
         for key in keys:
             c = self.completions.get(key)
             if c is None or c.group is None or c.group.group_id != group_id:
@@ -345,11 +348,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 c.ack.set_result(("gone", f"worker {c.group.address} is gone"))
                 continue
             c.move_to(None)
-            asyncio.ensure_future(self._move(c))
+            asyncio.ensure_future(self._move(c, why))
 
-    async def _move(self, c: Completion) -> None:
+    async def _move(self, c: Completion, why: str = "") -> None:
         """Continues a completion whose group went, on the live group that costs least (its prompt plus the
-        tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE."""
+        tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE (and why)."""
         hashes = PromptHashes(c.token_ids(), c.params.hash_root)
         tried: set[int] = set()
         while c.key in self.completions:
@@ -358,7 +361,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 log.warning("request %s: no live worker left to continue it", c.sub_id,
                             extra={"request_id": c.sub_id})
                 self.completions.pop(c.key, None)
-                c.stream.fail()
+                c.stream.fail(f"{why}, and no other worker serves it" if why else NO_WORKER_LEFT)
                 return
             group = pick_group(groups, hashes, self.num_frontends)
             code, text = await self._add(c, group, hashes, force=True)
@@ -442,8 +445,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             while pending:
                 await stream.wait()
                 if stream.failed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        "its worker failed and no other worker is serving; retry the request")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.failed)
                 slot = await self.write_slots.take()  # given back by its hold time at the latest
                 try:
                     # All that arrived until now, the wait for a slot included: coalesced when the client or the
@@ -623,8 +625,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             while pending:
                 await stream.wait()
                 if stream.failed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        "its worker failed and no other worker is serving; retry the request")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.failed)
                 for c in stream.take():
                     pending.discard(c.index)
         finally:

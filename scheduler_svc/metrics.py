@@ -157,10 +157,11 @@ class _GroupCollector:
     @staticmethod
     def _counters(s) -> tuple[int, ...]:
         """Preemptions, blocks swapped out and in, blocks released behind a sliding window, LoRA adapters placed
-        into slots, prefix-hit tokens from the GPU and from the host."""
+        into slots and read again, prefix-hit tokens from the GPU and from the host."""
         bm = s.block_manager
         return (s.num_preemptions, bm.num_swapped_out, bm.num_swapped_in, s.num_released_blocks,
-                s.adapters.num_placements, s.num_prefix_hit_tokens - s.num_host_hit_tokens, s.num_host_hit_tokens)
+                s.adapters.num_placements, s.adapters.num_reloads, s.num_prefix_hit_tokens - s.num_host_hit_tokens,
+                s.num_host_hit_tokens)
 
     def collect(self):
         running = GaugeMetricFamily("splitserve:num_requests_running", "Sequences running", labels=["worker"])
@@ -193,8 +194,10 @@ class _GroupCollector:
                                           "waiting", labels=["worker", "lora", "state"])
         placed = CounterMetricFamily("splitserve:lora_slot_loads", "LoRA adapters copied into a device slot for "
                                      "a request (from the worker's host memory)", labels=["worker"])
+        reloaded = CounterMetricFamily("splitserve:lora_reloads", "LoRA adapters read again from their folders for a "
+                                       "request, after they made room in host memory for others", labels=["worker"])
         gauges = (running, waiting, used, free, usage, host_used, host_usage, hit, alive, loras)
-        counters = (preempt, swapped_out, swapped_in, released, placed)
+        counters = (preempt, swapped_out, swapped_in, released, placed, reloaded)
 
         def add_counters(address: str, values: tuple[int, ...]) -> None:
             for family, value in zip(counters, values):

@@ -86,6 +86,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.epoch = epoch
         self.adapters = adapters or Adapters([], [])
+        # (adapter, why, its sequences) for each LoRA adapter that could not be read again: the sequences that
+        # waited for it are finished (reason "abort"), for the caller to take and answer with why.
+        self.lost: list[tuple[str, str, list[Sequence]]] = []
         self.waiting: deque[Sequence] = deque()  # in arrival order
         self.running: list[Sequence] = []  # in arrival order; the last one is preempted first
         self._seqs: dict[int, Sequence] = {}  # every sequence not finished
@@ -185,6 +188,11 @@ class Scheduler:
             seq.finish_reason = "stop"
         else:
             self._finish(seq, "stop")
+
+    def take_lost(self) -> list[tuple[str, str, list[Sequence]]]:
+        """The LoRA adapters lost since the last call: (adapter, why, the sequences that were waiting for it)."""
+        lost, self.lost = self.lost, []
+        return lost
 
     def preempt(self, seq_id: int) -> bool:
         """Send a running sequence back to the waiting queue; it resumes through the prefix cache."""
@@ -440,9 +448,12 @@ class Scheduler:
             seq.num_computed_tokens = c + extra
             budget -= extra
 
-        unloads, loads, placed = self.adapters.take(step, self._runs_under) if self.adapters.pending else ((), (), ())
+        adapters = self.adapters.take(step, self._runs_under, {s.params.lora for s in running}) \
+            if self.adapters.pending else None
         if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in
-                or unloads or loads):
+                or adapters and (adapters.unloads or adapters.loads)):
+            if adapters and adapters.forget_kv:
+                bm.forget_free()
             return None
         # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
         bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, bs))
@@ -502,13 +513,14 @@ class Scheduler:
             for g, h in offload:
                 plan.offload_blocks.append(g)
                 plan.offload_host_blocks.append(h)
-        if unloads:  # KV computed under an adapter dies with it: nothing it left may be hit after a new load
-            bm.forget_free()
-        plan.unload_loras.extend(unloads)
-        for name, path in loads:
-            plan.load_loras.add(name=name, path=path)
-        for slot, name in placed:
-            plan.lora_slots.add(slot=slot, name=name)
+        if adapters is not None:
+            if adapters.forget_kv:  # KV computed under an adapter dies with it: nothing it left may be hit later
+                bm.forget_free()
+            plan.unload_loras.extend(adapters.unloads)
+            for name, path in adapters.loads:
+                plan.load_loras.add(name=name, path=path)
+            for slot, name in adapters.placements:
+                plan.lora_slots.add(slot=slot, name=name)
         self._in_flight.append(_InFlight(step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.
@@ -543,6 +555,11 @@ class Scheduler:
             )
         if self.adapters.pending:
             self.adapters.answered(step, result.failed_loras)
+            for name, why in self.adapters.take_lost():
+                seqs = [seq for seq in self._seqs.values() if seq.params.lora == name]
+                for seq in seqs:
+                    self._finish(seq, "abort")
+                self.lost.append((name, why, seqs))
         bs = self.block_size
         caching = self.config.enable_prefix_caching
         commit = self.block_manager.commit
@@ -662,6 +679,8 @@ class Scheduler:
         slots = [name for name in self.adapters.slots if name]
         assert len(set(slots)) == len(slots), "an adapter in two slots"
         assert all(s.params.lora in slots for s in self.running if s.params.lora), "running under no slot's adapter"
+        assert set(slots) <= self.adapters.held, "a slot's adapter is not in host memory"
+        assert len(self.adapters.held) <= self.adapters.capacity, "more adapters in host memory than it holds"
 
 
 def _arrival(seq: Sequence) -> int:

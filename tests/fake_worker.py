@@ -15,10 +15,10 @@ With a sliding window a step reads only the keys inside the window of its first 
 block (StepPlan.released_ids) that the window still covers shows up as a mismatch once it is reused.
 
 With LoRA slots (lora_slots, and lora_capacity adapters held) it loads, unloads and places adapters into slots as
-plans say (a path "bad" fails to load; a placement of an adapter it does not hold, or into a slot a held sequence
-runs under, is a violation), and a sequence's KV content chains from its adapter's load, so that a prefix hit on KV
-an earlier load of the same name computed shows up as a mismatch too (KV computed under the same load, whatever
-slots it went through, is still right).
+plans say (a path "bad" or one in `unreadable` fails to load; a placement of an adapter it does not hold, or into a
+slot a held sequence runs under, is a violation), and a sequence's KV content chains from its adapter's weights, one
+set per folder (path), so that a prefix hit on KV that other weights under the same name computed shows up as a
+mismatch too (KV computed under the same weights, whatever slots and loads they went through, is still right).
 
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
@@ -65,7 +65,7 @@ class _Tokens:
     token_ids: list[int]
     seed: int
     logprobs: int
-    root: int = 0  # its LoRA adapter's load (0: none)
+    root: int = 0  # its LoRA adapter's weights (0: none)
     keys: list[int] = field(default_factory=list)
 
     def key(self, position: int) -> int:
@@ -105,7 +105,9 @@ class FakeWorker:
         self.num_swapped = 0  # blocks copied either way
         self.lora_slots = lora_slots
         self.lora_capacity = max(lora_capacity, lora_slots)
-        self.loads: dict[str, int] = {}  # a loaded adapter's load, by name
+        self.loads: dict[str, int] = {}  # a loaded adapter's weights, by name
+        self.weights: dict[str, int] = {}  # the weights in each folder read so far
+        self.unreadable: set[str] = set()  # folders that fail to load (as "bad" does)
         self.num_loads = 0
         self.num_placements = 0
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
@@ -178,11 +180,12 @@ class FakeWorker:
             _check(name in self.loads, f"unload of {name!r}, which is not loaded")
             del self.loads[name]
         for adapter in plan.load_loras:
-            if adapter.path == "bad" or adapter.name in self.loads or len(self.loads) >= self.lora_capacity:
+            _check(len(self.loads) < self.lora_capacity, f"load of {adapter.name!r} beyond {self.lora_capacity}")
+            if adapter.path == "bad" or adapter.path in self.unreadable or adapter.name in self.loads:
                 result.failed_loras[adapter.name] = f"cannot load {adapter.name!r} from {adapter.path!r}"
                 continue
             self.num_loads += 1
-            self.loads[adapter.name] = self.num_loads
+            self.loads[adapter.name] = self.weights.setdefault(adapter.path, len(self.weights) + 1)
         for placed in plan.lora_slots:
             _check(placed.name in self.loads and placed.name not in result.failed_loras,
                    f"{placed.name!r} placed into a slot but not loaded")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,10 +203,10 @@ def test_adapters_it_cannot_serve_are_refused_by_name(tiny_model_dir, adapters, 
 
 
 def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_model_dir, adapters, reference):
-    """One slot (max_loras 1): an adapter loaded into it serves as one loaded at start; a second finds no slot until
-    the first is unloaded, and an unload asked for while a sequence runs under the adapter waits for it to end (its
-    tokens stay the adapter's) while new requests under it are refused at once; what the prefix cache held under an
-    adapter is gone with it."""
+    """One slot (max_loras 1) and room for one adapter in host memory: an adapter loaded into it serves as one
+    loaded at start; a second finds no room while a request runs under the first (RESOURCE_EXHAUSTED), and an
+    unload asked for while a sequence runs under the adapter waits for it to end (its tokens stay the adapter's)
+    while new requests under it are refused at once; what the prefix cache held under an adapter is gone with it."""
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
               max_loras=1, max_lora_rank=8)
 
@@ -216,19 +217,18 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
         generate("all")
     llm.load_lora("all", adapters["all"])
     assert generate("all") == reference["all"]
-    with pytest.raises(ValueError, match=r"the worker holds 1 LoRA adapters \(its --max-cpu-loras\)"):
-        llm.load_lora("qv", adapters["qv"])
     with pytest.raises(ValueError, match="'all' is loaded already"):
         llm.load_lora("all", adapters["all"])
     engine, adapters_of = llm.engine, llm.engine.scheduler.adapters
     engine.add(PROMPTS[0], _params("all"), "running")
     engine.step()
+    adapters_of.load("qv", adapters["qv"])  # only "all" could make room, and a request runs under it
     adapters_of.unload("all")
     with pytest.raises(ValueError, match="'all' is not served"):
         engine.add(PROMPTS[1], _params("all"), "late")
     done = _run(engine)
     assert done["running"][0] == reference["all"][0]
-    assert [(o.name, o.error) for o in adapters_of.take_outcomes()] == [("all", "")]
+    assert [(o.name, o.code) for o in adapters_of.take_outcomes()] == [("qv", "RESOURCE_EXHAUSTED"), ("all", "")]
     # other weights under the name: the prefixes "all" cached before are not hit
     llm.load_lora("all", adapters["qv"])
     again = llm.generate(PROMPTS, _params("all"), use_tqdm=False)
@@ -246,6 +246,43 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
     assert adapters_of.served == [] and not adapters_of.pending
     llm.load_lora("qv", adapters["qv"])  # the failed load left the slot free
     assert generate("qv") == reference["qv"]
+
+
+def test_more_adapters_than_host_memory_holds_are_read_again_when_asked_for(tiny_model_dir, adapters, reference,
+                                                                           tmp_path):
+    """Room for one adapter in host memory (max_cpu_loras 1), as vLLM's LRU cache of adapters: loading a second drops
+    the first, which a request under it then has read again from its folder, with the prefixes it cached still hit
+    (the same weights); one whose folder is gone by then ends its requests, and is no longer served."""
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
+              max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    adapters_of = llm.engine.scheduler.adapters
+
+    def generate(name: str) -> tuple[list[list[int]], list[int]]:
+        outs = llm.generate(PROMPTS, _params(name), use_tqdm=False)
+        return [o.token_ids for o in outs], [o.usage.cached_prompt_tokens for o in outs]
+
+    llm.load_lora("all", adapters["all"])
+    assert generate("all") == (reference["all"], [0, 0, 0])
+    llm.load_lora("qv", adapters["qv"])
+    assert adapters_of.served == ["all", "qv"] and adapters_of.held == {"qv"}
+    assert generate("qv")[0] == reference["qv"]
+    tokens, cached = generate("all")
+    assert tokens == reference["all"] and cached[0] == 32 and adapters_of.num_reloads == 1
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for f in adapters["all"].iterdir():
+        (gone / f.name).write_bytes(f.read_bytes())
+    llm.load_lora("gone", gone)
+    assert generate("qv")[0] == reference["qv"] and adapters_of.held == {"qv"}
+    for f in gone.iterdir():
+        f.unlink()
+    outs = llm.generate(PROMPTS, _params("gone"), use_tqdm=False)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [([], "abort")] * 3
+    assert "gone" not in adapters_of.served and not adapters_of.pending
+    with pytest.raises(ValueError, match="'gone' is not served"):
+        llm.generate(PROMPTS, _params("gone"), use_tqdm=False)
+    assert generate("all")[0] == reference["all"]
+    llm.engine.scheduler.block_manager.check([])
 
 
 def test_lora_modules_take_vllms_forms():
@@ -375,7 +412,6 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             assert complete("all") == reference["all"] and complete("") == reference[""]
             for name, path, code, text in (
                     ("all", adapters["all"], grpc.StatusCode.ALREADY_EXISTS, "'all' is loaded already"),
-                    ("qv", adapters["qv"], grpc.StatusCode.RESOURCE_EXHAUSTED, "holds 1 LoRA adapters"),
                     ("model", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
                     ("", adapters["qv"], grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be"),
                     ("x", "", grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name")):
@@ -401,8 +437,8 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             with pytest.raises(grpc.RpcError) as e:
                 c.complete("hi", max_tokens=2, lora="all")
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-            # another name is not held up by the unload: the busy worker's slot is still taken, so the load is
-            # refused at once, and unloaded again from the idle worker that took it
+            # another name is not held up by the unload: the busy worker's one adapter in host memory runs the
+            # request, so the load is refused at once, and unloaded again from the idle worker that took it
             with pytest.raises(grpc.RpcError) as e:
                 c.load_lora_adapter("qv", str(adapters["qv"]), timeout=20)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
@@ -439,18 +475,18 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             def post(path: str, **body) -> httpx.Response:
                 return httpx.post(f"{gateway.url}{path}", json=body, timeout=60)
 
-            full = post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"]))
-            assert full.status_code == 429, full.text  # the worker's one slot holds qv
-            assert post("/v1/unload_lora_adapter", lora_name="qv").text == \
-                "Success: LoRA adapter 'qv' removed successfully."
+            # the worker holds one adapter in host memory: qv makes room for "all", and is read again for a request
             answer = post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"]))
             assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'all' added successfully.")
             models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
-            assert [m["id"] for m in models] == ["model", "all"]
-            completion = post("/v1/completions", model="all", prompt=PROMPTS[2], max_tokens=MAX_NEW, temperature=0,
-                              ignore_eos=True).json()
-            assert completion["model"] == "all"
+            assert [m["id"] for m in models] == ["model", "qv", "all"]
+            for model in ("all", "qv"):
+                completion = post("/v1/completions", model=model, prompt=PROMPTS[2], max_tokens=MAX_NEW,
+                                  temperature=0, ignore_eos=True).json()
+                assert completion["model"] == model, completion
             assert post("/v1/load_lora_adapter", lora_name="all", lora_path=str(adapters["all"])).status_code == 409
+            assert post("/v1/unload_lora_adapter", lora_name="qv").text == \
+                "Success: LoRA adapter 'qv' removed successfully."
             assert post("/v1/unload_lora_adapter", lora_name="qv").status_code == 404
             unknown = post("/v1/completions", model="qv", prompt="a")
             assert unknown.status_code == 404, unknown.text
@@ -465,5 +501,20 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
         assert json.loads(splitserve("load-lora", "qv", str(adapters["qv"])).stdout) == ["qv"]
         refused = splitserve("unload-lora", "nope")
         assert refused.returncode != 0 and "NOT_FOUND" in refused.stderr and "'nope' is not loaded" in refused.stderr
+
+        # an adapter whose folder is gone by the time a request needs it read again: that request ends UNAVAILABLE,
+        # saying why, and the adapter is no longer served
+        copy = tmp_path / "copy"
+        shutil.copytree(adapters["all"], copy)
+        with Client(cluster.address, timeout=60) as c:
+            assert c.load_lora_adapter("copy", str(copy)) == ["qv", "copy"]  # qv makes room
+            assert complete("qv") == reference["qv"]  # read again: "copy" makes room
+            shutil.rmtree(copy)
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("hi", max_tokens=2, lora="copy")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and \
+                "LoRA adapter 'copy' could not be read again" in e.value.details(), e.value.details()
+            _wait_for(lambda: c.model_info()["lora_adapters"] == ["qv"])
+            assert sample(scrape(metrics_port), "splitserve:lora_reloads_total") >= 2  # qv twice
     finally:
         cluster.stop()

@@ -364,8 +364,8 @@ def test_stop_token_ids_and_ignore_eos():
 @pytest.mark.parametrize("host", [0, 8])
 def test_an_unloaded_adapter_leaves_no_kv_for_a_later_load_of_its_name(host):
     """A prompt cached under adapter "a" (in the GPU's free blocks, and on the host) is not hit by the same prompt
-    under a later load of "a": the fake worker's KV of the new load chains from that load, so such a hit would read
-    wrong KV; the unload waits for the sequence under "a" that still runs."""
+    under a later load of "a" from another folder: the fake worker's KV chains from the folder's weights, so such a
+    hit would read wrong KV; the unload waits for the sequence under "a" that still runs."""
     sched, worker = make(num_blocks=16, block_size=4, num_host_blocks=host, lora_slots=1)
     driver = Driver(sched, worker)
     prompt = list(range(1, 13))
@@ -381,7 +381,7 @@ def test_an_unloaded_adapter_leaves_no_kv_for_a_later_load_of_its_name(host):
     assert not any(p.unload_loras for p in driver.plans)  # "running" still runs under it
     driver.run()
     assert [list(p.unload_loras) for p in driver.plans if p.unload_loras] == [["a"]]
-    sched.adapters.load("a", "/a")
+    sched.adapters.load("a", "/a-v2")
     driver.run()
     again = seq(3, prompt, max_tokens=2, lora="a")
     sched.add(again)
@@ -420,6 +420,47 @@ def test_more_adapters_than_slots_take_turns_in_them():
     order = [p.name for plan in driver.plans for p in plan.lora_slots]
     assert order == ["a", "b", "a", "c", "a"] and worker.num_placements == 5
     assert sched.adapters.num_placements == 5
+    sched.block_manager.check([])
+
+
+def test_more_adapters_than_host_memory_holds_are_read_again_for_their_sequences():
+    """Room for one adapter in the worker's host memory (vLLM's LRU cache of max_cpu_loras): loading "b" drops "a",
+    still served; a sequence under "a" waits while "a" is read again from its folder in place of "b", and hits the
+    prefix "a" cached before (the same weights); a load while a sequence runs under the one adapter held is refused
+    (RESOURCE_EXHAUSTED); "b", its folder unreadable by the time a sequence needs it, is lost: that sequence ends
+    (reason "abort", in Scheduler.lost with why) and "b" is no longer served."""
+    sched, worker = make(num_blocks=32, block_size=4, lora_slots=1, lora_capacity=1)
+    driver = Driver(sched, worker)
+    prompt = list(range(1, 13))
+    sched.adapters.load("a", "/a")
+    driver.run()
+    first = seq(1, prompt, max_tokens=2, lora="a")
+    sched.add(first)
+    driver.run()
+    sched.adapters.load("b", "/b")
+    driver.run()
+    assert sched.adapters.served == ["a", "b"] and sched.adapters.held == {"b"} and sched.adapters.slots == [""]
+    assert [(list(p.unload_loras), [a.name for a in p.load_loras]) for p in driver.plans[-1:]] == [(["a"], ["b"])]
+    again = seq(2, prompt, max_tokens=30, lora="a")
+    sched.add(again)
+    driver.step()
+    assert not sched.running and sched.adapters.pending  # "a" is being read again
+    assert [(list(p.unload_loras), [(a.name, a.path) for a in p.load_loras]) for p in driver.plans[-1:]] == \
+        [(["b"], [("a", "/a")])]
+    while not sched.running:
+        driver.step()
+    sched.adapters.load("c", "/c")
+    driver.step()
+    outcomes = [(o.name, o.code) for o in sched.adapters.take_outcomes()]
+    assert outcomes == [("a", ""), ("b", ""), ("c", "RESOURCE_EXHAUSTED")]
+    driver.run()
+    assert again.num_cached_tokens == 8 and again.output_token_ids == expected_output(worker, again)[0]
+    worker.unreadable.add("/b")
+    lost = seq(3, prompt, max_tokens=2, lora="b")
+    sched.add(lost)
+    driver.run()
+    assert lost.finish_reason == "abort" and sched.take_lost() == [("b", "cannot load 'b' from '/b'", [lost])]
+    assert sched.adapters.served == ["a"] and sched.adapters.num_reloads == 2 and not sched.take_lost()
     sched.block_manager.check([])
 
 
@@ -647,7 +688,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched, self.worker = make(**self.shape)
         self.sched.block_manager.record_events = True
         self.mirror: set[int] = set()  # what a front-end's router knows of the group's cached blocks
-        self.swapped = self.host_hits = 0
+        self.swapped = self.host_hits = self.lost = 0
         self.depth = depth
         self.next_id = 1
         self.seqs: dict[int, Sequence] = {}
@@ -685,8 +726,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(["a", "b"]), bad=st.sampled_from([False, False, False, True]))
     def load_adapter(self, name, bad):
+        """Each load under a name reads another folder (other weights), so that KV an earlier load computed must
+        not be hit; one dropped for room is read again from its own folder, and its KV may be."""
+        self.folders = getattr(self, "folders", 0) + 1
         try:
-            self.sched.adapters.load(name, "bad" if bad else f"/adapters/{name}", ticket=bad)
+            self.sched.adapters.load(name, "bad" if bad else f"/adapters/{name}/{self.folders}", ticket=bad)
         except AdapterError:
             pass
 
@@ -708,8 +752,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def result(self):
         done = self.sched.update(self.worker.receive())
+        for name, why, seqs in self.sched.take_lost():  # its folder became unreadable while it was dropped for room
+            assert name not in self.sched.adapters.served and why
+            assert all(s.finish_reason == "abort" and s.params.lora == name for s in seqs)
+            self.lost += len(seqs)
         for outcome in self.sched.adapters.take_outcomes():
-            assert bool(outcome.error) == outcome.ticket, outcome  # only a bad path fails
+            # only a bad path fails, or a load while each adapter the worker holds runs a sequence
+            assert bool(outcome.error) == outcome.ticket or outcome.code == "RESOURCE_EXHAUSTED", outcome
         for s in done:
             want, reason = expected_output(self.worker, s)
             assert s.output_token_ids == want[: s.num_output_tokens]
@@ -747,7 +796,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.block_manager.record_events = True
         self.mirror = set()
         for name in old.adapters.served:
-            self.sched.adapters.load(name, f"/adapters/{name}")
+            self.sched.adapters.load(name, old.adapters.paths[name])
         while self.sched.adapters.pending:
             if (plan := self.sched.schedule()) is not None:
                 self.worker.submit(plan)
@@ -840,10 +889,18 @@ class AdapterMachine(SchedulerMachine):
     def add_under(self, name, prefix, max_tokens):
         self.add(prefix, 12, [], max_tokens, True, 0, None, name)
 
+    @rule(name=st.sampled_from(["a", "b", "c"]))
+    def break_folder(self, name):
+        """The adapter's folder can no longer be read: a sequence that waits for it to be read again is lost."""
+        if path := self.sched.adapters.paths.get(name):
+            self.worker.unreadable.add(path)
+
     def teardown(self):
         super().teardown()
         if hasattr(self, "sched"):
             event(f"adapters placed into slots: {min(self.worker.num_placements, 3)}")
+            event(f"adapters read again: {min(self.sched.adapters.num_reloads, 2)}")
+            event(f"sequences lost with their adapter: {self.lost > 0}")
 
 
 TestAdapterMachine = AdapterMachine.TestCase

@@ -279,9 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "moves the adapters requests need into them; every adapted step computes all slots' ranks "
                         "(default: as many as --lora-modules; 0 of them: no LoRA)")
     p.add_argument("--max-cpu-loras", type=_non_negative, default=0, metavar="N",
-                   help="LoRA adapters held in host memory, ready for a slot: --lora-modules and adapters loaded "
-                        "while serving (the scheduler's LoadLoraAdapter) (default: --max-loras or as many as "
-                        "--lora-modules, whichever is more)")
+                   help="LoRA adapters held in host memory, ready for a slot, of those served (--lora-modules and "
+                        "adapters loaded while serving): the scheduler drops the least recently used one for room and "
+                        "has it read again from its folder when a request needs it (default: --max-loras or as many "
+                        "as --lora-modules, whichever is more)")
     p.add_argument("--max-lora-rank", type=_non_negative, default=0, metavar="R",
                    help="the largest adapter rank a slot takes (default: 16, or the largest of --lora-modules)")
     p.add_argument("--hf-overrides", default="{}", metavar="JSON",

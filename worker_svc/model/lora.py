@@ -1,8 +1,9 @@
 """LoRA adapters served beside the base weights (vLLM's multi-LoRA): PEFT's layout (adapter_config.json,
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]),
 read into host memory at start (--lora-modules) or while serving (StepPlan.load_loras; at most --max-cpu-loras of
-them), and copied from there into the slots allocated at start (--max-loras, --max-lora-rank) as the scheduler
-places them (StepPlan.lora_slots): more adapters may be served than a step runs. An adapted projection adds
+them, the scheduler dropping one for room and having it read again as its requests need), and copied from there
+into the slots allocated at start (--max-loras, --max-lora-rank) as the scheduler places them (StepPlan.lora_slots):
+more adapters may be served than a step runs. An adapted projection adds
 (x A^T) B^T * scale for the tokens of the sequences that run under an adapter. Each projection keeps every slot's A
 and B side by side (R rows of A and R columns of B a slot, R the largest rank times the projection's packed parts: q,
 k and v of a packed qkv each have their own pair), sharded as the projection's weight is (B by output rows where the
@@ -112,6 +113,7 @@ class LoraSlots:
         self.capacity = max(capacity, slots)
         self.modules: dict[str, nn.Module] = {}
         self.registered: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # module -> A, B
+        self.folders: dict[str, str] = {}  # of the registered ones, where each was read from
         if not slots:
             return
         packed = getattr(model, "packed_modules", {})
@@ -149,10 +151,11 @@ class LoraSlots:
             _copy_shards(name, path, module, block, found)
             image[path] = (block.a, block.b)
         self.registered[name] = image
+        self.folders[name] = str(folder)
 
     def forget(self, name: str) -> None:
         """Drops the adapter from host memory (a slot that holds it is the caller's to clear)."""
-        del self.registered[name]
+        del self.registered[name], self.folders[name]
 
     @torch.no_grad()
     def place(self, slot: int, name: str) -> None:

@@ -445,6 +445,7 @@ class ModelRunner:
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
             embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
+            lora_paths=list(self.lora.folders.values()),
             max_loras=self.lora.slots, max_lora_rank=self.lora.max_rank if self.lora.slots else 0,
             max_cpu_loras=self.lora.capacity if self.lora.slots else 0, lora_slots=self.batch.lora_adapters,
             encoder=not self.model_config.causal,
