@@ -599,9 +599,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     arrived: float) -> list[Completion]:
         """Runs each input as a sequence that computes its prompt and samples nothing (max_tokens 0, pooled by
         `pooling`) and waits for all of them; their pooled rows come with their ends. Whatever did not end (the call
-        cancelled, failed or past its deadline) is aborted, so its blocks are freed now. Each input counts as a
-        request that finished ("stop") in the request metrics, with its prompt tokens and phases, as vLLM counts
-        pooling requests; the call's end-to-end latency is the request latency."""
+        cancelled, failed or past its deadline) is aborted, so its blocks are freed now. Each input that reached an
+        engine counts as a request in the request metrics, as vLLM counts pooling requests: one that finished
+        ("stop", with its prompt tokens and phases once the call succeeds), or an abort; the call's end-to-end
+        latency is the request latency."""
         subs = [f"{rid}#{i}" for i in range(len(parsed.inputs))]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
@@ -631,12 +632,15 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         finally:
             for c in completions:
                 self._streams.pop(c.sub_id, None)
-                if c.index in pending:
-                    self._abort(c)
+                if c.index not in pending:
+                    self._finished["stop"].inc()
+                    continue
+                if c.group is not None:  # queued on an engine (or on its way there): cut
+                    self._finished["abort"].inc()
+                self._abort(c)
         if any(c.pooled is None for c in completions):  # never from this project's workers
             await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
         for c in completions:
-            self._finished["stop"].inc()
             self.metrics.observe_end(c.text.usage(), arrived, 0.0, c.scheduled_at)
         elapsed = time.monotonic() - arrived
         self.metrics.e2e.observe(elapsed)

@@ -297,10 +297,15 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
     cancelled = client.generate(token_ids=_ids(R_PROMPT), max_tokens=R_TOKENS, ignore_eos=True)
     cancelled_seen = len(next(cancelled).token_ids)
     # n = 2 behind it (the pool fits one of them): its deadline passes while its first completion waits and before its
-    # second is submitted. Both count as aborts.
-    with pytest.raises(grpc.RpcError) as late:
-        client.complete(token_ids=_ids(W_PROMPT), max_tokens=W_TOKENS, n=2, timeout=1.0)
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # second is submitted. Both count as aborts, as do the two inputs of an embedding call queued beside it.
+    with ThreadPoolExecutor(1) as pool:
+        embedding = pool.submit(client.embed, [_ids(W_PROMPT), _ids(W_PROMPT)], timeout=1.0)
+        with pytest.raises(grpc.RpcError) as late:
+            client.complete(token_ids=_ids(W_PROMPT), max_tokens=W_TOKENS, n=2, timeout=1.0)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as late:
+            embedding.result()
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     cancelled.close()
     wait_for("every block free", lambda: all_idle(client), FREED_S)
     _log_entry(slow, "metrics-len-2")
@@ -311,7 +316,7 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
         return sample(after, name, **labels) - sample(before, name, **labels)
 
     by_reason = {r: delta("splitserve:request_success_total", finished_reason=r) for r in ("stop", "length", "abort")}
-    assert by_reason == {"stop": 1, "length": 4, "abort": 3}
+    assert by_reason == {"stop": 1, "length": 4, "abort": 5}
     assert delta("splitserve:request_rejected_total", status="INVALID_ARGUMENT") == 2
     seen_tokens = sum(len(tokens) for _, tokens, _ in finished)
     generated = delta("splitserve:generation_tokens_total")
