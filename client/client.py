@@ -331,7 +331,7 @@ def _classifications(response: pb.ClassifyResponse) -> Classifications:
 def _tokenize_request(
     text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
     tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
+    continue_final_message: bool = False, add_special_tokens: bool | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
@@ -339,9 +339,14 @@ def _tokenize_request(
         if enable_thinking is not None or chat_template_kwargs or continue_final_message:
             raise ValueError("enable_thinking, chat_template_kwargs and continue_final_message apply to chat "
                              "messages only")
-        return pb.TokenizeRequest(text=text)
+        return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
     return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs,
-                                                continue_final_message))
+                                                continue_final_message), add_special_tokens=add_special_tokens)
+
+
+def _tokenized(response: pb.TokenizeResponse, return_token_strs: bool) -> list[int] | tuple[list[int], list[str]]:
+    ids = list(response.token_ids)
+    return (ids, list(response.tokens)) if return_token_strs else ids
 
 
 def _logprobs(entries) -> list[TokenLogprob]:
@@ -514,11 +519,16 @@ class Client(_Connection):
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-                 timeout: float | None = None) -> list[int]:
+                 add_special_tokens: bool | None = None, return_token_strs: bool = False,
+                 timeout: float | None = None) -> list[int] | tuple[list[int], list[str]]:
+        """The prompt's token ids as a Generate call encodes it (the text's, or the messages' rendered by the chat
+        template); add_special_tokens: whether the tokenizer's own special tokens (BOS, EOS) are added to the text
+        or the rendered chat (default: to a text, not to a chat); return_token_strs: (ids, each id's token as the
+        vocabulary spells it) instead."""
         request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
-                                    continue_final_message)
+                                    continue_final_message, add_special_tokens)
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
-        return list(response.token_ids)
+        return _tokenized(response, return_token_strs)
 
     def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *, dimensions: int | None = None,
               normalize: bool | None = None, priority: int = 0, request_id: str = "",
@@ -638,11 +648,12 @@ class AsyncClient(_Connection):
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                        chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-                       timeout: float | None = None) -> list[int]:
+                       add_special_tokens: bool | None = None, return_token_strs: bool = False,
+                       timeout: float | None = None) -> list[int] | tuple[list[int], list[str]]:
         request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
-                                    continue_final_message)
+                                    continue_final_message, add_special_tokens)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
-        return list(response.token_ids)
+        return _tokenized(response, return_token_strs)
 
     async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                     dimensions: int | None = None, normalize: bool | None = None, priority: int = 0,

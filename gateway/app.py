@@ -187,23 +187,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-        """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call)."""
+        """vLLM's: the prompt's token ids as the scheduler encodes them (its Tokenize call), with each id's token
+        as the vocabulary spells it where return_token_strs asks."""
         backend = backend_of(request)
         await backend.resolve_model(body.model, may_load=False)
         try:
             if isinstance(body, TokenizeChatRequest):
                 plan = plan_tools(body.tools, None, None)
                 enable_thinking, kwargs = template_kwargs(body.chat_template_kwargs)
-                ids = await backend.client.tokenize(
+                ids, strs = await backend.client.tokenize(
                     messages=chat_messages(body.messages), enable_thinking=enable_thinking,
                     tools=plan.tools if plan else None, chat_template_kwargs=kwargs,
-                    continue_final_message=continues(body), timeout=backend.config.rpc_timeout)
+                    continue_final_message=continues(body), add_special_tokens=body.add_special_tokens,
+                    return_token_strs=True, timeout=backend.config.rpc_timeout)
             else:
-                ids = await backend.client.tokenize(body.prompt, timeout=backend.config.rpc_timeout)
+                ids, strs = await backend.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
+                                                          return_token_strs=True, timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
             raise from_grpc(e, prompt_param="messages" if isinstance(body, TokenizeChatRequest) else "prompt") from None
         info = await backend.model_info()
-        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids,
+                             "token_strs": strs if body.return_token_strs else None})
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses={
         **ERRORS, 501: {"model": ErrorBody, "description": "the gateway was started without --tokenizer"}})

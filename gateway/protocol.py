@@ -298,6 +298,8 @@ class TokenizeCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: NonEmpty
+    add_special_tokens: bool = True  # the tokenizer's own (BOS, EOS), as a completion's prompt has them
+    return_token_strs: bool | None = False
 
 
 class TokenizeChatRequest(BaseModel):
@@ -310,6 +312,8 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = None
+    add_special_tokens: bool = False  # the tokenizer's own (BOS, EOS) on top of what the template places
+    return_token_strs: bool | None = False
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -581,6 +585,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: each id's token as the vocabulary spells it
 
 
 class EmbeddingData(BaseModel):

@@ -670,11 +670,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
         try:
             limit = self.max_model_len if self.groups else 1 << 16
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else None
             if request.WhichOneof("prompt") == "text":
                 check_text_size(request.text, "text", max_prompt_bytes(limit))
-                ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+                ids = self.tokenizer.encode(request.text, add_special_tokens=special is not False)
             else:
-                ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size, limit)
+                ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size, limit, add_special_tokens=special)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.tokenizer.id_to_token(i) or ""

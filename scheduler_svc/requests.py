@@ -113,10 +113,12 @@ def kept_tokens(req: AnyRequest, most: int) -> int | None:
 
 
 def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: ModelTokenizer,
-               vocab_size: int, max_model_len: int | None = None, keep: int | None = None) -> list[int]:
+               vocab_size: int, max_model_len: int | None = None, keep: int | None = None,
+               add_special_tokens: bool | None = None) -> list[int]:
     """The prompt's token ids, its last `keep` only where that is given. With max_model_len, sizes are checked
     before any tokenizing: prompts that cannot fit fail cheaply, whatever their size (text within
-    max_prompt_bytes whether or not it is truncated after)."""
+    max_prompt_bytes whether or not it is truncated after). add_special_tokens: whether a text's or a rendered chat's
+    encoding adds the tokenizer's own (BOS, EOS); None: a text's does, a chat's does not (its template places them)."""
     kind = prompt.WhichOneof("prompt")
     max_bytes = max_prompt_bytes(max_model_len) if max_model_len else None
     if kind is None:
@@ -126,7 +128,7 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
             raise InvalidRequest("prompt.text must not be empty")
         if max_bytes:
             check_text_size(prompt.text, "prompt.text", max_bytes)
-        ids = tokenizer.encode(prompt.text)
+        ids = tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens is not False)
     elif kind == "token_ids":
         raw = prompt.token_ids.ids
         if max_model_len and len(raw) >= max_model_len and keep is None:
@@ -163,7 +165,7 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
             raise
         except Exception as e:  # the template's own checks (raise_exception) or a rendering error
             raise InvalidRequest(f"prompt.chat.messages: the chat template refused them: {e}") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
     if not ids:
         raise InvalidRequest(f"prompt.{kind} must encode to at least one token")
     return ids if keep is None else ids[-keep:]

@@ -121,7 +121,12 @@ def test_embeddings_equal_transformers_last_hidden_state(cluster, reference):
             states = reference(item)
             assert count == len(states)
             _close(vector, _normalized(states[-1]))
-        assert reference(TEXTS[0]).shape[0] == len(c.tokenize(TEXTS[0])) + 1  # the EOS the tokenizer appends
+        # the EOS the tokenizer appends: Tokenize encodes a text as Generate and Embed do, unless asked otherwise
+        ids_of_text, strs = c.tokenize(TEXTS[0], return_token_strs=True)
+        assert reference(TEXTS[0]).shape[0] == len(ids_of_text) == len(strs)
+        assert c.tokenize(TEXTS[0], add_special_tokens=False) == ids_of_text[:-1]
+        assert strs[-1] == "<|endoftext|>" and c.tokenize(messages=[{"role": "user", "content": TEXTS[0]}],
+                                                          add_special_tokens=True)[-1] == ids_of_text[-1]
         short = c.embed(TEXTS[0], dimensions=16).vectors[0]
         _close(short, _normalized(reference(TEXTS[0])[-1][:16]))
         raw = c.embed(ids[0], normalize=False).vectors[0]

@@ -273,7 +273,10 @@ def test_models_retrieve_tokenize_and_detokenize(gateway, oai, cluster):
         ids = c.tokenize("Hello there")
         chat_ids = c.tokenize(messages=MESSAGES)
     r = httpx.post(f"{gateway.url}/tokenize", json={"model": "model", "prompt": "Hello there"}, timeout=30).json()
-    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0 and r["token_strs"] is None
+    r = httpx.post(f"{gateway.url}/tokenize", json={"prompt": "Hello there", "return_token_strs": True,
+                                                     "add_special_tokens": False}, timeout=30).json()
+    assert r["tokens"] == ids and r["token_strs"] == ["Hello", "Ġthere"]
     r = httpx.post(f"{gateway.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
     assert r["tokens"] == chat_ids
     with Client(cluster.address, timeout=60) as c:  # the tools and template arguments a chat request gives
