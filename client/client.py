@@ -171,7 +171,8 @@ def build_request(
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
     structured: the output's constraint, one of {"json_schema": a schema (dict or JSON text)},
-    {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text}, with
+    {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text},
+    {"structural_tag": {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} (dict or JSON text)}, with
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
     free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
     prefixes are shared only between requests of the same salt. truncate_prompt_tokens: keep the prompt's last n
@@ -234,7 +235,7 @@ def build_request(
     return request
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
@@ -246,7 +247,7 @@ def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
         raise ValueError(f"structured takes exactly one of {', '.join(STRUCTURED_KINDS)} (and optionally reasoning), "
                          f"got {sorted(spec)}")
     (kind, value), = kinds.items()
-    if kind == "json_schema" and not isinstance(value, str):
+    if kind in ("json_schema", "structural_tag") and not isinstance(value, str):
         value = json.dumps(value)
     reasoning = spec.get("reasoning") or ""
     if kind == "choice":

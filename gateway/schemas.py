@@ -69,12 +69,20 @@ RESPONSE_FORMAT = {"anyOf": [
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
             "name": {"type": "string"}, "description": {"type": "string"},
             "schema": {"anyOf": [{"type": "object"}, {"const": True}]},
-            "strict": {"type": ["boolean", "null"]}}}}}]}
+            "strict": {"type": ["boolean", "null"]}}}}},
+    # vLLM's structural tag: free text in which a trigger opens a structure (its begin, JSON under its schema, its end)
+    {"type": "object", "required": ["type", "structures", "triggers"], "properties": {
+        "type": {"const": "structural_tag"},
+        "structures": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["begin", "end"], "properties": {
+                "begin": {"type": "string", "minLength": 1}, "end": {"type": "string"},
+                "schema": {"anyOf": [{"type": "object"}, {"const": True}]}}}},
+        "triggers": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}}}]}
 CHOICES = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}}
 STRUCTURED_OUTPUTS = {"type": "object", "maxProperties": 1, "properties": {
     "json": {"anyOf": [{"type": ["object", "boolean"]}, {"type": "string", "minLength": 1}]},
     "regex": {"type": "string", "minLength": 1}, "choice": CHOICES, "grammar": {"type": "string", "minLength": 1},
-    "json_object": {"type": "boolean"}}}
+    "json_object": {"type": "boolean"}, "structural_tag": {"type": "string", "minLength": 1}}}
 
 
 def response_event_schema() -> dict[str, Any]:

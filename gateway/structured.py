@@ -1,16 +1,17 @@
 """The output constraint of an OpenAI request, from whichever field names it: OpenAI's `response_format`
-(json_object, json_schema), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object) and its
-older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be given; the
-scheduler compiles it (scheduler_svc/structured.py) and names what does not."""
+(json_object, json_schema; vLLM's structural_tag), vLLM's `structured_outputs` (json, regex, choice, grammar,
+json_object, structural_tag) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At
+most one may be given; the scheduler compiles it (scheduler_svc/structured.py) and names what does not."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.errors import invalid
 
 # vLLM's structured_outputs keys -> the gRPC StructuredOutput kinds
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                       "json_object": "json_object"}
+                       "json_object": "json_object", "structural_tag": "structural_tag"}
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
@@ -28,7 +29,10 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
             raise invalid("response_format.json_schema.schema", "a json_schema response_format needs "
                                                                 "json_schema.schema, a JSON schema object")
         return {"json_schema": schema}
-    raise invalid("response_format", f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    if kind == "structural_tag":  # vLLM's: the scheduler checks the structures and triggers
+        return {"structural_tag": json.dumps({k: fmt.get(k) for k in ("structures", "triggers")})}
+    raise invalid("response_format", "response_format type must be text, json_object, json_schema or structural_tag, "
+                                     f"got {kind!r}")
 
 
 def _structured_outputs(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -64,7 +68,7 @@ def structured_of(body: Any) -> tuple[str, dict[str, Any]] | None:
     (kind, value), = spec.items()
     if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
         raise invalid(name, "a choice constraint is a list of strings")
-    if kind in ("regex", "grammar") and not isinstance(value, str):
+    if kind in ("regex", "grammar", "structural_tag") and not isinstance(value, str):
         raise invalid(name, f"a {kind} constraint is a string")
     if kind == "json_schema" and isinstance(value, bool):
         # JSON Schema's boolean schemas, which llguidance does not take: true admits any JSON value, as {} does.

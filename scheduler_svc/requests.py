@@ -316,7 +316,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
         cache_salt=req.cache_salt)
     try:
         if req.HasField("structured"):
-            params.grammar = grammar_of(req.structured)
+            params.grammar = grammar_of(req.structured, tokenizer.is_special)
             missing = [t for t in thinking_tokens(req.structured.reasoning) if not tokenizer.is_special(t)]
             if missing:
                 raise InvalidStructured("structured.reasoning", f"{req.structured.reasoning} needs the special tokens "

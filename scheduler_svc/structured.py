@@ -1,5 +1,5 @@
-"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, context-free grammar)
-compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence. For a
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, context-free grammar,
+structural tag) compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence. For a
 reasoning model the constraint may start after its thinking, which stays free (vLLM's structured outputs with a
 reasoning parser).
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 
 import llguidance
 
@@ -52,11 +53,13 @@ def thinking_tokens(reasoning: str) -> list[str]:
     return sorted(set(re.findall(r"<\|\w+\|>", _THINKING.get(reasoning, ""))))
 
 
-def grammar_of(structured: api.StructuredOutput) -> str:
-    """The llguidance grammar of a public StructuredOutput, or InvalidStructured naming its field."""
+def grammar_of(structured: api.StructuredOutput, is_special: Callable[[str], bool] = lambda token: False) -> str:
+    """The llguidance grammar of a public StructuredOutput, or InvalidStructured naming its field. is_special: whether
+    the model's tokenizer has a text as a special token (a structural tag's trigger)."""
     kind = structured.WhichOneof("kind")
     if kind is None:
-        raise InvalidStructured("structured", "must set one of json_schema, json_object, regex, choice, grammar")
+        raise InvalidStructured("structured", "must set one of json_schema, json_object, regex, choice, grammar, "
+                                              "structural_tag")
     if kind == "json_object":
         if not structured.json_object:
             raise InvalidStructured("structured.json_object", "must be true when it is the constraint")
@@ -66,6 +69,8 @@ def grammar_of(structured: api.StructuredOutput) -> str:
         if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
             raise InvalidStructured("structured.choice.choices", f"must hold 1 to {MAX_CHOICES} non-empty strings")
         grammar = compile_grammar("choice", json.dumps(choices))
+    elif kind == "structural_tag":
+        grammar = structural_tag_grammar(structured.structural_tag, is_special)
     else:
         grammar = compile_grammar(kind, getattr(structured, kind))
     return after_thinking(grammar, structured.reasoning) if structured.reasoning else grammar
@@ -85,6 +90,56 @@ def after_thinking(grammar: str, reasoning: str) -> str:
     if error:
         raise InvalidStructured("structured", f"does not compile after thinking: {error.strip()}")
     return wrapped
+
+
+def structural_tag_grammar(spec: str, is_special: Callable[[str], bool]) -> str:
+    """vLLM's structural tag (StructuredOutput.structural_tag) as llguidance's StructTag grammar: free text, each
+    structure's JSON (compact, as json_schema's) between its begin and end once its trigger appears."""
+    field = "structured.structural_tag"
+    if len(spec.encode()) > MAX_SPEC_BYTES:
+        raise InvalidStructured(field, f"must be at most {MAX_SPEC_BYTES} bytes")
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise InvalidStructured(field, f"must be valid JSON: {e}") from None
+    triggers = tag.get("triggers") if isinstance(tag, dict) else None
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise InvalidStructured(f"{field}.triggers", "must be a list of one or more non-empty strings")
+    tagged = {t for t in triggers if t.startswith("<") and t.endswith(">")}
+    special = {t for t in tagged if is_special(t)}
+    if special and special != tagged:
+        raise InvalidStructured(f"{field}.triggers", f"does not compile: {sorted(special)[0]} is a special token of "
+                                f"this model's tokenizer and {sorted(tagged - special)[0]} is not: give either kind")
+    return _structural_tag_grammar(spec, bool(special))
+
+
+@functools.lru_cache(maxsize=256)
+def _structural_tag_grammar(spec: str, assume_special: bool) -> str:
+    field = "structured.structural_tag"
+    tag = json.loads(spec)
+    triggers, structures = tag["triggers"], tag.get("structures")
+    if not (isinstance(structures, list) and structures):
+        raise InvalidStructured(f"{field}.structures", "must be a list of one or more structures")
+    tags = []
+    for i, s in enumerate(structures):
+        where = f"{field}.structures[{i}]"
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)):
+            raise InvalidStructured(where, "must be an object with begin and end strings and a schema")
+        schema = s.get("schema", {})
+        if schema is True:  # JSON Schema's boolean true: any value
+            schema = {}
+        if not isinstance(schema, dict):
+            raise InvalidStructured(f"{where}.schema", "must be a JSON object (a schema)")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise InvalidStructured(f"{where}.begin", "does not compile: it starts with none of the triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
+                                         grammar={**schema, "x-guidance": _JSON_OPTIONS}))
+    grammar = llguidance.StructTag.to_grammar(tags, assume_special=assume_special)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidStructured(field, f"does not compile: {error.strip()}")
+    return grammar
 
 
 @functools.lru_cache(maxsize=256)

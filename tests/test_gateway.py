@@ -625,6 +625,11 @@ SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the ga
     ("/tokenize", {"messages": [USER], "continue_final_message": True, "add_generation_prompt": True}, False),
     ("ChatCompletionRequest", {"messages": [USER], "response_format": {"type": "json_schema",
                                                                       "json_schema": {"name": "a"}}}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "response_format": {
+        "type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a"]}},
+     True),
+    ("ChatCompletionRequest", {"messages": [USER], "response_format": {
+        "type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}], "triggers": []}}, False),
     ("ResponsesRequest", {"input": "x"}, True),
     ("ResponsesRequest", {"input": [USER, {"type": "reasoning", "id": "rs_1"}], "store": False}, True),
     ("ResponsesRequest", {"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"}, True),

@@ -107,6 +107,24 @@ def test_json_object_is_an_object_on_chat_and_completions(oai, tiny_model_dir):
     assert json.loads(text) == {}
 
 
+def test_a_structural_tag_as_response_format_and_as_structured_outputs(oai, tiny_model_dir):
+    """vLLM's structural tag, either way: the text is free, and each call the model opens (a bias on <tool_call>) is
+    the structure, its arguments valid under the schema."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bergen"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tag = {"structures": [{"begin": '<tool_call>{"name": "get_weather", "arguments": ', "schema": schema,
+                           "end": "}</tool_call>"}], "triggers": ["<tool_call>"]}
+    trigger = transformers.AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("<tool_call>")
+    for extra in ({"response_format": {"type": "structural_tag", **tag}},
+                  {"structured_outputs": {"structural_tag": json.dumps(tag)}}):
+        text = oai.completions.create(model="model", prompt="Weather?", max_tokens=100, temperature=0.8, seed=3,
+                                      logit_bias={str(trigger): 30}, extra_body=extra).choices[0].text
+        calls = re.findall(r'<tool_call>\{"name": "get_weather", "arguments": (.*?)\}</tool_call>', text)
+        assert calls and text.count("<tool_call>") - len(calls) <= 1, text
+        for arguments in calls:
+            jsonschema.validate(json.loads(arguments), schema)
+
+
 def test_with_a_reasoning_parser_the_constraint_follows_the_thinking(cluster, tiny_model_dir, tmp_path_factory):
     """--reasoning-parser deepseek_r1: a chat answer thinks first, free (cut short here by a bias on </think>), then
     its content is valid under the response_format, whole and streamed; a completion is constrained from its start."""
@@ -217,6 +235,9 @@ def test_tool_messages_render_as_transformers_renders_them(cluster, tiny_model_d
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<b>", "end": ""}], "triggers": ["<a"]}},
+     "response_format"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

@@ -104,6 +104,17 @@ def test_free_requests_beside_constrained_ones_keep_their_greedy_tokens(cluster,
     ({"grammar": "start: undefined_rule"}, "structured.grammar"),
     ({"choice": []}, "structured.choice.choices"),
     ({"json_object": False}, "structured.json_object"),
+    ({"structural_tag": "{not json"}, "structured.structural_tag"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "end": ""}]}}, "structured.structural_tag.triggers"),
+    ({"structural_tag": {"structures": [], "triggers": ["<a"]}}, "structured.structural_tag.structures"),
+    ({"structural_tag": {"structures": [{"begin": "<b>", "end": ""}], "triggers": ["<a"]}},
+     "structured.structural_tag.structures[0].begin"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "schema": [], "end": ""}], "triggers": ["<a"]}},
+     "structured.structural_tag.structures[0].schema"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {"type": "nope"}, "end": ""}], "triggers": ["<a"]}},
+     "structured.structural_tag"),
+    ({"structural_tag": {"structures": [{"begin": "<|im_end|>", "end": ""}], "triggers": ["<|im_end|>", "<x>"]}},
+     "structured.structural_tag.triggers"),
 ])
 def test_a_constraint_that_does_not_compile_is_invalid_argument_naming_its_field(client, structured, field):
     with pytest.raises(grpc.RpcError) as e:
@@ -259,6 +270,45 @@ def test_a_reasoning_models_thinking_stays_free_and_the_constraint_follows_it(ti
     assert reads(thought + "\n\nSeven.")[0] is False  # after the thinking, only the constraint
     assert reads(thought + '\n\n{"n":7}</think>')[0] is False
     assert reads('{"n":7}') == ((True, True) if reasoning == "qwen3" else (True, False))  # r1 must close its thinking
+
+
+CALL = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"], "additionalProperties": False}
+CALL_TAG = {"structures": [{"begin": '<tool_call>{"name": "f", "arguments": ', "schema": CALL, "end": "}</tool_call>"}],
+            "triggers": ["<tool_call>"]}
+
+
+def test_a_structural_tags_text_is_free_until_a_trigger_and_its_structure_holds_after(tiny_model_dir):
+    """vLLM's structural tag: any text, in which the trigger (Qwen's <tool_call>, a token of its vocabulary that is
+    not special) opens the structure: the rest of its begin, compact JSON under its schema, its end; text again."""
+    new, tok = _thinking_matcher(tiny_model_dir, {"structural_tag": CALL_TAG})
+
+    def reads(text: str) -> tuple[bool, bool]:
+        m = new()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids), m.is_accepting()
+
+    call = '<tool_call>{"name": "f", "arguments": {"n":7,"ok":true}}</tool_call>'
+    assert reads("Let me {check} that.") == (True, True)
+    assert reads(f"Let me check.{call} And {call}, then done.") == (True, True)
+    assert reads(call[:-len("}</tool_call>")]) == (True, False)  # its end is due
+    assert reads('<tool_call>{"name": "g"')[0] is False
+    assert reads('<tool_call>{"name": "f", "arguments": {"n":700,"ok":true}')[0] is False
+    assert reads('<tool_call>{"name": "f", "arguments": {"n": 7')[0] is False  # compact, as json_schema's
+
+
+def test_a_structural_tag_through_the_services(client, tiny_model_dir):
+    """A bias on <tool_call> makes a random model open the structure now and then, free text between: every one it
+    completes is the structure, its JSON valid under the schema."""
+    from tokenizers import Tokenizer
+
+    trigger = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("<tool_call>")
+    for seed in range(3):
+        out, = client.complete("Call f:", structured={"structural_tag": CALL_TAG}, temperature=0.8, seed=seed,
+                               max_tokens=120, logit_bias={trigger: 30.0})
+        calls = re.findall(r'<tool_call>\{"name": "f", "arguments": (.*?)\}</tool_call>', out.text)
+        assert len(calls) >= 2 and out.text.count("<tool_call>") - len(calls) <= 1, out.text  # the last one cut
+        for arguments in calls:
+            jsonschema.validate(json.loads(arguments), CALL)
 
 
 def test_an_unknown_reasoning_is_invalid_argument_naming_it(client):
