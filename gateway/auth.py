@@ -1,4 +1,4 @@
-"""API keys of the HTTP API: a bearer token on every protected route."""
+"""API keys of the HTTP API: a bearer token on every route but the open ones."""
 from __future__ import annotations
 
 import hmac
@@ -8,18 +8,21 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
 
-PROTECTED = ("/v1", "/tokenize", "/detokenize")  # behind the API keys; /health stays open, for probes
+# Probes, the version, Prometheus and the API's own document stay open; every other route (the model's work: /v1,
+# /classify, /score, /rerank, /invocations, /tokenize, ...) is behind the API keys, whatever routes are added.
+OPEN = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                  "/redoc"})
 
 
 class APIKeys:
-    """Bearer-token check of the PROTECTED routes."""
+    """Bearer-token check of every route but the OPEN ones."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]):
         self.app = app
         self.keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN and scope["method"] != "OPTIONS":
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             token = token.strip()

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP server processes sharing the port, each with its own connection to the scheduler "
                         "(0: half the cores, $SPLITSERVE_CPUS or the affinity mask, 2 to 8)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accept `Authorization: Bearer KEY` on /v1 routes; repeat for several. Keys also "
+                   help="require `Authorization: Bearer KEY` on every route but /health, /ping, /version, /metrics "
+                        "and the API's document; repeat for several. Keys also "
                         f"come from ${API_KEY_ENV} (comma-separated) and --api-key-file. Without any, the "
                         "API is open")
     p.add_argument("--api-key-file", action="append", default=[], type=Path, metavar="PATH",
