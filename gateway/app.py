@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -150,6 +151,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.openapi = openapi
 
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthBody, include_in_schema=False)
     @app.get("/health", response_model=HealthBody,
              responses={503: {"model": HealthBody, "description": "the scheduler is not serving"}})
     async def health(request: Request) -> JSONResponse:
@@ -348,6 +350,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
         job = await chat_job(body, backend)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _run(request, backend, job, rid, model, body, chat=True)
+
+    invocations = ((ChatCompletionRequest, chat_completions), (CompletionRequest, completions),
+                   (EmbeddingRequest, embeddings), (ClassificationRequest, classify), (ScoreRequest, score),
+                   (RerankRequest, rerank))
+
+    @app.post("/invocations", responses=ERRORS, include_in_schema=False)
+    async def invoke(request: Request) -> Response:
+        """SageMaker's, as vLLM serves it: the body of any of `invocations`' routes, taken by the first it is valid
+        for."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise invalid(None, "the body must be JSON") from None
+        for kind, route in invocations:
+            try:
+                parsed = kind.model_validate(body)
+            except ValidationError:
+                continue
+            return await route(parsed, request)
+        raise invalid(None, "the body is none of a chat completion's, a completion's, an embedding's, a "
+                            "classification's, a score's or a rerank's request")
 
     @app.post("/v1/responses", response_model=ResponseBody, responses=ERRORS)
     async def responses(body: ResponsesRequest, request: Request) -> Response:

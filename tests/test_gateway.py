@@ -223,10 +223,30 @@ def test_api_key_required(gateway):
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
     assert httpx.get(f"{gateway.url}/v1/models", timeout=10).status_code == 401
-    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
-        assert httpx.post(f"{gateway.url}{path}", json=body, timeout=10).status_code == 401
+    # every route that runs the model or reads it is behind the keys, not only /v1's
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]}), ("/classify", {"input": "x"}),
+                       ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v2/rerank", {"query": "a", "documents": ["b"]}), ("/invocations", {"prompt": "x"})):
+        assert httpx.post(f"{gateway.url}{path}", json=body, timeout=10).status_code == 401, path
+    for path in ("/health", "/ping", "/version", "/metrics", "/openapi.json"):
+        assert httpx.get(f"{gateway.url}{path}", timeout=10).status_code == 200, path
     with gateway.openai("wrong-key") as bad, pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1)
+
+
+def test_sagemakers_ping_and_invocations(gateway):
+    """SageMaker's container routes, as vLLM serves them: /ping is /health (GET or POST); /invocations takes a chat
+    completion's, a completion's or an embedding's body, by what it is valid as, and refuses one that is none."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{gateway.url}/ping", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    assert _post(gateway, "/invocations", {"messages": MESSAGES, "max_tokens": 2}).json()["object"] == "chat.completion"
+    assert _post(gateway, "/invocations", {"prompt": "x", "max_tokens": 2}).json()["object"] == "text_completion"
+    embedded = _post(gateway, "/invocations", {"input": "x"}).json()
+    assert embedded["object"] == "list" and embedded["data"][0]["object"] == "embedding"
+    for body in ({"nothing": 1}, "not json"):
+        r = _post(gateway, "/invocations", body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
 def test_metrics_count_every_request_over_all_http_workers(gateway):
