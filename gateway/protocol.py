@@ -48,6 +48,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TruncatePromptTokens = Annotated[int | None, Field(ge=-1, le=MAX_INT32)]
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+# A bad word holds something besides whitespace (Python's, which counts \x1c-\x1f and \x85 too)
+BadWord = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_LEN, pattern=r"[^\s\x1c-\x1f\x85]")]
 Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer: OpenAI's newer name of system
 
 
@@ -98,7 +100,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
-    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = None

@@ -662,6 +662,8 @@ SCHEMA_BODIES = [  # (schema, body, taken); each refused one is a rule of the ga
     ("ResponsesRequest", {"input": "x", "include": []}, False),
     ("ResponsesRequest", {"input": "x", "tools": [{"type": "web_search"}]}, False),
     ("ResponsesRequest", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, False),
+    ("ChatCompletionRequest", {"messages": [USER], "bad_words": [" x "]}, True),
+    ("ChatCompletionRequest", {"messages": [USER], "bad_words": [" \x1c"]}, False),
     ("/tokenize", {"prompt": "x"}, True),
     ("/tokenize", {"messages": [USER]}, True),
     ("/tokenize", {}, False),

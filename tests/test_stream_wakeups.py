@@ -16,7 +16,7 @@ def completion() -> SimpleNamespace:
 def _wakes(stream: _Stream, c=None, finished: bool = False) -> bool:
     stream.due = False
     if c is None:
-        stream.fail()
+        stream.fail("its worker failed")
     else:
         stream.put(c, 1, finished)
     return stream.due
