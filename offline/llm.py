@@ -163,9 +163,10 @@ class LLM:
         return pair_scores(plan, self.embed(plan.inputs, use_tqdm=use_tqdm))
 
     def load_lora(self, name: str, path: str | Path) -> None:
-        """Loads the LoRA adapter in the PEFT folder `path` under `name`, which SamplingParams.lora then names.
-        ValueError where it cannot: a name in use, no room left (the options max_cpu_loras, max_loras), or what the
-        worker cannot read or serve."""
+        """Loads the LoRA adapter in the PEFT folder `path` under `name`, which SamplingParams.lora then names; where
+        max_cpu_loras adapters are held already, the least recently used one makes room (it is read again from its
+        folder when a request needs it). ValueError where it cannot: a name in use, or what the worker cannot read or
+        serve."""
         self._update_adapter(name, str(path))
 
     def unload_lora(self, name: str) -> None:
