@@ -348,13 +348,13 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 c.ack.set_result(("gone", f"worker {c.group.address} is gone"))
                 continue
             c.move_to(None)
-            asyncio.ensure_future(self._move(c, why))
+            asyncio.ensure_future(self._move(c, group_id, why))
 
-    async def _move(self, c: Completion, why: str = "") -> None:
+    async def _move(self, c: Completion, left: int, why: str = "") -> None:
         """Continues a completion whose group went, on the live group that costs least (its prompt plus the
         tokens received so far are recomputed there); with none left, its stream ends with UNAVAILABLE (and why)."""
         hashes = PromptHashes(c.token_ids(), c.params.hash_root)
-        tried: set[int] = set()
+        tried = {left}  # the group it left: gone, draining, or without its adapter now
         while c.key in self.completions:
             groups = self._candidates(c, tried)
             if not groups:

@@ -518,3 +518,32 @@ def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny
             assert sample(scrape(metrics_port), "splitserve:lora_reloads_total") >= 2  # qv twice
     finally:
         cluster.stop()
+
+
+def test_requests_under_an_adapter_one_worker_cannot_read_again_continue_on_another(tiny_model_dir, adapters,
+                                                                                   reference, tmp_path):
+    """Two workers serve "x" from folders of their own and hold one adapter in host memory: loading "qv" drops "x"
+    from both. The first worker's folder is then gone: requests under "x" routed to it find it cannot read "x" again,
+    leave it and finish on the other (x's tokens), and only the other serves "x" from then on."""
+    folders = {w: tmp_path / w for w in "ab"}
+    for folder in folders.values():
+        shutil.copytree(adapters["all"], folder)
+    cluster = LocalCluster(tiny_model_dir, num_workers=1, register=True, log_dir=tmp_path / "logs", worker_args=[
+        "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-loras", "1", "--max-lora-rank", "8",
+        "--lora-modules", f"x={folders['a']}"], scheduler_args=["--allow-runtime-lora-updating", "--metrics-port",
+                                                                str(metrics_port := free_port())]).start(180)
+    try:
+        cluster.start_worker(extra=["--lora-modules", f"x={folders['b']}"])
+        with Client(cluster.address, timeout=60) as c:
+            _wait_for(lambda: c.model_info()["num_workers"] == 2)
+            assert c.load_lora_adapter("qv", str(adapters["qv"])) == ["x", "qv"]
+            shutil.rmtree(folders["a"])
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:  # routed by load: both workers get some
+                got = list(pool.map(lambda p: c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0,
+                                                         ignore_eos=True, lora="x")[0].token_ids, PROMPTS * 2))
+            assert got == reference["all"] * 2 and sorted(c.model_info()["lora_adapters"]) == ["qv", "x"]
+        served = sorted(v for (name, _), v in scrape(metrics_port).items() if name == "splitserve:lora_adapters_loaded")
+        assert served == [1, 2]  # qv; x and qv
+        assert "LoRA adapter x could not be read again" in (cluster.log_dir / "scheduler.log").read_text()
+    finally:
+        cluster.stop()
