@@ -1,7 +1,7 @@
 """Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, context-free grammar,
-structural tag) compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the sequence. For a
-reasoning model the constraint may start after its thinking, which stays free (vLLM's structured outputs with a
-reasoning parser).
+structural tag) compiled into one llguidance grammar, checked here at the edge and sent to the worker once with the
+sequence. For a reasoning model the constraint may start after its thinking, which stays free (vLLM's structured
+outputs with a reasoning parser).
 
 The worker holds a matcher per sequence and masks the logits of each step it samples (worker_svc/runtime/
 grammar.py): it has every sampled token first, while the scheduler learns one only a pipeline depth later, so

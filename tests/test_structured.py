@@ -272,8 +272,8 @@ def test_a_reasoning_models_thinking_stays_free_and_the_constraint_follows_it(ti
     assert reads('{"n":7}') == ((True, True) if reasoning == "qwen3" else (True, False))  # r1 must close its thinking
 
 
-CALL = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
-        "required": ["n", "ok"], "additionalProperties": False}
+CALL = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
 CALL_TAG = {"structures": [{"begin": '<tool_call>{"name": "f", "arguments": ', "schema": CALL, "end": "}</tool_call>"}],
             "triggers": ["<tool_call>"]}
 
