@@ -664,7 +664,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,
                                       num_preemptions=g.preemptions, kv_cache_dtype=g.info.kv_cache_dtype,
                                       num_host_blocks=g.info.num_host_blocks,
-                                      sliding_window=g.info.sliding_window)
+                                      sliding_window=g.info.sliding_window, hidden_size=g.info.hidden_size,
+                                      embedding_only=g.info.embedding_only, lora_adapters=g.info.lora_adapters)
                      for g in self.groups.values()])
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:

@@ -137,6 +137,7 @@ def test_embeddings_equal_transformers_last_hidden_state(cluster, reference):
         info = c.model_info()
     worker = info["workers"][0]
     assert worker["free_blocks"] == worker["num_blocks"] == NUM_BLOCKS  # nothing left held
+    assert worker["hidden_size"] == len(got.vectors[0]) and worker["embedding_only"] is True  # no LM head
 
 
 def test_bad_embed_requests_name_their_field_and_generations_are_refused(cluster):

@@ -541,7 +541,9 @@ def test_requests_under_an_adapter_one_worker_cannot_read_again_continue_on_anot
             with concurrent.futures.ThreadPoolExecutor(4) as pool:  # routed by load: both workers get some
                 got = list(pool.map(lambda p: c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0,
                                                          ignore_eos=True, lora="x")[0].token_ids, PROMPTS * 2))
-            assert got == reference["all"] * 2 and sorted(c.model_info()["lora_adapters"]) == ["qv", "x"]
+            info = c.model_info()
+        assert got == reference["all"] * 2 and sorted(info["lora_adapters"]) == ["qv", "x"]
+        assert sorted(w["lora_adapters"] for w in info["workers"]) == [["qv"], ["x", "qv"]]
         served = sorted(v for (name, _), v in scrape(metrics_port).items() if name == "splitserve:lora_adapters_loaded")
         assert served == [1, 2]  # qv; x and qv
         assert "LoRA adapter x could not be read again" in (cluster.log_dir / "scheduler.log").read_text()
