@@ -127,6 +127,8 @@ class GenerateParams(TypedDict, total=False):
     cache_salt: str
     truncate_prompt_tokens: int | None
     return_prompt_token_ids: bool
+    use_beam_search: bool
+    length_penalty: float | None
 
 
 def build_request(
@@ -167,6 +169,8 @@ def build_request(
     cache_salt: str = "",
     truncate_prompt_tokens: int | None = None,
     return_prompt_token_ids: bool = False,
+    use_beam_search: bool = False,
+    length_penalty: float | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest in which only the arguments given (not None) are set; the server defaults the rest.
 
@@ -177,12 +181,14 @@ def build_request(
     free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
     prefixes are shared only between requests of the same salt. truncate_prompt_tokens: keep the prompt's last n
     tokens (-1: as many as the model takes). return_prompt_token_ids: each completion's first delta carries the
-    prompt's token ids (Delta.prompt_token_ids), as the scheduler encoded it."""
+    prompt's token ids (Delta.prompt_token_ids), as the scheduler encoded it. use_beam_search: the n best beams of a
+    beam search (GenerateRequest.use_beam_search), scored with length_penalty (default 1), each in one delta."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt,
                                  truncate_prompt_tokens=truncate_prompt_tokens,
-                                 return_prompt_token_ids=return_prompt_token_ids)
+                                 return_prompt_token_ids=return_prompt_token_ids, use_beam_search=use_beam_search,
+                                 length_penalty=length_penalty)
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:

@@ -54,7 +54,7 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "stop", "stop_token_ids", "allowed_token_ids", "bad_words",
                     "min_tokens", "n", "priority", "ignore_eos", "skip_special_tokens", "logit_bias", "dimensions",
-                    "truncate_prompt_tokens"}
+                    "truncate_prompt_tokens", "length_penalty", "include_stop_str_in_output"}
 _HEAD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 

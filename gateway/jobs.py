@@ -98,7 +98,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         logprobs=logprobs, n=body.n or 1, priority=body.priority or 0, cache_salt=body.cache_salt or "",
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         skip_special_tokens=body.skip_special_tokens, structured=_structured(body),
-        prompt_logprobs=body.prompt_logprobs)
+        prompt_logprobs=body.prompt_logprobs, use_beam_search=bool(body.use_beam_search),
+        length_penalty=body.length_penalty)
 
 
 def _answer(job: Job, body: CompletionRequest | ChatCompletionRequest) -> Job:

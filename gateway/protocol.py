@@ -110,6 +110,8 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's tokens (and top n)
     return_token_ids: bool | None = False  # the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
+    use_beam_search: bool | None = False  # the n best beams of a beam search, greedy (GenerateRequest's)
+    length_penalty: float | None = Field(None, ge=-MAX_FLOAT32, le=MAX_FLOAT32)  # a beam's score: logprob / len ** it
     # The output's constraint (gateway/structured.py): OpenAI's response_format, or vLLM's fields; at most one.
     response_format: dict[str, Any] | None = Field(None, **doc(RESPONSE_FORMAT))
     structured_outputs: dict[str, Any] | None = Field(None, **doc(STRUCTURED_OUTPUTS))

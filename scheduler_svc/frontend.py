@@ -14,6 +14,7 @@ stream ends with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,12 +36,13 @@ from common.util import run_loop
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
+from scheduler_svc.beam_search import beam_search
 from scheduler_svc.metrics import FrontendMetrics
 from scheduler_svc.output import OutputState, class_probs, embedding
 from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.registration import MembershipService
-from scheduler_svc.requests import (InvalidRequest, ParsedEmbed, check_text_size, max_prompt_bytes, parse_classify,
-                                    parse_embed, parse_generate, prompt_ids)
+from scheduler_svc.requests import (InvalidRequest, ParsedEmbed, ParsedRequest, check_text_size, max_prompt_bytes,
+                                    parse_classify, parse_embed, parse_generate, prompt_ids)
 from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
 from scheduler_svc.router import GroupInfo, GroupView, pick_group, serving
 from scheduler_svc.sampling import SamplingParams
@@ -413,6 +415,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         subs = [rid] if parsed.n == 1 else [f"{rid}#{i}" for i in range(parsed.n)]
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
+        if parsed.beam_search:
+            return await self._beam_search(rid, parsed, request.return_prompt_token_ids, context, arrived)
         hashes = PromptHashes(parsed.prompt_ids, parsed.params.hash_root)  # routing, and the sequences' prefix blocks
         interval = request.stream_interval if request.HasField("stream_interval") else 1
         stream = _Stream(interval=interval)
@@ -607,17 +611,39 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if any(s in self._streams for s in subs):
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is in use")
         params = SamplingParams(max_tokens=0, temperature=0.0, seed=0, pooling=pooling, lora=parsed.lora)
+        completions = self._completions(subs, parsed.inputs, params, parsed.priority)
+        await self._run_all(completions, context, counted=True)
+        if any(c.pooled is None for c in completions):  # never from this project's workers
+            await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
+        for c in completions:
+            self.metrics.observe_end(c.text.usage(), arrived, 0.0, c.scheduled_at)
+        elapsed = time.monotonic() - arrived
+        self.metrics.e2e.observe(elapsed)
+        tokens = sum(len(ids) for ids in parsed.inputs)
+        log.info("pooled %s: %d inputs, %d tokens, %.3f s", rid, len(completions), tokens, elapsed,
+                 extra={"request_id": rid, "prompt_tokens": tokens})
+        return completions
+
+    def _completions(self, subs: list[str], prompts: list[list[int]], params: SamplingParams,
+                     priority: int) -> list[Completion]:
+        """Completions of one call that run at once and are read when all have ended (_run_all), on one stream."""
         stream = _Stream(interval=0)
-        completions = [Completion(next(self._keys), sub, i, stream, ids, params, parsed.priority,
-                                  OutputState(sub, self.tokenizer.tokenizer, ids, len(ids), params))
-                       for i, (sub, ids) in enumerate(zip(subs, parsed.inputs))]
+        return [Completion(next(self._keys), sub, i, stream, ids, params, priority,
+                           OutputState(sub, self.tokenizer.tokenizer, ids, len(ids), params))
+                for i, (sub, ids) in enumerate(zip(subs, prompts))]
+
+    async def _run_all(self, completions: list[Completion], context: grpc.aio.ServicerContext, counted: bool) -> None:
+        """Submits the completions at once and waits until every one ended. Whatever did not end (the call cancelled,
+        failed or past its deadline) is aborted, so its blocks are freed now. counted: each one that reached an engine
+        counts as a request in the request metrics: one that finished ("stop"), or an abort."""
+        stream = completions[0].stream
         pending = set(range(len(completions)))
         for c in completions:
             self._streams[c.sub_id] = stream
         try:
             # All at once: one at a time, each waiting for its engine's answer, an engine's step would find few of
             # them queued. Every submission ends before the call goes on or fails, so the cleanup below finds each
-            # input where its submission left it.
+            # where its submission left it.
             submitted = await asyncio.gather(*(self._submit(c, PromptHashes(c.prompt_ids, c.params.hash_root), context)
                                                for c in completions), return_exceptions=True)
             for outcome in submitted:
@@ -632,22 +658,44 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         finally:
             for c in completions:
                 self._streams.pop(c.sub_id, None)
-                if c.index not in pending:
-                    self._finished["stop"].inc()
-                    continue
-                if c.group is not None:  # queued on an engine (or on its way there): cut
-                    self._finished["abort"].inc()
-                self._abort(c)
-        if any(c.pooled is None for c in completions):  # never from this project's workers
-            await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
-        for c in completions:
-            self.metrics.observe_end(c.text.usage(), arrived, 0.0, c.scheduled_at)
-        elapsed = time.monotonic() - arrived
-        self.metrics.e2e.observe(elapsed)
-        tokens = sum(len(ids) for ids in parsed.inputs)
-        log.info("pooled %s: %d inputs, %d tokens, %.3f s", rid, len(completions), tokens, elapsed,
-                 extra={"request_id": rid, "prompt_tokens": tokens})
-        return completions
+                ended = c.index not in pending
+                if counted and (ended or c.group is not None):  # a cut one queued on an engine (or on its way)
+                    self._finished["stop" if ended else "abort"].inc()
+                if not ended:
+                    self._abort(c)
+
+    async def _beam_search(self, rid: str, parsed: ParsedRequest, prompt_ids_due: bool,
+                           context: grpc.aio.ServicerContext, arrived: float) -> None:
+        """A beam search request (GenerateRequest.use_beam_search): each step's beams as one-token completions with
+        their top logprobs (beam_search.py), then the n best beams, each whole in one message, best first."""
+        p = parsed.params
+        step_params = SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True, lora=p.lora,
+                                     cache_salt=p.cache_salt)
+        steps = itertools.count()
+
+        async def next_tokens(prompts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            step = next(steps)
+            completions = self._completions([f"{rid}#beam{step}.{i}" for i in range(len(prompts))], prompts,
+                                            dataclasses.replace(step_params, logprobs=k), parsed.priority)
+            await self._run_all(completions, context, counted=False)
+            return [c.out_logprobs[0].top if c.out_logprobs else [] for c in completions]
+
+        beams = await beam_search(next_tokens, parsed.prompt_ids, parsed.n, p.max_tokens, self.tokenizer.eos_token_ids,
+                                  p.ignore_eos, parsed.length_penalty)
+        for i, beam in enumerate(beams):
+            self._finished[beam.finish_reason].inc()
+            r = api.GenerateResponse(request_id=rid, index=i, token_ids=beam.tokens, finish_reason=FINISH[
+                beam.finish_reason], text=self.tokenizer.decode(beam.tokens, skip_special_tokens=p.skip_special_tokens),
+                stop_reason=str(beam.stop_token) if beam.stop_token is not None else "")
+            r.usage.prompt_tokens, r.usage.completion_tokens = len(parsed.prompt_ids), len(beam.tokens)
+            if prompt_ids_due:
+                r.prompt_token_ids.extend(parsed.prompt_ids)
+            if not await write(context, r):
+                return
+        self.metrics.e2e.observe(time.monotonic() - arrived)
+        log.info("request %s: beam search, n=%d, prompt %d tokens, %d steps, %.3f s", rid, parsed.n,
+                 len(parsed.prompt_ids), next(steps), time.monotonic() - arrived,
+                 extra={"request_id": rid, "n": parsed.n, "prompt_tokens": len(parsed.prompt_ids)})
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()

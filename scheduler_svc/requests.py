@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import xxhash
 
 from common.model_files import TEMPLATE_ARGUMENTS
 from protos import splitserve_pb2 as api
-from scheduler_svc.sampling import InvalidParam, SamplingParams
+from scheduler_svc.sampling import MAX_LOGPROBS, InvalidParam, SamplingParams
 from scheduler_svc.structured import InvalidStructured, grammar_of, thinking_tokens
 from scheduler_svc.tokenizer import ModelTokenizer
 
@@ -44,6 +45,8 @@ class ParsedRequest:
     params: SamplingParams
     n: int
     priority: int
+    beam_search: bool = False  # the n best beams (beam_search.py) instead of n samples
+    length_penalty: float = 1.0  # a beam's score: its logprob over its length to this power
 
     def completion_params(self, index: int) -> SamplingParams:
         """The parameters of completion `index` of the n: each completion gets its own seed derived from the
@@ -343,4 +346,30 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
                              f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})")
     # Resolved here, once: a request moved to another worker samples the same.
     params.seed = params.resolved_seed()
-    return ParsedRequest(ids, params, n, req.priority)
+    if req.use_beam_search:
+        _check_beam_search(req, n)
+    elif req.HasField("length_penalty"):
+        raise InvalidRequest("length_penalty applies to beam search only (use_beam_search)")
+    return ParsedRequest(ids, params, n, req.priority, req.use_beam_search,
+                         req.length_penalty if req.HasField("length_penalty") else 1.0)
+
+
+def _check_beam_search(req: api.GenerateRequest, n: int) -> None:
+    """Beam search scores the model's own logprobs, greedily: nothing that samples, stops or constrains otherwise."""
+    s, st = req.sampling, req.stopping
+    given = [f"sampling.{f}" for f in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                                        "frequency_penalty") if s.HasField(f)]
+    given += [f"sampling.{f}" for f in ("logit_bias", "allowed_token_ids", "bad_words") if len(getattr(s, f))]
+    given += [f"stopping.{f}" for f in ("stop", "stop_token_ids") if len(getattr(st, f))]
+    given += ["sampling.temperature"] * (s.HasField("temperature") and s.temperature > 0)
+    given += ["stopping.min_tokens"] * (st.HasField("min_tokens") and st.min_tokens > 0)
+    given += ["stopping.include_stop_str_in_output"] * st.include_stop_str_in_output
+    given += [f for f in ("logprobs", "prompt_logprobs", "structured") if req.HasField(f)]
+    if given:
+        raise InvalidRequest(f"{given[0]} cannot be set with use_beam_search (beam search keeps the likeliest beams, "
+                             "greedily)")
+    if n > MAX_LOGPROBS // 2:
+        raise InvalidRequest(f"n must be at most {MAX_LOGPROBS // 2} with use_beam_search (each beam is extended by "
+                             f"its {2 * n} likeliest tokens), got {n}")
+    if not math.isfinite(req.length_penalty):
+        raise InvalidRequest("length_penalty must be a finite number")
