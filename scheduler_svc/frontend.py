@@ -680,8 +680,18 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._run_all(completions, context, counted=False)
             return [c.out_logprobs[0].top if c.out_logprobs else [] for c in completions]
 
-        beams = await beam_search(next_tokens, parsed.prompt_ids, parsed.n, p.max_tokens, self.tokenizer.eos_token_ids,
-                                  p.ignore_eos, parsed.length_penalty)
+        status = "cancelled"
+        try:
+            beams = await beam_search(next_tokens, parsed.prompt_ids, parsed.n, p.max_tokens,
+                                      self.tokenizer.eos_token_ids, p.ignore_eos, parsed.length_penalty)
+            status = "done"
+        finally:
+            if status == "cancelled":  # as a Generate call's completions that were cut
+                self._finished["abort"].inc(parsed.n)
+            log.info("request %s: beam search, n=%d, prompt %d tokens, %d steps, %s, %.3f s", rid, parsed.n,
+                     len(parsed.prompt_ids), next(steps), status, time.monotonic() - arrived,
+                     extra={"request_id": rid, "n": parsed.n, "prompt_tokens": len(parsed.prompt_ids),
+                            "status": status})
         for i, beam in enumerate(beams):
             self._finished[beam.finish_reason].inc()
             r = api.GenerateResponse(request_id=rid, index=i, token_ids=beam.tokens, finish_reason=FINISH[
@@ -693,9 +703,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if not await write(context, r):
                 return
         self.metrics.e2e.observe(time.monotonic() - arrived)
-        log.info("request %s: beam search, n=%d, prompt %d tokens, %d steps, %.3f s", rid, parsed.n,
-                 len(parsed.prompt_ids), next(steps), time.monotonic() - arrived,
-                 extra={"request_id": rid, "n": parsed.n, "prompt_tokens": len(parsed.prompt_ids)})
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
         groups = self.live_groups()

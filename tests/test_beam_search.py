@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import httpx
@@ -73,7 +74,9 @@ def _reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    c = LocalCluster(tiny_model_dir, worker_args=["--num-blocks", "256", "--max-num-seqs", "16"],
+    # steps slowed to 10 ms: a search of 60 steps outlives a deadline of 0.3 s
+    c = LocalCluster(tiny_model_dir, worker_args=["--num-blocks", "256", "--max-num-seqs", "16",
+                                                  "--debug-step-delay", "0.01"],
                      log_dir=tmp_path_factory.mktemp("beam-logs")).start(timeout=180)
     yield c
     c.stop()
@@ -90,8 +93,13 @@ def test_beams_through_the_services_equal_the_search_over_transformers_logprobs(
                 assert all(g.finish_reason == "length" and g.usage.completion_tokens == 5 for g in got)
         greedy, = c.complete(token_ids=PROMPTS[0], max_tokens=5, temperature=0.0)
         assert greedy.token_ids == _reference(hf, PROMPTS[0], 1, 5, eos)[0]  # one beam is greedy decoding
-        info = c.model_info()
-    assert all(w["free_blocks"] == w["num_blocks"] for w in info["workers"])  # every step's blocks came back
+        with pytest.raises(grpc.RpcError) as e:  # cut mid-search: the step in flight is aborted, its blocks freed
+            c.complete(token_ids=PROMPTS[2], max_tokens=60, n=4, use_beam_search=True, timeout=0.3)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 30
+        while any(w["free_blocks"] != w["num_blocks"] for w in c.model_info()["workers"]):
+            assert time.monotonic() < deadline, "a beam's blocks stayed held"
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kwargs,field", [
