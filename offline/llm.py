@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -16,12 +17,13 @@ from client.scores import cross_encoder_pairs, pair_scores, score_plan
 from common import model_files
 from common.usage import Usage
 from offline.executor import InProcessExecutor
+from scheduler_svc.beam_search import beam_search
 from scheduler_svc.config import config_from_options
 from scheduler_svc.engine import LLMEngine
 from scheduler_svc.output import class_probs, embedding
 from scheduler_svc.requests import InvalidRequest, prompt_ids
 from scheduler_svc.executor import Executor
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sampling import MAX_LOGPROBS, SamplingParams
 from scheduler_svc.sequence import TokenLogprob
 
 
@@ -34,6 +36,14 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked (prompt_logprobs)
     pooled: list[float] | None = None  # an embedding request's (SamplingParams.pooling) pooled row
+
+
+@dataclass
+class BeamOutput:
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float  # summed over token_ids (and the EOS that ended it, if one did)
+    finish_reason: str  # "stop" (an EOS) or "length"
 
 
 class LLM:
@@ -103,6 +113,30 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in order]
+
+    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], beam_width: int, max_tokens: int, *,
+                    ignore_eos: bool = False, length_penalty: float = 1.0, lora: str = "") -> list[list[BeamOutput]]:
+        """vLLM's LLM.beam_search: for each prompt, the beam_width best beams of a beam search (as the Generate call's
+        use_beam_search: scheduler_svc/beam_search.py), best first. The prompts are searched one after another,
+        each step's beams in one batch."""
+        if not 1 <= beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be in [1, {MAX_LOGPROBS // 2}], got {beam_width}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tokenizer = self.engine.tokenizer
+        step = SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True, logprobs=2 * beam_width,
+                              lora=lora)
+
+        async def next_tokens(step_prompts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            return [o.logprobs[0].top or [] for o in self.generate(step_prompts, step, use_tqdm=False)]
+
+        out = []
+        for prompt in prompts:
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            beams = asyncio.run(beam_search(next_tokens, ids, beam_width, max_tokens, tokenizer.eos_token_ids,
+                                            ignore_eos, length_penalty))
+            out.append([BeamOutput(tokenizer.decode(b.tokens), b.tokens, b.logprob, b.finish_reason) for b in beams])
+        return out
 
     def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True, *,
