@@ -19,6 +19,11 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
 
 
+class NotServedHere(ValueError):
+    """The sequence's LoRA adapter is not served by this group (unloaded or lost since the caller routed it there):
+    another group may serve it."""
+
+
 class EngineCore:
     def __init__(self, executor: Executor, config: SchedulerConfig, eos_token_ids: Iterable[int],
                  scheduler_id: str = "engine"):
@@ -60,7 +65,7 @@ class EngineCore:
         once already). block_hashes: of its tokens' full blocks, when the caller has them (routing). Raises
         ValueError when it does not fit the worker, QueueFullError."""
         if params.lora and params.lora not in self.scheduler.adapters.served:
-            raise ValueError(f"LoRA adapter {params.lora!r} is not served by this worker")
+            raise NotServedHere(f"LoRA adapter {params.lora!r} is not served by this worker")
         if self.worker_info.embedding_only and not params.pooling:
             raise ValueError("this model has no LM head: it serves embeddings or classifications (Embed, Classify; "
                              "the gateway's /v1/embeddings, /classify), not generations")

@@ -25,7 +25,7 @@ import zmq
 from scheduler_svc import ipc
 from scheduler_svc.adapters import AdapterError
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.engine_core import EngineCore, NotServedHere
 from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig, WorkerUnavailable
 from scheduler_svc.metrics import EngineMetrics
 from scheduler_svc.sampling import SamplingParams
@@ -236,7 +236,7 @@ class EngineGroup:
         except QueueFullError as e:
             out.send(ipc.frontend_name(f), ["ack", self.group_id, key, "full", str(e)])
             return
-        except WorkerUnavailable as e:
+        except (WorkerUnavailable, NotServedHere) as e:  # another group may take it
             out.send(ipc.frontend_name(f), ["ack", self.group_id, key, "gone", str(e)])
             return
         except ValueError as e:

@@ -521,7 +521,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             groups = self._candidates(c, tried)
             if not groups:
                 self.completions.pop(c.key, None)
-                if c.params.lora and not tried and self.live_groups():  # unloaded since the request was checked
+                if c.params.lora and self.live_groups():  # none serves it: unloaded or lost since it was checked
                     await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"lora {c.params.lora!r} is "
                                        "not served")
                 await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
@@ -533,7 +533,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 self.completions.pop(c.key, None)
                 c.move_to(None)
                 await self._reject(context, _REFUSED[code], text)
-            tried.add(group.group_id)  # gone meanwhile: pick again
+            tried.add(group.group_id)  # gone meanwhile, or without its adapter now: pick again
 
     def _abort(self, c: Completion) -> None:
         self.completions.pop(c.key, None)

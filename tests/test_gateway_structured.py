@@ -265,7 +265,7 @@ def test_parallel_calls_come_back_in_order_with_the_content_before_them(oai):
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me check."
 
 
-@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "use_beam_search"),
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "mm_processor_kwargs"),
                                         ("/v1/chat/completions", "documents"),
                                         ("/v1/chat/completions", "web_search_options"),
                                         ("/v1/completions", "best_of_n_made_up")])
