@@ -253,27 +253,26 @@ class EngineGroup:
         for name, why, seqs in self.scheduler.take_lost():
             log.warning("worker %s: LoRA adapter %s could not be read again, %d request(s) under it leave: %s",
                         self.address, name, len(seqs), why, extra={"worker": self.address})
-            by_frontend: dict[int, list[int]] = {}
-            for seq in seqs:
-                owned = self._by_seq.pop(seq.seq_id, None)
-                if owned is not None:
-                    del self._owned[owned.frontend, owned.key]
-                    by_frontend.setdefault(owned.frontend, []).append(owned.key)
             reason = f"LoRA adapter {name!r} could not be read again from its folder ({why})"
-            for f, keys in by_frontend.items():
-                out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), reason])
+            self._leave(out, seqs, reason)
             self._adapter_done(out, 0, "UNAVAILABLE", reason)
 
     def _move_out(self, out: ipc.Outboxes, waiting_only: bool = False) -> int:
         moved = self.core.move_out([o.seq for o in self._owned.values()], waiting_only)
-        by_frontend: dict[int, list[int]] = {}
-        for seq in moved:
-            owned = self._by_seq.pop(seq.seq_id)
-            del self._owned[owned.frontend, owned.key]
-            by_frontend.setdefault(owned.frontend, []).append(owned.key)
-        for f, keys in by_frontend.items():
-            out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), ""])
+        self._leave(out, moved, "")
         return len(moved)
+
+    def _leave(self, out: ipc.Outboxes, seqs: list[Sequence], why: str) -> None:
+        """These sequences, out of the scheduler already, leave the group: each front-end is told which of its
+        requests to continue elsewhere ("moved", with why; "": the group drains)."""
+        by_frontend: dict[int, list[int]] = {}
+        for seq in seqs:
+            owned = self._by_seq.pop(seq.seq_id, None)
+            if owned is not None:
+                del self._owned[owned.frontend, owned.key]
+                by_frontend.setdefault(owned.frontend, []).append(owned.key)
+        for f, keys in by_frontend.items():
+            out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), why])
 
     def _drained(self, out: ipc.Outboxes) -> bool:
         """While draining: once nothing runs here, or the grace period is over, moves the rest out, closes the
