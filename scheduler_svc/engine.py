@@ -93,9 +93,7 @@ class LLMEngine:
         if req is None:
             return False
         self.core.abort(req.seq)
-        req.text.cached_tokens = req.seq.num_cached_tokens
-        self._aborted.append(RequestOutput(request_id, [], "", True, "abort", usage=req.text.usage()))
-        self._forget(req.seq)
+        self._aborted.append(self._abort_output(req.seq))
         return True
 
     def unfinished_request_ids(self) -> list[str]:
@@ -146,11 +144,7 @@ class LLMEngine:
         for name, why, seqs in self.scheduler.take_lost():
             log.error("LoRA adapter %s could not be read again; its %d waiting request(s) end (reason abort): %s",
                       name, len(seqs), why)
-            for seq in seqs:
-                text = self._by_seq[seq.seq_id].text
-                text.cached_tokens = seq.num_cached_tokens
-                outputs.append(RequestOutput(seq.request_id, [], "", True, "abort", usage=text.usage()))
-                self._forget(seq)
+            outputs += [self._abort_output(seq) for seq in seqs]
         return outputs
 
     def close(self) -> None:
@@ -169,6 +163,13 @@ class LLMEngine:
         if out.finished:
             self._forget(seq)
         return out
+
+    def _abort_output(self, seq: Sequence) -> RequestOutput:
+        """The final output of a request ended out of turn (reason "abort"); the engine forgets it."""
+        text = self._by_seq[seq.seq_id].text
+        text.cached_tokens = seq.num_cached_tokens
+        self._forget(seq)
+        return RequestOutput(seq.request_id, [], "", True, "abort", usage=text.usage())
 
     def _forget(self, seq: Sequence) -> None:
         del self._requests[seq.request_id]
