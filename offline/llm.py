@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,39 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked (prompt_logprobs)
     pooled: list[float] | None = None  # an embedding request's (SamplingParams.pooling) pooled row
+
+
+class _Lockstep:
+    """Joins the steps of concurrent beam searches into one generate call: a search's next_tokens waits until every
+    search still running has asked for its step."""
+
+    def __init__(self, next_tokens: Callable[[list[list[int]]], list[list[tuple[int, float]]]], searches: int):
+        self._next_tokens, self._running = next_tokens, searches
+        self._asked: list[tuple[list[list[int]], asyncio.Future]] = []
+
+    async def next_tokens(self, prompts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+        asked = asyncio.get_running_loop().create_future()
+        self._asked.append((prompts, asked))
+        self._step()
+        return await asked
+
+    def leave(self) -> None:
+        self._running -= 1
+        self._step()
+
+    def _step(self) -> None:
+        if not self._asked or len(self._asked) < self._running:
+            return
+        asked, self._asked = self._asked, []
+        try:
+            tops = self._next_tokens([p for prompts, _ in asked for p in prompts])
+        except Exception as e:
+            for _, future in asked:
+                future.set_exception(e)
+            return
+        for prompts, future in asked:
+            future.set_result(tops[:len(prompts)])
+            tops = tops[len(prompts):]
 
 
 @dataclass
@@ -117,8 +150,8 @@ class LLM:
     def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], beam_width: int, max_tokens: int, *,
                     ignore_eos: bool = False, length_penalty: float = 1.0, lora: str = "") -> list[list[BeamOutput]]:
         """vLLM's LLM.beam_search: for each prompt, the beam_width best beams of a beam search (as the Generate call's
-        use_beam_search: scheduler_svc/beam_search.py), best first. The prompts are searched one after another,
-        each step's beams in one batch."""
+        use_beam_search: scheduler_svc/beam_search.py), best first. The prompts are searched in lockstep: each step's
+        beams of every prompt still searching in one batch."""
         if not 1 <= beam_width <= MAX_LOGPROBS // 2:
             raise ValueError(f"beam_width must be in [1, {MAX_LOGPROBS // 2}], got {beam_width}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -127,16 +160,23 @@ class LLM:
         step = SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True, logprobs=2 * beam_width,
                               lora=lora)
 
-        async def next_tokens(step_prompts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+        def next_tokens(step_prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
             return [o.logprobs[0].top or [] for o in self.generate(step_prompts, step, use_tqdm=False)]
 
-        out = []
-        for prompt in prompts:
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            beams = asyncio.run(beam_search(next_tokens, ids, beam_width, max_tokens, tokenizer.eos_token_ids,
-                                            ignore_eos, length_penalty))
-            out.append([BeamOutput(tokenizer.decode(b.tokens), b.tokens, b.logprob, b.finish_reason) for b in beams])
-        return out
+        async def search(ids: list[int], steps: _Lockstep) -> list[BeamOutput]:
+            try:
+                beams = await beam_search(steps.next_tokens, ids, beam_width, max_tokens, tokenizer.eos_token_ids,
+                                          ignore_eos, length_penalty)
+            finally:
+                steps.leave()
+            return [BeamOutput(tokenizer.decode(b.tokens), b.tokens, b.logprob, b.finish_reason) for b in beams]
+
+        async def search_all() -> list[list[BeamOutput]]:
+            steps = _Lockstep(next_tokens, len(prompts))
+            ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            return list(await asyncio.gather(*(search(i, steps) for i in ids)))
+
+        return asyncio.run(search_all())
 
     def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True, *,

@@ -134,14 +134,21 @@ def test_the_gateways_use_beam_search(cluster, tmp_path):
 
 
 def test_the_offline_llms_beam_search(tiny_model_dir):
-    """LLM.beam_search (vLLM's): the same beams as the search over transformers' logprobs, for each prompt."""
+    """LLM.beam_search (vLLM's): the same beams as the search over transformers' logprobs, for each prompt, the prompts
+    searched in lockstep."""
     from offline.llm import LLM
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16) as llm:
         eos = set(llm.engine.tokenizer.eos_token_ids)
+        batches = []
+        generate = llm.generate
+        llm.generate = lambda prompts, *a, **k: batches.append(len(prompts)) or generate(prompts, *a, **k)
         out = llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=4)
+        assert batches[0] == 2 and len(batches) == 4  # the prompts in lockstep: one batch a step for both
         assert [[b.token_ids for b in beams] for beams in out] == [_reference(hf, p, 2, 4, eos) for p in PROMPTS[:2]]
         assert out[0][0].cumulative_logprob >= out[0][1].cumulative_logprob and out[0][0].finish_reason == "length"
         with pytest.raises(ValueError, match="beam_width must be in"):
             llm.beam_search(PROMPTS[0], beam_width=11, max_tokens=2)
+        with pytest.raises(ValueError, match="not served"):  # a step that fails ends every search of the batch
+            llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=2, lora="no-such-adapter")
