@@ -5,9 +5,11 @@
 # Then: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 set -euo pipefail
 mkdir -p /tmp/fa4
-if [ -d .fa4/b ]; then
+WHEEL=/tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+# an earlier call's .fa4/b stays in the device's copy of the tree: assembling again from it alone would overwrite the
+# whole wheel with its last two parts
+if [ -d .fa4/b ] && [ ! -f $WHEEL ]; then
   cp .fa4/b/* /tmp/fa4/
-  (cd /tmp/fa4 && cat cu13.part.* > nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-    && rm cu13.part.*)
+  (cd /tmp/fa4 && cat cu13.part.* > $WHEEL && rm cu13.part.*)
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl .whl/*.whl

@@ -44,6 +44,19 @@ def test_heads_wider_than_flash_attn_takes_keep_it_out_of_every_step(monkeypatch
         attention.resolve("flash_attn", cuda, head_dim=576)
 
 
+def test_a_cache_flash_attn_cannot_read_keeps_it_out_of_every_step(monkeypatch):
+    """flash-attn-4 reads fp16 and bf16 caches only: a float32 model (the GPU checks against transformers run one)
+    or an fp8 cache is Triton's alone under `auto`, and asking for flash_attn names why it cannot be."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "flash_attn_available", lambda device: True)
+    monkeypatch.setattr(attention, "cuda_capability_at_least", lambda device, major: True)
+    assert attention.resolve("auto", cuda, torch.float16) == "auto"
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        assert attention.resolve("auto", cuda, dtype) == "triton"
+    with pytest.raises(ValueError, match="cannot read a float32 KV cache"):
+        attention.resolve("flash_attn", cuda, torch.float32)
+
+
 class Recorder:
     def __init__(self, name: str, calls: list[str]):
         self.name, self.calls = name, calls

@@ -149,10 +149,10 @@ def test_checkpoint_kv_scales_serve_an_fp8_cache_only(tiny_model_dir, tmp_path):
 
 def test_flash_attn_refuses_an_fp8_cache_and_auto_avoids_it():
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="fp8"):
-        attention.resolve("flash_attn", cpu, fp8_cache=True)
-    assert attention.resolve("auto", cpu, fp8_cache=True) == "torch"
-    assert attention.resolve("triton", cpu, fp8_cache=True) == "triton"
+    with pytest.raises(ValueError, match="cannot read a float8_e4m3fn KV cache"):
+        attention.resolve("flash_attn", cpu, torch.float8_e4m3fn)
+    assert attention.resolve("auto", cpu, torch.float8_e4m3fn) == "torch"
+    assert attention.resolve("triton", cpu, torch.float8_e4m3fn) == "triton"
 
 
 def test_a_worker_with_an_fp8_cache_serves_the_in_process_engines_tokens(tiny_model_dir, tmp_path):

@@ -420,7 +420,7 @@ def test_triton_backend_reads_an_fp8_cache_as_the_torch_backend(block_size, case
     k8 = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) / k_scale).to(torch.float8_e4m3fn).cuda()
     v8 = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) / v_scale).to(torch.float8_e4m3fn).cuda()
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    fast = make_attention("auto", torch.device("cuda"), fp8_cache=True)
+    fast = make_attention("auto", torch.device("cuda"), torch.float8_e4m3fn)
     assert fast.name == "triton"
     out = fast.forward(q, k8, v8, meta, dim ** -0.5, k_scale, v_scale)
     ref = TorchAttention().forward(q.float(), k8.float() * k_scale, v8.float() * v_scale, meta, dim ** -0.5)

@@ -35,11 +35,11 @@ class Kernels:
     attention: AttentionBackend
 
 
-def select(device: torch.device | str, attention: str = "auto", fp8_cache: bool = False,
+def select(device: torch.device | str, attention: str = "auto", kv_dtype: torch.dtype = torch.bfloat16,
            head_dim: int = 128) -> Kernels:
-    """`head_dim`: the width of the KV cache's heads (attention.resolve)."""
+    """`kv_dtype`, `head_dim`: the KV cache's dtype and the width of its heads (attention.resolve)."""
     device = torch.device(device)
-    backend = make_attention(attention, device, fp8_cache, head_dim)
+    backend = make_attention(attention, device, kv_dtype, head_dim)
     if device.type == "cuda":
         from worker_svc.kernels import elementwise, gumbel, moe, skinny_gemm
 

@@ -150,8 +150,8 @@ class TritonPrefill:
 
 
 class FlashAttnPrefill:
-    """flash-attn-4 (CuTe DSL): one paged varlen call, over a cache of q's dtype (resolve() keeps fp8 caches
-    away from it)."""
+    """flash-attn-4 (CuTe DSL): one paged varlen call, over a cache of q's dtype (resolve() keeps caches
+    other than fp16 and bf16 away from it)."""
 
     def __init__(self):
         from flash_attn.cute import flash_attn_varlen_func
@@ -232,28 +232,31 @@ def cuda_capability_at_least(device: torch.device, major: int) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= major
 
 
-def resolve(name: str, device: torch.device, fp8_cache: bool = False, head_dim: int = 128) -> str:
-    """What `auto` stands for on this device for a cache of `head_dim`-wide heads: itself (a choice per step) where
-    flash-attn-4 runs and takes the cache (the model's dtype, as its paged call reads no fp8, and heads up to
-    FLASH_ATTN_MAX_HEAD), else triton on a CUDA GPU, else torch; other names as they are."""
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)  # the caches flash-attn-4's paged call reads (q of the same dtype)
+
+
+def resolve(name: str, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:
+    """What `auto` stands for on this device for a cache of `kv_dtype` and `head_dim`-wide heads: itself (a choice
+    per step) where flash-attn-4 runs and takes the cache (16-bit, as its paged call reads no fp8 or fp32, and heads
+    up to FLASH_ATTN_MAX_HEAD), else triton on a CUDA GPU, else torch; other names as they are."""
     if name not in NAMES:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
-    if name == "flash_attn" and fp8_cache:
-        raise ValueError("--attention flash_attn cannot read an fp8 KV cache (flash-attn-4's paged call takes "
-                         "the model's dtype): use --attention triton or auto")
+    if name == "flash_attn" and kv_dtype not in FLASH_ATTN_DTYPES:
+        raise ValueError(f"--attention flash_attn cannot read a {str(kv_dtype).removeprefix('torch.')} KV cache "
+                         "(flash-attn-4's paged call takes fp16 or bf16): use --attention triton or auto")
     if name == "flash_attn" and head_dim > FLASH_ATTN_MAX_HEAD:
         raise ValueError(f"--attention flash_attn takes heads up to {FLASH_ATTN_MAX_HEAD} wide and this model caches "
                          f"{head_dim}: use --attention triton or auto")
     if name != "auto":
         return name
-    if flash_attn_available(device) and not fp8_cache and head_dim <= FLASH_ATTN_MAX_HEAD:
+    if flash_attn_available(device) and kv_dtype in FLASH_ATTN_DTYPES and head_dim <= FLASH_ATTN_MAX_HEAD:
         return "auto"
     return "triton" if cuda_capability_at_least(device, 8) else "torch"
 
 
-def make_attention(name: str, device: torch.device, fp8_cache: bool = False,
+def make_attention(name: str, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,
                    head_dim: int = 128) -> AttentionBackend:
-    name = resolve(name, device, fp8_cache, head_dim)
+    name = resolve(name, device, kv_dtype, head_dim)
     if name == "torch":
         from worker_svc.kernels.reference import TorchAttention
 

@@ -196,7 +196,7 @@ class ModelRunner:
             from worker_svc.kernels import build_hooks
 
             build_hooks.install(BUILDS.count)  # before the first kernel runs: the warm-up's builds count as warm-up
-        self.kernels = kernels.select(self.device, cfg.attention, fp8_cache, mc.head_dim)
+        self.kernels = kernels.select(self.device, cfg.attention, self.kv_dtype, mc.head_dim)
 
         # the rope table covers the positions served, and LongRoPE takes its factors for that length
         served = dataclasses.replace(mc, max_position_embeddings=self.max_model_len)
