@@ -12,6 +12,16 @@ if not os.path.exists("/dev/nvidia0"):
 
 import pytest
 
+# The longest modules, run first: scripts/test.sh hands whole modules to its processes in this order, and a long one
+# handed out last would run alone at the end.
+LONGEST_FIRST = ("test_architectures", "test_triton_kernels", "test_faults", "test_tensor_parallel", "test_load",
+                 "test_bench_smoke")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.stem) if item.path.stem in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: each module's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
