@@ -10,8 +10,9 @@ PYTHONPATH=/tmp/site:$PWD python3 -m worker_svc.cli make-model --preset qwen3-0.
 for round in 1 2; do
   for side in old new; do
     dir=$PWD; [ $side = old ] && dir=$PWD/.gpu/old
-    (cd $dir && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$dir timeout 200 python3 -m bench latency \
-      --model $MODEL --device cuda --mode services --repeats ${REPEATS:-10} --out $OUT/latency_${side}_$round.json 2>&1 \
+    (cd $dir && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$dir timeout 200 \
+      python3 -m bench latency --model $MODEL --device cuda --mode services --repeats ${REPEATS:-10} \
+      --out $OUT/latency_${side}_$round.json 2>&1 \
       | grep "^{'path'" | sed "s/^/$side $round /")
   done
 done
