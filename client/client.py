@@ -523,6 +523,12 @@ class Client(_Connection):
         return list(self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                  metadata=self.metadata).lora_adapters)
 
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
+        """Drops every cached prefix no running request holds, on every worker (vLLM's /reset_prefix_cache);
+        returns how many cached blocks were dropped."""
+        return self._stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=self._deadline(timeout),
+                                           metadata=self.metadata).dropped_blocks
+
     def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
@@ -651,6 +657,11 @@ class AsyncClient(_Connection):
         request = pb.UnloadLoraAdapterRequest(lora_name=name)
         return list((await self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                         metadata=self.metadata)).lora_adapters)
+
+    async def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
+        """As Client.reset_prefix_cache."""
+        return (await self._stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=self._deadline(timeout),
+                                                  metadata=self.metadata)).dropped_blocks
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None, *,
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,

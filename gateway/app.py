@@ -48,8 +48,8 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
                               ClassificationRequest, ClassificationResponse, CompletionChunk, CompletionRequest,
                               CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
                               EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList,
-                              RerankRequest, RerankResponse, ResponseBody, ResponsesRequest, ScoreRequest,
-                              ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
+                              RerankRequest, RerankResponse, ResetPrefixCacheResponse, ResponseBody, ResponsesRequest,
+                              ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
                               UnloadLoraAdapterRequest, VersionBody)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
@@ -257,6 +257,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
         backend = backend_of(request)
         call = backend.client.unload_lora_adapter(body.lora_name, timeout=backend.config.rpc_timeout)
         return await adapter_answer(backend, call, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        """vLLM's /reset_prefix_cache (SGLang's /flush_cache): drops every cached prefix no running request holds, on
+        every worker, so that the next requests compute their whole prompts, as on a cold start."""
+        backend = backend_of(request)
+        try:
+            dropped = await backend.client.reset_prefix_cache(timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        return JSONResponse({"dropped_blocks": dropped})
+
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        app.post(path, response_model=ResetPrefixCacheResponse, responses=ERRORS,
+                 include_in_schema=path == "/reset_prefix_cache")(reset_prefix_cache)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:

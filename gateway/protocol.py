@@ -565,6 +565,10 @@ class VersionBody(BaseModel):
     version: str
 
 
+class ResetPrefixCacheResponse(BaseModel):
+    dropped_blocks: int  # cached KV blocks dropped, over every worker and both tiers
+
+
 class HealthBody(BaseModel):
     status: Literal["ok", "unavailable"]
     scheduler: str  # the Generation service's health: SERVING, NOT_SERVING, UNAVAILABLE, ...

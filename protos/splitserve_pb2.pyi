@@ -351,6 +351,16 @@ class UnloadLoraAdapterRequest(_message.Message):
     lora_name: str
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("dropped_blocks",)
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    dropped_blocks: int
+    def __init__(self, dropped_blocks: _Optional[int] = ...) -> None: ...
+
 class LoraAdaptersResponse(_message.Message):
     __slots__ = ("lora_adapters",)
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/splitserve.v1.Generation/ResetPrefixCache',
+                request_serializer=protos_dot_splitserve__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -128,6 +133,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops every cached prefix no running request holds, on every worker group and in both KV tiers (vLLM's
+        /reset_prefix_cache, SGLang's /flush_cache): the next request computes its whole prompt, as on a cold start.
+        Blocks that running requests hold stay cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +179,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_splitserve__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +375,33 @@ class Generation:
             '/splitserve.v1.Generation/UnloadLoraAdapter',
             protos_dot_splitserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_splitserve__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/ResetPrefixCache',
+            protos_dot_splitserve__pb2.ResetPrefixCacheRequest.SerializeToString,
+            protos_dot_splitserve__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

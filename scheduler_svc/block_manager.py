@@ -180,22 +180,26 @@ class BlockManager:
         self._ref[b] = 1
         return b
 
-    def forget_free(self) -> None:
+    def forget_free(self) -> int:
         """Unregisters every cached block no sequence holds, in both tiers (the KV of a LoRA adapter that is
-        unloaded: a later load under its name must not hit it). A block held now by running sequences stays."""
-        host = self.host
+        unloaded: a later load under its name must not hit it; a reset of the prefix cache). A block held now by
+        running sequences stays. Returns how many blocks it unregistered."""
+        host, dropped = self.host, 0
         for b in list(self._free):
             h = self._hash[b]
             if h is not None:
                 del self._index[h]
                 self._hash[b] = self._data[b] = None
                 self._free.move_to_end(b, last=False)
+                dropped += 1
                 if self.record_events and (host is None or h not in host.index):
                     self.removed.append(h)
         if host is not None:
             for h in host.forget():
+                dropped += 1
                 if self.record_events and h not in self._index:
                     self.removed.append(h)
+        return dropped
 
     def offload_ahead(self, n: int) -> None:
         """Copies to the host the cached blocks among the next n the GPU will reuse that the host lacks."""

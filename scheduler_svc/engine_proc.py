@@ -8,8 +8,8 @@ front-ends are told which of their requests it held ("down"), so that they conti
 supervisor that it is gone ("group_down"), so that it retries the address.
 
 Messages in (ipc.py): connect, add, abort, stop, forget (a front-end is gone), drain, snapshot, lora (load or
-unload an adapter), metrics, stop_all. Messages out: to front-ends ack, out, moved, down; to the supervisor group_up,
-connect_failed, group_down, group_left, lora_done, metrics.
+unload an adapter), reset_prefix_cache, metrics, stop_all. Messages out: to front-ends ack, out, moved, down; to the
+supervisor group_up, connect_failed, group_down, group_left, lora_done, reset_done, metrics.
 """
 from __future__ import annotations
 
@@ -220,6 +220,10 @@ class EngineGroup:
                     self.scheduler.adapters.update(name, path, ticket)
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
+            elif op == "reset_prefix_cache":  # [reset_prefix_cache, group, ticket]
+                dropped = self.scheduler.block_manager.forget_free()
+                self._send_load(out, {})  # the front-ends' routers learn the hashes are gone now, not a step later
+                out.send(ipc.SUPERVISOR, ["reset_done", self._engine_index, self.group_id, message[2], dropped])
 
     def _adapter_done(self, out: ipc.Outboxes, ticket: int, code: str, error: str) -> None:
         out.send(ipc.SUPERVISOR, ["lora_done", self._engine_index, self.group_id, ticket, code, error,
@@ -396,7 +400,7 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
         if op == "connect":
             threading.Thread(target=connect, args=(Connect(*message[1:]),), daemon=True,
                              name=f"connect-{message[2]}").start()
-        elif op in ("add", "drain", "snapshot", "lora"):
+        elif op in ("add", "drain", "snapshot", "lora", "reset_prefix_cache"):
             group = groups.get(message[3] if op == "add" else message[2] if op == "snapshot" else message[1])
             if group is not None and group.alive:
                 group.command(message)
@@ -407,6 +411,8 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
             elif op == "lora":
                 out.send(ipc.SUPERVISOR, ["lora_done", index, message[1], message[2], "UNAVAILABLE",
                                           "the worker group is gone", []])
+            elif op == "reset_prefix_cache":
+                out.send(ipc.SUPERVISOR, ["reset_done", index, message[1], message[2], 0])
         elif op in ("abort", "stop"):
             group = groups.get(message[3])
             if group is not None and group.alive:

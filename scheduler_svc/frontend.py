@@ -743,6 +743,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def UnloadLoraAdapter(self, request: api.UnloadLoraAdapterRequest, context) -> api.LoraAdaptersResponse:
         return await self._update_adapter(request.lora_name, "", context, load=False)
 
+    async def ResetPrefixCache(self, request: api.ResetPrefixCacheRequest, context) -> api.ResetPrefixCacheResponse:
+        reply = await self.ask_supervisor(["reset_prefix_cache"])
+        return api.ResetPrefixCacheResponse(dropped_blocks=reply["dropped_blocks"])
+
     async def _update_adapter(self, name: str, path: str, context, load: bool) -> api.LoraAdaptersResponse:
         """A load (of the folder at path) or unload, by the supervisor on every worker group."""
         if not self.allow_lora_updating:

@@ -27,6 +27,8 @@ SIGTERM. It holds no request: a front-end holds its requests, an engine its sequ
   supervisor asks every live group's engine, answers once all did (a load any group refused is unloaded from the
   others: one answer for the tree), and keeps the outcome, by name, for groups that join later: an engine loads what
   its new group lacks, and drops what the tree unloaded, before the group serves.
+- ResetPrefixCache on any front-end: every group's engine drops the cached blocks no running request holds (both
+  tiers) and says how many; the answer is their sum.
 - A process dies: an engine's groups are gone (their front-ends move their requests, the supervisor retries
   their addresses on the other engines, and a new engine takes the dead one's place); a front-end's client
   streams are gone with it (clients see UNAVAILABLE and retry): its requests are aborted at the engines and a
@@ -120,6 +122,7 @@ class Supervisor:
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
         self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load or unload of a name at a time
         self._adapter_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> (code, error)
+        self._reset_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> blocks dropped
 
     # ---- the processes ----------------------------------------------------------------------------
     def _spawn(self, kind: str, index: int) -> _Child:
@@ -240,6 +243,13 @@ class Supervisor:
                 future.set_result((code, error))
         elif op == "lora":
             self._spawn_task(self._update_adapter(*message[1:]))
+        elif op == "reset_done":
+            _, _engine, gid, ticket, dropped = message
+            future = self._reset_waits.pop((ticket, gid), None)
+            if future is not None and not future.done():
+                future.set_result(dropped)
+        elif op == "reset_prefix_cache":
+            self._spawn_task(self._reset_prefix_cache(*message[1:]))
         elif op == "register":
             self._spawn_task(self._register(*message[1:]))
         elif op == "deregister":
@@ -269,6 +279,9 @@ class Supervisor:
         for (_, gid), future in list(self._adapter_waits.items()):
             if gid == group.group_id and not future.done():
                 future.set_result(("UNAVAILABLE", "the worker group is gone"))
+        for (_, gid), future in list(self._reset_waits.items()):
+            if gid == group.group_id and not future.done():
+                future.set_result(0)  # its caches went with it
         self._publish()
         self.schedule_reconnect(group.address)
 
@@ -454,6 +467,19 @@ class Supervisor:
             waits.append(future)
             self._to_engine(g.engine, ["lora", g.group_id, ticket, name, path])
         return list(zip(groups, await asyncio.gather(*waits)))
+
+    # ---- the prefix cache, reset by a front-end ---------------------------------------------------------
+    async def _reset_prefix_cache(self, frontend: int, req_id: int) -> None:
+        """Has every group drop the cached blocks no running request holds; replies how many, over all groups."""
+        ticket = next(self._req_ids)
+        waits = []
+        for g in list(self.groups.values()):
+            future = self._reset_waits[ticket, g.group_id] = self.loop.create_future()
+            waits.append(future)
+            self._to_engine(g.engine, ["reset_prefix_cache", g.group_id, ticket])
+        dropped = sum(await asyncio.gather(*waits))
+        log.info("prefix cache reset: %d cached block(s) dropped", dropped)
+        self._reply(frontend, req_id, dropped_blocks=dropped)
 
     # ---- metrics ----------------------------------------------------------------------------------
     async def gather_metrics(self) -> list[str]:

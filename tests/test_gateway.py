@@ -226,12 +226,27 @@ def test_api_key_required(gateway):
     # every route that runs the model or reads it is behind the keys, not only /v1's
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]}), ("/classify", {"input": "x"}),
                        ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
-                       ("/v2/rerank", {"query": "a", "documents": ["b"]}), ("/invocations", {"prompt": "x"})):
+                       ("/v2/rerank", {"query": "a", "documents": ["b"]}), ("/invocations", {"prompt": "x"}),
+                       ("/reset_prefix_cache", {}), ("/flush_cache", {})):
         assert httpx.post(f"{gateway.url}{path}", json=body, timeout=10).status_code == 401, path
     for path in ("/health", "/ping", "/version", "/metrics", "/openapi.json"):
         assert httpx.get(f"{gateway.url}{path}", timeout=10).status_code == 200, path
     with gateway.openai("wrong-key") as bad, pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1)
+
+
+def test_reset_prefix_cache_and_sglangs_flush_cache(gateway, oai):
+    """vLLM's /reset_prefix_cache and SGLang's /flush_cache: a prompt whose prefix was cached is computed whole after
+    either (the scheduler's ResetPrefixCache: tests/test_services.py)."""
+    prompt = " ".join(["cache me"] * 40)
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        oai.completions.create(model="", prompt=prompt, max_tokens=1)
+        hit = oai.completions.create(model="", prompt=prompt, max_tokens=1)
+        assert hit.usage.prompt_tokens_details.cached_tokens > 0
+        r = httpx.post(f"{gateway.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["dropped_blocks"] > 0, (path, r.text)
+        cold = oai.completions.create(model="", prompt=prompt, max_tokens=1)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0, path
 
 
 def test_sagemakers_ping_and_invocations(gateway):

@@ -409,6 +409,21 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(client, cluster, hf):
     assert len(homes[0]) == len(homes[1]) == 1 and homes[0] != homes[1], homes
 
 
+def test_reset_prefix_cache_drops_every_cached_prefix(client, hf):
+    """ResetPrefixCache (vLLM's /reset_prefix_cache): a prompt whose blocks its worker caches is computed whole after
+    it, to the same tokens, and the cache fills again from there."""
+    prompt = random_ids(random.Random(78), 3 * BLOCK_SIZE + 1)
+    client.complete(token_ids=prompt, max_tokens=2, ignore_eos=True)
+    (hit,) = client.complete(token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert hit.usage.cached_prompt_tokens == 3 * BLOCK_SIZE
+    assert client.reset_prefix_cache() >= 3
+    (cold,) = client.complete(token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert cold.usage.cached_prompt_tokens == 0
+    assert cold.token_ids == hit.token_ids == hf_greedy(hf, prompt, 4)
+    (hit,) = client.complete(token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert hit.usage.cached_prompt_tokens == 3 * BLOCK_SIZE
+
+
 # --- stopping and sampling parameters ------------------------------------------------------------------------
 
 
