@@ -247,6 +247,11 @@ class LLM:
         """Drops the LoRA adapter (loaded here or at start). ValueError where it is not loaded."""
         self._update_adapter(name, "")
 
+    def reset_prefix_cache(self) -> int:
+        """vLLM's LLM.reset_prefix_cache: drops every cached prefix (in both KV tiers), so that the next prompts are
+        computed whole; returns how many cached blocks were dropped."""
+        return self.engine.scheduler.block_manager.forget_free()
+
     def _update_adapter(self, name: str, path: str) -> None:
         if not name:
             raise ValueError("a LoRA adapter needs a name")

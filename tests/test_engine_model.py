@@ -196,6 +196,17 @@ def test_prefix_cache_hit_reports_cached_tokens(tiny_model_dir, hf):
         engine.close()
 
 
+def test_llm_reset_prefix_cache_computes_the_next_prompts_whole(tiny_model_dir):
+    prompt = [(7 * i) % 5000 + 1 for i in range(40)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16, max_num_seqs=4) as llm:
+        first = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].usage.cached_prompt_tokens == 32
+        assert llm.reset_prefix_cache() == 2
+        cold = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        assert cold.usage.cached_prompt_tokens == 0 and cold.token_ids == first.token_ids
+
+
 def test_text_of_prompts_that_end_inside_a_character(tiny_model_dir, hf):
     """Random token ids can end a prompt inside a UTF-8 character (byte-level tokens). The streamed text
     is that of the generated tokens alone: none of the prompt's text leaks into it."""
