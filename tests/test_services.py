@@ -289,6 +289,21 @@ def test_cancelled_stream_frees_its_blocks_and_serving_goes_on(slow):
         assert workers(c)[0]["num_requests"] == before + 2
 
 
+def test_reset_prefix_cache_keeps_the_blocks_a_running_request_holds(slow):
+    prompt = list(range(1, 3 * BLOCK_SIZE + 2))
+    with Client(slow.address, timeout=WAIT_S * 4) as c:
+        stream = c.generate(token_ids=prompt, max_tokens=LONG - len(prompt), temperature=0.0, ignore_eos=True)
+        next(stream)
+        c.reset_prefix_cache()
+        (hit,) = c.complete(token_ids=prompt, max_tokens=1, ignore_eos=True)
+        assert hit.usage.cached_prompt_tokens == 3 * BLOCK_SIZE  # still held by the running request
+        stream.close()
+        wait_for("blocks of the cancelled request free", lambda: all_idle(c), timeout=FREED_S)
+        assert c.reset_prefix_cache() >= 3
+        (cold,) = c.complete(token_ids=prompt, max_tokens=1, ignore_eos=True)
+        assert cold.usage.cached_prompt_tokens == 0
+
+
 def test_cancelled_async_task_frees_its_blocks(slow):
     async def main():
         async with AsyncClient(slow.address, timeout=WAIT_S * 4) as ac:
