@@ -158,6 +158,12 @@ def _lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reset_prefix_cache(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.reset_prefix_cache())  # the cached blocks dropped
+    return 0
+
+
 def _tokenize(args: argparse.Namespace) -> int:
     with _client(args) as client:
         ids = client.tokenize(args.text)
@@ -337,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "print the adapters served then")
     p.add_argument("name", metavar="NAME", help="the adapter's name")
     p.set_defaults(func=_lora, path=None)
+
+    p = sub.add_parser("reset-prefix-cache", parents=[common],
+                       help="drop every cached prefix no running request holds, on every worker (benchmark runs "
+                            "that start cold); print how many cached blocks went")
+    p.set_defaults(func=_reset_prefix_cache)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
     p.add_argument("text", metavar="TEXT", help="the text to tokenize")

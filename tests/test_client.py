@@ -107,6 +107,9 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         text = request.chat.messages[-1].content if request.WhichOneof("prompt") == "chat" else request.text
         return pb.TokenizeResponse(token_ids=[ord(c) for c in text])
 
+    def ResetPrefixCache(self, request, context):
+        return pb.ResetPrefixCacheResponse(dropped_blocks=7)
+
 
 def softmax(values: list[float]) -> list[float]:
     exps = [math.exp(v) for v in values]
@@ -327,6 +330,8 @@ def test_cli_errors_exit_2_without_traceback(address: str, capsys):
 def test_cli_info_tokenize_health_embed_score(address: str, capsys):
     assert main(["info", "--address", address]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 256
+    assert main(["reset-prefix-cache", "--address", address]) == 0
+    assert capsys.readouterr().out == "7\n"
     assert main(["tokenize", "--address", address, "Hi"]) == 0
     assert capsys.readouterr().out == "72,105\n"
     assert main(["health", "--address", address]) == 0
