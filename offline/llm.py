@@ -23,7 +23,7 @@ from scheduler_svc.engine import LLMEngine
 from scheduler_svc.output import class_probs, embedding
 from scheduler_svc.requests import InvalidRequest, prompt_ids
 from scheduler_svc.executor import Executor
-from scheduler_svc.sampling import MAX_LOGPROBS, SamplingParams
+from scheduler_svc.sampling import MAX_LOGPROBS, SamplingParams, generation_defaults
 from scheduler_svc.sequence import TokenLogprob
 
 
@@ -82,9 +82,12 @@ class BeamOutput:
 class LLM:
     """Options: the Limits fields (max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler and the
     worker get the same), SchedulerConfig's other fields, and without an executor RunnerConfig's (device,
-    dtype, block_size, ...) for the in-process ModelRunner."""
+    dtype, block_size, ...) for the in-process ModelRunner. generation_config: as the scheduler's
+    --generation-config, what generate() samples with where it is given no SamplingParams (vLLM's)."""
 
-    def __init__(self, model_dir: str | Path, executor: Executor | None = None, **options: Any):
+    def __init__(self, model_dir: str | Path, executor: Executor | None = None, *, generation_config: str = "auto",
+                 **options: Any):
+        self._sampling_defaults = generation_defaults(model_dir, generation_config)
         config, options = config_from_options(options)
         if executor is None:
             from worker_svc.runtime.model_runner import RunnerConfig  # imports torch: only here, only when asked
@@ -94,6 +97,10 @@ class LLM:
             raise TypeError(f"unknown options {sorted(options)} (an executor was given)")
         self.model_dir = model_dir
         self.engine = LLMEngine(model_dir, executor, config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation_config.json defaults (generation_config "auto")."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -105,7 +112,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
 

@@ -172,8 +172,10 @@ class Completion:
 
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str,
-                 allow_lora_updating: bool = False, lora_resolver_dir: str | None = None):
+                 allow_lora_updating: bool = False, lora_resolver_dir: str | None = None,
+                 sampling_defaults: dict | None = None):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
+        self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
         self.model_dir, self.allow_lora_updating = model_dir, allow_lora_updating
         self.lora_resolver_dir = Path(lora_resolver_dir) if lora_resolver_dir else None
         self._resolving: dict[str, asyncio.Future] = {}  # adapter name -> its load from lora_resolver_dir
@@ -408,7 +410,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         await self._resolve_adapter(request.lora, context)
         try:
-            parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters)
+            parsed = parse_generate(request, self.tokenizer, self.max_model_len, self.vocab_size, self.lora_adapters,
+                                    self.sampling_defaults)
         except InvalidRequest as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or f"req-{self.index}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -808,7 +811,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
     frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model), args.model,
-                        args.allow_runtime_lora_updating, args.lora_resolver_dir)
+                        args.allow_runtime_lora_updating, args.lora_resolver_dir, args.sampling_defaults)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -290,9 +292,9 @@ def _pooled_inputs(req: api.EmbedRequest | api.ClassifyRequest, tokenizer: Model
 
 
 def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int,
-                   vocab_size: int, lora_adapters: list[str] = ()) -> ParsedRequest:
+                   vocab_size: int, lora_adapters: list[str] = (), defaults: Mapping[str, Any] = {}) -> ParsedRequest:
     """Checks every field, cheap ones first, before anything is tokenized or allocated; `lora_adapters`: those every
-    worker serves."""
+    worker serves; `defaults`: the model's sampling defaults (sampling.generation_defaults) for fields left unset."""
     _check_id_and_priority(req)
     if len(req.cache_salt) > MAX_CACHE_SALT:
         raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
@@ -302,14 +304,19 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
     def opt(msg, name, default):
         return getattr(msg, name) if msg.HasField(name) else default
 
+    def sampled(name: str, ours: float) -> float:
+        """A sampling field as the request sets it, else as the model's defaults do, else ours."""
+        return opt(s, name, defaults.get(name, ours))
+
     n = opt(req, "n", 1)
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
     max_tokens = opt(st, "max_tokens", None)
+    default_max_tokens = defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
     params = SamplingParams(
-        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, temperature=opt(s, "temperature", 1.0),
-        top_p=opt(s, "top_p", 1.0), top_k=opt(s, "top_k", 0), min_p=opt(s, "min_p", 0.0),
-        repetition_penalty=opt(s, "repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens, temperature=sampled("temperature", 1.0),
+        top_p=sampled("top_p", 1.0), top_k=sampled("top_k", 0), min_p=sampled("min_p", 0.0),
+        repetition_penalty=sampled("repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
         frequency_penalty=opt(s, "frequency_penalty", 0.0), seed=opt(s, "seed", None), stop=list(st.stop),
         stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos, min_tokens=opt(st, "min_tokens", 0),
         include_stop_str_in_output=st.include_stop_str_in_output,
@@ -337,7 +344,7 @@ def parse_generate(req: api.GenerateRequest, tokenizer: ModelTokenizer, max_mode
                              f"got {len(ids)}")
     room = max_model_len - len(ids)
     if max_tokens is None:
-        params.max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        params.max_tokens = min(default_max_tokens, room)
         if params.min_tokens > params.max_tokens:
             raise InvalidRequest(f"stopping.min_tokens ({params.min_tokens}) must not exceed max_tokens "
                                  f"({params.max_tokens}: the default, capped by the model length)")

@@ -6,9 +6,10 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.limits import MAX_BAD_WORD_TOKENS
-from common.model_files import POOLING_TYPES
+from common.model_files import POOLING_TYPES, read_json
 from protos import worker_pb2
 from scheduler_svc.prefix_hash import root_hash
 
@@ -188,3 +189,26 @@ class SamplingParams:
             pooling=self.pooling or "",
             lora=self.lora,
         )
+
+
+# generation_config.json's sampling fields (Hugging Face's name -> ours) that a request leaving them unset takes
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+
+
+def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, float | int]:
+    """The model creator's sampling defaults, as vLLM's --generation-config takes them: with "auto",
+    generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens)
+    where it sets them; with "vllm", none. ValueError where one is not a valid sampling parameter."""
+    if source not in GENERATION_CONFIG_SOURCES:
+        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_SOURCES)}, got {source!r}")
+    if source == "vllm":
+        return {}
+    config = read_json(Path(model_dir) / "generation_config.json")
+    defaults = {ours: config[hf] for hf, ours in GENERATION_CONFIG_FIELDS.items() if config.get(hf) is not None}
+    try:
+        SamplingParams(**defaults).validate()
+    except (InvalidParam, TypeError) as e:
+        raise ValueError(f"{model_dir}/generation_config.json: {e} (--generation-config vllm ignores it)") from None
+    return defaults

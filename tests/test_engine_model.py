@@ -207,6 +207,14 @@ def test_llm_reset_prefix_cache_computes_the_next_prompts_whole(tiny_model_dir):
         assert cold.usage.cached_prompt_tokens == 0 and cold.token_ids == first.token_ids
 
 
+def test_llm_samples_with_the_models_generation_config_where_given_no_params(tiny_model_dir):
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
+    with LLM(tiny_model_dir, generation_config="vllm", device="cpu", dtype="float32", num_blocks=32,
+             block_size=16) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
 def test_text_of_prompts_that_end_inside_a_character(tiny_model_dir, hf):
     """Random token ids can end a prompt inside a UTF-8 character (byte-level tokens). The streamed text
     is that of the generated tokens alone: none of the prompt's text leaks into it."""

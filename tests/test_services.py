@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from pathlib import Path
 import random
 
@@ -27,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from client import AsyncClient, Client
 from client.client import CompletionCollector
 from client.launcher import LocalCluster
+from scheduler_svc.sampling import generation_defaults
 from scheduler_svc.tokenizer import load_tokenizer
 from tests import sim_cluster
 from worker_svc.checkpoints.writer import make_model
@@ -440,6 +442,29 @@ def test_reset_prefix_cache_drops_every_cached_prefix(client, hf):
 
 
 # --- stopping and sampling parameters ------------------------------------------------------------------------
+
+
+def test_generation_defaults_are_the_sampling_fields_generation_config_sets(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "max_new_tokens": 100, "eos_token_id": 2}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20, "max_tokens": 100}
+    assert generation_defaults(tmp_path, "vllm") == {}
+    assert generation_defaults(tmp_path / "none") == {}  # a checkpoint without the file
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
+        generation_defaults(tmp_path)
+    with pytest.raises(ValueError, match="must be one of auto, vllm"):
+        generation_defaults(tmp_path, "hf")
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(client):
+    """vLLM's --generation-config auto (the default): a request that leaves temperature, top_p and top_k unset samples
+    with generation_config.json's (0.6, 0.95 and 20 in these checkpoints, Qwen3's), one that sets them with its own."""
+    kw = dict(token_ids=random_ids(random.Random(79), 12), max_tokens=24, ignore_eos=True, seed=5)
+    (unset,) = client.complete(**kw)
+    (models,) = client.complete(**kw, temperature=0.6, top_p=0.95, top_k=20)
+    (ours,) = client.complete(**kw, temperature=1.0, top_p=1.0, top_k=0)
+    assert unset.token_ids == models.token_ids != ours.token_ids
 
 
 def test_stop_strings_and_max_tokens(client, tok):
