@@ -84,8 +84,11 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
+    # --generation-config vllm: a workload's requests sample as they say (nano-vLLM's, temperature alone), through the
+    # services as in-process, not under the checkpoint's top_k and top_p
     return ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.max_model_len), "--pipeline-depth", str(args.pipeline_depth), *extra]
+            "--max-model-len", str(args.max_model_len), "--pipeline-depth", str(args.pipeline_depth),
+            "--generation-config", "vllm", *extra]
 
 
 def engine_options(args: argparse.Namespace) -> dict:
