@@ -404,7 +404,8 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(client, cluster, hf):
 
     async def both():
         async with AsyncClient(cluster.address, timeout=WAIT_S * 4) as ac:
-            return await asyncio.gather(*[ac.complete(token_ids=p, max_tokens=4, ignore_eos=True)
+            # long enough to overlap however loaded the box: the second is routed while the first holds its worker
+            return await asyncio.gather(*[ac.complete(token_ids=p, max_tokens=48, ignore_eos=True)
                                           for p in prefixes])
 
     before = _requests_per_worker(client)
