@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One whole GPU measurement in one go, on the lent H200 (see ../shared/device/README.md):
-#   call 1 (carry .fa4/a):        mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/
-#   call 2 (carry .fa4/b, .whl, .peers for nano_*; CHECKS: a pytest -k expression for checks):  SPLITSERVE_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_run.sh [BENCH ...]
+# One whole GPU measurement in one go, on the lent H200 (see ../shared/device/README.md), in three calls to one warm
+# machine (a call carries at most 64 MiB with the tree):
+#   call 1 (carry .fa4/a):  mkdir -p /tmp/fa4 && cp .fa4/a/* /tmp/fa4/ && rm -rf .fa4
+#   call 2 (carry .fa4/b):  cp .fa4/b/* /tmp/fa4/ && rm -rf .fa4   (bench/gpu_setup.sh assembles and installs)
+#   call 3 (carry .whl, .peers for nano_*; CHECKS: a pytest -k expression for checks):
+#     SPLITSERVE_COMMIT=<the local HEAD: the device's .git may be older> bash bench/gpu_run.sh [BENCH ...]
 # Installs the wheels brought along, writes the Qwen3-0.6B-shaped checkpoint once, runs the GPU checks
 # and the benchmarks (each warms up first), and writes results under $OUT (default bench/results).
 set -uo pipefail
