@@ -82,12 +82,13 @@ class BeamOutput:
 class LLM:
     """Options: the Limits fields (max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler and the
     worker get the same), SchedulerConfig's other fields, and without an executor RunnerConfig's (device,
-    dtype, block_size, ...) for the in-process ModelRunner. generation_config: as the scheduler's
-    --generation-config, what generate() samples with where it is given no SamplingParams (vLLM's)."""
+    dtype, block_size, ...) for the in-process ModelRunner. generation_config and override_generation_config: as the
+    scheduler's --generation-config and --override-generation-config, what generate() samples with where it is given
+    no SamplingParams (vLLM's)."""
 
     def __init__(self, model_dir: str | Path, executor: Executor | None = None, *, generation_config: str = "auto",
-                 **options: Any):
-        self._sampling_defaults = generation_defaults(model_dir, generation_config)
+                 override_generation_config: dict[str, Any] | None = None, **options: Any):
+        self._sampling_defaults = generation_defaults(model_dir, generation_config, override_generation_config)
         config, options = config_from_options(options)
         if executor is None:
             from worker_svc.runtime.model_runner import RunnerConfig  # imports torch: only here, only when asked
@@ -99,7 +100,8 @@ class LLM:
         self.engine = LLMEngine(model_dir, executor, config)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: SamplingParams with the model's generation_config.json defaults (generation_config "auto")."""
+        """vLLM's: SamplingParams with the generation config's defaults (the model's generation_config.json with
+        generation_config "auto")."""
         return SamplingParams(**self._sampling_defaults)
 
     def generate(

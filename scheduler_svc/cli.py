@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits, logs, security
-from common.cli_help import use_everywhere
+from common.cli_help import json_object, use_everywhere
 from common.lifetime import exit_with_launcher
 from common.util import run_loop
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.sampling import GENERATION_CONFIG_SOURCES, generation_defaults
+from scheduler_svc.sampling import generation_defaults
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -57,10 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request naming a LoRA adapter that no worker serves has the workers load the folder of "
                         "that name in this directory first, where there is one (vLLM's filesystem resolver, "
                         "VLLM_LORA_RESOLVER_CACHE_DIR); it takes turns in the workers' host memory with the others")
-    p.add_argument("--generation-config", choices=GENERATION_CONFIG_SOURCES, default="auto",
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                    help="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
                         "max_tokens unset takes the model's generation_config.json value where it sets one (as "
-                        "vLLM's default); vllm: the server's own defaults only")
+                        "vLLM's default); vllm: the server's own defaults only; a folder: its generation_config.json's")
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help='generation_config.json fields set over those --generation-config reads, e.g. '
+                        '\'{"temperature": 0.5, "max_new_tokens": 512}\' (as vLLM\'s)')
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
     g.add_argument("--worker-keepalive-time", type=float, default=10.0,
@@ -107,7 +110,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         args.config = SchedulerConfig(limits=limits.from_args(args), max_waiting=args.max_waiting,
                                       enable_prefix_caching=not args.no_prefix_caching,
                                       pipeline_depth=args.pipeline_depth)
-        args.sampling_defaults = generation_defaults(args.model, args.generation_config)
+        args.sampling_defaults = generation_defaults(args.model, args.generation_config,
+                                                     args.override_generation_config)
         if args.frontends < 0 or args.engines < 0:
             raise ValueError("--frontends and --engines must be at least 0 (0: automatic)")
     except ValueError as e:
@@ -138,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(args.log_format, args.log_level)
     if args.sampling_defaults:
         logging.getLogger("splitserve.scheduler").info(
-            "sampling defaults from the model's generation_config.json: %s (--generation-config vllm: none)",
+            "sampling defaults from the generation config (--generation-config %s): %s", args.generation_config,
             args.sampling_defaults)
     run_loop(supervisor.run(args, argv))
     return 0

@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.limits import MAX_BAD_WORD_TOKENS
 from common.model_files import POOLING_TYPES, read_json
@@ -194,21 +195,32 @@ class SamplingParams:
 # generation_config.json's sampling fields (Hugging Face's name -> ours) that a request leaving them unset takes
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # besides a folder holding a generation_config.json
 
 
-def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, float | int]:
-    """The model creator's sampling defaults, as vLLM's --generation-config takes them: with "auto",
-    generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens)
-    where it sets them; with "vllm", none. ValueError where one is not a valid sampling parameter."""
-    if source not in GENERATION_CONFIG_SOURCES:
-        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_SOURCES)}, got {source!r}")
-    if source == "vllm":
-        return {}
-    config = read_json(Path(model_dir) / "generation_config.json")
+def generation_defaults(model_dir: str | Path, source: str = "auto",
+                        overrides: dict[str, Any] | None = None) -> dict[str, float | int]:
+    """The model creator's sampling defaults, as vLLM's --generation-config and --override-generation-config take
+    them: generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+    max_tokens) where it sets them, read from the model's folder ("auto"), from no file ("vllm") or from the folder
+    `source` names; then `overrides` (generation_config.json's names) over them. ValueError where a field is unknown
+    or its value not a valid sampling parameter, or the folder named has no generation_config.json."""
+    config: dict[str, Any] = {}
+    if source != "vllm":
+        path = Path(model_dir if source == "auto" else source) / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there (auto: the model's, "
+                             "vllm: none)")
+        config = read_json(path)
+    unknown = sorted(set(overrides or ()) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} are not among the sampling fields "
+                         f"taken from a generation config ({', '.join(GENERATION_CONFIG_FIELDS)})")
+    config = {**config, **(overrides or {})}
     defaults = {ours: config[hf] for hf, ours in GENERATION_CONFIG_FIELDS.items() if config.get(hf) is not None}
     try:
         SamplingParams(**defaults).validate()
     except (InvalidParam, TypeError) as e:
-        raise ValueError(f"{model_dir}/generation_config.json: {e} (--generation-config vllm ignores it)") from None
+        source_named = "the model's generation_config.json" if source == "auto" else f"--generation-config {source}"
+        raise ValueError(f"{source_named}{' with --override-generation-config' if overrides else ''}: {e}") from None
     return defaults

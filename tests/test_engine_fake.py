@@ -263,3 +263,18 @@ def test_pipeline_depth_below_one_is_refused(model_dir, words):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--model", str(model_dir), "--plaintext", "--pipeline-depth", "0"])
     assert exit_info.value.code == 2
+
+
+def test_the_scheduler_refuses_a_generation_config_it_cannot_sample_with(model_dir, capsys):
+    """--generation-config FOLDER without the file, --override-generation-config not a JSON object, not a sampling
+    field or out of range: a usage error naming the flag, before anything starts."""
+    from scheduler_svc import cli
+
+    for flags, message in ((["--generation-config", str(model_dir / "none")], "no generation_config.json there"),
+                           (["--override-generation-config", "[1]"], "must be a JSON object"),
+                           (["--override-generation-config", '{"do_sample": true}'], "do_sample are not among"),
+                           (["--override-generation-config", '{"temperature": -1}'], "temperature")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--model", str(model_dir), "--plaintext", *flags])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

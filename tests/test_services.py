@@ -454,8 +454,26 @@ def test_generation_defaults_are_the_sampling_fields_generation_config_sets(tmp_
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
         generation_defaults(tmp_path)
-    with pytest.raises(ValueError, match="must be one of auto, vllm"):
+    with pytest.raises(ValueError, match="--generation-config hf: no generation_config.json there"):
         generation_defaults(tmp_path, "hf")
+
+
+def test_generation_defaults_from_a_folder_and_overrides(tmp_path):
+    """vLLM's --generation-config FOLDER and --override-generation-config (over the file, or alone with vllm)."""
+    model, other = tmp_path / "model", tmp_path / "other"
+    for folder, config in ((model, {"temperature": 0.6, "top_p": 0.95}), (other, {"temperature": 0.3, "top_k": 5})):
+        folder.mkdir()
+        (folder / "generation_config.json").write_text(json.dumps(config))
+    assert generation_defaults(model, str(other)) == {"temperature": 0.3, "top_k": 5}
+    assert generation_defaults(model, "auto", {"temperature": 0.9, "max_new_tokens": 64}) == {
+        "temperature": 0.9, "top_p": 0.95, "max_tokens": 64}
+    assert generation_defaults(model, "vllm", {"top_k": 7}) == {"top_k": 7}
+    with pytest.raises(ValueError, match="--override-generation-config: do_sample are not among"):
+        generation_defaults(model, "auto", {"do_sample": True})
+    with pytest.raises(ValueError, match="with --override-generation-config: .*top_p"):
+        generation_defaults(model, "auto", {"top_p": 2})
+    with pytest.raises(ValueError, match=f"--generation-config {tmp_path}: no generation_config.json"):
+        generation_defaults(model, str(tmp_path))
 
 
 def test_unset_sampling_fields_take_the_models_generation_config(client):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common import limits
-from common.cli_help import use_everywhere
+from common.cli_help import json_object, use_everywhere
 from common.lifetime import exit_now, exit_with_launcher
 from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
 from worker_svc.checkpoints.presets import PRESETS
@@ -44,17 +44,6 @@ def use_kernel_cache(folder: str | None) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(Path(folder) / "triton")
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(Path(folder) / "flash_attn")
-
-
-def hf_overrides(text: str) -> dict:
-    """--hf-overrides as a dict; SystemExit where it is not a JSON object."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise SystemExit(f"splitserve-worker serve: --hf-overrides must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise SystemExit(f"splitserve-worker serve: --hf-overrides must be a JSON object, got {text!r}")
-    return value
 
 
 def _non_negative(text: str) -> int:
@@ -95,10 +84,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     logs.setup(args.log_format, args.log_level)
     model_dir = resolve_model(args.model)
-    overrides = hf_overrides(args.hf_overrides)
     try:
         # an architecture, a rope or a classifier this worker does not serve: say so, and stop
-        ModelConfig.from_dir(model_dir, overrides)
+        ModelConfig.from_dir(model_dir, args.hf_overrides)
     except (ValueError, KeyError) as e:
         raise SystemExit(f"splitserve-worker serve: {model_dir}: {e}") from None
     config = RunnerConfig(
@@ -107,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
         lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, hf_overrides=overrides)
+        max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -285,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as --lora-modules, whichever is more)")
     p.add_argument("--max-lora-rank", type=_non_negative, default=0, metavar="R",
                    help="the largest adapter rank a slot takes (default: 16, or the largest of --lora-modules)")
-    p.add_argument("--hf-overrides", default="{}", metavar="JSON",
+    p.add_argument("--hf-overrides", type=json_object, default="{}", metavar="JSON",
                    help="a JSON object over config.json's top-level keys as this worker reads them (vLLM's "
                         "--hf-overrides: the architecture, shapes, rope, a classifier head; the scheduler learns the "
                         "model's length and labels from the worker); Qwen3-Reranker as published, as a cross-encoder: "
