@@ -47,6 +47,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -61,6 +62,7 @@ from scheduler_svc.metrics import merge
 log = logging.getLogger("splitserve.scheduler")
 REGISTERED_RETRY_S = 600.0  # how long the address of a failed registered worker is retried
 METRICS_TIMEOUT_S = 5.0  # a process that does not answer a scrape within this is left out of it
+GROUP_GONE = ("UNAVAILABLE", "the worker group is gone")  # a LoRA load's or unload's answer from a group gone
 
 
 @dataclass(slots=True)
@@ -121,8 +123,8 @@ class Supervisor:
         self._receiving: asyncio.Task | None = None
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
         self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load or unload of a name at a time
-        self._adapter_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> (code, error)
-        self._reset_waits: dict[tuple[int, int], asyncio.Future] = {}  # (ticket, group id) -> blocks dropped
+        # a question put to groups' engines, by (ticket, group id): its future and the answer if the group goes
+        self._group_waits: dict[tuple[int, int], tuple[asyncio.Future, Any]] = {}
 
     # ---- the processes ----------------------------------------------------------------------------
     def _spawn(self, kind: str, index: int) -> _Child:
@@ -238,16 +240,12 @@ class Supervisor:
             if group is not None and group.info["lora_adapters"] != served:
                 group.info["lora_adapters"] = served
                 self._publish()
-            future = self._adapter_waits.pop((ticket, gid), None)
-            if future is not None and not future.done():
-                future.set_result((code, error))
+            self._answered(ticket, gid, (code, error))
         elif op == "lora":
             self._spawn_task(self._update_adapter(*message[1:]))
         elif op == "reset_done":
             _, _engine, gid, ticket, dropped = message
-            future = self._reset_waits.pop((ticket, gid), None)
-            if future is not None and not future.done():
-                future.set_result(dropped)
+            self._answered(ticket, gid, dropped)
         elif op == "reset_prefix_cache":
             self._spawn_task(self._reset_prefix_cache(*message[1:]))
         elif op == "register":
@@ -276,12 +274,8 @@ class Supervisor:
                     sum(not g.draining for g in self.groups.values()), extra={"worker": group.address})
         if group.left is not None and not group.left.done():
             group.left.set_result(0)
-        for (_, gid), future in list(self._adapter_waits.items()):
-            if gid == group.group_id and not future.done():
-                future.set_result(("UNAVAILABLE", "the worker group is gone"))
-        for (_, gid), future in list(self._reset_waits.items()):
-            if gid == group.group_id and not future.done():
-                future.set_result(0)  # its caches went with it
+        for ticket, gid in [key for key in self._group_waits if key[1] == group.group_id]:
+            self._answered(ticket, gid, self._group_waits[ticket, gid][1])
         self._publish()
         self.schedule_reconnect(group.address)
 
@@ -432,11 +426,11 @@ class Supervisor:
             groups = [g for g in self.groups.values() if not g.draining]
             if not groups:
                 return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
-            answers = await self._ask_groups(groups, name, path)
+            answers = list(zip(groups, await self._ask_groups(groups, "lora", name, path, if_gone=GROUP_GONE)))
             done = [g for g, (code, _) in answers if not code]
             refused = [(g, code, error) for g, (code, error) in answers if code and code != "UNAVAILABLE"]
             if path and refused:
-                await self._ask_groups(done, name, "")  # one answer for the tree: no group keeps it
+                await self._ask_groups(done, "lora", name, "", if_gone=GROUP_GONE)  # one answer: no group keeps it
             if not done or path and refused:
                 group, code, error = refused[0] if refused else (None, "UNAVAILABLE", "no worker is serving")
                 return self._reply(frontend, req_id, code=code,
@@ -459,25 +453,28 @@ class Supervisor:
             if (name in served) != bool(path):
                 self._to_engine(group.engine, ["lora", group.group_id, 0, name, path])
 
-    async def _ask_groups(self, groups: list[_Group], name: str, path: str) -> list[tuple[_Group, tuple[str, str]]]:
+    async def _ask_groups(self, groups: list[_Group], op: str, *args: Any, if_gone: Any) -> list:
+        """Each group's engine's answer to [op, group id, ticket, *args], in the groups' order; `if_gone` for a
+        group that goes before it answers."""
         ticket = next(self._req_ids)
         waits = []
         for g in groups:
-            future = self._adapter_waits[ticket, g.group_id] = self.loop.create_future()
+            future = self.loop.create_future()
+            self._group_waits[ticket, g.group_id] = future, if_gone
             waits.append(future)
-            self._to_engine(g.engine, ["lora", g.group_id, ticket, name, path])
-        return list(zip(groups, await asyncio.gather(*waits)))
+            self._to_engine(g.engine, [op, g.group_id, ticket, *args])
+        return await asyncio.gather(*waits)
+
+    def _answered(self, ticket: int, gid: int, answer: Any) -> None:
+        future, _ = self._group_waits.pop((ticket, gid), (None, None))
+        if future is not None and not future.done():
+            future.set_result(answer)
 
     # ---- the prefix cache, reset by a front-end ---------------------------------------------------------
     async def _reset_prefix_cache(self, frontend: int, req_id: int) -> None:
         """Has every group drop the cached blocks no running request holds; replies how many, over all groups."""
-        ticket = next(self._req_ids)
-        waits = []
-        for g in list(self.groups.values()):
-            future = self._reset_waits[ticket, g.group_id] = self.loop.create_future()
-            waits.append(future)
-            self._to_engine(g.engine, ["reset_prefix_cache", g.group_id, ticket])
-        dropped = sum(await asyncio.gather(*waits))
+        dropped = sum(await self._ask_groups(list(self.groups.values()), "reset_prefix_cache",
+                                             if_gone=0))  # its caches went with it
         log.info("prefix cache reset: %d cached block(s) dropped", dropped)
         self._reply(frontend, req_id, dropped_blocks=dropped)
 
