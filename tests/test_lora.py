@@ -549,3 +549,18 @@ def test_requests_under_an_adapter_one_worker_cannot_read_again_continue_on_anot
         assert "LoRA adapter x could not be read again" in (cluster.log_dir / "scheduler.log").read_text()
     finally:
         cluster.stop()
+
+
+def test_an_adapters_host_tensors_are_views_of_one_allocation():
+    """LoraSlots.register's images: every part zeroed, 16-byte aligned for the copies into slots, none overlapping."""
+    from worker_svc.model.lora import _host_tensors
+
+    specs = [((3, 5), torch.bfloat16), ((7, 2), torch.float32), ((1, 1), torch.float16), ((4, 4), torch.bfloat16)]
+    parts = _host_tensors(specs, pin=False)
+    assert [(tuple(p.shape), p.dtype) for p in parts] == [(s, d) for s, d in specs]
+    base = parts[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base and p.data_ptr() % 16 == 0 for p in parts)
+    assert all(not p.any() for p in parts)
+    for k, p in enumerate(parts):
+        p.fill_(k + 1)
+    assert [float(p.flatten()[0]) for p in parts] == [1, 2, 3, 4] and all((p == k + 1).all() for k, p in enumerate(parts))

@@ -142,13 +142,16 @@ class LoraSlots:
             raise ValueError(f"LoRA adapter {name!r}: this worker holds {self.capacity} adapters already "
                              "(--max-cpu-loras)")
         image = {}
-        for path, found in self._read(name, Path(folder)).items():
+        found = self._read(name, Path(folder))
+        # one host allocation for the whole adapter: pinning costs per allocation more than per byte
+        loras = [self.modules[path].lora for path in found]
+        parts = iter(_host_tensors([spec for lora in loras for spec in (
+            ((lora.rank, lora.a.shape[1]), lora.a.dtype), ((lora.b.shape[0], lora.rank), lora.b.dtype))],
+            pin=bool(loras) and loras[0].a.is_cuda))
+        for path, shards in found.items():
             module = self.modules[path]
-            lora = module.lora
-            pin = lora.a.is_cuda
-            block = LoraWeights(torch.zeros(lora.rank, lora.a.shape[1], dtype=lora.a.dtype, pin_memory=pin),
-                                torch.zeros(lora.b.shape[0], lora.rank, dtype=lora.b.dtype, pin_memory=pin), lora.rank)
-            _copy_shards(name, path, module, block, found)
+            block = LoraWeights(next(parts), next(parts), module.lora.rank)
+            _copy_shards(name, path, module, block, shards)
             image[path] = (block.a, block.b)
         self.registered[name] = image
         self.folders[name] = str(folder)
@@ -214,6 +217,15 @@ class LoraSlots:
                 raise ValueError(f"LoRA adapter {name!r}: {base}{_A} has no {_B.lstrip('.')}")
             found.setdefault(path, []).append((shard, tensors[key], tensors[base + _B] * scale))
         return found
+
+
+def _host_tensors(specs: list[tuple[tuple[int, int], torch.dtype]], pin: bool) -> list[torch.Tensor]:
+    """Zeroed tensors of these shapes and dtypes, views of one host allocation (pinned where `pin`), each starting
+    16-byte aligned."""
+    sizes = [-(-math.prod(shape) * dtype.itemsize // 16) * 16 for shape, dtype in specs]
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    return [part[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for part, (shape, dtype) in zip(buffer.split(sizes), specs)]
 
 
 def _copy_shards(name: str, path: str, module: nn.Module, block: LoraWeights,
