@@ -563,4 +563,4 @@ def test_an_adapters_host_tensors_are_views_of_one_allocation():
     assert all(not p.any() for p in parts)
     for k, p in enumerate(parts):
         p.fill_(k + 1)
-    assert [float(p.flatten()[0]) for p in parts] == [1, 2, 3, 4] and all((p == k + 1).all() for k, p in enumerate(parts))
+    assert all((p == k + 1).all() for k, p in enumerate(parts))  # no part wrote into another
