@@ -1,4 +1,4 @@
-"""python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,
+"""python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
                  decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,
                  moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
@@ -27,6 +27,7 @@ MODULES = {
     "embed": "bench.embed",
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
+    "lora-loads": "bench.lora_loads",
     "decode-attention": "bench.decode_attention",
     "latent-attention": "bench.latent_attention",
     "kernel-sass": "bench.kernel_sass",

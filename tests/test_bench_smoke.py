@@ -325,6 +325,18 @@ def test_runner_step_decode_and_prefill_on_a_cpu(tmp_path: Path) -> None:
             _positive(row, "step_ms", "tokens_per_s")
 
 
+def test_lora_loads_times_the_gaps_with_and_without_loads_on_a_cpu(tmp_path: Path) -> None:
+    from bench.__main__ import main
+
+    out = tmp_path / "lora_loads.json"
+    main(["lora-loads", "--preset", "qwen3-tiny", "--device", "cpu", "--seqs", "4", "--tokens", "12",
+          "--prompt-len", "8", "--loads", "2", "--every", "3", "--out", str(out)])
+    rows = _load(out, "lora_loads", "bench.lora_loads")["results"]
+    assert [(row["run"], row["gaps"]) for row in rows] == [("no loads", 11), ("2 loads", 11)]
+    for row in rows:
+        _positive(row, "median_ms", "p99_ms", "max_ms")
+
+
 def test_kernel_sass_compiles_the_decode_kernel_for_hopper_without_a_gpu(tmp_path: Path) -> None:
     """Triton's own ptxas compiles the kernel for sm_90 here; the interpreter is off in that process (under it
     nothing is compiled)."""
