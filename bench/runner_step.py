@@ -159,9 +159,8 @@ def prefill_step(model_dir: Path, tokens: int, context: int, block_size: int, st
 
 
 def place_lora(model_dir: Path, adapters: dict[str, Path], device: str, reps: int = 10) -> dict:
-    """How long a worker takes to read each adapter into host memory (StepPlan.load_loras: on its loader thread,
-    beside its steps) and to copy one into its only slot (StepPlan.lora_slots; the adapters in turn, each replacing
-    the last: this holds the worker's steps)."""
+    """How long a worker takes to read each adapter into host memory (StepPlan.load_loras) and to copy one into its
+    only slot (StepPlan.lora_slots; the adapters in turn, each replacing the last): both hold the worker's steps."""
     runner = ModelRunner(model_dir, RunnerConfig(device=device, num_blocks=64, cuda_graphs=False, max_loras=1,
                                                  max_cpu_loras=len(adapters), limits=Limits(max_num_seqs=8)))
     reads, places = [], []

@@ -134,7 +134,7 @@ class LoraSlot(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids", "pooled_seq_ids", "pooled_starts", "pooled_counts", "pooled", "loaded_loras", "failed_loras")
+    __slots__ = ("step", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "forward_ms", "prompt_seq_ids", "prompt_starts", "prompt_counts", "prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs", "grammar_dead_ids", "pooled_seq_ids", "pooled_starts", "pooled_counts", "pooled", "failed_loras")
     class FailedLorasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,7 +160,6 @@ class StepResult(_message.Message):
     POOLED_STARTS_FIELD_NUMBER: _ClassVar[int]
     POOLED_COUNTS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
-    LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
     FAILED_LORAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -180,9 +179,8 @@ class StepResult(_message.Message):
     pooled_starts: _containers.RepeatedScalarFieldContainer[int]
     pooled_counts: _containers.RepeatedScalarFieldContainer[int]
     pooled: _containers.RepeatedScalarFieldContainer[float]
-    loaded_loras: _containers.RepeatedScalarFieldContainer[str]
     failed_loras: _containers.ScalarMap[str, str]
-    def __init__(self, step: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., prompt_seq_ids: _Optional[_Iterable[int]] = ..., prompt_starts: _Optional[_Iterable[int]] = ..., prompt_counts: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., grammar_dead_ids: _Optional[_Iterable[int]] = ..., pooled_seq_ids: _Optional[_Iterable[int]] = ..., pooled_starts: _Optional[_Iterable[int]] = ..., pooled_counts: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Iterable[float]] = ..., loaded_loras: _Optional[_Iterable[str]] = ..., failed_loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., prompt_seq_ids: _Optional[_Iterable[int]] = ..., prompt_starts: _Optional[_Iterable[int]] = ..., prompt_counts: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_token_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., grammar_dead_ids: _Optional[_Iterable[int]] = ..., pooled_seq_ids: _Optional[_Iterable[int]] = ..., pooled_starts: _Optional[_Iterable[int]] = ..., pooled_counts: _Optional[_Iterable[int]] = ..., pooled: _Optional[_Iterable[float]] = ..., failed_loras: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("protocol_version", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "scheduler_id")

@@ -14,18 +14,16 @@ stream of requests under the placed adapters cannot starve another adapter's. An
 dropped from host memory keeps its cached KV: its folder holds the same weights when it comes back. One that cannot
 be read again is lost: it is no longer served, and the sequences that waited for it leave (`lost`).
 
-A load is planned at once; the worker reads the folder beside its steps and answers in the result of that step or a
-later one (StepResult.loaded_loras or failed_loras), and requests may run under it from then on; while nothing else
-runs, a plan of nothing is sent for the answer (the worker's step waits for the read). An unload stops new requests
-under the adapter at once, and is planned once no sequence of the group runs or waits under it (the worker drops
-finished sequences before the plan's unloads); the scheduler then forgets the cached blocks no sequence holds
-(BlockManager.forget_free), among them all the adapter's, since a later load under the name may bring other
-weights. Each request ends in one AdapterOutcome, taken by whoever drives
+A load is planned at once; requests may run under it once the worker answered that step (a failed load comes back
+in StepResult.failed_loras). An unload stops new requests under the adapter at once, and is planned once no sequence
+of the group runs or waits under it (the worker drops finished sequences before the plan's unloads); the scheduler
+then forgets the cached blocks no sequence holds (BlockManager.forget_free), among them all the adapter's, since a
+later load under the name may bring other weights. Each request ends in one AdapterOutcome, taken by whoever drives
 the group (the engine answers its asker)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -79,24 +77,17 @@ class Adapters:
         self._placing: list[tuple[int, str]] = []  # this plan's
         self._waiting: list[_Op] = []  # not planned yet
         self._planned: deque[tuple[int, list[_Op]]] = deque()  # (step, its loads and unloads), oldest first
-        self._reading: dict[str, _Op] = {}  # loads the worker took and has not answered yet
         self.outcomes: list[AdapterOutcome] = []
 
     @property
     def pending(self) -> bool:
-        """A load or unload is waiting for a plan or for its answer, or a placement for its plan."""
-        return bool(self._waiting or self._planned or self._placing or self._reading)
-
-    @property
-    def reading(self) -> bool:
-        """The worker reads an adapter: a step's result will answer it."""
-        return bool(self._reading)
+        """A load or unload is waiting for a plan or for its step's result, or a placement for its plan."""
+        return bool(self._waiting or self._planned or self._placing)
 
     def _busy(self, name: str, kinds: tuple[str, ...] = ("load", "unload", "reload", "drop")) -> bool:
-        """Whether an op of these kinds on the adapter waits for a plan or for its answer."""
+        """Whether an op of these kinds on the adapter waits for a plan or for its step's answer."""
         return any(op.name == name and op.kind in kinds for op in self._waiting) or any(
-            op.name == name and op.kind in kinds for _, ops in self._planned for op in ops) or (
-            name in self._reading and self._reading[name].kind in kinds)
+            op.name == name and op.kind in kinds for _, ops in self._planned for op in ops)
 
     def load(self, name: str, path: str, ticket: object = None) -> None:
         """Asks for the adapter at path (a folder on the worker's file system) under name. AdapterError:
@@ -160,8 +151,7 @@ class Adapters:
         planned: list[_Op] = []
         for op in ops:
             if op.kind == "unload":
-                if holds(op.name) or op.name in self._reading or any(
-                        o.name == op.name for _, step_ops in self._planned for o in step_ops):
+                if holds(op.name) or any(o.name == op.name for _, step_ops in self._planned for o in step_ops):
                     self._waiting.append(op)
                     continue
                 plan.forget_kv = True
@@ -211,31 +201,24 @@ class Adapters:
         plan.unloads.append(op.name)
         planned.append(op)
 
-    def answered(self, step: int, loaded: Iterable[str], failed: dict[str, str]) -> None:
-        """The worker answered `step`: its unloads and drops are done and its loads under way; and the loads named
-        in `loaded` (held now) and `failed` (with why) have ended, those of this step or of earlier ones."""
-        if self._planned and self._planned[0][0] == step:
-            for op in self._planned.popleft()[1]:
-                if op.kind in ("load", "reload"):
-                    self._reading[op.name] = op
-                elif op.kind == "unload":
-                    self.outcomes.append(AdapterOutcome(op.name, op.ticket))
-        for name in (*loaded, *failed):
-            op = self._reading.pop(name, None)
-            if op is None:
-                continue
-            error = failed.get(name, "")
+    def answered(self, step: int, failed: dict[str, str]) -> None:
+        """The worker answered `step`: its loads serve unless `failed` names them (with why)."""
+        if not self._planned or self._planned[0][0] != step:
+            return
+        for op in self._planned.popleft()[1]:
+            error = failed.get(op.name, "") if op.kind in ("load", "reload") else ""
             if error:
-                self.held.discard(name)
-                self.paths.pop(name, None)
-                if op.kind == "reload":
-                    if name in self.served:
-                        self.served.remove(name)
-                    self.lost.append((name, error))
-            if op.kind == "load":
-                if not error:
-                    self.served.append(name)
-                self.outcomes.append(AdapterOutcome(name, op.ticket, error, "INVALID_ARGUMENT" if error else ""))
+                self.held.discard(op.name)
+                self.paths.pop(op.name, None)
+            if op.kind == "reload" and error:
+                if op.name in self.served:
+                    self.served.remove(op.name)
+                self.lost.append((op.name, error))
+            if op.kind in ("reload", "drop"):
+                continue
+            if op.kind == "load" and not error:
+                self.served.append(op.name)
+            self.outcomes.append(AdapterOutcome(op.name, op.ticket, error, "INVALID_ARGUMENT" if error else ""))
 
     def take_outcomes(self) -> list[AdapterOutcome]:
         outcomes, self.outcomes = self.outcomes, []

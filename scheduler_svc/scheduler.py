@@ -451,8 +451,7 @@ class Scheduler:
         adapters = self.adapters.take(step, self._runs_under, {s.params.lora for s in running}) \
             if self.adapters.pending else None
         if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in
-                or adapters and (adapters.unloads or adapters.loads)
-                or self.adapters.reading and not self._in_flight):  # nothing else brings the read's answer
+                or adapters and (adapters.unloads or adapters.loads)):
             if adapters and adapters.forget_kv:
                 bm.forget_free()
             return None
@@ -555,7 +554,7 @@ class Scheduler:
                 f"{len(result.seq_ids)} sequences, {len(ids)} expected"
             )
         if self.adapters.pending:
-            self.adapters.answered(step, result.loaded_loras, result.failed_loras)
+            self.adapters.answered(step, result.failed_loras)
             for name, why in self.adapters.take_lost():
                 seqs = [seq for seq in self._seqs.values() if seq.params.lora == name]
                 for seq in seqs:

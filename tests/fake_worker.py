@@ -15,12 +15,10 @@ With a sliding window a step reads only the keys inside the window of its first 
 block (StepPlan.released_ids) that the window still covers shows up as a mismatch once it is reused.
 
 With LoRA slots (lora_slots, and lora_capacity adapters held) it loads, unloads and places adapters into slots as
-plans say (a path "bad" or one in `unreadable` fails to load; a load is answered `read_steps` steps after the one
-that asked, or sooner by a step that runs no sequence (every read ends then), as a worker's reads go on beside its
-steps; a placement of an adapter it does not hold, or into a slot a held sequence runs under, is a violation), and a
-sequence's KV content chains from its adapter's weights, one set per folder (path), so that a prefix hit on KV that
-other weights under the same name computed shows up as a mismatch too (KV computed under the same weights, whatever
-slots and loads they went through, is still right).
+plans say (a path "bad" or one in `unreadable` fails to load; a placement of an adapter it does not hold, or into a
+slot a held sequence runs under, is a violation), and a sequence's KV content chains from its adapter's weights, one
+set per folder (path), so that a prefix hit on KV that other weights under the same name computed shows up as a
+mismatch too (KV computed under the same weights, whatever slots and loads they went through, is still right).
 
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
@@ -92,7 +90,6 @@ class FakeWorker:
         sliding_window: int = 0,
         lora_slots: int = 0,
         lora_capacity: int = 0,
-        read_steps: int = 1,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -111,9 +108,6 @@ class FakeWorker:
         self.loads: dict[str, int] = {}  # a loaded adapter's weights, by name
         self.weights: dict[str, int] = {}  # the weights in each folder read so far
         self.unreadable: set[str] = set()  # folders that fail to load (as "bad" does)
-        self.read_steps = read_steps
-        # (load asked, the step it ends at, whether its folder could be read when it started)
-        self.reading: deque[tuple[worker_pb2.LoraAdapter, int, bool]] = deque()
         self.num_loads = 0
         self.num_placements = 0
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
@@ -185,21 +179,16 @@ class FakeWorker:
         for name in plan.unload_loras:  # the batch freed its slot, if it had one
             _check(name in self.loads, f"unload of {name!r}, which is not loaded")
             del self.loads[name]
-        self.reading.extend((a, plan.step + self.read_steps, a.path != "bad" and a.path not in self.unreadable)
-                            for a in plan.load_loras)
-        idle = not plan.seq_ids and not plan.new_seqs  # ends every read, as a worker's step with nothing to run
-        while self.reading and (self.reading[0][1] <= plan.step or idle):
-            adapter, _, readable = self.reading.popleft()
+        for adapter in plan.load_loras:
             _check(len(self.loads) < self.lora_capacity, f"load of {adapter.name!r} beyond {self.lora_capacity}")
-            if not readable or adapter.name in self.loads:
+            if adapter.path == "bad" or adapter.path in self.unreadable or adapter.name in self.loads:
                 result.failed_loras[adapter.name] = f"cannot load {adapter.name!r} from {adapter.path!r}"
                 continue
             self.num_loads += 1
             self.loads[adapter.name] = self.weights.setdefault(adapter.path, len(self.weights) + 1)
-            result.loaded_loras.append(adapter.name)
         for placed in plan.lora_slots:
-            _check(placed.name in self.loads, f"{placed.name!r} placed into a slot but not loaded")
-            _check(placed.name not in result.loaded_loras, f"{placed.name!r} placed before its load was answered")
+            _check(placed.name in self.loads and placed.name not in result.failed_loras,
+                   f"{placed.name!r} placed into a slot but not loaded")
             self.num_placements += 1
         for ns in plan.new_seqs:
             self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs,

@@ -248,47 +248,6 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
     assert generate("qv") == reference["qv"]
 
 
-def test_steps_go_on_while_an_adapter_is_read(tiny_model_dir, adapters, reference, monkeypatch):
-    """A load asked for while a sequence runs is read on the worker's loader thread (held up here until told): the
-    sequence keeps getting tokens meanwhile, the adapter serves no request before its read ends, and then serves as
-    one loaded at start."""
-    from worker_svc.model.lora import LoraSlots
-
-    started, release, read = threading.Event(), threading.Event(), LoraSlots.read
-
-    def held_read(self, name, folder):
-        started.set()
-        assert release.wait(60)  # bounded: a test that fails below lets the read fail, not hang
-        return read(self, name, folder)
-
-    monkeypatch.setattr(LoraSlots, "read", held_read)
-    threads = torch.get_num_threads()
-    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
-              max_loras=1, max_lora_rank=8, pipeline_depth=1)
-    engine, adapters_of = llm.engine, llm.engine.scheduler.adapters
-    engine.add(PROMPTS[0], _params(""), "base")
-    tokens = [t for out in engine.step() for t in out.token_ids]
-    adapters_of.load("all", str(adapters["all"]), "ticket")
-    while not started.is_set() and len(tokens) < 5:
-        tokens += [t for out in engine.step() for t in out.token_ids]
-    assert started.is_set()
-    before = len(tokens)
-    for _ in range(3):
-        tokens += [t for out in engine.step() for t in out.token_ids]
-    assert len(tokens) == before + 3 and adapters_of.reading and "all" not in adapters_of.served
-    with pytest.raises(ValueError, match="'all' is not served"):
-        engine.add(PROMPTS[1], _params("all"), "early")
-    release.set()
-    tokens += _run(engine)["base"][0]
-    assert tokens == reference[""][0]
-    assert "all" in adapters_of.served and [(o.name, o.ticket, o.error) for o in adapters_of.take_outcomes()] == [
-        ("all", "ticket", "")]
-    assert [o.token_ids for o in llm.generate(PROMPTS, _params("all"), use_tqdm=False)] == reference["all"]
-    # the reader's tensor ops run on its own thread alone (a second OpenMP team would slow every CPU step after)
-    reader = llm.engine.executor.runner._lora_reader
-    assert reader.submit(torch.get_num_threads).result() == 1 and torch.get_num_threads() == threads
-
-
 def test_more_adapters_than_host_memory_holds_are_read_again_when_asked_for(tiny_model_dir, adapters, reference,
                                                                            tmp_path):
     """Room for one adapter in host memory (max_cpu_loras 1), as vLLM's LRU cache of adapters: loading a second drops

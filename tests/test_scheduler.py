@@ -34,7 +34,6 @@ def make(
     sliding_window: int = 0,
     lora_slots: int = 0,
     lora_capacity: int = 0,
-    read_steps: int = 1,
 ) -> tuple[Scheduler, FakeWorker]:
     cfg = SchedulerConfig(
         limits=Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len),
@@ -44,7 +43,7 @@ def make(
     )
     worker = FakeWorker(num_blocks, block_size, max_model_len, vocab_size=vocab_size, token_fn=token_fn,
                         num_host_blocks=num_host_blocks, sliding_window=sliding_window, lora_slots=lora_slots,
-                        lora_capacity=lora_capacity, read_steps=read_steps)
+                        lora_capacity=lora_capacity)
     info = worker.describe(worker_pb2.DescribeRequest(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
     return Scheduler(cfg, num_blocks, block_size, eos_token_ids=[EOS], epoch=worker.epoch,
                      num_host_blocks=num_host_blocks, sliding_window=sliding_window,
@@ -865,17 +864,15 @@ class AdapterMachine(SchedulerMachine):
     and unloads among running, waiting, preempted and cached sequences of the adapters, loads again under a name
     whose cached KV an earlier load computed, and more adapters served than slots (the worker checks that no slot
     changes under a held sequence and that each sequence's KV comes from its adapter's load, whatever slots it
-    went through), with reads the worker answers in the step that asked or a later one."""
+    went through)."""
 
     @initialize(num_blocks=st.integers(8, 20), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 24),
                 max_num_seqs=st.integers(1, 5), depth=st.sampled_from([1, 2, 3]), host=st.sampled_from([0, 6, 24]),
-                lora_slots=st.sampled_from([1, 2]), lora_capacity=st.sampled_from([0, 3]),
-                read_steps=st.sampled_from([0, 1, 4]))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, depth, host, lora_slots, lora_capacity,
-              read_steps):
+                lora_slots=st.sampled_from([1, 2]), lora_capacity=st.sampled_from([0, 3]))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, depth, host, lora_slots, lora_capacity):
         SchedulerMachine.setup(self, num_blocks, block_size, budget, 0, max_num_seqs, True, depth, host, 0,
                                lora_slots)
-        self.shape.update(lora_capacity=lora_capacity, read_steps=read_steps)
+        self.shape["lora_capacity"] = lora_capacity
         self.sched, self.worker = make(**self.shape)
         self.sched.block_manager.record_events = True
         for name in "abc":

@@ -100,9 +100,6 @@ def _config(name: str, folder: Path) -> dict:
         raise ValueError(f"LoRA adapter {name!r}: {folder} is not a PEFT adapter folder: {e}") from None
 
 
-AdapterImage = dict[str, tuple[torch.Tensor, torch.Tensor]]  # an adapter in host memory: module path -> its A, B
-
-
 class LoraSlots:
     """The model's LoRA adapters: those held in host memory (`registered`, at most `capacity`), and the slots every
     projection of its decoder layers that an adapter may adapt gets (`slots` slots of `max_rank` columns per packed
@@ -115,7 +112,7 @@ class LoraSlots:
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.capacity = max(capacity, slots)
         self.modules: dict[str, nn.Module] = {}
-        self.registered: dict[str, AdapterImage] = {}
+        self.registered: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # module -> A, B
         self.folders: dict[str, str] = {}  # of the registered ones, where each was read from
         if not slots:
             return
@@ -131,18 +128,19 @@ class LoraSlots:
                     torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
                 self.modules[path] = module
 
-    def register(self, name: str, folder: str | Path) -> None:
-        """Reads the PEFT adapter in `folder` into host memory under `name` (read, then add)."""
-        self.add(name, folder, self.read(name, folder))
-
     @torch.no_grad()
-    def read(self, name: str, folder: str | Path) -> AdapterImage:
-        """The PEFT adapter in `folder` as host memory holds it: each adapted projection's share as a slot holds it
-        (this rank's shard, in the slot's dtype, times the model's output scale; pinned on a GPU), so that placing
-        it is a copy per projection. Touches nothing of this object's but reads it: safe on another thread while
-        steps run. ValueError naming the adapter for what it cannot serve: a bias, modules saved whole, DoRA,
-        per-module ranks, a rank above max_rank, or a module that is not one of the decoder layers' projections
-        (embeddings, the LM head, fused experts, MLA's absorbed kv_b_proj), or of another shape."""
+    def register(self, name: str, folder: str | Path) -> None:
+        """Reads the PEFT adapter in `folder` into host memory under `name`, each adapted projection's share as a slot
+        holds it (this rank's shard, in the slot's dtype, times the model's output scale; pinned on a GPU), so that
+        placing it is a copy per projection. ValueError naming the adapter for what it cannot serve: a name held
+        already, no room left (capacity), a bias, modules saved whole, DoRA, per-module ranks, a rank above max_rank,
+        or a module that is not one of the decoder layers' projections (embeddings, the LM head, fused experts, MLA's
+        absorbed kv_b_proj), or of another shape."""
+        if name in self.registered:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already")
+        if len(self.registered) >= self.capacity:
+            raise ValueError(f"LoRA adapter {name!r}: this worker holds {self.capacity} adapters already "
+                             "(--max-cpu-loras)")
         image = {}
         found = self._read(name, Path(folder))
         # one host allocation for the whole adapter: pinning costs per allocation more than per byte
@@ -155,16 +153,6 @@ class LoraSlots:
             block = LoraWeights(next(parts), next(parts), module.lora.rank)
             _copy_shards(name, path, module, block, shards)
             image[path] = (block.a, block.b)
-        return image
-
-    def add(self, name: str, folder: str | Path, image: AdapterImage) -> None:
-        """Holds a read adapter under `name`. ValueError where the name is held already or no room is left
-        (capacity)."""
-        if name in self.registered:
-            raise ValueError(f"LoRA adapter {name!r} is loaded already")
-        if len(self.registered) >= self.capacity:
-            raise ValueError(f"LoRA adapter {name!r}: this worker holds {self.capacity} adapters already "
-                             "(--max-cpu-loras)")
         self.registered[name] = image
         self.folders[name] = str(folder)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import math
 import random
@@ -20,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from threadpoolctl import threadpool_limits
 from tokenizers import Tokenizer
 
 from common import model_files
@@ -46,12 +43,6 @@ from worker_svc.runtime.sampler import Penalties, RecentTokens, SamplerOutput, S
 from worker_svc.runtime.tier_policy import host_tier_pays
 
 log = logging.getLogger("splitserve.worker")
-
-
-def _serial_ops() -> None:
-    """A side thread's tensor ops run in that thread alone: an OpenMP team of its own beside the step thread's would
-    slow every later CPU step (two teams on the same cores), not only those it overlaps."""
-    threadpool_limits(1, user_api="openmp")  # this thread's OpenMP setting only
 
 
 @dataclass(slots=True)
@@ -138,8 +129,7 @@ class PendingStep:
         self.step, self.seq_ids, self.logprob_counts, self.started = step, seq_ids, logprob_counts, started
         self.prompt, self.pooled, self.sampled = prompt, pooled, sampled
         self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
-        self.loaded_loras: list[str] = []  # LoRA adapters whose reads ended this step: held now
-        self.failed_loras: dict[str, str] = {}  # not held, and why
+        self.failed_loras: dict[str, str] = {}  # the plan's LoRA loads that failed, and why
         # asked before the copies: after them every tensor is the host's, yet filled only once the event is reached
         on_gpu = ((out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda)
                   or (pooled is not None and pooled.values.is_cuda))
@@ -172,7 +162,6 @@ class PendingStep:
             if part is not None:
                 part.write(res)
         res.grammar_dead_ids.extend(self.grammar_dead)
-        res.loaded_loras.extend(self.loaded_loras)
         res.failed_loras.update(self.failed_loras)
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
@@ -248,9 +237,6 @@ class ModelRunner:
         self.model.fold_scales()
         for name, folder in static:
             self.lora.register(name, folder)
-        # adapters asked for while serving are read off the step thread (started at the first), in the order asked
-        self._lora_reader: ThreadPoolExecutor | None = None
-        self._lora_reads: deque[tuple[str, str, Future]] = deque()  # (name, folder, its read)
         placed = [name for name, _ in static[:max_loras]]
         for slot, name in enumerate(placed):
             self.lora.place(slot, name)
@@ -475,9 +461,6 @@ class ModelRunner:
         """Releases the model, the KV cache and the graphs (on a GPU, so that another runner can take them)."""
         self.model = self.kv_cache = self.host_pool = self.decode = self.penalties = self.recent = None
         self.last_token = self.lora = None
-        if self._lora_reader is not None:
-            self._lora_reader.shutdown(wait=False, cancel_futures=True)
-        self._lora_reads.clear()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -487,45 +470,27 @@ class ModelRunner:
         tensor-parallel follower takes its leader's."""
         self.batch.reset(random.getrandbits(63) if epoch is None else epoch)
         self.grammars.reset()
-        self._lora_reads.clear()  # asked for by that scheduler: what they read is dropped as they end
 
     # ---- one step -----------------------------------------------------------------------------
-    def lora_reads_ending(self, plan: pb.StepPlan) -> int:
-        """How many LoRA adapter reads end with the plan's step, counted in the order asked: those ended already or,
-        where the step runs no sequence, all, the plan's own among them, waited for (such a step has nothing else to
-        do: a scheduler sends one to hear of reads)."""
-        if not plan.seq_ids and not plan.new_seqs:
-            return len(self._lora_reads) + len(plan.load_loras)
-        done = 0
-        for _, _, read in self._lora_reads:
-            if not read.done():
-                break
-            done += 1
-        return done
-
     @torch.inference_mode()
-    def execute(self, plan: pb.StepPlan, lora_reads_ending: int | None = None) -> PendingStep:
+    def execute(self, plan: pb.StepPlan) -> PendingStep:
         """Applies the plan and launches its step, between the plan's swaps and its offloads; on a GPU it
-        returns before the step has run. lora_reads_ending: how many adapter reads end with this step (default:
-        lora_reads_ending(plan); a tensor-parallel group takes its leader's count, every rank ending the same)."""
+        returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
-        loaded, failed = self._update_adapters(
-            plan, step, self.lora_reads_ending(plan) if lora_reads_ending is None else lora_reads_ending)
+        failed_loras = self._update_adapters(plan, step)
         pool = self.host_pool
         if pool is not None:
             pool.swap(plan)
         pending = self._launch(plan, step, started)
-        pending.loaded_loras, pending.failed_loras = loaded, failed
+        pending.failed_loras = failed_loras
         if pool is not None:
             pool.offload(plan)
         return pending
 
-    def _update_adapters(self, plan: pb.StepPlan, step: BatchStep,
-                         reads_ending: int) -> tuple[list[str], dict[str, str]]:
-        """The plan's adapters forgotten and its reads started, the first `reads_ending` reads under way ended (held
-        where every rank read the adapter) and the plan's placements copied into slots (the batch took the slots'
-        changes); returns the adapters whose reads ended: held, and not held with why."""
+    def _update_adapters(self, plan: pb.StepPlan, step: BatchStep) -> dict[str, str]:
+        """The plan's LoRA adapters forgotten, read and placed into slots (the batch took the slots' changes);
+        returns the reads that failed, with why."""
         lora = self.lora
         for slot in step.unloaded_loras:
             lora.clear(slot)
@@ -533,48 +498,26 @@ class ModelRunner:
             if name not in lora.registered:
                 raise PlanError(f"LoRA adapter {name!r} is unloaded but not loaded here")
             lora.forget(name)
+        failed = {}
         for adapter in plan.load_loras:
-            if self._lora_reader is None:
-                self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader", initializer=_serial_ops)
-            read = self._lora_reader.submit(lora.read, adapter.name, adapter.path)
-            self._lora_reads.append((adapter.name, adapter.path, read))
-        loaded, failed = self._end_reads(reads_ending)
+            try:
+                lora.register(adapter.name, adapter.path)
+                log.info("LoRA adapter %s loaded from %s", adapter.name, adapter.path)
+            except ValueError as e:
+                log.warning("%s", e)
+                failed[adapter.name] = str(e)
+        # an adapter serves only where every rank read it: the ranks' batches place the same ones
+        for adapter, everywhere in zip(plan.load_loras, all_over_ranks(
+                [adapter.name not in failed for adapter in plan.load_loras], self.device)):
+            if not everywhere and adapter.name not in failed:
+                lora.forget(adapter.name)
+                failed[adapter.name] = (f"LoRA adapter {adapter.name!r}: another tensor-parallel rank of this worker "
+                                        "could not load it (its log says why)")
         for slot, name in step.placed_loras:
-            if name not in lora.registered:
+            if name not in lora.registered or name in failed:
                 raise PlanError(f"LoRA adapter {name!r} is placed into slot {slot} but not loaded here")
             lora.place(slot, name)
-        return loaded, failed
-
-    def _end_reads(self, count: int) -> tuple[list[str], dict[str, str]]:
-        """The first `count` reads under way, waited for (a tensor-parallel rank may be behind its leader) and
-        held where every rank read the adapter."""
-        ended = [self._lora_reads.popleft() for _ in range(min(count, len(self._lora_reads)))]
-        images, errors = [], []
-        for name, _, read in ended:
-            try:
-                images.append(read.result())
-                errors.append("")
-            except Exception as e:  # ValueError says what is not served; anything else, that the read broke
-                images.append(None)
-                errors.append(str(e) if isinstance(e, ValueError) else f"LoRA adapter {name!r}: {e!r}")
-        loaded, failed = [], {}
-        for (name, path, _), image, error, everywhere in zip(
-                ended, images, errors, all_over_ranks([not error for error in errors], self.device)):
-            if not error and not everywhere:
-                error = (f"LoRA adapter {name!r}: another tensor-parallel rank of this worker could not load it "
-                         "(its log says why)")
-            if not error:
-                try:
-                    self.lora.add(name, path, image)
-                except ValueError as e:  # the same on every rank: each holds what the same plans left
-                    error = str(e)
-            if error:
-                log.warning("%s", error)
-                failed[name] = error
-            else:
-                log.info("LoRA adapter %s loaded from %s", name, path)
-                loaded.append(name)
-        return loaded, failed
+        return failed
 
     def _launch(self, plan: pb.StepPlan, step: BatchStep, started: float) -> PendingStep:
         if self.embedding_only and step.new and not self.batch.pooling[[s.row for s in step.new]].all():

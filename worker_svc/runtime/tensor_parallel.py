@@ -11,9 +11,7 @@ For every plan the leader serializes it once and broadcasts the bytes over the c
 executes it itself; the other ranks execute every plan in lockstep (same delta, same collectives)
 and drop their results. Sampling needs no broadcast: the logits are gathered on every rank and the
 sampler is deterministic given (seed, position), so every rank keeps the same last token of each
-sequence on its own device. reset() and the epoch go through the control group too, and so does, with each
-plan, how many LoRA adapter reads (each rank reads its shards on a thread of its own) end with that step: as many
-as have ended on the leader, a rank still reading waiting for its own, so that every rank holds the same adapters.
+sequence on its own device. reset() and the epoch go through the control group too.
 
 Failure: a rank that dies takes the group down. The leader watches its children and exits (code 1)
 if one ends, so the scheduler sees the worker's stream break; each child watches a pipe from the
@@ -129,7 +127,7 @@ class TensorParallelRunner:
         try:
             self._ctrl = _init_process_group(0, size, store, rank_device(config.device, 0))
             self.runner = ModelRunner(model_dir, dataclasses.replace(config, device=rank_device(config.device, 0)))
-            self._send(_RESET, arg=self.runner.epoch)  # every rank checks plans against the leader's epoch
+            self._send(_RESET, epoch=self.runner.epoch)  # every rank checks plans against the leader's epoch
         except BaseException:
             self._abandon()
             raise
@@ -165,10 +163,9 @@ class TensorParallelRunner:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the tensor-parallel group is shutting down")
-            reads_ending = self.runner.lora_reads_ending(plan)  # every rank ends as many LoRA reads
-            self._send(_EXECUTE, data, arg=reads_ending)
+            self._send(_EXECUTE, data)
             try:
-                return self.runner.execute(plan, reads_ending)
+                return self.runner.execute(plan)
             except PlanError:
                 raise  # every rank rejects the same plan at the same point, before any collective
             except BaseException:
@@ -180,7 +177,7 @@ class TensorParallelRunner:
             if self._closing:
                 return
             self.runner.reset()
-            self._send(_RESET, arg=self.runner.epoch)
+            self._send(_RESET, epoch=self.runner.epoch)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops every rank (clean shutdown)."""
@@ -220,10 +217,9 @@ class TensorParallelRunner:
                 proc.join()
 
     # ---- control channel ----------------------------------------------------------------------
-    def _send(self, op: int, data: bytes = b"", arg: int = 0) -> None:
-        """One broadcast of (op, length, arg: a reset's epoch, a step's LoRA reads that end), then one of the
-        payload bytes if any."""
-        dist.broadcast(torch.tensor([op, len(data), arg], dtype=torch.int64), 0, group=self._ctrl)
+    def _send(self, op: int, data: bytes = b"", epoch: int = 0) -> None:
+        """One broadcast of (op, length, epoch), then one of the payload bytes if any."""
+        dist.broadcast(torch.tensor([op, len(data), epoch], dtype=torch.int64), 0, group=self._ctrl)
         if data:
             dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._ctrl)
         self._last_sent = time.monotonic()
@@ -298,17 +294,17 @@ def _follow(runner, ctrl: dist.ProcessGroup) -> None:
     header = torch.zeros(3, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=ctrl)
-        op, length, arg = header.tolist()
+        op, length, epoch = header.tolist()
         if op == _EXECUTE:
             payload = torch.empty(length, dtype=torch.uint8)
             dist.broadcast(payload, 0, group=ctrl)
             plan = pb.StepPlan.FromString(payload.numpy().tobytes())
             try:
-                runner.execute(plan, arg)  # launched in lockstep; only the leader answers
+                runner.execute(plan)  # launched in lockstep; only the leader answers
             except PlanError:
                 pass  # the leader rejects the same plan and ends the stream; a reset follows
         elif op == _RESET:
-            runner.reset(arg)
+            runner.reset(epoch)
         elif op == _STOP:
             return
         elif op != _NOOP:
