@@ -1,6 +1,7 @@
 """Small helpers."""
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Coroutine
@@ -27,6 +28,14 @@ def available_cpus() -> int:
         except ValueError:
             raise ValueError(f"${CPUS_ENV} must be a number of cores, got {value!r}") from None
     return max(1, len(os.sched_getaffinity(0)))
+
+
+def freeze_heap() -> None:
+    """Takes every object alive now out of the garbage collector's walks (gc.freeze), at the end of a process's
+    start-up: what it built then (the modules it imported, a model, a tokenizer) lives as long as it does, and every
+    full collection would walk all of it again, holding the whole process meanwhile."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

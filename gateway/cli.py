@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from client.channel import add_security_arguments, security_from_args
 from common.cli_help import use_everywhere
-from common.util import available_cpus
+from common.util import available_cpus, freeze_heap
 from gateway import harmony
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_parsers import PARSERS
@@ -128,7 +128,9 @@ def app_from_env() -> "FastAPI":
 
     args, config = load(json.loads(os.environ[ARGV_ENV]))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return create_app(config)
+    app = create_app(config)
+    freeze_heap()
+    return app
 
 
 def main(argv: Sequence[str] | None = None) -> int:

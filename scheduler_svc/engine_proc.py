@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from common.util import freeze_heap
 from scheduler_svc import ipc
 from scheduler_svc.adapters import AdapterError
 from scheduler_svc.config import SchedulerConfig
@@ -386,6 +387,7 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
     threading.Thread(target=_watchdog, args=(groups, watch), daemon=True, name="step-watchdog").start()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    freeze_heap()
     out.send(ipc.SUPERVISOR, ["hello", "engine", index, os.getpid()])
     while True:
         while not replies.empty():

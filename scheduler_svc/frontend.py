@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import model_files
 from common.security import ApiKeyInterceptor, ApiKeys, RegistrationPolicy, add_port, transport
-from common.util import run_loop
+from common.util import freeze_heap, run_loop
 from protos import membership_pb2_grpc, splitserve_pb2_grpc
 from protos import splitserve_pb2 as api
 from scheduler_svc import ipc
@@ -829,6 +829,7 @@ async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -
     await server.start()
     inbox = ipc.inbox(zmq.asyncio.Context.instance(), run_dir, ipc.frontend_name(index))
     receiving = asyncio.ensure_future(frontend.receive(inbox))
+    freeze_heap()
     frontend.out.send(ipc.SUPERVISOR, ["hello", "frontend", index, os.getpid()])
     await frontend.stopped.wait()
     receiving.cancel()

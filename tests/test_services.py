@@ -18,6 +18,8 @@ import functools
 import json
 from pathlib import Path
 import random
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -640,3 +642,12 @@ def test_prompt_logprobs_equal_transformers_log_softmax(client, cluster, hf):
             assert max(abs(lp - want) for (_, lp), want in zip(top, best.values.tolist())) < 1e-4
         assert c.usage.cached_prompt_tokens == 0
     wait_for("all blocks free", lambda: all_idle(client))
+
+
+def test_a_process_start_up_leaves_its_heap_out_of_the_collectors_walks():
+    """common.util.freeze_heap, which the worker, the engines, the front-ends and the gateway call once started:
+    what was alive then is frozen, so a full collection walks only what came after."""
+    code = ("import gc; from common.util import freeze_heap; keep = [[i] for i in range(100_000)]; freeze_heap(); "
+            "late = [[i] for i in range(10)]; print(gc.get_freeze_count() >= 100_000, len(gc.get_objects()) < 10_000)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["True", "True"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from common import limits
 from common.cli_help import json_object, use_everywhere
 from common.lifetime import exit_now, exit_with_launcher
+from common.util import freeze_heap
 from worker_svc.checkpoints.__main__ import add_commands as add_checkpoint_commands
 from worker_svc.checkpoints.presets import PRESETS
 
@@ -149,6 +150,7 @@ def _start(runner, args: argparse.Namespace):
         from worker_svc.service.metrics import serve_metrics
 
         serve_metrics(runner, args.metrics_port, args.host)
+    freeze_heap()
     return serve(runner, args.host, args.port, tls=args.tls)
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.util import freeze_heap
 from protos import worker_pb2 as pb
 from worker_svc.runtime.batch import PlanError
 
@@ -277,6 +278,7 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config, leader) 
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=STARTUP_TIMEOUT)
         ctrl = _init_process_group(rank, size, store, device)
         runner = ModelRunner(model_dir, dataclasses.replace(config, device=device))
+        freeze_heap()
         _follow(runner, ctrl)
         stopping.set()
     except BaseException:
