@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from common.util import cdiv
 from worker_svc.model.loader import _our_name
 from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -222,7 +223,7 @@ class LoraSlots:
 def _host_tensors(specs: list[tuple[tuple[int, int], torch.dtype]], pin: bool) -> list[torch.Tensor]:
     """Zeroed tensors of these shapes and dtypes, views of one host allocation (pinned where `pin`), each starting
     16-byte aligned."""
-    sizes = [-(-math.prod(shape) * dtype.itemsize // 16) * 16 for shape, dtype in specs]
+    sizes = [cdiv(math.prod(shape) * dtype.itemsize, 16) * 16 for shape, dtype in specs]
     buffer = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     return [part[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for part, (shape, dtype) in zip(buffer.split(sizes), specs)]
