@@ -195,7 +195,6 @@ class SamplingParams:
 # generation_config.json's sampling fields (Hugging Face's name -> ours) that a request leaving them unset takes
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # besides a folder holding a generation_config.json
 
 
 def generation_defaults(model_dir: str | Path, source: str = "auto",
