@@ -259,6 +259,13 @@ def test_echo_token_ids_needs_a_tokenizer():
     assert completion_job(CompletionRequest(prompt="hi", logprobs=2), None).params["prompt_logprobs"] is None
 
 
+def test_priority_follows_vllm_lower_is_served_earlier():
+    """vLLM's priority field serves lower values earlier; the gRPC field (the scheduler's) serves larger ones
+    earlier, so the gateway sends the negation."""
+    for given, sent in ((-7, 7), (0, 0), (3, -3), (None, 0)):
+        assert completion_job(CompletionRequest(prompt="hi", priority=given), None).params["priority"] == sent
+
+
 # ---- lm-evaluation-harness ------------------------------------------------------------------------------
 
 
