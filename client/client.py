@@ -178,11 +178,12 @@ def build_request(
     {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": Lark or GBNF text},
     {"structural_tag": {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} (dict or JSON text)}, with
     "reasoning": "qwen3", "deepseek_r1" or "openai_gptoss" beside it where a reasoning model's thinking comes first,
-    free. lora: a LoRA adapter the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached
-    prefixes are shared only between requests of the same salt. truncate_prompt_tokens: keep the prompt's last n
-    tokens (-1: as many as the model takes). return_prompt_token_ids: each completion's first delta carries the
-    prompt's token ids (Delta.prompt_token_ids), as the scheduler encoded it. use_beam_search: the n best beams of a
-    beam search (GenerateRequest.use_beam_search), scored with length_penalty (default 1), each in one delta."""
+    free. priority: larger is more urgent (GenerateRequest.priority: vLLM's HTTP field negated). lora: a LoRA adapter
+    the workers serve (model_info()["lora_adapters"]), by name. cache_salt: cached prefixes are shared only between
+    requests of the same salt. truncate_prompt_tokens: keep the prompt's last n tokens (-1: as many as the model
+    takes). return_prompt_token_ids: each completion's first delta carries the prompt's token ids
+    (Delta.prompt_token_ids), as the scheduler encoded it. use_beam_search: the n best beams of a beam search
+    (GenerateRequest.use_beam_search), scored with length_penalty (default 1), each in one delta."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt,

@@ -12,8 +12,11 @@ one mixed plan. Prefill chunks get at most `chunk_cap` tokens in that pass so se
 progress side by side; budget left over afterwards goes back to the capped chunks, oldest first.
 KV blocks are allocated chunk by chunk. When a decode needs a block and none is free, the newest
 running sequence is preempted and goes back to the waiting queue in arrival order; a continuing prefill
-with no free block preempts newer prefills not scheduled yet, or waits. A preempted sequence resumes
-through the prefix cache: its full blocks are hit where they are, on the GPU or (with a host tier,
+with no free block preempts newer prefills not scheduled yet, or waits. The head of the waiting queue, where
+it finds no room (blocks for its first chunk, or a slot under max_num_seqs), preempts the last running
+sequences while they are less urgent than it (a smaller priority, and after it in arrival order), before the
+step's decodes are planned: an urgent request does not wait for less urgent ones to end. A preempted
+sequence resumes through the prefix cache: its full blocks are hit where they are, on the GPU or (with a host tier,
 block_manager.py) swapped back in from the host, and the rest is recomputed.
 
 Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
@@ -289,6 +292,43 @@ class Scheduler:
                 return False
         return True
 
+    def _first_chunk(self, seq: Sequence, budget: int, cap: int) -> tuple[list[int], int, int]:
+        """What admitting seq now would take: its prefix hits (match_prefix), the tokens of its first chunk, and
+        the fresh blocks they need beside the hits."""
+        bm = self.block_manager
+        bs = self.block_size
+        hits = bm.match_prefix(seq)
+        total = len(seq.token_ids)
+        while True:
+            c = len(hits) * bs
+            n = min(total - c, cap, budget)
+            need = cdiv(c + n, bs) - len(hits)
+            if len(hits) + need <= bm.num_blocks or not hits:
+                return hits, n, need
+            # Behind a sliding window a sequence may outgrow the pool, and so may its cached prefix: the part
+            # that does not fit beside its first chunk is computed again.
+            hits = hits[:max(bm.num_blocks - need, 0)]
+
+    def _preempt_for_urgent(self, budget: int, cap: int) -> None:
+        """Preempts the last running sequences, while each is less urgent than the waiting queue's head (a smaller
+        priority, and after it in arrival order, so that it resumes behind it), until the head has room: a slot
+        under max_num_seqs and the blocks of its first chunk. A head whose LoRA adapter is in no slot is left to
+        wait: the room might go to others while its adapter is placed."""
+        running = self.running
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not running or head.priority <= running[-1].priority or (
+                head.params.lora and head.params.lora not in self.adapters.slots) or (
+                head.status is PREEMPTED and head.seq_id in self._preempted_ids):
+            return
+        bm = self.block_manager
+        max_num_seqs = self.config.limits.max_num_seqs
+        while running and (victim := running[-1]).priority < head.priority and victim.arrival > head.arrival:
+            if len(running) < max_num_seqs:
+                hits, _, need = self._first_chunk(head, budget, cap)
+                if need + bm.num_free_among(hits) <= bm.num_free_blocks:
+                    return
+            self._preempt(victim)
+
     # --- scheduling ------------------------------------------------------------------------------
 
     def schedule(self) -> worker_pb2.StepPlan | None:
@@ -301,6 +341,7 @@ class Scheduler:
         step = self._step + 1
         budget = cfg.limits.max_num_batched_tokens
         running = self.running
+        self._preempt_for_urgent(budget, cap)
         n_preempted = self.num_preemptions
 
         # The plan's running columns (seq_ids, num_scheduled_tokens, num_new_blocks, new_block_ids): decodes,
@@ -387,18 +428,10 @@ class Scheduler:
                 if lora and no_slot:
                     no_slot.append(waiting.popleft())
                     continue
-                hits = bm.match_prefix(seq)
+                hits, n, need = self._first_chunk(seq, budget, cap)
                 total = len(seq.token_ids)
-                while True:
-                    c = len(hits) * bs
-                    remaining = total - c
-                    n = min(remaining, cap, budget)
-                    need = cdiv(c + n, bs) - len(hits)
-                    if len(hits) + need <= bm.num_blocks or not hits:
-                        break
-                    # Behind a sliding window a sequence may outgrow the pool, and so may its cached prefix: the
-                    # part that does not fit beside its first chunk is computed again.
-                    hits = hits[:max(bm.num_blocks - need, 0)]
+                c = len(hits) * bs
+                remaining = total - c
                 if need + bm.num_free_among(hits) > bm.num_free_blocks or (self.whole_prompts and n < remaining):
                     break
                 if lora and not self.adapters.place(lora, step, lambda: {s.params.lora for s in running}):

@@ -651,12 +651,12 @@ PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9,
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random interleavings of add / schedule / result / abort / preempt / worker loss / LoRA adapter load and
-    unload over tiny pools, with up to three plans in flight, a host tier behind the GPU's blocks or none, a sliding
-    window or none, and LoRA slots or none. The fake worker checks every plan (block tables, KV content of prefix
-    hits wherever they came from and under whichever load of an adapter, no write or swap-in into a block another
-    live sequence holds, no unload of an adapter a held sequence runs under); every sequence must produce exactly
-    the tokens f(seed, position), and when everything ends every block of both tiers is free."""
+    """Random interleavings of add (at four priorities) / schedule / result / abort / preempt / worker loss / LoRA
+    adapter load and unload over tiny pools, with up to three plans in flight, a host tier behind the GPU's blocks or
+    none, a sliding window or none, and LoRA slots or none. The fake worker checks every plan (block tables, KV
+    content of prefix hits wherever they came from and under whichever load of an adapter, no write or swap-in into a
+    block another live sequence holds, no unload of an adapter a held sequence runs under); every sequence must
+    produce exactly the tokens f(seed, position), and when everything ends every block of both tiers is free."""
 
     @initialize(
         num_blocks=st.integers(4, 20),
@@ -702,8 +702,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 2),
         logprobs=st.sampled_from([None, 0, 2]),
         lora=st.sampled_from(["", "", "a", "b"]),
+        priority=st.sampled_from([0, 0, 0, 1, -1]),
     )
-    def add(self, prefix, keep, tail, max_tokens, ignore_eos, min_tokens, logprobs, lora):
+    def add(self, prefix, keep, tail, max_tokens, ignore_eos, min_tokens, logprobs, lora, priority):
         if lora not in ("", *self.sched.adapters.served):
             return  # EngineCore.add refuses it
         prompt = prefix[:keep] + tail
@@ -717,12 +718,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             stop_token_ids=[7] if max_tokens % 3 == 0 else [],
             lora=lora,
         )
+        s.priority = priority
         try:
             self.sched.add(s)
         except (ValueError, QueueFullError):
             return
         self.seqs[s.seq_id] = s
         self.next_id += 1
+
+    @precondition(lambda self: self.sched.running)
+    @rule(prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
+    def add_urgent(self, prefix, max_tokens):
+        """A request more urgent than any other while sequences run: where it finds no room it takes theirs."""
+        self.add(prefix, 12, [], max_tokens, True, 0, None, "", 2)
 
     @rule(name=st.sampled_from(["a", "b"]), bad=st.sampled_from([False, False, False, True]))
     def load_adapter(self, name, bad):
@@ -887,7 +895,7 @@ class AdapterMachine(SchedulerMachine):
 
     @rule(name=st.sampled_from(["a", "b", "c"]), prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
     def add_under(self, name, prefix, max_tokens):
-        self.add(prefix, 12, [], max_tokens, True, 0, None, name)
+        self.add(prefix, 12, [], max_tokens, True, 0, None, name, 0)
 
     @rule(name=st.sampled_from(["a", "b", "c"]))
     def break_folder(self, name):
@@ -958,3 +966,32 @@ def test_priority_admits_first_preempts_last_and_ages():
     sched.add(very_urgent)
     plan = sched.schedule()
     assert [n.seq_id for n in plan.new_seqs] == [11]  # admitted first (max_num_seqs=1)
+
+
+def test_urgent_request_preempts_less_urgent_running_ones():
+    """A waiting request that finds no room preempts the last running sequences while they are less urgent than
+    it, and is admitted in the same plan; an equally urgent one only waits. Each sequence still ends with its own
+    tokens, the preempted one through the prefix cache, and every block is free afterwards."""
+    sched, worker = make(num_blocks=8, block_size=4, budget=32, max_num_seqs=4)
+    d = Driver(sched, worker, depth=2)
+    low = [seq(i, range(10 * i + 1, 10 * i + 11), max_tokens=6) for i in range(2)]  # 10 + 6 tokens: 4 blocks
+    for s in low:
+        sched.add(s)
+    for _ in range(3):
+        d.step()
+    assert [s.seq_id for s in sched.running] == [0, 1] and sched.block_manager.num_free_blocks == 2
+    same = seq(2, range(31, 41), max_tokens=2)
+    sched.add(same)
+    d.step()
+    assert sched.num_preemptions == 0 and same in sched.waiting
+    urgent = Sequence(3, list(range(41, 51)), SamplingParams(max_tokens=2, ignore_eos=True, seed=1003), priority=1)
+    sched.add(urgent)
+    plan = sched.schedule()
+    assert list(plan.preempted_ids) == [1] and [n.seq_id for n in plan.new_seqs] == [3]
+    worker.submit(plan)
+    d.run()
+    assert sorted(s.seq_id for s in d.finished) == [0, 1, 2, 3]
+    for s in d.finished:
+        assert (s.output_token_ids, s.finish_reason) == expected_output(worker, s)
+    sched.check()
+    assert sched.block_manager.num_free_blocks == 8
