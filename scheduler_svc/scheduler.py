@@ -13,11 +13,12 @@ progress side by side; budget left over afterwards goes back to the capped chunk
 KV blocks are allocated chunk by chunk. When a decode needs a block and none is free, the newest
 running sequence is preempted and goes back to the waiting queue in arrival order; a continuing prefill
 with no free block preempts newer prefills not scheduled yet, or waits. The head of the waiting queue, where
-it finds no room (blocks for its first chunk, or a slot under max_num_seqs), preempts the last running
-sequences while they are less urgent than it (a smaller priority, and after it in arrival order), before the
-step's decodes are planned: an urgent request does not wait for less urgent ones to end. A preempted
-sequence resumes through the prefix cache: its full blocks are hit where they are, on the GPU or (with a host tier,
-block_manager.py) swapped back in from the host, and the rest is recomputed.
+it finds no room (blocks for its first chunk, or a slot under max_num_seqs), and a prompt still prefilling,
+where its next chunk finds none, preempt the last running sequences while they are less urgent (a smaller
+priority, and after it in arrival order), before the step's decodes are planned: an urgent request does not
+wait for less urgent ones to end. A preempted sequence resumes through the prefix cache: its full blocks
+are hit where they are, on the GPU or (with a host tier, block_manager.py) swapped back in from the host,
+and the rest is recomputed.
 
 Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
 known, so a decode is scheduled for the token still being sampled. Rules that keep this exact:
@@ -310,24 +311,41 @@ class Scheduler:
             hits = hits[:max(bm.num_blocks - need, 0)]
 
     def _preempt_for_urgent(self, budget: int, cap: int) -> None:
-        """Preempts the last running sequences, while each is less urgent than the waiting queue's head (a smaller
-        priority, and after it in arrival order, so that it resumes behind it), until the head has room: a slot
-        under max_num_seqs and the blocks of its first chunk. A head whose LoRA adapter is in no slot is left to
-        wait: the room might go to others while its adapter is placed."""
+        """Room for the sequences that wait for blocks to prefill into (the running ones still prefilling, and the
+        waiting queue's head, which needs a slot under max_num_seqs too), in arrival order and within a step's
+        budget: each preempts the last running sequences while they are less urgent than it (a smaller priority,
+        and after it in arrival order, so that they resume behind it). A head whose LoRA adapter is in no slot is
+        left to wait: the room might go to others while its adapter is placed."""
         running = self.running
-        head = self.waiting[0] if self.waiting else None
-        if head is None or not running or head.priority <= running[-1].priority or (
-                head.params.lora and head.params.lora not in self.adapters.slots) or (
-                head.status is PREEMPTED and head.seq_id in self._preempted_ids):
+        if not running:
             return
+        least = running[-1].priority
+        wanting = [s for s in running if s.num_computed_tokens < s.num_sent_tokens and s.priority > least]
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.priority > least and not (
+                head.params.lora and head.params.lora not in self.adapters.slots) and not (
+                head.status is PREEMPTED and head.seq_id in self._preempted_ids):
+            bisect.insort(wanting, head, key=_arrival)
         bm = self.block_manager
         max_num_seqs = self.config.limits.max_num_seqs
-        while running and (victim := running[-1]).priority < head.priority and victim.arrival > head.arrival:
-            if len(running) < max_num_seqs:
-                hits, _, need = self._first_chunk(head, budget, cap)
-                if need + bm.num_free_among(hits) <= bm.num_free_blocks:
-                    return
-            self._preempt(victim)
+        want = 0  # blocks the wanting sequences so far take
+        for seq in wanting:
+            if budget <= 0:
+                break
+            if seq is head:
+                hits, n, need = self._first_chunk(seq, budget, cap)
+                need += bm.num_free_among(hits)
+            elif seq.status is RUNNING:  # not preempted for an earlier one
+                c = seq.num_computed_tokens
+                n = min(seq.num_sent_tokens - c, cap, budget)
+                need = max(cdiv(c + n, self.block_size) - len(seq.block_table), 0)
+            else:
+                continue
+            want += need
+            budget -= n
+            while running and (bm.num_free_blocks < want or seq is head and len(running) >= max_num_seqs) and (
+                    victim := running[-1]).priority < seq.priority and victim.arrival > seq.arrival:
+                self._preempt(victim)
 
     # --- scheduling ------------------------------------------------------------------------------
 

@@ -995,3 +995,30 @@ def test_urgent_request_preempts_less_urgent_running_ones():
         assert (s.output_token_ids, s.finish_reason) == expected_output(worker, s)
     sched.check()
     assert sched.block_manager.num_free_blocks == 8
+
+
+def test_an_urgent_prompt_prefills_chunk_after_chunk_past_less_urgent_decodes():
+    """An urgent prompt longer than a chunk gets its next chunk's blocks in every plan until its prefill ends, from
+    the less urgent sequences decoding beside it (which need no new block meanwhile), rather than waiting for them
+    to grow or end."""
+    sched, worker = make(num_blocks=8, block_size=8, budget=16, cap=8, max_num_seqs=4)
+    d = Driver(sched, worker, depth=1)
+    low = [seq(i, range(10 * i + 1, 10 * i + 10), max_tokens=20) for i in range(2)]  # 9 + 20 tokens
+    for s in low:
+        sched.add(s)
+    while any(s.num_computed_tokens < 10 for s in low):  # both decoding, 2 blocks each: 4 free
+        d.step()
+    urgent = Sequence(2, list(range(41, 81)), SamplingParams(max_tokens=2, ignore_eos=True, seed=1002), priority=1)
+    sched.add(urgent)  # 40 tokens: 5 blocks
+    chunks = []
+    while urgent.num_computed_tokens < 40:
+        plan = sched.schedule()
+        chunks.append(scheduled(plan).get(2, 0))
+        worker.submit(plan)
+        sched.update(worker.receive())
+        sched.check()
+    assert all(chunks) and sched.num_preemptions > 0
+    d.run()
+    for s in (*low, urgent):
+        assert (s.output_token_ids, s.finish_reason) == expected_output(worker, s)
+    assert sched.block_manager.num_free_blocks == 8
