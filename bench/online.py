@@ -25,21 +25,22 @@ from bench.workload import Request
 from common.util import run_loop
 
 
-async def run_rate(client, reqs: list[Request], rate: float, seed: int, sampling: dict,
-                   desc: str) -> tuple[list[common.Trace], float]:
-    """Sends `reqs` at Poisson arrivals of `rate` per second (inf: all at once); each request's clock
-    starts at its scheduled arrival, so client lag counts against it. Returns the traces and the
-    wall time from the first arrival to the last token."""
+async def run_rate(client, reqs: list[Request], rate: float, seed: int, sampling: dict, desc: str,
+                   urgent: set[int] = frozenset()) -> tuple[list[common.Trace], float]:
+    """Sends `reqs` at Poisson arrivals of `rate` per second (inf: all at once), those whose index is in `urgent`
+    at priority 1; each request's clock starts at its scheduled arrival, so client lag counts against it. Returns
+    the traces and the wall time from the first arrival to the last token."""
     rng = random.Random(seed)
     bar = tqdm(total=len(reqs), desc=desc, dynamic_ncols=True)
     tasks = []
     start = arrival = time.perf_counter()
     try:
-        for r in reqs:
+        for i, r in enumerate(reqs):
             delay = arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(common.stream(client, r.prompt_ids, r.max_tokens, sent=arrival, **sampling))
+            task = asyncio.create_task(common.stream(client, r.prompt_ids, r.max_tokens, sent=arrival,
+                                                     priority=int(i in urgent), **sampling))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
             arrival += rng.expovariate(rate) if math.isfinite(rate) else 0.0
@@ -50,7 +51,8 @@ async def run_rate(client, reqs: list[Request], rate: float, seed: int, sampling
 
 
 def summarize(rate: float, traces: list[common.Trace], seconds: float, slo_ttft_ms: float,
-              slo_itl_ms: float) -> dict:
+              slo_itl_ms: float, urgent: set[int] = frozenset()) -> dict:
+    """One rate's row; with urgent requests (their indices), their TTFT and the others' beside it."""
     done = [t for t in traces if t.error is None and t.times]
     ttfts = [t.ttft * 1e3 for t in done]
     gaps = [g * 1e3 for t in done for g in t.token_gaps()]
@@ -58,6 +60,12 @@ def summarize(rate: float, traces: list[common.Trace], seconds: float, slo_ttft_
     # a request with one token has no per-token latency: it is held to the TTFT only
     good = sum(1 for t, tp in zip(ttfts, tpots) if t <= slo_ttft_ms and (math.isnan(tp) or tp <= slo_itl_ms))
     out_tokens = sum(t.output_tokens for t in done)
+    by_class = {}
+    if urgent:
+        for name, mine in (("urgent", True), ("others", False)):
+            ttft = [t.ttft * 1e3 for i, t in enumerate(traces) if (i in urgent) == mine and t.error is None and t.times]
+            by_class[f"ttft_p50_{name}_ms"] = common.rnd(common.percentile(ttft, 50))
+            by_class[f"ttft_p99_{name}_ms"] = common.rnd(common.percentile(ttft, 99))
     return {
         "rate_req_s": rate if math.isfinite(rate) else "inf",
         "requests": len(traces),
@@ -72,6 +80,7 @@ def summarize(rate: float, traces: list[common.Trace], seconds: float, slo_ttft_
         "tpot_p50_ms": common.rnd(common.percentile([x for x in tpots if not math.isnan(x)], 50), 3),
         "goodput_req_s": common.rnd(good / seconds if seconds > 0 else math.nan),
         "slo_met_pct": common.rnd(100 * good / len(traces) if traces else math.nan, 1),
+        **by_class,
     }
 
 
@@ -80,13 +89,16 @@ async def run_all(address: str, reqs: list[Request], args: argparse.Namespace) -
 
     sampling = dict(temperature=args.temperature, ignore_eos=True)
     rows = []
+    pick = random.Random(args.seed)
+    urgent = {i for i in range(len(reqs)) if pick.random() < args.urgent_share}
     async with AsyncClient(address) as client:
         warm = reqs[: args.warmup]
         await asyncio.gather(*(common.stream(client, r.prompt_ids, min(r.max_tokens, 16), **sampling) for r in warm))
         for i, rate in enumerate(args.rates):
             batch = common.redraw_tokens(reqs, seed=1000 + i)  # fresh prompts: no hits on earlier rates' cache
-            traces, seconds = await run_rate(client, batch, rate, seed=i, sampling=sampling, desc=f"{rate:g} req/s")
-            rows.append(summarize(rate, traces, seconds, args.slo_ttft_ms, args.slo_itl_ms))
+            traces, seconds = await run_rate(client, batch, rate, seed=i, sampling=sampling, desc=f"{rate:g} req/s",
+                                             urgent=urgent)
+            rows.append(summarize(rate, traces, seconds, args.slo_ttft_ms, args.slo_itl_ms, urgent))
             print(rows[-1], flush=True)
             errors = [t.error for t in traces if t.error]
             if errors:
@@ -108,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-itl-ms", type=float, default=50.0,
                     help="goodput: mean time per output token after the first at most this")
     ap.add_argument("--warmup", type=int, default=8, help="requests (16 tokens each) before the first rate")
+    ap.add_argument("--num-blocks", type=int, help="the worker's KV blocks (default: what its memory budget holds)")
+    ap.add_argument("--urgent-share", type=float, default=0.0, metavar="SHARE",
+                    help="requests sent at priority 1 (the rest at 0), drawn with --seed: each row gives their TTFT "
+                         "and the others' apart")
+    ap.add_argument("--seed", type=int, default=0, help="of the urgent requests' draw")
     return ap
 
 
@@ -115,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     reqs = common.offline_workload(args.num_requests, args.max_input, args.max_output)
     with common.model_dir(args) as model:
-        with common.cluster(args, Path(model)) as address:
+        kv = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+        with common.cluster(args, Path(model), extra_worker_args=kv) as address:
             rows = run_loop(run_all(address, reqs, args))
     rows = [{"path": common.path_label(args, "grpc services"), **row} for row in rows]
     return common.save("bench.online", argv, args.out, "online", args, rows)

@@ -39,8 +39,9 @@ def test_online(model: Path, tmp_path: Path) -> None:
     from bench import online
 
     out = tmp_path / "online.json"
+    # a pool of 6 blocks of 16 holds two requests at once: the urgent ones (a share of half: 2, 3 and 5) find it full
     online.main(["--model", str(model), *SIM, "--rates", "50,inf", "--num-requests", "6", "--max-input", "32",
-                 "--max-output", "12", "--warmup", "2", "--out", str(out)])
+                 "--max-output", "12", "--warmup", "2", "--num-blocks", "6", "--urgent-share", "0.5", "--out", str(out)])
     doc = _load(out, "online", "bench.online")
     rows = doc["results"]
     assert [r["rate_req_s"] for r in rows] == [50.0, "inf"]
@@ -50,6 +51,7 @@ def test_online(model: Path, tmp_path: Path) -> None:
                   "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
         assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] and r["itl_p99_ms"] >= r["itl_p50_ms"]
         assert 0 <= r["slo_met_pct"] <= 100 and 0 <= r["goodput_req_s"] <= r["achieved_req_s"] + 1e-9
+        _positive(r, "ttft_p50_urgent_ms", "ttft_p99_urgent_ms", "ttft_p50_others_ms", "ttft_p99_others_ms")
 
 
 def test_embed(model: Path, tmp_path: Path) -> None:
