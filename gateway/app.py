@@ -50,7 +50,7 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
                               EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList,
                               RerankRequest, RerankResponse, ResetPrefixCacheResponse, ResponseBody, ResponsesRequest,
                               ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
-                              UnloadLoraAdapterRequest, VersionBody)
+                              UnloadLoraAdapterRequest, VersionBody, grpc_priority)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -279,6 +279,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         model = await backend.resolve_model(body.model)
         try:
             result = await backend.client.embed(body.input, dimensions=body.dimensions, normalize=body.normalize,
+                                                priority=grpc_priority(body.priority),
                                                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                                                 lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
@@ -296,7 +297,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
         try:
-            got = await backend.client.classify(body.input, truncate_prompt_tokens=body.truncate_prompt_tokens,
+            got = await backend.client.classify(body.input, priority=grpc_priority(body.priority),
+                                                truncate_prompt_tokens=body.truncate_prompt_tokens,
                                                 lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except grpc.RpcError as e:
             raise from_grpc(e, prompt_param="input") from None
@@ -308,11 +310,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def _scores(backend: Backend, model: str, text_1: Any, text_2: Any, names: tuple[str, str],
-                      truncate_prompt_tokens: int | None) -> Scores:
+                      body: ScoreRequest | RerankRequest) -> Scores:
         """Client.score's scores of text_1 against text_2 by `model` (the base model or an adapter); an error names
         its side (`names`: what the request calls the two; a cross-encoder's pair too long is the second's)."""
         try:
-            return await backend.client.score(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens,
+            return await backend.client.score(text_1, text_2, priority=grpc_priority(body.priority),
+                                              truncate_prompt_tokens=body.truncate_prompt_tokens,
                                               lora=await backend.lora_of(model), timeout=backend.config.rpc_timeout)
         except ValueError as e:  # the two sides do not pair, or cannot be scored by this model
             raise invalid(names[str(e).startswith("text_2")], str(e)) from None
@@ -327,8 +330,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """vLLM's: each pair's score (the cosine similarity of its embeddings, or a cross-encoder's probability)."""
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
-        got = await _scores(backend, model, body.text_1, body.text_2, ("text_1", "text_2"),
-                            body.truncate_prompt_tokens)
+        got = await _scores(backend, model, body.text_1, body.text_2, ("text_1", "text_2"), body)
         return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": model, "data": [{"object": "score", "index": i, "score": v}
                                                       for i, v in enumerate(got.scores)],
@@ -339,7 +341,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         backend = backend_of(request)
         model = await backend.resolve_model(body.model)
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
-        got = await _scores(backend, model, body.query, texts, ("query", "documents"), body.truncate_prompt_tokens)
+        got = await _scores(backend, model, body.query, texts, ("query", "documents"), body)
         best = sorted(range(len(texts)), key=lambda i: -got.scores[i])[:body.top_n or None]
         return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {
             "total_tokens": got.prompt_tokens}, "results": [

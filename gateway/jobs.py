@@ -12,7 +12,7 @@ from common.model_files import TEMPLATE_ARGUMENTS
 from gateway import harmony
 from gateway.backend import Backend
 from gateway.errors import from_grpc, invalid
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, grpc_priority
 from gateway.structured import structured_of
 from gateway.tokens import TokenRenderer
 from gateway.tool_parsers import PARSERS
@@ -85,8 +85,7 @@ def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               logprobs: int | None) -> dict[str, Any]:
-    """The gRPC request's sampling fields. priority: vLLM's (lower is served earlier) negated into the scheduler's
-    (larger is more urgent)."""
+    """The gRPC request's sampling fields."""
     return dict(
         max_tokens=max_tokens, temperature=body.temperature,
         top_p=None if body.top_p is None else max(body.top_p, MIN_FLOAT32), top_k=body.top_k,
@@ -97,7 +96,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         bad_words=body.bad_words or None,
         ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
-        logprobs=logprobs, n=body.n or 1, priority=-(body.priority or 0), cache_salt=body.cache_salt or "",
+        logprobs=logprobs, n=body.n or 1, priority=grpc_priority(body.priority), cache_salt=body.cache_salt or "",
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         skip_special_tokens=body.skip_special_tokens, structured=_structured(body),
         prompt_logprobs=body.prompt_logprobs, use_beam_search=bool(body.use_beam_search),

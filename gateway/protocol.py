@@ -47,6 +47,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 # against the model's length.
 TruncatePromptTokens = Annotated[int | None, Field(ge=-1, le=MAX_INT32)]
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+# vLLM's: lower is served earlier (the gRPC field's opposite: grpc_priority)
+Priority = Annotated[int | None, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 # A bad word holds something besides whitespace (Python's, which counts \x1c-\x1f and \x85 too)
 BadWord = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_LEN, pattern=r"[^\s\x1c-\x1f\x85]")]
@@ -104,7 +106,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = None
-    priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    priority: Priority = 0
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)  # cached prefixes shared only within a salt
     truncate_prompt_tokens: TruncatePromptTokens = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt's tokens (and top n)
@@ -294,7 +296,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_FLOAT32)
-    priority: int | None = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    priority: Priority = 0
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -339,6 +341,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1, le=MAX_INT32)
     normalize: bool | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None
+    priority: Priority = 0
     user: str | None = None
 
 
@@ -348,6 +351,7 @@ class ClassificationRequest(BaseModel):
     model: str | None = None
     input: PooledInput
     truncate_prompt_tokens: TruncatePromptTokens = None
+    priority: Priority = 0
     user: str | None = None
 
 
@@ -365,6 +369,7 @@ class ScoreRequest(BaseModel):
     text_1: ScoreSide
     text_2: ScoreSide
     truncate_prompt_tokens: TruncatePromptTokens = None
+    priority: Priority = 0
     user: str | None = None
 
 
@@ -383,6 +388,7 @@ class RerankRequest(BaseModel):
     top_n: int = Field(0, ge=0, le=MAX_INT32)
     return_documents: bool = True
     truncate_prompt_tokens: TruncatePromptTokens = None
+    priority: Priority = 0
     user: str | None = None
 
 
@@ -664,3 +670,8 @@ class RerankResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+def grpc_priority(priority: int | None) -> int:
+    """vLLM's priority (lower is served earlier) as the gRPC requests' field (larger is more urgent)."""
+    return -(priority or 0)

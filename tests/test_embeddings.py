@@ -176,6 +176,9 @@ def test_the_gateway_serves_openai_embeddings(cluster, gateway, reference):
     _close(cut["data"][0]["embedding"], _normalized(reference([7, 5, 6, 7])[-1]))
     bad = httpx.post(f"{gateway.url}/v1/embeddings", json={"input": "a", "dimensions": 65}, timeout=WAIT_S)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+    for priority, status in ((-5, 200), (101, 400)):  # vLLM's field, in [-100, 100]
+        answer = httpx.post(f"{gateway.url}/v1/embeddings", json={"input": "a", "priority": priority}, timeout=WAIT_S)
+        assert answer.status_code == status and (status == 200 or answer.json()["error"]["param"] == "priority")
     refused = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=WAIT_S)
     assert refused.status_code == 400 and "no LM head" in refused.json()["error"]["message"]
 
@@ -217,7 +220,8 @@ def test_scores_and_rerank_are_the_cosine_of_the_embeddings(cluster, gateway, re
     order = sorted(range(3), key=lambda i: -want[i])
     for path in ("/v1/rerank", "/v2/rerank"):
         body = httpx.post(f"{gateway.url}{path}", json={"query": TEXTS[0], "documents": [docs[0], {"text": docs[1]},
-                                                                                       docs[2]], "top_n": 2},
+                                                                                       docs[2]], "top_n": 2,
+                                                        "priority": -1},
                           timeout=WAIT_S).json()
         assert [r["index"] for r in body["results"]] == order[:2], body
         assert [r["relevance_score"] for r in body["results"]] == pytest.approx([want[i] for i in order[:2]],
