@@ -54,6 +54,7 @@ class Delta:
     usage: Usage | None = None  # on the completion's last delta
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1.. (None: none)
     prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs or return_prompt_token_ids
+    cumulative_logprob: float | None = None  # a beam's summed logprob (use_beam_search), on its one delta
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (the first has no context)
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs or return_prompt_token_ids: as encoded
+    cumulative_logprob: float | None = None  # a beam's summed logprob (use_beam_search)
 
 
 class GenerateParams(TypedDict, total=False):
@@ -379,7 +381,9 @@ def _delta_fields(response: pb.GenerateResponse) -> Delta:
                      _logprobs(logprobs) if logprobs else None,
                      _FINISH_REASONS[response.finish_reason], response.stop_reason or None,
                      Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
-                     if response.HasField("usage") else None)
+                     if response.HasField("usage") else None,
+                     cumulative_logprob=response.cumulative_logprob if response.HasField("cumulative_logprob")
+                     else None)
     return Delta(response.index, list(response.token_ids), response.text, _logprobs(logprobs) if logprobs else None)
 
 
@@ -406,6 +410,7 @@ class CompletionCollector:
             logprobs=[lp for lps in with_logprobs for lp in lps] if with_logprobs else None,
             prompt_logprobs=deltas[0].prompt_logprobs,
             prompt_token_ids=deltas[0].prompt_token_ids,
+            cumulative_logprob=last.cumulative_logprob,
         )
 
     def completions(self) -> list[Completion]:

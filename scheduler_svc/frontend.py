@@ -701,7 +701,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             self._finished[beam.finish_reason].inc()
             r = api.GenerateResponse(request_id=rid, index=i, token_ids=beam.tokens, finish_reason=FINISH[
                 beam.finish_reason], text=self.tokenizer.decode(beam.tokens, skip_special_tokens=p.skip_special_tokens),
-                stop_reason=str(beam.stop_token) if beam.stop_token is not None else "")
+                stop_reason=str(beam.stop_token) if beam.stop_token is not None else "",
+                cumulative_logprob=beam.logprob)
             r.usage.prompt_tokens, r.usage.completion_tokens = len(parsed.prompt_ids), len(beam.tokens)
             if prompt_ids_due:
                 r.prompt_token_ids.extend(parsed.prompt_ids)

@@ -55,7 +55,13 @@ def test_the_best_beams_by_logprob_over_length_an_eos_completes_one():
 
 
 def _reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int]) -> list[list[int]]:
-    """The same search over transformers' logprobs (fp32), written out here on its own."""
+    """The same search over transformers' logprobs (fp32), written out here on its own: the beams' tokens."""
+    return [tokens for tokens, _ in _reference_beams(hf, prompt, width, max_tokens, eos)]
+
+
+def _reference_beams(hf, prompt: list[int], width: int, max_tokens: int,
+                     eos: set[int]) -> list[tuple[list[int], float]]:
+    """_reference's beams with their summed logprobs."""
     def score(tokens: list[int], logprob: float) -> float:
         return logprob / (len(prompt) + len(tokens))
 
@@ -69,7 +75,7 @@ def _reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int]
                 for value, token in zip(top.values.tolist(), top.indices.tolist()):
                     (done if token in eos else grown).append((tokens + [token] * (token not in eos), logprob + value))
             beams = sorted(grown, key=lambda b: score(*b), reverse=True)[:width]
-    return [t for t, _ in sorted(done + beams, key=lambda b: score(*b), reverse=True)[:width]]
+    return sorted(done + beams, key=lambda b: score(*b), reverse=True)[:width]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +95,9 @@ def test_beams_through_the_services_equal_the_search_over_transformers_logprobs(
         for prompt in PROMPTS:
             for width in (1, 3):
                 got = c.complete(token_ids=prompt, max_tokens=5, n=width, use_beam_search=True)
-                assert [g.token_ids for g in got] == _reference(hf, prompt, width, 5, eos), (prompt, width)
+                want = _reference_beams(hf, prompt, width, 5, eos)
+                assert [g.token_ids for g in got] == [tokens for tokens, _ in want], (prompt, width)
+                assert [g.cumulative_logprob for g in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
                 assert all(g.finish_reason == "length" and g.usage.completion_tokens == 5 for g in got)
         greedy, = c.complete(token_ids=PROMPTS[0], max_tokens=5, temperature=0.0)
         assert greedy.token_ids == _reference(hf, PROMPTS[0], 1, 5, eos)[0]  # one beam is greedy decoding
