@@ -109,17 +109,22 @@ class LLM:
         prompts: str | list[int] | Seq[str | list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[GenerationOutput]:
-        """Outputs in the order of the prompts."""
+        """Outputs in the order of the prompts. priority: vLLM's, one per prompt, lower served earlier (the engine's
+        larger-is-more-urgent negated)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
 
         engine = self.engine
-        todo = deque(zip(prompts, sampling_params))
+        todo = deque(zip(prompts, sampling_params, (-p for p in priority)))
         order: list[str] = []
         texts: dict[str, list[str]] = {}
         tokens: dict[str, list[int]] = {}
@@ -133,7 +138,8 @@ class LLM:
             while todo or engine.has_unfinished():
                 # Feed the queue up to its bound rather than all at once.
                 while todo and engine.scheduler.num_waiting < engine.scheduler.config.max_waiting:
-                    rid = engine.add_request(*todo.popleft())
+                    prompt, params, urgency = todo.popleft()
+                    rid = engine.add_request(prompt, params, priority=urgency)
                     order.append(rid)
                     texts[rid], tokens[rid] = [], []
                 for out in engine.step():

@@ -255,6 +255,20 @@ def test_llm_generate(model_dir, words, qwen):
         LLM(model_dir, executor=worker, dtype="float32")
 
 
+def test_llm_generate_takes_vllms_priority(model_dir, words):
+    """LLM.generate's priority is vLLM's: one per prompt, the lowest served first."""
+    worker = FakeWorker(64, 4, max_model_len=256, vocab_size=151936, token_fn=word_fn(words))
+    with LLM(model_dir, executor=worker, max_num_seqs=1) as llm:
+        params = SamplingParams(max_tokens=2, ignore_eos=True, seed=0)
+        outs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[0, 0, -5])
+        assert [len(o.token_ids) for o in outs] == [2, 2, 2]
+        with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+            llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[0, 1])
+    admitted = [ns.seq_id for plan in worker.plans for ns in plan.new_seqs]
+    first = min(admitted)
+    assert admitted == [first + 2, first, first + 1]
+
+
 def test_pipeline_depth_below_one_is_refused(model_dir, words):
     from scheduler_svc import cli
 
