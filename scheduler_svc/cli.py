@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SchedulerConfig()
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                    help="queued requests per group before refusing")
-    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV blocks of a shared prompt prefix")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true", dest="no_prefix_caching",
+                   help="never reuse the KV blocks of a shared prompt prefix (the second spelling: vLLM's)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
+                   help="vLLM's: the most tokens a prompt's chunk takes in a step while other prompts wait for theirs "
+                        "(what budget is left goes back to the cut chunks); 0: max(block size, "
+                        "--max-num-batched-tokens / 4)")
     p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
@@ -109,6 +114,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     try:
         args.config = SchedulerConfig(limits=limits.from_args(args), max_waiting=args.max_waiting,
                                       enable_prefix_caching=not args.no_prefix_caching,
+                                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                                       pipeline_depth=args.pipeline_depth)
         args.sampling_defaults = generation_defaults(args.model, args.generation_config,
                                                      args.override_generation_config)

@@ -279,6 +279,21 @@ def test_pipeline_depth_below_one_is_refused(model_dir, words):
     assert exit_info.value.code == 2
 
 
+def test_vllms_scheduler_flags_reach_the_config(model_dir):
+    """--no-enable-prefix-caching (vLLM's spelling of --no-prefix-caching) and --long-prefill-token-threshold."""
+    from scheduler_svc import cli
+
+    base = ["--model", str(model_dir), "--plaintext"]
+    config = cli._parse(cli.build_parser(), base).config
+    assert config.enable_prefix_caching and config.long_prefill_token_threshold == 0
+    config = cli._parse(cli.build_parser(), [*base, "--no-enable-prefix-caching",
+                                             "--long-prefill-token-threshold", "64"]).config
+    assert not config.enable_prefix_caching and config.chunk_cap(16) == 64
+    with pytest.raises(SystemExit) as exit_info:
+        cli._parse(cli.build_parser(), [*base, "--long-prefill-token-threshold", "-1"])
+    assert exit_info.value.code == 2
+
+
 def test_the_scheduler_refuses_a_generation_config_it_cannot_sample_with(model_dir, capsys):
     """--generation-config FOLDER without the file, --override-generation-config not a JSON object, not a sampling
     field or out of range: a usage error naming the flag, before anything starts."""
