@@ -241,6 +241,16 @@ def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
     assert cli.KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
 
 
+def test_worker_cli_takes_vllms_spellings():
+    """--enforce-eager and --kv-offloading-size, vLLM's names of --no-cuda-graphs and --kv-offload-gib."""
+    from worker_svc import cli
+
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--enforce-eager", "--kv-offloading-size", "4"])
+    assert args.no_cuda_graphs and args.kv_offload_gib == 4.0
+    args = cli.build_parser().parse_args(["serve", "--model", "m"])
+    assert not args.no_cuda_graphs and args.kv_offload_gib == 0.0
+
+
 def test_kernel_builds_are_counted_by_phase_through_the_cute_compilers_forms():
     """runtime/kernel_builds.py and kernels/build_hooks.py: what is built before serving_from_now() is warm-up, after it serving; the wrapper
     put over cute.compile counts plain calls and `compile[options](...)` calls and passes the rest through."""

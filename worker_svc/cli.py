@@ -254,10 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block; default 256 on a GPU, 16 on a CPU")
     p.add_argument("--num-blocks", type=int, help="KV blocks; default: from the memory budget")
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV bytes on a CPU")
-    p.add_argument("--kv-offload-gib", type=float, default=0.0, metavar="GIB",
+    p.add_argument("--kv-offload-gib", "--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   dest="kv_offload_gib",
                    help="host (pinned) memory for KV blocks behind the GPU's: preempted sequences and evicted "
                         "prefixes come back from it instead of being recomputed (0: off). On a GPU the worker "
-                        "drops it at start where a block's copy in takes longer than its prefill (it logs both)")
+                        "drops it at start where a block's copy in takes longer than its prefill (it logs both). "
+                        "The second spelling: vLLM's")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory this worker may use in all (weights, activations, KV, graphs)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -296,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "
                         f"worker loads them instead of compiling (default: ${KERNEL_CACHE_ENV}; without it Triton's "
                         "~/.triton/cache and flash-attn-4 in memory only)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly, not as CUDA graphs")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true", dest="no_cuda_graphs",
+                   help="run decode steps eagerly, not as CUDA graphs (the second spelling: vLLM's)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
                         "this process is rank 0 and spawns the others")
