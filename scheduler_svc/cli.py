@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's: the most tokens a prompt's chunk takes in a step while other prompts wait for theirs "
                         "(what budget is left goes back to the cut chunks); 0: max(block size, "
                         "--max-num-batched-tokens / 4)")
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help="vLLM's: the jinja chat template requests' messages are rendered with in place of the "
+                        "checkpoint's (a file, or the template itself)")
     p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
@@ -118,6 +121,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
                                       pipeline_depth=args.pipeline_depth)
         args.sampling_defaults = generation_defaults(args.model, args.generation_config,
                                                      args.override_generation_config)
+        if args.chat_template is not None:
+            from scheduler_svc.tokenizer import read_chat_template
+
+            args.chat_template = read_chat_template(args.chat_template)
         if args.frontends < 0 or args.engines < 0:
             raise ValueError("--frontends and --engines must be at least 0 (0: automatic)")
     except ValueError as e:

@@ -105,7 +105,23 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
+def read_chat_template(given: str) -> str:
+    """vLLM's --chat-template: a file's text, or the template itself where it is not a file (it then holds a jinja
+    tag or a line break; anything else is taken for a file's path that is not there: ValueError)."""
+    path = Path(given)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as e:  # a long template is no path
+        if "{" not in given:
+            raise ValueError(f"cannot read the chat template {given!r}: {e}") from None
+    if any(c in given for c in "{}\n"):
+        return given
+    raise ValueError(f"the chat template {given!r} is neither a file nor a template")
+
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> ModelTokenizer:
+    """The folder's tokenizer; chat_template (read_chat_template's) in place of the folder's own."""
     model_dir = Path(model_dir)
     tokenizer = Tokenizer.from_str(tokenizer_json(model_dir))
     tok_config = read_json(model_dir / "tokenizer_config.json")
@@ -123,6 +139,8 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
     jinja_file = model_dir / "chat_template.jinja"
     if template is None and jinja_file.exists():
         template = jinja_file.read_text(encoding="utf-8")
+    if chat_template is not None:
+        template = chat_template
 
     return ModelTokenizer(
         tokenizer=tokenizer,

@@ -201,6 +201,42 @@ def test_chat_template_with_plain_jinja2(tok_dir, hf):
     )
 
 
+MARKED = "{% for m in messages %}<<{{ m['role'] }}|{{ m['content'] }}>>{% endfor %}"
+
+
+def test_a_chat_template_given_replaces_the_checkpoints(tok_dir, tmp_path):
+    """vLLM's --chat-template: a file, or the template itself; a path that is not there is refused."""
+    from scheduler_svc.tokenizer import load_tokenizer, read_chat_template
+
+    (tmp_path / "marked.jinja").write_text(MARKED)
+    assert read_chat_template(str(tmp_path / "marked.jinja")) == MARKED == read_chat_template(MARKED)
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    messages = [{"role": "user", "content": "hi"}]
+    assert load_tokenizer(tok_dir, MARKED).apply_chat_template(messages) == "<<user|hi>>"
+    assert load_tokenizer(tok_dir).apply_chat_template(messages).startswith("<|im_start|>user\nhi")
+
+
+def test_the_scheduler_renders_chats_with_its_chat_template(tmp_path):
+    """splitserve-scheduler --chat-template: every front-end renders requests' messages with it; an unreadable one is
+    a usage error naming the flag."""
+    from client import Client
+    from scheduler_svc import cli
+    from scheduler_svc.tokenizer import load_tokenizer
+    from tests.sim_cluster import config_only_model, start_simulated
+
+    model = config_only_model(tmp_path / "model")
+    (tmp_path / "marked.jinja").write_text(MARKED)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", str(model), "--plaintext", "--chat-template", str(tmp_path / "missing.jinja")])
+    assert exit_info.value.code == 2
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+    want = load_tokenizer(model).encode("<<user|hi>><<assistant|yes>>", add_special_tokens=False)
+    with start_simulated(model, tmp_path / "logs", scheduler_args=["--chat-template", str(tmp_path / "marked.jinja")]
+                         ) as cluster, Client(cluster.address, timeout=60) as c:
+        assert c.tokenize(messages=messages) == want
+
+
 # ---- a checkpoint that ships tiktoken ranks instead of a tokenizer.json (Kimi-K2's, Moonlight's layout) ----------
 # added tokens past the ranks by offset: (content, special); the rest of the 256 reserved ids take their default names
 KIMI_NAMED = {0: ("[BOS]", True), 1: ("[EOS]", True), 2: ("<|im_end|>", True), 3: ("<|im_user|>", True),
