@@ -45,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SchedulerConfig()
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                    help="queued requests per group before refusing")
-    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true", dest="no_prefix_caching",
-                   help="never reuse the KV blocks of a shared prompt prefix (the second spelling: vLLM's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a shared prompt prefix (vLLM's flag)")
+    p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   default=argparse.SUPPRESS, help="as --no-enable-prefix-caching")
     p.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
                    help="vLLM's: the most tokens a prompt's chunk takes in a step while other prompts wait for theirs "
                         "(what budget is left goes back to the cut chunks); 0: max(block size, "
@@ -116,7 +118,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     args = parser.parse_args(argv)
     try:
         args.config = SchedulerConfig(limits=limits.from_args(args), max_waiting=args.max_waiting,
-                                      enable_prefix_caching=not args.no_prefix_caching,
+                                      enable_prefix_caching=args.enable_prefix_caching,
                                       long_prefill_token_threshold=args.long_prefill_token_threshold,
                                       pipeline_depth=args.pipeline_depth)
         args.sampling_defaults = generation_defaults(args.model, args.generation_config,
