@@ -242,11 +242,13 @@ def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
 
 
 def test_worker_cli_takes_vllms_spellings():
-    """--enforce-eager and --kv-offloading-size, vLLM's names of --no-cuda-graphs and --kv-offload-gib."""
+    """--enforce-eager, --kv-offloading-size and -tp: vLLM's names of --no-cuda-graphs, --kv-offload-gib and
+    --tensor-parallel-size."""
     from worker_svc import cli
 
-    args = cli.build_parser().parse_args(["serve", "--model", "m", "--enforce-eager", "--kv-offloading-size", "4"])
-    assert args.no_cuda_graphs and args.kv_offload_gib == 4.0
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--enforce-eager", "--kv-offloading-size", "4",
+                                          "-tp", "2"])
+    assert args.no_cuda_graphs and args.kv_offload_gib == 4.0 and args.tensor_parallel_size == 2
     args = cli.build_parser().parse_args(["serve", "--model", "m"])
     assert not args.no_cuda_graphs and args.kv_offload_gib == 0.0
 

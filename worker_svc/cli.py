@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "~/.triton/cache and flash-attn-4 in memory only)")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true", dest="no_cuda_graphs",
                    help="run decode steps eagerly, not as CUDA graphs (the second spelling: vLLM's)")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "--tp", "-tp", type=int, default=1,
                    help="ranks (GPUs cuda:K..cuda:K+N-1, or CPU processes) in this worker group; "
                         "this process is rank 0 and spawns the others")
     _add_service_arguments(p)
