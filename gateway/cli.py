@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Llama 3.1-3.3's answers that are JSON calls; mistral: Mistral's [TOOL_CALLS]; openai: "
                         "gpt-oss's harmony messages to functions.NAME, and its analysis channel as reasoning; hermes: "
                         "Qwen2.5 / Qwen3 <tool_call> JSON blocks; default)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="taken for vLLM's command lines, which need it for tool_choice auto: here auto always reads "
+                        "calls with --tool-call-parser")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",
                    help="deadline of one generation; past it the answer is 504 (default: none)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",

@@ -557,3 +557,11 @@ def test_mistral_keeps_what_is_not_a_call_as_content():
     for text in ("No calls [TOOL_ here.", "[TOOL_CALLS] not json", "[TOOL_CALLS]f[ARGS]{bad",
                  '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]chatter', "[TOOL_CALLS] []", '[TOOL_CALLS] [{"x": 1}]'):
         assert make_parser("mistral").parse(text) == (text, []), text
+
+
+def test_the_gateway_takes_vllms_tool_command_line():
+    """`--enable-auto-tool-choice --tool-call-parser NAME`, as vLLM is started: auto tool choice reads calls with it."""
+    from gateway.cli import load
+
+    _, config = load(["--scheduler", "127.0.0.1:1", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert config.tool_call_parser == "mistral"
