@@ -82,13 +82,15 @@ class BeamOutput:
 class LLM:
     """Options: the Limits fields (max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler and the
     worker get the same), SchedulerConfig's other fields, and without an executor RunnerConfig's (device,
-    dtype, block_size, ...) for the in-process ModelRunner. generation_config and override_generation_config: as the
-    scheduler's --generation-config and --override-generation-config, what generate() samples with where it is given
-    no SamplingParams (vLLM's)."""
+    dtype, block_size, ...; vLLM's enforce_eager for cuda_graphs=False) for the in-process ModelRunner.
+    generation_config and override_generation_config: as the scheduler's --generation-config and
+    --override-generation-config, what generate() samples with where it is given no SamplingParams (vLLM's)."""
 
     def __init__(self, model_dir: str | Path, executor: Executor | None = None, *, generation_config: str = "auto",
                  override_generation_config: dict[str, Any] | None = None, **options: Any):
         self._sampling_defaults = generation_defaults(model_dir, generation_config, override_generation_config)
+        if "enforce_eager" in options:
+            options["cuda_graphs"] = not options.pop("enforce_eager")
         config, options = config_from_options(options)
         if executor is None:
             from worker_svc.runtime.model_runner import RunnerConfig  # imports torch: only here, only when asked

@@ -207,6 +207,13 @@ def test_llm_reset_prefix_cache_computes_the_next_prompts_whole(tiny_model_dir):
         assert cold.usage.cached_prompt_tokens == 0 and cold.token_ids == first.token_ids
 
 
+def test_llm_takes_vllms_enforce_eager(tiny_model_dir):
+    for eager in (True, False):
+        with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16,
+                 enforce_eager=eager) as llm:
+            assert llm.engine.executor.runner.config.cuda_graphs is not eager
+
+
 def test_llm_samples_with_the_models_generation_config_where_given_no_params(tiny_model_dir):
     with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16) as llm:
         assert llm.get_default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
