@@ -248,6 +248,18 @@ def test_adapters_loaded_and_unloaded_while_serving_equal_merged_weights(tiny_mo
     assert generate("qv") == reference["qv"]
 
 
+def test_vllms_enable_lora_gives_a_slot_for_adapters_loaded_while_serving(tiny_model_dir, adapters, reference):
+    """enable_lora (the worker's --enable-lora) with no lora_modules: one slot, as vLLM's max_loras default."""
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=8, num_blocks=64, block_size=16,
+             max_lora_rank=8, enable_lora=True) as llm:
+        llm.load_lora("qv", adapters["qv"])
+        assert [o.token_ids for o in llm.generate(PROMPTS, _params("qv"), use_tqdm=False)] == reference["qv"]
+        assert llm.engine.executor.runner.lora.slots == 1
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=16, block_size=16) as plain, \
+            pytest.raises(ValueError, match="no LoRA slots"):
+        plain.load_lora("qv", adapters["qv"])
+
+
 def test_more_adapters_than_host_memory_holds_are_read_again_when_asked_for(tiny_model_dir, adapters, reference,
                                                                            tmp_path):
     """Room for one adapter in host memory (max_cpu_loras 1), as vLLM's LRU cache of adapters: loading a second drops

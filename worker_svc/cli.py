@@ -95,8 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
-        lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides)
+        lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters to serve beside the weights (PEFT folders: adapter_config.json, "
                         "adapter_model.safetensors), each by its name; a request names one (GenerateRequest.lora, "
                         "the gateway's `model`); vLLM's JSON form too: '{\"name\": ..., \"path\": ...}'")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's: LoRA slots even with no --lora-modules, for adapters loaded while serving "
+                        "(--max-loras then defaults to 1)")
     p.add_argument("--max-loras", type=_non_negative, default=0, metavar="N",
                    help="LoRA adapter slots on the device: the most adapters one step runs under; the scheduler "
                         "moves the adapters requests need into them; every adapted step computes all slots' ranks "

@@ -60,6 +60,7 @@ class RunnerConfig:
     kv_offload_bytes: int = 0           # the host KV pool behind the GPU's blocks (runtime/kv_offload.py); 0: none
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters to serve: name -> PEFT folder
     max_loras: int = 0                  # LoRA adapter slots on the device; 0: as many as lora_modules
+    enable_lora: bool = False           # vLLM's: LoRA slots with no lora_modules too (max_loras 0 then means 1)
     max_cpu_loras: int = 0              # LoRA adapters held in host memory; 0: max_loras or lora_modules, the more
     max_lora_rank: int = 0              # the largest rank a slot takes; 0: 16, or the lora_modules' largest
     hf_overrides: dict = field(default_factory=dict)  # over config.json's top-level keys (vLLM's --hf-overrides)
@@ -226,7 +227,7 @@ class ModelRunner:
         if self.classifier is not None and self.classifier.from_tokens:
             self.model.score = self._head_from_tokens(self.classifier)
         static = list(cfg.lora_modules.items())
-        max_loras = cfg.max_loras or len(static)
+        max_loras = cfg.max_loras or len(static) or int(cfg.enable_lora)
         capacity = cfg.max_cpu_loras or max(max_loras, len(static))
         if capacity < max(max_loras, len(static)):
             raise ValueError(f"max_cpu_loras {capacity} is below max_loras {max_loras} or the {len(static)} LoRA "
