@@ -41,7 +41,8 @@ def test_online(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "online.json"
     # a pool of 6 blocks of 16 holds two requests at once: the urgent ones (a share of half: 2, 3 and 5) find it full
     online.main(["--model", str(model), *SIM, "--rates", "50,inf", "--num-requests", "6", "--max-input", "32",
-                 "--max-output", "12", "--warmup", "2", "--num-blocks", "6", "--urgent-share", "0.5", "--out", str(out)])
+                 "--max-output", "12", "--warmup", "2", "--num-blocks", "6", "--urgent-share", "0.5",
+                 "--out", str(out)])
     doc = _load(out, "online", "bench.online")
     rows = doc["results"]
     assert [r["rate_req_s"] for r in rows] == [50.0, "inf"]
