@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for caching in (True, False):
             if args.caching not in ("both", "on" if caching else "off"):
                 continue
-            with common.cluster(args, Path(model), [] if caching else ["--no-prefix-caching"]) as address:
+            with common.cluster(args, Path(model), [] if caching else ["--no-enable-prefix-caching"]) as address:
                 traces, seconds = run_loop(_run(address, reqs, args, f"prefix caching {'on' if caching else 'off'}"))
             rows.append({"path": common.path_label(args, "grpc services"), **summarize(caching, traces, seconds),
                          "ideal_hit_rate": ideal if caching else 0.0})

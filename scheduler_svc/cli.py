@@ -47,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued requests per group before refusing")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a shared prompt prefix (vLLM's flag)")
-    p.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
-                   default=argparse.SUPPRESS, help="as --no-enable-prefix-caching")
     p.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
                    help="vLLM's: the most tokens a prompt's chunk takes in a step while other prompts wait for theirs "
                         "(what budget is left goes back to the cut chunks); 0: max(block size, "

@@ -280,8 +280,7 @@ def test_pipeline_depth_below_one_is_refused(model_dir, words):
 
 
 def test_vllms_scheduler_flags_reach_the_config(model_dir):
-    """vLLM's --enable-prefix-caching / --no-enable-prefix-caching (and --no-prefix-caching), and
-    --long-prefill-token-threshold."""
+    """vLLM's --enable-prefix-caching / --no-enable-prefix-caching and --long-prefill-token-threshold."""
     from scheduler_svc import cli
 
     base = ["--model", str(model_dir), "--plaintext"]
@@ -290,7 +289,6 @@ def test_vllms_scheduler_flags_reach_the_config(model_dir):
     config = cli._parse(cli.build_parser(), [*base, "--no-enable-prefix-caching",
                                              "--long-prefill-token-threshold", "64"]).config
     assert not config.enable_prefix_caching and config.chunk_cap(16) == 64
-    assert not cli._parse(cli.build_parser(), [*base, "--no-prefix-caching"]).config.enable_prefix_caching
     assert cli._parse(cli.build_parser(), [*base, "--enable-prefix-caching"]).config.enable_prefix_caching
     with pytest.raises(SystemExit) as exit_info:
         cli._parse(cli.build_parser(), [*base, "--long-prefill-token-threshold", "-1"])
