@@ -15,10 +15,10 @@ running sequence is preempted and goes back to the waiting queue in arrival orde
 with no free block preempts newer prefills not scheduled yet, or waits. The head of the waiting queue, where
 it finds no room (blocks for its first chunk, or a slot under max_num_seqs), and a prompt still prefilling,
 where its next chunk finds none, preempt the last running sequences while they are less urgent (a smaller
-priority, and after it in arrival order), before the step's decodes are planned: an urgent request does not
-wait for less urgent ones to end. A preempted sequence resumes through the prefix cache: its full blocks
-are hit where they are, on the GPU or (with a host tier, block_manager.py) swapped back in from the host,
-and the rest is recomputed.
+priority, and after it in arrival order), before the step's decodes are planned, and a less urgent prompt's
+chunk leaves the head's first chunk of the budget: an urgent request does not wait for less urgent ones to
+end. A preempted sequence resumes through the prefix cache: its full blocks are hit where they are, on the
+GPU or (with a host tier, block_manager.py) swapped back in from the host, and the rest is recomputed.
 
 Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
 known, so a decode is scheduled for the token still being sampled. Rules that keep this exact:
@@ -407,7 +407,9 @@ class Scheduler:
                 dec_commit.append(seq)  # the block is complete once this step runs
 
         # Pass 2: continue partial prefills with what is free. With no free slot at all, preempt
-        # newer partial prefills (not scheduled in this step); with none left, wait a step.
+        # newer partial prefills (not scheduled in this step); with none left, wait a step. A prefill less
+        # urgent than the waiting queue's head leaves the head's first chunk of the budget to it.
+        head = self.waiting[0] if self.waiting else None
         j = 0
         while j < len(partial) and budget > 0:
             seq = partial[j]
@@ -417,6 +419,10 @@ class Scheduler:
                 released.append((seq.seq_id, freed))
             remaining = seq.num_sent_tokens - c
             n = min(remaining, cap, budget)
+            if head is not None and seq.priority < head.priority and seq.arrival > head.arrival:
+                n = min(n, budget - min(cap, len(head.token_ids)))
+                if n <= 0:
+                    continue
             table = seq.block_table
             room = len(table) * bs - c
             while room == 0 and bm.num_free_blocks == 0 and len(partial) > j:

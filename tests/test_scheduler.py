@@ -1022,3 +1022,28 @@ def test_an_urgent_prompt_prefills_chunk_after_chunk_past_less_urgent_decodes():
     for s in (*low, urgent):
         assert (s.output_token_ids, s.finish_reason) == expected_output(worker, s)
     assert sched.block_manager.num_free_blocks == 8
+
+
+def test_an_urgent_request_gets_its_first_chunk_of_the_budget_from_less_urgent_prefills():
+    """A less urgent prompt still prefilling leaves the waiting head's first chunk of the step's budget to it, where
+    it would have taken the whole budget; equally urgent ones keep first come first served."""
+    sched, worker = make(num_blocks=64, block_size=4, budget=16, cap=16, max_num_seqs=4)
+    d = Driver(sched, worker, depth=1)
+    sched.add(seq(0, range(1, 65), max_tokens=2))  # 64 prompt tokens: four steps of the whole budget
+    d.step()
+    sched.add(seq(1, range(101, 109), max_tokens=2))  # as urgent: waits for the prefill's budget
+    plan = sched.schedule()
+    assert scheduled(plan) == {0: 16}
+    worker.submit(plan)
+    sched.update(worker.receive())
+    urgent = Sequence(2, list(range(201, 209)), SamplingParams(max_tokens=2, ignore_eos=True, seed=1002), priority=1)
+    sched.add(urgent)
+    plan = sched.schedule()
+    assert scheduled(plan) == {0: 8, 2: 8}
+    worker.submit(plan)
+    sched.update(worker.receive())
+    d.run()
+    assert sorted(s.seq_id for s in d.finished) == [0, 1, 2]
+    for s in d.finished:
+        assert (s.output_token_ids, s.finish_reason) == expected_output(worker, s)
+    assert sched.block_manager.num_free_blocks == 64
