@@ -310,15 +310,16 @@ class Scheduler:
             # that does not fit beside its first chunk is computed again.
             hits = hits[:max(bm.num_blocks - need, 0)]
 
-    def _preempt_for_urgent(self, budget: int, cap: int) -> None:
+    def _preempt_for_urgent(self, budget: int, cap: int) -> tuple[Sequence | None, int]:
         """Room for the sequences that wait for blocks to prefill into (the running ones still prefilling, and the
         waiting queue's head, which needs a slot under max_num_seqs too), in arrival order and within a step's
         budget: each preempts the last running sequences while they are less urgent than it (a smaller priority,
         and after it in arrival order, so that they resume behind it). A head whose LoRA adapter is in no slot is
-        left to wait: the room might go to others while its adapter is placed."""
+        left to wait: the room might go to others while its adapter is placed. Returns the head where it was one of
+        them, and its first chunk's tokens (what less urgent prefills leave it of the budget); else None, 0."""
         running = self.running
         if not running:
-            return
+            return None, 0
         least = running[-1].priority
         wanting = [s for s in running if s.num_computed_tokens < s.num_sent_tokens and s.priority > least]
         head = self.waiting[0] if self.waiting else None
@@ -329,12 +330,14 @@ class Scheduler:
         bm = self.block_manager
         max_num_seqs = self.config.limits.max_num_seqs
         want = 0  # blocks the wanting sequences so far take
+        first_chunk = 0
         for seq in wanting:
             if budget <= 0:
                 break
             if seq is head:
                 hits, n, need = self._first_chunk(seq, budget, cap)
                 need += bm.num_free_among(hits)
+                first_chunk = n
             elif seq.status is RUNNING:  # not preempted for an earlier one
                 c = seq.num_computed_tokens
                 n = min(seq.num_sent_tokens - c, cap, budget)
@@ -346,6 +349,7 @@ class Scheduler:
             while running and (bm.num_free_blocks < want or seq is head and len(running) >= max_num_seqs) and (
                     victim := running[-1]).priority < seq.priority and victim.arrival > seq.arrival:
                 self._preempt(victim)
+        return (head, first_chunk) if first_chunk else (None, 0)
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -359,7 +363,7 @@ class Scheduler:
         step = self._step + 1
         budget = cfg.limits.max_num_batched_tokens
         running = self.running
-        self._preempt_for_urgent(budget, cap)
+        urgent, urgent_chunk = self._preempt_for_urgent(budget, cap)
         n_preempted = self.num_preemptions
 
         # The plan's running columns (seq_ids, num_scheduled_tokens, num_new_blocks, new_block_ids): decodes,
@@ -408,8 +412,7 @@ class Scheduler:
 
         # Pass 2: continue partial prefills with what is free. With no free slot at all, preempt
         # newer partial prefills (not scheduled in this step); with none left, wait a step. A prefill less
-        # urgent than the waiting queue's head leaves the head's first chunk of the budget to it.
-        head = self.waiting[0] if self.waiting else None
+        # urgent than the waiting head room was made for leaves the head's first chunk of the budget to it.
         j = 0
         while j < len(partial) and budget > 0:
             seq = partial[j]
@@ -419,8 +422,8 @@ class Scheduler:
                 released.append((seq.seq_id, freed))
             remaining = seq.num_sent_tokens - c
             n = min(remaining, cap, budget)
-            if head is not None and seq.priority < head.priority and seq.arrival > head.arrival:
-                n = min(n, budget - min(cap, len(head.token_ids)))
+            if urgent is not None and seq.priority < urgent.priority and seq.arrival > urgent.arrival:
+                n = min(n, budget - urgent_chunk)
                 if n <= 0:
                     continue
             table = seq.block_table
