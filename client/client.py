@@ -142,6 +142,7 @@ def build_request(
     enable_thinking: bool | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
+    chat_template: str | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -185,7 +186,9 @@ def build_request(
     requests of the same salt. truncate_prompt_tokens: keep the prompt's last n tokens (-1: as many as the model
     takes). return_prompt_token_ids: each completion's first delta carries the prompt's token ids
     (Delta.prompt_token_ids), as the scheduler encoded it. use_beam_search: the n best beams of a beam search
-    (GenerateRequest.use_beam_search), scored with length_penalty (default 1), each in one delta."""
+    (GenerateRequest.use_beam_search), scored with length_penalty (default 1), each in one delta. chat_template: the
+    messages rendered by this jinja template's text instead of the model's (ChatPrompt.chat_template: only where the
+    scheduler runs with --trust-request-chat-template)."""
     if sum(p is not None for p in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
     request = pb.GenerateRequest(request_id=request_id, priority=priority, lora=lora, cache_salt=cache_salt,
@@ -198,10 +201,10 @@ def build_request(
         request.token_ids.ids.extend(token_ids)
     if messages is not None:
         request.chat.CopyFrom(_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs,
-                                           continue_final_message))
-    elif enable_thinking is not None or tools or chat_template_kwargs or continue_final_message:
-        raise ValueError("enable_thinking, tools, chat_template_kwargs and continue_final_message apply to chat "
-                         "messages only")
+                                           continue_final_message, chat_template))
+    elif enable_thinking is not None or tools or chat_template_kwargs or continue_final_message or chat_template:
+        raise ValueError("enable_thinking, tools, chat_template_kwargs, continue_final_message and chat_template "
+                         "apply to chat messages only")
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -266,15 +269,16 @@ def structured_output(spec: dict[str, Any]) -> pb.StructuredOutput:
 
 def _chat_prompt(messages: list[dict[str, Any]], enable_thinking: bool | None,
                  tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
-                 continue_final_message: bool = False) -> pb.ChatPrompt:
+                 continue_final_message: bool = False, chat_template: str | None = None) -> pb.ChatPrompt:
     """Messages in OpenAI's shape: content (None for an assistant's tool calls), tool_calls
     ([{"id", "function": {"name", "arguments": JSON text or dict}}]), tool_call_id (a tool's answer).
     template_kwargs: more keyword arguments of the chat template (gpt-oss's reasoning_effort, ...);
-    continue_final_message: the last message is continued (rendered without its end, no generation prompt)."""
+    continue_final_message: the last message is continued (rendered without its end, no generation prompt);
+    chat_template: a jinja template's text rendered in place of the model's (where the scheduler trusts requests')."""
     chat = pb.ChatPrompt(messages=[_chat_message(m) for m in messages],
                          tools=[json.dumps(t) for t in tools or ()],
                          template_kwargs=json.dumps(template_kwargs) if template_kwargs else "",
-                         continue_final_message=continue_final_message)
+                         continue_final_message=continue_final_message, chat_template=chat_template or "")
     if enable_thinking is not None:
         chat.enable_thinking = enable_thinking
     return chat
@@ -341,17 +345,18 @@ def _classifications(response: pb.ClassifyResponse) -> Classifications:
 def _tokenize_request(
     text: str | None, messages: list[dict[str, Any]] | None, enable_thinking: bool | None,
     tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False, add_special_tokens: bool | None = None,
+    continue_final_message: bool = False, add_special_tokens: bool | None = None, chat_template: str | None = None,
 ) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
     if messages is None:
-        if enable_thinking is not None or chat_template_kwargs or continue_final_message:
-            raise ValueError("enable_thinking, chat_template_kwargs and continue_final_message apply to chat "
-                             "messages only")
+        if enable_thinking is not None or chat_template_kwargs or continue_final_message or chat_template:
+            raise ValueError("enable_thinking, chat_template_kwargs, continue_final_message and chat_template apply "
+                             "to chat messages only")
         return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
     return pb.TokenizeRequest(chat=_chat_prompt(messages, enable_thinking, tools, chat_template_kwargs,
-                                                continue_final_message), add_special_tokens=add_special_tokens)
+                                                continue_final_message, chat_template),
+                              add_special_tokens=add_special_tokens)
 
 
 def _tokenized(response: pb.TokenizeResponse, return_token_strs: bool) -> list[int] | tuple[list[int], list[str]]:
@@ -539,13 +544,15 @@ class Client(_Connection):
                  enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
                  add_special_tokens: bool | None = None, return_token_strs: bool = False,
+                 chat_template: str | None = None,
                  timeout: float | None = None) -> list[int] | tuple[list[int], list[str]]:
         """The prompt's token ids as a Generate call encodes it (the text's, or the messages' rendered by the chat
         template); add_special_tokens: whether the tokenizer's own special tokens (BOS, EOS) are added to the text
         or the rendered chat (default: to a text, not to a chat); return_token_strs: (ids, each id's token as the
-        vocabulary spells it) instead."""
+        vocabulary spells it) instead; chat_template: the messages rendered by this jinja template instead of the
+        model's (where the scheduler runs with --trust-request-chat-template)."""
         request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
-                                    continue_final_message, add_special_tokens)
+                                    continue_final_message, add_special_tokens, chat_template)
         response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _tokenized(response, return_token_strs)
 
@@ -673,9 +680,10 @@ class AsyncClient(_Connection):
                        enable_thinking: bool | None = None, tools: list[dict[str, Any]] | None = None,
                        chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
                        add_special_tokens: bool | None = None, return_token_strs: bool = False,
+                       chat_template: str | None = None,
                        timeout: float | None = None) -> list[int] | tuple[list[int], list[str]]:
         request = _tokenize_request(text, messages, enable_thinking, tools, chat_template_kwargs,
-                                    continue_final_message, add_special_tokens)
+                                    continue_final_message, add_special_tokens, chat_template)
         response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self.metadata)
         return _tokenized(response, return_token_strs)
 

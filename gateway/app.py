@@ -201,7 +201,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     messages=chat_messages(body.messages), enable_thinking=enable_thinking,
                     tools=plan.tools if plan else None, chat_template_kwargs=kwargs,
                     continue_final_message=continues(body), add_special_tokens=body.add_special_tokens,
-                    return_token_strs=True, timeout=backend.config.rpc_timeout)
+                    return_token_strs=True, chat_template=body.chat_template, timeout=backend.config.rpc_timeout)
             else:
                 ids, strs = await backend.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
                                                           return_token_strs=True, timeout=backend.config.rpc_timeout)

@@ -67,6 +67,8 @@ def openai_param(message: str, *, prompt_param: str = "prompt", max_tokens_param
     if m is None:
         return None
     head = m.group(0).rstrip(".")
+    if head == "prompt.chat.chat_template":
+        return "chat_template"
     if head.startswith("prompt.chat.template_kwargs"):
         return head.removeprefix("prompt.chat.template_").replace("kwargs", "chat_template_kwargs", 1)
     if head.startswith(("prompt", "inputs")):  # a generation's prompt, an embedding's inputs

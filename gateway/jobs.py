@@ -278,14 +278,15 @@ async def chat_job(body: ChatCompletionRequest, backend: Backend) -> Job:
     tools = plan.tools if plan is not None else None
     if max_tokens is not None:
         prompt: dict[str, Any] = {"messages": messages, "enable_thinking": enable_thinking, "tools": tools,
-                                  "chat_template_kwargs": kwargs, "continue_final_message": cont}
+                                  "chat_template_kwargs": kwargs, "continue_final_message": cont,
+                                  "chat_template": body.chat_template}
     else:
         # OpenAI's default for chat: up to the model's length. That needs the prompt's length, so the
         # template is applied once, by the scheduler's Tokenize, and the ids are sent.
         try:
             ids = await backend.client.tokenize(messages=messages, enable_thinking=enable_thinking, tools=tools,
                                                 chat_template_kwargs=kwargs, continue_final_message=cont,
-                                                timeout=backend.config.rpc_timeout)
+                                                chat_template=body.chat_template, timeout=backend.config.rpc_timeout)
             limit = await backend.token_limit()
         except grpc.RpcError as e:
             raise from_grpc(e, **names) from None

@@ -167,6 +167,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
+    chat_template: str | None = None  # vLLM's: a jinja template in place of the model's, where the scheduler trusts it
     # vLLM's: the last message (an assistant's start) is continued, with no generation prompt after it
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = None  # only as the opposite of continue_final_message
@@ -316,6 +317,7 @@ class TokenizeChatRequest(BaseModel):
     messages: Messages
     tools: list[dict[str, Any]] | None = Field(None, **doc({"type": "array", "maxItems": MAX_TOOLS, "items": TOOL}))
     chat_template_kwargs: dict[str, Any] | None = Field(None, **doc(TEMPLATE_KWARGS))
+    chat_template: str | None = None
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = None
     add_special_tokens: bool = False  # the tokenizer's own (BOS, EOS) on top of what the template places

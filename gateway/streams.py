@@ -36,7 +36,8 @@ def open_streams(backend: Backend, job: Job, request_id: str, stream: bool) -> l
                 prompt.get("prompt"), token_ids=prompt.get("token_ids"), messages=prompt.get("messages"),
                 enable_thinking=prompt.get("enable_thinking"), tools=prompt.get("tools"),
                 chat_template_kwargs=prompt.get("chat_template_kwargs"),
-                continue_final_message=prompt.get("continue_final_message", False), request_id=rid,
+                continue_final_message=prompt.get("continue_final_message", False),
+                chat_template=prompt.get("chat_template"), request_id=rid,
                 timeout=backend.config.request_timeout, stream_interval=None if stream else 0, **job.params))
         except (ValueError, TypeError) as e:  # a value the proto cannot hold
             raise invalid(None, str(e)) from None

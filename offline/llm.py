@@ -25,6 +25,7 @@ from scheduler_svc.requests import InvalidRequest, prompt_ids
 from scheduler_svc.executor import Executor
 from scheduler_svc.sampling import MAX_LOGPROBS, SamplingParams, generation_defaults
 from scheduler_svc.sequence import TokenLogprob
+from scheduler_svc.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)
@@ -99,7 +100,9 @@ class LLM:
         elif options:
             raise TypeError(f"unknown options {sorted(options)} (an executor was given)")
         self.model_dir = model_dir
-        self.engine = LLMEngine(model_dir, executor, config)
+        # the caller's own process: a chat template passed to chat() is trusted
+        self.engine = LLMEngine(model_dir, executor, config,
+                                tokenizer=load_tokenizer(model_dir, trust_request_chat_template=True))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the generation config's defaults (the model's generation_config.json with
@@ -198,15 +201,17 @@ class LLM:
     def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True, *,
              tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[GenerationOutput]:
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[GenerationOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI's messages) or a list of them, each rendered by the model's chat
-        template as the Generate call renders `chat` (tools and template keyword arguments reach the template), then
-        generated; outputs in the order of the conversations. ValueError where the template refuses one."""
+        template (or `chat_template`, a jinja template's text) as the Generate call renders `chat` (tools and template
+        keyword arguments reach the template), then generated; outputs in the order of the conversations. ValueError
+        where the template refuses one."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
             request = build_request(messages=list(conversation), tools=tools, chat_template_kwargs=chat_template_kwargs,
-                                    continue_final_message=continue_final_message)
+                                    continue_final_message=continue_final_message, chat_template=chat_template)
             if add_generation_prompt is not None:
                 request.chat.add_generation_prompt = add_generation_prompt
             try:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="TEMPLATE",
                    help="vLLM's: the jinja chat template requests' messages are rendered with in place of the "
                         "checkpoint's (a file, or the template itself)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="vLLM's: a request may bring a chat template of its own (ChatPrompt.chat_template, the "
+                        "gateway's chat_template field), rendered in jinja's sandbox, which keeps it from the host but "
+                        "not from spending the front-end's time; without it such requests get INVALID_ARGUMENT")
     p.add_argument("--pipeline-depth", type=int, default=defaults.pipeline_depth,
                    help="steps in flight per worker (1: wait for each step's result before planning)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")

@@ -813,7 +813,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 
 async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -> None:
     """Serves the public API on host:port until the supervisor says exit."""
-    frontend = Frontend(index, num_frontends, run_dir, load_tokenizer(args.model, args.chat_template), args.model,
+    tokenizer = load_tokenizer(args.model, args.chat_template, args.trust_request_chat_template)
+    frontend = Frontend(index, num_frontends, run_dir, tokenizer, args.model,
                         args.allow_runtime_lora_updating, args.lora_resolver_dir, args.sampling_defaults)
     interceptors = []
     keys = ApiKeys(args.api_keys)

@@ -10,13 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 import xxhash
 
 from common.model_files import TEMPLATE_ARGUMENTS
 from protos import splitserve_pb2 as api
 from scheduler_svc.sampling import MAX_LOGPROBS, InvalidParam, SamplingParams
 from scheduler_svc.structured import InvalidStructured, grammar_of, thinking_tokens
-from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.tokenizer import ModelTokenizer, UntrustedTemplate
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 DEFAULT_MAX_TOKENS = 16  # when unset, capped by the room the prompt leaves
@@ -157,6 +158,7 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
                             "prompt.chat.messages[].content (in all)", max_bytes)
             check_text_size("".join(chat.tools), "prompt.chat.tools (in all)", max_bytes)
             check_text_size(chat.template_kwargs, "prompt.chat.template_kwargs", max_bytes)
+            check_text_size(chat.chat_template, "prompt.chat.chat_template", max_bytes)
         kwargs = _template_kwargs(chat)
         if chat.continue_final_message and chat.add_generation_prompt:
             raise InvalidRequest("prompt.chat.continue_final_message continues the last message, which a generation "
@@ -165,11 +167,17 @@ def prompt_ids(prompt: api.GenerateRequest | api.TokenizeRequest, tokenizer: Mod
             text = tokenizer.apply_chat_template(
                 [_chat_message(i, m) for i, m in enumerate(chat.messages)], tools=_tools(chat) or None,
                 add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt")
-                else not chat.continue_final_message, continue_final_message=chat.continue_final_message, **kwargs)
+                else not chat.continue_final_message, continue_final_message=chat.continue_final_message,
+                chat_template=chat.chat_template or None, **kwargs)
         except InvalidRequest:
             raise
+        except UntrustedTemplate as e:
+            raise InvalidRequest(f"prompt.chat.chat_template: {e}") from None
         except Exception as e:  # the template's own checks (raise_exception) or a rendering error
-            raise InvalidRequest(f"prompt.chat.messages: the chat template refused them: {e}") from None
+            if chat.chat_template and isinstance(e, jinja2.TemplateSyntaxError):
+                raise InvalidRequest(f"prompt.chat.chat_template does not compile: {e} (line {e.lineno})") from None
+            whose = "the request's chat template" if chat.chat_template else "the chat template"
+            raise InvalidRequest(f"prompt.chat.messages: {whose} refused them: {e}") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
     if not ids:
         raise InvalidRequest(f"prompt.{kind} must encode to at least one token")

@@ -4,6 +4,7 @@ template rendered with jinja2 the way transformers renders it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +25,9 @@ class ModelTokenizer:
     vocab_size: int  # with added tokens
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... for the template
-    _template: jinja2.Template | None = None
+    # whether a request may bring a template of its own (vLLM's --trust-request-chat-template): the sandbox keeps it
+    # from the host, not from looping for as long as it likes on the thread that renders it
+    trust_request_chat_template: bool = False
     _specials: frozenset[str] | None = None
 
     def is_special(self, text: str) -> bool:
@@ -52,20 +55,26 @@ class ModelTokenizer:
         tools: list[dict[str, Any]] | None = None,
         tokenize: bool = False,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render messages (extra kwargs such as enable_thinking reach the template). continue_final_message: the last
-        message's text is left open, as transformers does it: rendered with a tag after it, cut at the tag."""
-        if self.chat_template is None:
+        message's text is left open, as transformers does it: rendered with a tag after it, cut at the tag.
+        chat_template: a request's own template in place of the model's (UntrustedTemplate unless trusted;
+        jinja2.TemplateSyntaxError where it does not compile)."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise UntrustedTemplate("a request's own chat template is rendered only where the scheduler runs with "
+                                    "--trust-request-chat-template")
+        source = self.chat_template if chat_template is None else chat_template
+        if source is None:
             raise ValueError("this model has no chat template")
-        if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
+        template = compile_chat_template(source)
         final = messages[-1].get("content") if continue_final_message else None
         if continue_final_message:
             if not isinstance(final, str):
                 raise ValueError("continue_final_message needs a final message with text content")
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
-        text = self._template.render(
+        text = template.render(
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
@@ -82,6 +91,15 @@ class ModelTokenizer:
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where a continued message is cut
+
+
+class UntrustedTemplate(ValueError):
+    """A request brought a chat template of its own where the server renders only the model's."""
+
+
+@functools.lru_cache(maxsize=32)  # the model's template and the few that requests bring again and again
+def compile_chat_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -120,8 +138,10 @@ def read_chat_template(given: str) -> str:
     raise ValueError(f"the chat template {given!r} is neither a file nor a template")
 
 
-def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> ModelTokenizer:
-    """The folder's tokenizer; chat_template (read_chat_template's) in place of the folder's own."""
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None,
+                   trust_request_chat_template: bool = False) -> ModelTokenizer:
+    """The folder's tokenizer; chat_template (read_chat_template's) in place of the folder's own;
+    trust_request_chat_template: requests may bring their own."""
     model_dir = Path(model_dir)
     tokenizer = Tokenizer.from_str(tokenizer_json(model_dir))
     tok_config = read_json(model_dir / "tokenizer_config.json")
@@ -148,4 +168,5 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> M
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         chat_template=template,
         special_tokens=special,
+        trust_request_chat_template=trust_request_chat_template,
     )

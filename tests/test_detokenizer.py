@@ -186,7 +186,7 @@ def test_a_requests_template_kwargs_reach_the_chat_template(qwen):
     from scheduler_svc.requests import InvalidRequest, prompt_ids
 
     tok = dataclasses.replace(qwen, chat_template="effort={{ reasoning_effort | default('medium') }} "
-                              "think={{ enable_thinking | default(true) }} {{ messages[0].content }}", _template=None)
+                              "think={{ enable_thinking | default(true) }} {{ messages[0].content }}")
 
     def rendered(**chat) -> str:
         request = api.TokenizeRequest(chat=api.ChatPrompt(messages=[api.ChatMessage(role="user", content="hi")],

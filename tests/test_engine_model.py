@@ -325,6 +325,11 @@ def test_llm_chat_renders_each_conversation_as_transformers_does(tiny_model_dir,
         assert one.token_ids == outs[0].token_ids
         with pytest.raises(ValueError, match="continue_final_message"):
             llm.chat(conversations[0], continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
+        # vLLM's chat_template argument: the caller's own template, rendered in place of the checkpoint's
+        own = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+        (mine,) = llm.chat(conversations[0], _greedy(max_tokens=4), use_tqdm=False, chat_template=own)
+        ids = tokenizer("user: What is 2 + 2?\nassistant:", add_special_tokens=False).input_ids
+        assert mine.usage.prompt_tokens == len(ids) and mine.token_ids == _hf_generate(hf, ids, 4)
 
 
 def test_bad_words_are_tokenized_as_vllm_and_keep_their_tokens_out(tiny_model_dir):

@@ -519,6 +519,11 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client):
     ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
      "chat_template_kwargs.messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    # the scheduler renders the model's template only (no --trust-request-chat-template)
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}", "max_tokens": 4},
+     "chat_template"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
      "add_generation_prompt"),
     # past float32 (the document allowed them; the scheduler refused them as inf)

@@ -56,6 +56,8 @@ REFUSALS = {
     r"this model's hidden size": "an embedding's dimensions at most the model's hidden size",
     r"must hold one text for each of text_1's": "a score's text_2 one text for each of text_1's, or text_1 one text",
     r"truncate_prompt_tokens cannot be set with echo": "a truncated prompt not echoed",
+    r"--trust-request-chat-template": "a request's own chat_template only where the scheduler trusts them (this "
+                                      "one does not)",
     r"is not a sequence classifier": "/classify on a sequence classifier's checkpoint (this one is not)",
     r"with use_beam_search|applies to beam search only": "beam search without sampling, stop strings, logprobs or "
                                                          "constraints, n within 10; length_penalty with it only",

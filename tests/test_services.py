@@ -587,6 +587,10 @@ def test_token_id_and_chat_prompts_and_their_truncation(client, tok):
     want = tok.encode(tok.apply_chat_template(started, add_generation_prompt=False, continue_final_message=True),
                       add_special_tokens=False)
     assert client.tokenize(messages=started, continue_final_message=True) == want
+    with pytest.raises(grpc.RpcError) as e:  # a request's own template, where the scheduler does not trust them
+        client.complete(messages=messages, chat_template="{{ messages[0].content }}", **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("prompt.chat.chat_template") and "--trust-request" in e.value.details()
     (cont,) = client.complete(messages=started, continue_final_message=True, **kw)
     (cont_ids,) = client.complete(token_ids=want, **kw)
     assert cont.token_ids == cont_ids.token_ids

@@ -219,7 +219,11 @@ def test_a_chat_template_given_replaces_the_checkpoints(tok_dir, tmp_path):
 
 def test_the_scheduler_renders_chats_with_its_chat_template(tmp_path):
     """splitserve-scheduler --chat-template: every front-end renders requests' messages with it; an unreadable one is
-    a usage error naming the flag."""
+    a usage error naming the flag. With --trust-request-chat-template a request's own template (vLLM's chat_template
+    field) is rendered in its place, in jinja's sandbox: one that does not compile, or reaches past the sandbox, is
+    INVALID_ARGUMENT naming the field."""
+    import grpc
+
     from client import Client
     from scheduler_svc import cli
     from scheduler_svc.tokenizer import load_tokenizer
@@ -231,10 +235,40 @@ def test_the_scheduler_renders_chats_with_its_chat_template(tmp_path):
         cli.main(["--model", str(model), "--plaintext", "--chat-template", str(tmp_path / "missing.jinja")])
     assert exit_info.value.code == 2
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
-    want = load_tokenizer(model).encode("<<user|hi>><<assistant|yes>>", add_special_tokens=False)
-    with start_simulated(model, tmp_path / "logs", scheduler_args=["--chat-template", str(tmp_path / "marked.jinja")]
+    tok = load_tokenizer(model)
+    want = tok.encode("<<user|hi>><<assistant|yes>>", add_special_tokens=False)
+    own = "{% for m in messages %}[{{ m.role | upper }}:{{ m.content }}]{% endfor %}"
+    with start_simulated(model, tmp_path / "logs", scheduler_args=["--chat-template", str(tmp_path / "marked.jinja"),
+                                                                   "--trust-request-chat-template"]
                          ) as cluster, Client(cluster.address, timeout=60) as c:
         assert c.tokenize(messages=messages) == want
+        mine = tok.encode("[USER:hi][ASSISTANT:yes]", add_special_tokens=False)
+        assert c.tokenize(messages=messages, chat_template=own) == mine
+        (out,) = c.complete(messages=messages, chat_template=own, max_tokens=2, ignore_eos=True)
+        assert out.usage.prompt_tokens == len(mine)
+        for bad, why in (("{% for m in messages %}", "does not compile"),
+                         ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "refused them")):
+            with pytest.raises(grpc.RpcError) as e:
+                c.tokenize(messages=messages, chat_template=bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+            assert e.value.details().startswith("prompt.chat."), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(messages=messages, chat_template="{% for m in messages %}", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("prompt.chat.chat_template"), e.value.details()
+        with pytest.raises(ValueError, match="chat messages only"):
+            c.tokenize("hi", chat_template=own)
+
+
+def test_a_requests_chat_template_is_refused_unless_trusted(tok_dir):
+    from scheduler_svc.tokenizer import UntrustedTemplate, load_tokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(UntrustedTemplate, match="--trust-request-chat-template"):
+        load_tokenizer(tok_dir).apply_chat_template(messages, chat_template=MARKED)
+    trusted = load_tokenizer(tok_dir, trust_request_chat_template=True)
+    assert trusted.apply_chat_template(messages, chat_template=MARKED) == "<<user|hi>>"
+    assert trusted.apply_chat_template(messages).startswith("<|im_start|>user\nhi")  # the model's, where none given
 
 
 # ---- a checkpoint that ships tiktoken ranks instead of a tokenizer.json (Kimi-K2's, Moonlight's layout) ----------
