@@ -43,11 +43,12 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from common.util import cdiv
 from protos import worker_pb2
-from scheduler_svc.adapters import Adapters
+from scheduler_svc.adapters import AdapterPlan, Adapters
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import NEVER, Sequence, SequenceStatus, TokenLogprob
@@ -62,6 +63,23 @@ class _InFlight(NamedTuple):
     step: int
     sampling: list[Sequence]  # the sequences that sample in the plan, in result order
     sampling_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Draft:
+    """The plan one schedule() call is building: what each of its passes decided so far."""
+    step: int
+    budget: int  # tokens the step may still schedule
+    cap: int  # the most tokens of a prefill chunk in the first passes
+    decodes: list[Sequence] = field(default_factory=list)  # in the plan's column order
+    grew: list[int] = field(default_factory=list)  # indices into decodes of those given a new block
+    decode_blocks: list[int] = field(default_factory=list)  # those blocks, in that order
+    completes: list[Sequence] = field(default_factory=list)  # decodes whose last block this step completes
+    partial: list[Sequence] = field(default_factory=list)  # running sequences still prefilling, in arrival order
+    chunks: list[list] = field(default_factory=list)  # continued prefills: [seq, n, table length before]
+    admitted: list[list] = field(default_factory=list)  # new sequences: [seq, n, num computed before]
+    capped: list[list] = field(default_factory=list)  # entries of both whose chunk was cut at the cap
+    released: list[tuple[int, int]] = field(default_factory=list)  # (seq id, blocks given back behind the window)
 
 
 class QueueFullError(RuntimeError):
@@ -356,74 +374,81 @@ class Scheduler:
     def schedule(self) -> worker_pb2.StepPlan | None:
         """The next step's plan, or None when there is nothing to run or tell the worker."""
         cfg = self.config
+        cap = self.max_model_len if self.whole_prompts else cfg.chunk_cap(self.block_size)
+        draft = _Draft(self._step + 1, cfg.limits.max_num_batched_tokens, cap)
+        urgent, urgent_chunk = self._preempt_for_urgent(draft.budget, cap)
+        preemptions = self.num_preemptions
+        self._plan_decodes(draft)
+        self._continue_prefills(draft, urgent, urgent_chunk)
+        if self.num_preemptions == preemptions:  # admitting after this step preempted would only thrash
+            self._admit(draft)
+        self._extend_capped(draft)
+
+        bm = self.block_manager
+        adapters = self.adapters.take(draft.step, self._runs_under, {s.params.lora for s in self.running}) \
+            if self.adapters.pending else None
+        if not (draft.decodes or draft.chunks or draft.admitted or self._preempted_ids or draft.released
+                or bm.swap_out or bm.swap_in or adapters and (adapters.unloads or adapters.loads)):
+            if adapters and adapters.forget_kv:
+                bm.forget_free()
+            return None
+        # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
+        bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, self.block_size))
+        plan = self._plan_message(draft, adapters)
+        self._step = draft.step
+        return plan
+
+    def _plan_decodes(self, d: _Draft) -> None:
+        """Pass 1: a decode for each running sequence, oldest first, a block for it where its table is full (making
+        room by preempting the newest); the sequences still prefilling are left in d.partial for pass 2. Victims of
+        preemption are popped from the end of `running`, so they were not visited yet: the loop then ends sooner."""
         bm = self.block_manager
         bs = self.block_size
-        cap = self.max_model_len if self.whole_prompts else cfg.chunk_cap(bs)
-        caching = cfg.enable_prefix_caching
-        step = self._step + 1
-        budget = cfg.limits.max_num_batched_tokens
-        running = self.running
-        urgent, urgent_chunk = self._preempt_for_urgent(budget, cap)
-        n_preempted = self.num_preemptions
-
-        # The plan's running columns (seq_ids, num_scheduled_tokens, num_new_blocks, new_block_ids): decodes,
-        # then continued prefill chunks.
-        dec_seqs: list[Sequence] = []
-        col_ids: list[int] = []
-        grew: list[int] = []  # indices into dec_seqs of decodes that got a new block
-        col_blocks: list[int] = []
-        dec_commit: list[Sequence] = []
-        chunks: list[list] = []  # running prefills: [seq, n, table length before]
-        admitted: list[list] = []  # new sequences: [seq, n, num computed before]
-        capped: list[list] = []  # entries of both whose chunk was cut at the cap
-        window = self.sliding_window
-        released: list[tuple[int, int]] = []  # (seq id, blocks given back): before this plan allocates any
-
-        # Pass 1: decodes of running sequences, oldest first. Victims of preemption are popped from
-        # the end of `running`, so they were not visited (scheduled) yet; the loop then ends sooner.
-        partial: list[Sequence] = []  # running sequences still prefilling, in arrival order
-        for seq in running:
-            if budget == 0:
-                break
+        for seq in self.running:
+            if d.budget == 0:
+                return
             c = seq.num_computed_tokens
             if c < seq.num_sent_tokens:
-                partial.append(seq)
+                d.partial.append(seq)
                 continue
-            if window and (freed := self._release(seq, c)):
-                released.append((seq.seq_id, freed))
+            if self.sliding_window and (freed := self._release(seq, c)):
+                d.released.append((seq.seq_id, freed))
             if c + 2 > seq.max_len:  # its last token is in flight
                 continue
             if c % bs == 0:  # its table is full (tables hold exactly the blocks computed tokens use)
                 if bm.num_free_blocks == 0 and not self._make_room(seq, 1):
-                    if released and released[-1][0] == seq.seq_id:
-                        released.pop()  # its blocks were shared: seq itself went, the worker drops its table
-                    break
+                    if d.released and d.released[-1][0] == seq.seq_id:
+                        d.released.pop()  # its blocks were shared: seq itself went, the worker drops its table
+                    return
                 b = bm.allocate_one()
                 seq.block_table.append(b)
-                col_blocks.append(b)
-                grew.append(len(dec_seqs))
-            dec_seqs.append(seq)
-            col_ids.append(seq.seq_id)
+                d.decode_blocks.append(b)
+                d.grew.append(len(d.decodes))
+            d.decodes.append(seq)
             c += 1
             seq.num_computed_tokens = c
-            budget -= 1
-            if c % bs == 0 and caching and len(seq.token_ids) >= c:
-                dec_commit.append(seq)  # the block is complete once this step runs
+            d.budget -= 1
+            if c % bs == 0 and self.config.enable_prefix_caching and len(seq.token_ids) >= c:
+                d.completes.append(seq)  # the block is complete once this step runs
 
-        # Pass 2: continue partial prefills with what is free. With no free slot at all, preempt
-        # newer partial prefills (not scheduled in this step); with none left, wait a step. A prefill less
-        # urgent than the waiting head room was made for leaves the head's first chunk of the budget to it.
+    def _continue_prefills(self, d: _Draft, urgent: Sequence | None, urgent_chunk: int) -> None:
+        """Pass 2: the next chunk of each prompt still prefilling, with what is free. With no free block at all,
+        preempt newer partial prefills (not scheduled in this step); with none left, wait a step. A prefill less
+        urgent than the waiting head that room was made for (`urgent`) leaves it its first chunk of the budget."""
+        bm = self.block_manager
+        bs = self.block_size
+        partial = d.partial
         j = 0
-        while j < len(partial) and budget > 0:
+        while j < len(partial) and d.budget > 0:
             seq = partial[j]
             j += 1
             c = seq.num_computed_tokens
-            if window and (freed := self._release(seq, c)):  # victims below are later partials, never seq
-                released.append((seq.seq_id, freed))
+            if self.sliding_window and (freed := self._release(seq, c)):  # victims below are later partials
+                d.released.append((seq.seq_id, freed))
             remaining = seq.num_sent_tokens - c
-            n = min(remaining, cap, budget)
+            n = min(remaining, d.cap, d.budget)
             if urgent is not None and seq.priority < urgent.priority and seq.arrival > urgent.arrival:
-                n = min(n, budget - urgent_chunk)
+                n = min(n, d.budget - urgent_chunk)
                 if n <= 0:
                     continue
             table = seq.block_table
@@ -436,93 +461,93 @@ class Scheduler:
             entry = [seq, n, len(table)]
             if n > room:
                 table.extend(bm.allocate(cdiv(n - room, bs)))
-            if n < remaining and n == cap:
-                capped.append(entry)
-            chunks.append(entry)
+            if n < remaining and n == d.cap:
+                d.capped.append(entry)
+            d.chunks.append(entry)
             seq.num_computed_tokens = c + n
-            budget -= n
+            d.budget -= n
 
-        # Admit waiting sequences, unless this step preempted (they would only thrash). A sequence whose LoRA
-        # adapter finds no slot waits, and every adapter's sequence behind it: the others go on.
-        if self.num_preemptions == n_preempted:
-            waiting = self.waiting
-            no_slot: list[Sequence] = []
-            while waiting and budget > 0 and len(running) < cfg.limits.max_num_seqs:
-                seq = waiting[0]
-                if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
-                    break  # the worker must drop it before it is resent
-                lora = seq.params.lora
-                if lora and no_slot:
-                    no_slot.append(waiting.popleft())
-                    continue
-                hits, n, need = self._first_chunk(seq, budget, cap)
-                total = len(seq.token_ids)
-                c = len(hits) * bs
-                remaining = total - c
-                if need + bm.num_free_among(hits) > bm.num_free_blocks or (self.whole_prompts and n < remaining):
-                    break
-                if lora and not self.adapters.place(lora, step, lambda: {s.params.lora for s in running}):
-                    no_slot.append(waiting.popleft())
-                    continue
-                waiting.popleft()
-                self._waiting_tokens -= total
-                on_host = sum(1 for b in hits if b < 0)
-                table = bm.acquire(hits)
-                table.extend(bm.allocate(need))
-                seq.block_table = table
-                seq.num_committed_blocks = c // bs
-                seq.num_computed_tokens = c + n
-                seq.num_sent_tokens = total
-                seq.start_step = step
-                seq.status = RUNNING
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens, seq.scheduled_at = c, time.monotonic()
-                self.num_prefix_hit_tokens += c
-                self.num_host_hit_tokens += on_host * bs
-                self.num_admitted_tokens += total
-                if not running or running[-1].arrival < seq.arrival:
-                    running.append(seq)
-                else:
-                    bisect.insort(running, seq, key=_arrival)
-                entry = [seq, n, c]
-                if n < remaining and n == cap:
-                    capped.append(entry)
-                admitted.append(entry)
-                budget -= n
-            waiting.extendleft(reversed(no_slot))
-
-        # Budget left: extend capped chunks, oldest first, with blocks that are free (no preemption).
-        for entry in capped:
-            if budget == 0:
+    def _admit(self, d: _Draft) -> None:
+        """Waiting sequences in arrival order, each with its prefix hits and first chunk, while budget, slots and
+        blocks last. A sequence whose LoRA adapter finds no slot waits, and every adapter's sequence behind it: the
+        others go on."""
+        bm = self.block_manager
+        bs = self.block_size
+        running = self.running
+        waiting = self.waiting
+        no_slot: list[Sequence] = []
+        while waiting and d.budget > 0 and len(running) < self.config.limits.max_num_seqs:
+            seq = waiting[0]
+            if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
+                break  # the worker must drop it before it is resent
+            lora = seq.params.lora
+            if lora and no_slot:
+                no_slot.append(waiting.popleft())
+                continue
+            hits, n, need = self._first_chunk(seq, d.budget, d.cap)
+            total = len(seq.token_ids)
+            c = len(hits) * bs
+            remaining = total - c
+            if need + bm.num_free_among(hits) > bm.num_free_blocks or (self.whole_prompts and n < remaining):
                 break
+            if lora and not self.adapters.place(lora, d.step, lambda: {s.params.lora for s in running}):
+                no_slot.append(waiting.popleft())
+                continue
+            waiting.popleft()
+            self._waiting_tokens -= total
+            on_host = sum(1 for b in hits if b < 0)
+            table = bm.acquire(hits)
+            table.extend(bm.allocate(need))
+            seq.block_table = table
+            seq.num_committed_blocks = c // bs
+            seq.num_computed_tokens = c + n
+            seq.num_sent_tokens = total
+            seq.start_step = d.step
+            seq.status = RUNNING
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens, seq.scheduled_at = c, time.monotonic()
+            self.num_prefix_hit_tokens += c
+            self.num_host_hit_tokens += on_host * bs
+            self.num_admitted_tokens += total
+            if not running or running[-1].arrival < seq.arrival:
+                running.append(seq)
+            else:
+                bisect.insort(running, seq, key=_arrival)
+            entry = [seq, n, c]
+            if n < remaining and n == d.cap:
+                d.capped.append(entry)
+            d.admitted.append(entry)
+            d.budget -= n
+        waiting.extendleft(reversed(no_slot))
+
+    def _extend_capped(self, d: _Draft) -> None:
+        """Budget left: the chunks cut at the cap grow, oldest first, with blocks that are free (no preemption)."""
+        bm = self.block_manager
+        bs = self.block_size
+        for entry in d.capped:
+            if d.budget == 0:
+                return
             seq = entry[0]
             c = seq.num_computed_tokens
             table = seq.block_table
             room = len(table) * bs - c
-            extra = min(seq.num_sent_tokens - c, budget, room + bm.num_free_blocks * bs)
+            extra = min(seq.num_sent_tokens - c, d.budget, room + bm.num_free_blocks * bs)
             if extra <= 0:
                 continue
             if extra > room:
                 table.extend(bm.allocate(cdiv(extra - room, bs)))
             entry[1] += extra
             seq.num_computed_tokens = c + extra
-            budget -= extra
+            d.budget -= extra
 
-        adapters = self.adapters.take(step, self._runs_under, {s.params.lora for s in running}) \
-            if self.adapters.pending else None
-        if not (col_ids or chunks or admitted or self._preempted_ids or released or bm.swap_out or bm.swap_in
-                or adapters and (adapters.unloads or adapters.loads)):
-            if adapters and adapters.forget_kv:
-                bm.forget_free()
-            return None
-        # Blocks the next plan may allocate: a budget's worth (every token it schedules counts against it).
-        bm.offload_ahead(cdiv(cfg.limits.max_num_batched_tokens, bs))
-
-        # Result order: new sequences, then the columns (decodes, then continued prefills).
+    def _plan_message(self, d: _Draft, adapters: AdapterPlan | None) -> worker_pb2.StepPlan:
+        """The draft as the worker takes it; its sampling sequences recorded in flight, its full blocks registered
+        in the prefix cache. Result order: new sequences, then the columns (decodes, then continued prefills)."""
+        bm = self.block_manager
         sampling: list[Sequence] = []  # the sequences that sample in this plan
         sampling_ids: list[int] = []
-        plan = worker_pb2.StepPlan(step=step, epoch=self.epoch)
-        for seq, n, c in admitted:
+        plan = worker_pb2.StepPlan(step=d.step, epoch=self.epoch)
+        for seq, n, c in d.admitted:
             ns = plan.new_seqs.add()
             ns.seq_id = seq.seq_id
             ns.token_ids.extend(seq.token_ids)
@@ -534,13 +559,16 @@ class Scheduler:
             if c + n == seq.num_sent_tokens:
                 sampling.append(seq)
                 sampling_ids.append(seq.seq_id)
-        sampling += dec_seqs
+        # the running columns (seq_ids, num_scheduled_tokens, num_new_blocks, new_block_ids): decodes, then chunks
+        col_ids = [seq.seq_id for seq in d.decodes]
+        sampling += d.decodes
         sampling_ids += col_ids
         col_tokens = [1] * len(col_ids)
         col_new = [0] * len(col_ids)  # new blocks per decode: 0 or 1
-        for k in grew:
+        for k in d.grew:
             col_new[k] = 1
-        for seq, n, before in chunks:
+        col_blocks = d.decode_blocks
+        for seq, n, before in d.chunks:
             table = seq.block_table
             col_ids.append(seq.seq_id)
             col_tokens.append(n)
@@ -559,7 +587,7 @@ class Scheduler:
         if self._preempted_ids:
             plan.preempted_ids.extend(self._preempted_ids)
             self._preempted_ids.clear()
-        for seq_id, n in released:
+        for seq_id, n in d.released:
             plan.released_ids.append(seq_id)
             plan.num_released_blocks.append(n)
         if bm.has_copies:
@@ -581,17 +609,16 @@ class Scheduler:
                 plan.load_loras.add(name=name, path=path)
             for slot, name in adapters.placements:
                 plan.lora_slots.add(slot=slot, name=name)
-        self._in_flight.append(_InFlight(step, sampling, sampling_ids))
+        self._in_flight.append(_InFlight(d.step, sampling, sampling_ids))
 
         # Register full blocks only now: a hit in this same plan would read KV the step writes.
-        if caching:
-            for seq in dec_commit:
+        if self.config.enable_prefix_caching:
+            for seq in d.completes:
                 bm.commit(seq)
-            for entry in chunks:
+            for entry in d.chunks:
                 bm.commit(entry[0])
-            for entry in admitted:
+            for entry in d.admitted:
                 bm.commit(entry[0])
-        self._step = step
         return plan
 
     # --- results ---------------------------------------------------------------------------------
