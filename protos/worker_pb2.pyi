@@ -74,7 +74,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks", "unload_loras", "load_loras", "lora_slots")
+    __slots__ = ("step", "epoch", "new_seqs", "seq_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_ids", "preempted_ids", "swap_out_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_blocks", "offload_blocks", "offload_host_blocks", "released_ids", "num_released_blocks", "unload_loras", "load_loras", "lora_slots", "drop_loras")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class StepPlan(_message.Message):
     UNLOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
     LOAD_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DROP_LORAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -115,7 +116,8 @@ class StepPlan(_message.Message):
     unload_loras: _containers.RepeatedScalarFieldContainer[str]
     load_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     lora_slots: _containers.RepeatedCompositeFieldContainer[LoraSlot]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ..., unload_loras: _Optional[_Iterable[str]] = ..., load_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_slots: _Optional[_Iterable[_Union[LoraSlot, _Mapping]]] = ...) -> None: ...
+    drop_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_ids: _Optional[_Iterable[int]] = ..., preempted_ids: _Optional[_Iterable[int]] = ..., swap_out_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_blocks: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_host_blocks: _Optional[_Iterable[int]] = ..., released_ids: _Optional[_Iterable[int]] = ..., num_released_blocks: _Optional[_Iterable[int]] = ..., unload_loras: _Optional[_Iterable[str]] = ..., load_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_slots: _Optional[_Iterable[_Union[LoraSlot, _Mapping]]] = ..., drop_loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path")
@@ -197,7 +199,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slots", "encoder", "label_pooling", "lora_paths")
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slots", "encoder", "label_pooling", "lora_paths", "dropped_loras", "dropped_lora_paths")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,8 @@ class DescribeResponse(_message.Message):
     ENCODER_FIELD_NUMBER: _ClassVar[int]
     LABEL_POOLING_FIELD_NUMBER: _ClassVar[int]
     LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     dtype: str
@@ -254,4 +258,6 @@ class DescribeResponse(_message.Message):
     encoder: bool
     label_pooling: str
     lora_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slots: _Optional[_Iterable[str]] = ..., encoder: _Optional[bool] = ..., label_pooling: _Optional[str] = ..., lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    dropped_loras: _containers.RepeatedScalarFieldContainer[str]
+    dropped_lora_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slots: _Optional[_Iterable[str]] = ..., encoder: _Optional[bool] = ..., label_pooling: _Optional[str] = ..., lora_paths: _Optional[_Iterable[str]] = ..., dropped_loras: _Optional[_Iterable[str]] = ..., dropped_lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...

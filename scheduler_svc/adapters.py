@@ -5,9 +5,11 @@ the worker as plan deltas (StepPlan.load_loras, unload_loras, lora_slots) like e
 The worker holds up to `capacity` adapters in host memory (DescribeResponse.max_cpu_loras) and copies one into a
 slot (max_loras) when the scheduler places it there: a sequence runs under an adapter in a slot, so a step runs
 under at most as many adapters as there are slots, and more may be held. More still may be served, as vLLM serves
-them: an adapter is known by the folder it was read from (DescribeResponse.lora_paths for those the worker read at
-start), and one that has to make room for another is dropped from host memory, the least recently used of those no
-running sequence needs, and read from its folder again when a sequence is admitted under it. A sequence is admitted
+them: an adapter is known by the folder it was read from (DescribeResponse.lora_paths for those the worker holds at
+the handshake), and one that has to make room for another is dropped from host memory (StepPlan.drop_loras), the least
+recently used of those no running sequence needs, and read from its folder again when a sequence is admitted under
+it. The worker keeps a dropped adapter's folder and names it at the next handshake (DescribeResponse.dropped_loras), so
+a scheduler that connects anew serves it still. A sequence is admitted
 once its adapter is held and has a slot: a free one, else the least recently used one that no running sequence
 needs (`place`); a sequence whose adapter has neither waits, and so do the adapter sequences behind it, so that a
 stream of requests under the placed adapters cannot starve another adapter's. An adapter moved out of a slot or
@@ -54,19 +56,24 @@ class _Op:
 @dataclass(slots=True)
 class AdapterPlan:
     """What one step's plan does to the adapters."""
-    unloads: list[str] = field(default_factory=list)               # out of host memory (and its slot), in order
+    unloads: list[str] = field(default_factory=list)               # no longer served: out of host memory and slot
+    drops: list[str] = field(default_factory=list)                 # out of host memory for room, still served
     loads: list[tuple[str, str]] = field(default_factory=list)     # (name, folder) read into host memory
     placements: list[tuple[int, str]] = field(default_factory=list)  # (slot, name) copied from host memory
     forget_kv: bool = False  # an adapter was unloaded: its cached KV must not be hit under a later load of the name
 
 
 class Adapters:
-    def __init__(self, served: list[str], slots: list[str], capacity: int = 0, paths: list[str] | None = None):
+    def __init__(self, served: list[str], slots: list[str], capacity: int = 0, paths: list[str] | None = None,
+                 dropped: dict[str, str] | None = None):
         """served: the adapters the worker holds (DescribeResponse.lora_adapters) and paths the folders it read them
         from (lora_paths; "" or none: never dropped for room); slots: the adapter in each of its slots, "" where
-        free (lora_slots); capacity: how many it may hold (max_cpu_loras; 0: as many as slots)."""
-        self.served = list(served)  # requests may run under these
-        self.paths = dict(zip(served, paths or [""] * len(served)))  # of the served ones, and those being loaded
+        free (lora_slots); capacity: how many it may hold (max_cpu_loras; 0: as many as slots); dropped: those it
+        dropped for room before and serves still (dropped_loras -> dropped_lora_paths), read again when needed."""
+        dropped = dropped or {}
+        self.served = [*served, *dropped]  # requests may run under these
+        # of the served ones, and those being loaded
+        self.paths = {**dict(zip(served, paths or [""] * len(served))), **dropped}
         self.held = set(served)     # in the worker's host memory, as the plans so far leave it
         self.slots = list(slots)    # as the plans so far leave them
         self.capacity = max(capacity, len(slots))
@@ -155,12 +162,14 @@ class Adapters:
                     self._waiting.append(op)
                     continue
                 plan.forget_kv = True
-                self.paths.pop(op.name, None)
+                on_worker = self.paths.pop(op.name, None) is not None  # held, or dropped and its folder kept there
                 self._used.pop(op.name, None)
-                if op.name not in self.held:  # dropped for room before: nothing to tell the worker
+                if not on_worker:  # lost while the unload waited (its folder could not be read again)
                     self.outcomes.append(AdapterOutcome(op.name, op.ticket))
                     continue
-                self._out(op, plan, planned)
+                if op.name in plan.drops:  # dropped for room by this same plan: unloaded instead
+                    plan.drops.remove(op.name)
+                self._out(op, plan, planned)  # also one dropped for room before: the worker keeps its folder
                 continue
             if op.kind == "reload" and not holds(op.name):  # its sequences are gone
                 continue
@@ -198,7 +207,7 @@ class Adapters:
         self.held.discard(op.name)
         if op.name in self.slots:
             self.slots[self.slots.index(op.name)] = ""
-        plan.unloads.append(op.name)
+        (plan.drops if op.kind == "drop" else plan.unloads).append(op.name)
         planned.append(op)
 
     def answered(self, step: int, failed: dict[str, str]) -> None:

@@ -49,7 +49,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, info.num_blocks, info.block_size, eos_token_ids, info.epoch,
                                    info.num_host_blocks, info.sliding_window,
                                    Adapters(list(info.lora_adapters), list(info.lora_slots), info.max_cpu_loras,
-                                            list(info.lora_paths)),
+                                            list(info.lora_paths),
+                                            dict(zip(info.dropped_loras, info.dropped_lora_paths))),
                                    whole_prompts=info.encoder)
         self._depth = self.config.pipeline_depth
         self._in_flight = 0

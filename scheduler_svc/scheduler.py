@@ -388,7 +388,7 @@ class Scheduler:
         adapters = self.adapters.take(draft.step, self._runs_under, {s.params.lora for s in self.running}) \
             if self.adapters.pending else None
         if not (draft.decodes or draft.chunks or draft.admitted or self._preempted_ids or draft.released
-                or bm.swap_out or bm.swap_in or adapters and (adapters.unloads or adapters.loads)):
+                or bm.swap_out or bm.swap_in or adapters and (adapters.unloads or adapters.drops or adapters.loads)):
             if adapters and adapters.forget_kv:
                 bm.forget_free()
             return None
@@ -605,6 +605,7 @@ class Scheduler:
             if adapters.forget_kv:  # KV computed under an adapter dies with it: nothing it left may be hit later
                 bm.forget_free()
             plan.unload_loras.extend(adapters.unloads)
+            plan.drop_loras.extend(adapters.drops)
             for name, path in adapters.loads:
                 plan.load_loras.add(name=name, path=path)
             for slot, name in adapters.placements:

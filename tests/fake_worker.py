@@ -106,6 +106,8 @@ class FakeWorker:
         self.lora_slots = lora_slots
         self.lora_capacity = max(lora_capacity, lora_slots)
         self.loads: dict[str, int] = {}  # a loaded adapter's weights, by name
+        self.folders: dict[str, str] = {}  # where each loaded adapter was read from
+        self.dropped: dict[str, str] = {}  # adapters dropped for room (StepPlan.drop_loras): their folders
         self.weights: dict[str, int] = {}  # the weights in each folder read so far
         self.unreadable: set[str] = set()  # folders that fail to load (as "bad" does)
         self.num_loads = 0
@@ -142,6 +144,10 @@ class FakeWorker:
             max_loras=self.lora_slots,
             max_cpu_loras=self.lora_capacity,
             lora_slots=self.batch.lora_adapters,
+            lora_adapters=list(self.loads),
+            lora_paths=[self.folders[name] for name in self.loads],
+            dropped_loras=list(self.dropped),
+            dropped_lora_paths=list(self.dropped.values()),
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -177,15 +183,22 @@ class FakeWorker:
         self._swap(plan)
         result = worker_pb2.StepResult(step=plan.step)
         for name in plan.unload_loras:  # the batch freed its slot, if it had one
-            _check(name in self.loads, f"unload of {name!r}, which is not loaded")
+            _check(name in self.loads or name in self.dropped, f"unload of {name!r}, which is not loaded")
+            if self.dropped.pop(name, None) is None:
+                del self.loads[name], self.folders[name]
+        for name in plan.drop_loras:
+            _check(name in self.loads, f"drop of {name!r}, which is not loaded")
+            self.dropped[name] = self.folders.pop(name)
             del self.loads[name]
         for adapter in plan.load_loras:
             _check(len(self.loads) < self.lora_capacity, f"load of {adapter.name!r} beyond {self.lora_capacity}")
+            self.dropped.pop(adapter.name, None)
             if adapter.path == "bad" or adapter.path in self.unreadable or adapter.name in self.loads:
                 result.failed_loras[adapter.name] = f"cannot load {adapter.name!r} from {adapter.path!r}"
                 continue
             self.num_loads += 1
             self.loads[adapter.name] = self.weights.setdefault(adapter.path, len(self.weights) + 1)
+            self.folders[adapter.name] = adapter.path
         for placed in plan.lora_slots:
             _check(placed.name in self.loads and placed.name not in result.failed_loras,
                    f"{placed.name!r} placed into a slot but not loaded")

@@ -563,6 +563,32 @@ def test_requests_under_an_adapter_one_worker_cannot_read_again_continue_on_anot
         cluster.stop()
 
 
+def test_an_adapter_dropped_for_room_is_still_served_by_a_restarted_scheduler(tiny_model_dir, adapters, reference,
+                                                                              tmp_path):
+    """The worker names the adapters it dropped for room at the handshake (DescribeResponse.dropped_loras): "x", read
+    at the worker's start and dropped from its host memory when "qv" was loaded while serving, is still served once
+    the scheduler has been killed and started again, and read again from its folder for the requests under it."""
+    cluster = LocalCluster(tiny_model_dir, log_dir=tmp_path / "logs", worker_args=[
+        "--dtype", "float32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-loras", "1", "--max-lora-rank", "8",
+        "--lora-modules", f"x={adapters['all']}"], scheduler_args=["--allow-runtime-lora-updating"]).start(180)
+    try:
+        with Client(cluster.address, timeout=60) as c:
+            assert c.load_lora_adapter("qv", str(adapters["qv"])) == ["x", "qv"]
+        scheduler = next(p for p in cluster.processes if p.name == "scheduler")
+        scheduler.popen.kill()
+        scheduler.popen.wait(30)
+        cluster.processes.remove(scheduler)
+        cluster.start_scheduler()
+        cluster.wait_ready(120)
+        with Client(cluster.address, timeout=60) as c:
+            assert sorted(c.model_info()["lora_adapters"]) == ["qv", "x"]
+            got = [c.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora="x")[0].token_ids
+                   for p in PROMPTS]
+        assert got == reference["all"]
+    finally:
+        cluster.stop()
+
+
 def test_an_adapters_host_tensors_are_views_of_one_allocation():
     """LoraSlots.register's images: every part zeroed, 16-byte aligned for the copies into slots, none overlapping."""
     from worker_svc.model.lora import _host_tensors

@@ -440,12 +440,12 @@ def test_more_adapters_than_host_memory_holds_are_read_again_for_their_sequences
     sched.adapters.load("b", "/b")
     driver.run()
     assert sched.adapters.served == ["a", "b"] and sched.adapters.held == {"b"} and sched.adapters.slots == [""]
-    assert [(list(p.unload_loras), [a.name for a in p.load_loras]) for p in driver.plans[-1:]] == [(["a"], ["b"])]
+    assert [(list(p.drop_loras), [a.name for a in p.load_loras]) for p in driver.plans[-1:]] == [(["a"], ["b"])]
     again = seq(2, prompt, max_tokens=30, lora="a")
     sched.add(again)
     driver.step()
     assert not sched.running and sched.adapters.pending  # "a" is being read again
-    assert [(list(p.unload_loras), [(a.name, a.path) for a in p.load_loras]) for p in driver.plans[-1:]] == \
+    assert [(list(p.drop_loras), [(a.name, a.path) for a in p.load_loras]) for p in driver.plans[-1:]] == \
         [(["b"], [("a", "/a")])]
     while not sched.running:
         driver.step()
@@ -462,6 +462,32 @@ def test_more_adapters_than_host_memory_holds_are_read_again_for_their_sequences
     assert lost.finish_reason == "abort" and sched.take_lost() == [("b", "cannot load 'b' from '/b'", [lost])]
     assert sched.adapters.served == ["a"] and sched.adapters.num_reloads == 2 and not sched.take_lost()
     sched.block_manager.check([])
+
+
+def test_adapters_dropped_for_room_are_still_served_after_a_new_handshake():
+    """The worker keeps the folder of each adapter dropped for room (StepPlan.drop_loras) and names them at the
+    handshake (DescribeResponse.dropped_loras): a scheduler that connects anew (restarted, or after the stream broke)
+    serves them still and reads one again for its sequence; one unloaded meanwhile is forgotten on both sides."""
+    from scheduler_svc.engine_core import EngineCore
+
+    sched, worker = make(num_blocks=32, block_size=4, lora_slots=1, lora_capacity=1)
+    driver = Driver(sched, worker)
+    for name in "abc":
+        sched.adapters.load(name, f"/{name}")
+        driver.run()
+    assert worker.dropped == {"a": "/a", "b": "/b"} and set(worker.loads) == {"c"}
+    sched.adapters.unload("b")
+    driver.run()
+    assert [o.name for o in sched.adapters.take_outcomes()] == ["a", "b", "c", "b"]
+    assert worker.dropped == {"a": "/a"} and sorted(sched.adapters.served) == ["a", "c"]
+    core = EngineCore(worker, sched.config, [EOS])
+    adapters = core.scheduler.adapters
+    assert sorted(adapters.served) == ["a", "c"] and adapters.held == {"c"} and adapters.paths == {"a": "/a", "c": "/c"}
+    s = core.add(list(range(1, 13)), SamplingParams(max_tokens=3, ignore_eos=True, seed=7, lora="a"))
+    while core.has_unfinished():
+        core.step()
+    assert s.output_token_ids == expected_output(worker, s)[0] and adapters.num_reloads == 1
+    assert worker.dropped == {"c": "/c"} and set(worker.loads) == {"a"}
 
 
 def test_whole_prompts_are_admitted_whole_into_one_step_each():
@@ -902,6 +928,17 @@ class AdapterMachine(SchedulerMachine):
         """The adapter's folder can no longer be read: a sequence that waits for it to be read again is lost."""
         if path := self.sched.adapters.paths.get(name):
             self.worker.unreadable.add(path)
+
+    @invariant()
+    def a_new_stream_would_serve_the_same_adapters(self):
+        """What the worker's Describe would tell a new stream's scheduler (the adapters it holds and those dropped for
+        room, with their folders) is what this scheduler serves, whenever no adapter's load or unload is in flight."""
+        if not hasattr(self, "sched") or self.sched.adapters.pending:
+            return
+        adapters, worker = self.sched.adapters, self.worker
+        assert {**worker.folders, **worker.dropped} == {name: adapters.paths[name] for name in adapters.served}
+        if worker.dropped:
+            event("adapters dropped for room, still served")
 
     def teardown(self):
         super().teardown()

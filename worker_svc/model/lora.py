@@ -115,6 +115,7 @@ class LoraSlots:
         self.modules: dict[str, nn.Module] = {}
         self.registered: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # module -> A, B
         self.folders: dict[str, str] = {}  # of the registered ones, where each was read from
+        self.dropped: dict[str, str] = {}  # adapters dropped for room, still served: where to read each again
         if not slots:
             return
         packed = getattr(model, "packed_modules", {})
@@ -137,6 +138,7 @@ class LoraSlots:
         already, no room left (capacity), a bias, modules saved whole, DoRA, per-module ranks, a rank above max_rank,
         or a module that is not one of the decoder layers' projections (embeddings, the LM head, fused experts, MLA's
         absorbed kv_b_proj), or of another shape."""
+        self.dropped.pop(name, None)  # read again, or lost where it cannot be
         if name in self.registered:
             raise ValueError(f"LoRA adapter {name!r} is loaded already")
         if len(self.registered) >= self.capacity:
@@ -158,7 +160,14 @@ class LoraSlots:
         self.folders[name] = str(folder)
 
     def forget(self, name: str) -> None:
-        """Drops the adapter from host memory (a slot that holds it is the caller's to clear)."""
+        """Drops the adapter from host memory (a slot that holds it is the caller's to clear), and from the dropped
+        ones where it is one of them."""
+        if self.dropped.pop(name, None) is None:
+            del self.registered[name], self.folders[name]
+
+    def drop(self, name: str) -> None:
+        """Drops the adapter from host memory for room, keeping its folder: it is still served."""
+        self.dropped[name] = self.folders[name]
         del self.registered[name], self.folders[name]
 
     @torch.no_grad()

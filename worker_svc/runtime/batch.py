@@ -66,7 +66,7 @@ class BatchStep:
     samples: np.ndarray       # bool: the row samples its next token in this step
     states: list[SeqState]
     new: list[SeqState]       # sequences this plan starts
-    unloaded_loras: list[int]  # LoRA slots this plan clears (StepPlan.unload_loras of adapters in one)
+    unloaded_loras: list[int]  # LoRA slots this plan clears (StepPlan.unload_loras, drop_loras of adapters in one)
     placed_loras: list[tuple[int, str]]  # (slot, adapter) this plan fills (StepPlan.lora_slots)
 
     @property
@@ -163,7 +163,7 @@ class PersistentBatch:
             self._drop(seq_id)
         if len(plan.released_ids):
             self._release(plan)
-        unloaded = [slot for name in plan.unload_loras if (slot := self._unload(name)) is not None]
+        unloaded = [slot for name in (*plan.unload_loras, *plan.drop_loras) if (slot := self._unload(name)) is not None]
         placed = [self._place(p.slot, p.name) for p in plan.lora_slots]
         if len(plan.swap_out_blocks) or len(plan.swap_in_blocks):
             self._check_swaps(plan)

@@ -446,7 +446,8 @@ class ModelRunner:
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
             embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
-            lora_paths=list(self.lora.folders.values()),
+            lora_paths=list(self.lora.folders.values()), dropped_loras=list(self.lora.dropped),
+            dropped_lora_paths=list(self.lora.dropped.values()),
             max_loras=self.lora.slots, max_lora_rank=self.lora.max_rank if self.lora.slots else 0,
             max_cpu_loras=self.lora.capacity if self.lora.slots else 0, lora_slots=self.batch.lora_adapters,
             encoder=not self.model_config.causal,
@@ -496,9 +497,13 @@ class ModelRunner:
         for slot in step.unloaded_loras:
             lora.clear(slot)
         for name in plan.unload_loras:
-            if name not in lora.registered:
+            if name not in lora.registered and name not in lora.dropped:
                 raise PlanError(f"LoRA adapter {name!r} is unloaded but not loaded here")
             lora.forget(name)
+        for name in plan.drop_loras:
+            if name not in lora.registered:
+                raise PlanError(f"LoRA adapter {name!r} is dropped but not loaded here")
+            lora.drop(name)
         failed = {}
         for adapter in plan.load_loras:
             try:
