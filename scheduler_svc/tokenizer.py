@@ -65,10 +65,12 @@ class ModelTokenizer:
         if chat_template is not None and not self.trust_request_chat_template:
             raise UntrustedTemplate("a request's own chat template is rendered only where the scheduler runs with "
                                     "--trust-request-chat-template")
-        source = self.chat_template if chat_template is None else chat_template
-        if source is None:
+        if chat_template is not None:
+            template = _request_template(chat_template)
+        elif self.chat_template is not None:
+            template = _model_template(self.chat_template)
+        else:
             raise ValueError("this model has no chat template")
-        template = compile_chat_template(source)
         final = messages[-1].get("content") if continue_final_message else None
         if continue_final_message:
             if not isinstance(final, str):
@@ -97,9 +99,14 @@ class UntrustedTemplate(ValueError):
     """A request brought a chat template of its own where the server renders only the model's."""
 
 
-@functools.lru_cache(maxsize=32)  # the model's template and the few that requests bring again and again
-def compile_chat_template(source: str) -> jinja2.Template:
+def _compile(source: str) -> jinja2.Template:
     return _environment().from_string(source)
+
+
+# Compiled once each: the model's templates (one a tokenizer), and apart from them, so that requests bringing many
+# cannot evict the model's, the last few that requests brought.
+_model_template = functools.lru_cache(maxsize=None)(_compile)
+_request_template = functools.lru_cache(maxsize=32)(_compile)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
