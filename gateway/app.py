@@ -50,7 +50,8 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
                               EmbeddingResponse, ErrorBody, HealthBody, LoadLoraAdapterRequest, ModelCard, ModelList,
                               RerankRequest, RerankResponse, ResetPrefixCacheResponse, ResponseBody, ResponsesRequest,
                               ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
-                              UnloadLoraAdapterRequest, VersionBody, grpc_priority)
+                              UnloadLoraAdapterRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDiskResponse,
+                              VersionBody, grpc_priority)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -257,6 +258,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         backend = backend_of(request)
         call = backend.client.unload_lora_adapter(body.lora_name, timeout=backend.config.rpc_timeout)
         return await adapter_answer(backend, call, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/update_weights_from_disk", response_model=UpdateWeightsFromDiskResponse, responses={
+        **ERRORS, 403: {"model": ErrorBody, "description": "the scheduler runs without --allow-weight-updates"}})
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, request: Request) -> JSONResponse:
+        """SGLang's: every worker reads the model's weights again from another checkpoint of it (the scheduler's
+        UpdateWeights), once the requests received before have finished on the weights they started with; later ones
+        wait and run on the new weights. 400 (param model_path) where a worker cannot: every worker then serves the
+        weights it had."""
+        backend = backend_of(request)
+        try:  # as long as the requests before it take: no rpc_timeout
+            workers = await backend.client.update_weights(body.model_path)
+        except grpc.RpcError as e:
+            error = from_grpc(e)
+            if error.status == 400:  # the scheduler's INVALID_ARGUMENT: what the workers found in the folder
+                error.param = "model_path"
+            raise error from None
+        return JSONResponse({"success": True, "message": f"weights read from {body.model_path} on {workers} worker(s)",
+                             "model_path": body.model_path, "num_workers": workers})
 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         """vLLM's /reset_prefix_cache (SGLang's /flush_cache): drops every cached prefix no running request holds, on

@@ -401,6 +401,20 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_path: NonEmpty  # a PEFT folder, as the workers see their file systems
 
 
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's /update_weights_from_disk body."""
+    model_config = ConfigDict(extra="forbid")
+    model_path: NonEmpty  # a checkpoint folder of the served model, as the workers see their file systems
+    load_format: Literal["auto"] | None = None  # SGLang's; checkpoints load as the model's own do
+
+
+class UpdateWeightsFromDiskResponse(BaseModel):
+    success: bool
+    message: str
+    model_path: str  # the folder every worker serves the weights of now
+    num_workers: int  # worker groups that loaded them
+
+
 class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: NonEmpty

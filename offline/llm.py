@@ -274,6 +274,14 @@ class LLM:
         computed whole; returns how many cached blocks were dropped."""
         return self.engine.scheduler.block_manager.forget_free()
 
+    def update_weights(self, path: str | Path) -> None:
+        """Reads the model's weights again from another checkpoint of it at `path` (a trainer's new weights: SGLang's
+        update_weights_from_disk), in place, and drops every cached prefix; the next prompts run on them. ValueError
+        where the worker cannot (the folder holds another model, or is missing): it serves the weights it had."""
+        error = self.engine.core.settle_weights(str(path))  # nothing else runs between generate calls
+        if error:
+            raise ValueError(error)
+
     def _update_adapter(self, name: str, path: str) -> None:
         if not name:
             raise ValueError("a LoRA adapter needs a name")

@@ -5,4 +5,4 @@ Regenerate with `python -m protos.generate`; tests/test_protos.py proves the che
 
 # Version of the scheduler <-> worker protocol (worker.proto). A scheduler refuses a worker that
 # speaks another one; bump it on any change of meaning, not only of layout.
-WORKER_PROTOCOL_VERSION = 9
+WORKER_PROTOCOL_VERSION = 10

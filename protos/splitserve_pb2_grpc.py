@@ -74,6 +74,11 @@ class GenerationStub:
                 request_serializer=protos_dot_splitserve__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/splitserve.v1.Generation/UpdateWeights',
+                request_serializer=protos_dot_splitserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -142,6 +147,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """The model's weights read again from another checkpoint of it (SGLang's /update_weights_from_disk: a trainer's
+        new weights), on every worker group and on groups that join later; refused (PERMISSION_DENIED) unless the
+        scheduler runs with --allow-weight-updates. Requests received before the call finish on the weights they
+        started with; later ones wait, and run on the new weights. Each group loads once it has finished the earlier
+        ones, and forgets its cached prefixes. Answers once every group loaded them; INVALID_ARGUMENT naming model_path
+        where a worker cannot (the folder is missing, or holds another model: its config must be the served one's),
+        after which every group serves the weights it had.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +202,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=protos_dot_splitserve__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=protos_dot_splitserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +425,33 @@ class Generation:
             '/splitserve.v1.Generation/ResetPrefixCache',
             protos_dot_splitserve__pb2.ResetPrefixCacheRequest.SerializeToString,
             protos_dot_splitserve__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/UpdateWeights',
+            protos_dot_splitserve__pb2.UpdateWeightsRequest.SerializeToString,
+            protos_dot_splitserve__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve LoadLoraAdapter and UnloadLoraAdapter (the gateway's /v1/load_lora_adapter, "
                         "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): any caller of the API "
                         "may then have the workers read adapter folders off their file systems")
+    p.add_argument("--allow-weight-updates", action="store_true",
+                   help="serve UpdateWeights (the gateway's /update_weights_from_disk, SGLang's): any caller of the "
+                        "API may then have the workers read a checkpoint folder off their file systems in place of "
+                        "the weights they serve")
     p.add_argument("--lora-resolver-dir", default=None,
                    help="a request naming a LoRA adapter that no worker serves has the workers load the folder of "
                         "that name in this directory first, where there is one (vLLM's filesystem resolver, "

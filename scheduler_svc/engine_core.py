@@ -100,6 +100,14 @@ class EngineCore:
             self.step()
         return adapters.take_outcomes()
 
+    def settle_weights(self, path: str) -> str:
+        """Has the worker read its weights again from the checkpoint folder at path, where nothing else runs (a group
+        before it serves, an offline engine between calls); returns why it could not ("": done)."""
+        self.scheduler.update_weights(path)
+        while self.scheduler.weights is not None:
+            self.step()
+        return self.scheduler.take_weights_outcomes()[-1].error
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight > 0
 

@@ -8,8 +8,9 @@ front-ends are told which of their requests it held ("down"), so that they conti
 supervisor that it is gone ("group_down"), so that it retries the address.
 
 Messages in (ipc.py): connect, add, abort, stop, forget (a front-end is gone), drain, snapshot, lora (load or
-unload an adapter), reset_prefix_cache, metrics, stop_all. Messages out: to front-ends ack, out, moved, down; to the
-supervisor group_up, connect_failed, group_down, group_left, lora_done, reset_done, metrics.
+unload an adapter), weights (read the weights again from a folder), reset_prefix_cache, metrics, stop_all. Messages
+out: to front-ends ack, out, moved, down; to the supervisor group_up, connect_failed, group_down, group_left,
+lora_done, weights_done, reset_done, metrics.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Connect:
     wait_for_ready: bool
     stale_epoch: int | None
     adapters: dict[str, str]  # the tree's LoRA adapters loaded ("": unloaded) while serving, by name
+    weights: str  # the folder the tree's weights were read from while serving ("": none was)
 
 
 @dataclass(slots=True)
@@ -81,6 +83,10 @@ class EngineGroup:
                 raise WorkerUnavailable(f"worker {connect.address} is still at the epoch of its previous stream")
             executor.open(self._stream_ended)
             self._sync_adapters(connect.adapters)
+            if connect.weights and self.core.worker_info.weights_path != connect.weights:
+                if error := self.core.settle_weights(connect.weights):
+                    raise RuntimeError(f"worker {connect.address} could not read the weights the others serve from "
+                                       f"{connect.weights}: {error}")
         except BaseException:
             executor.close()
             raise
@@ -154,6 +160,8 @@ class EngineGroup:
                 if self.scheduler.adapters.outcomes:
                     for o in self.scheduler.adapters.take_outcomes():
                         self._adapter_done(out, o.ticket, o.code, o.error)
+                for o in self.scheduler.take_weights_outcomes():
+                    out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, o.ticket, o.error])
         except Exception as e:
             if self._stopping:
                 return
@@ -221,6 +229,11 @@ class EngineGroup:
                     self.scheduler.adapters.update(name, path, ticket)
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
+            elif op == "weights":  # [weights, group, ticket, path]
+                try:
+                    self.scheduler.update_weights(message[3], message[2])
+                except ValueError as e:
+                    out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, message[2], str(e)])
             elif op == "reset_prefix_cache":  # [reset_prefix_cache, group, ticket]
                 dropped = self.scheduler.block_manager.forget_free()
                 self._send_load(out, {})  # the front-ends' routers learn the hashes are gone now, not a step later
@@ -351,7 +364,8 @@ def _group_info(group: EngineGroup) -> dict:
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
             "lora_adapters": list(group.scheduler.adapters.served), "labels": list(info.labels),
-            "label_activation": info.label_activation, "label_pooling": info.label_pooling or "last"}
+            "label_activation": info.label_activation, "label_pooling": info.label_pooling or "last",
+            "weights_path": info.weights_path}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:
@@ -402,7 +416,7 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
         if op == "connect":
             threading.Thread(target=connect, args=(Connect(*message[1:]),), daemon=True,
                              name=f"connect-{message[2]}").start()
-        elif op in ("add", "drain", "snapshot", "lora", "reset_prefix_cache"):
+        elif op in ("add", "drain", "snapshot", "lora", "weights", "reset_prefix_cache"):
             group = groups.get(message[3] if op == "add" else message[2] if op == "snapshot" else message[1])
             if group is not None and group.alive:
                 group.command(message)
@@ -413,6 +427,8 @@ def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, paren
             elif op == "lora":
                 out.send(ipc.SUPERVISOR, ["lora_done", index, message[1], message[2], "UNAVAILABLE",
                                           "the worker group is gone", []])
+            elif op == "weights":
+                out.send(ipc.SUPERVISOR, ["weights_done", index, message[1], message[2], None])
             elif op == "reset_prefix_cache":
                 out.send(ipc.SUPERVISOR, ["reset_done", index, message[1], message[2], 0])
         elif op in ("abort", "stop"):

@@ -173,10 +173,11 @@ class Completion:
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str,
                  allow_lora_updating: bool = False, lora_resolver_dir: str | None = None,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, allow_weight_updates: bool = False):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
         self.model_dir, self.allow_lora_updating = model_dir, allow_lora_updating
+        self.allow_weight_updates = allow_weight_updates
         self.lora_resolver_dir = Path(lora_resolver_dir) if lora_resolver_dir else None
         self._resolving: dict[str, asyncio.Future] = {}  # adapter name -> its load from lora_resolver_dir
         self.loop = asyncio.get_running_loop()
@@ -726,7 +727,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                       num_preemptions=g.preemptions, kv_cache_dtype=g.info.kv_cache_dtype,
                                       num_host_blocks=g.info.num_host_blocks,
                                       sliding_window=g.info.sliding_window, hidden_size=g.info.hidden_size,
-                                      embedding_only=g.info.embedding_only, lora_adapters=g.info.lora_adapters)
+                                      embedding_only=g.info.embedding_only, lora_adapters=g.info.lora_adapters,
+                                      weights_path=g.info.weights_path)
                      for g in self.groups.values()])
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
@@ -752,6 +754,17 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def ResetPrefixCache(self, request: api.ResetPrefixCacheRequest, context) -> api.ResetPrefixCacheResponse:
         reply = await self.ask_supervisor(["reset_prefix_cache"])
         return api.ResetPrefixCacheResponse(dropped_blocks=reply["dropped_blocks"])
+
+    async def UpdateWeights(self, request: api.UpdateWeightsRequest, context) -> api.UpdateWeightsResponse:
+        if not self.allow_weight_updates:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "weights are read again while serving only where "
+                                "the scheduler runs with --allow-weight-updates")
+        if not request.model_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path must name a checkpoint folder")
+        reply = await asyncio.shield(self.ask_supervisor(["weights", request.model_path]))  # not undone by a cancel
+        if reply.get("code"):
+            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+        return api.UpdateWeightsResponse(model_path=reply["model_path"], num_workers=reply["num_workers"])
 
     async def _update_adapter(self, name: str, path: str, context, load: bool) -> api.LoraAdaptersResponse:
         """A load (of the folder at path) or unload, by the supervisor on every worker group."""
@@ -815,7 +828,8 @@ async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -
     """Serves the public API on host:port until the supervisor says exit."""
     tokenizer = load_tokenizer(args.model, args.chat_template, args.trust_request_chat_template)
     frontend = Frontend(index, num_frontends, run_dir, tokenizer, args.model,
-                        args.allow_runtime_lora_updating, args.lora_resolver_dir, args.sampling_defaults)
+                        args.allow_runtime_lora_updating, args.lora_resolver_dir, args.sampling_defaults,
+                        args.allow_weight_updates)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

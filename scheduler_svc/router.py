@@ -45,6 +45,7 @@ class GroupInfo:
     labels: list[str] = field(default_factory=list)  # a sequence classifier's (Classify); empty: not one
     label_activation: str = ""  # how its logits become probabilities: sigmoid or softmax
     label_pooling: str = "last"  # the token its head reads: the last, or an encoder's first ("cls")
+    weights_path: str = ""  # the folder its weights came from (DescribeResponse.weights_path, then UpdateWeights)
     draining: bool = False
 
 

@@ -52,6 +52,7 @@ from scheduler_svc.adapters import AdapterPlan, Adapters
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import NEVER, Sequence, SequenceStatus, TokenLogprob
+from scheduler_svc.weights import WeightsOutcome, WeightsUpdate
 
 RUNNING = SequenceStatus.RUNNING
 PREEMPTED = SequenceStatus.PREEMPTED
@@ -111,6 +112,8 @@ class Scheduler:
         # (adapter, why, its sequences) for each LoRA adapter that could not be read again: the sequences that
         # waited for it are finished (reason "abort"), for the caller to take and answer with why.
         self.lost: list[tuple[str, str, list[Sequence]]] = []
+        self.weights: WeightsUpdate | None = None  # a reload of the worker's weights asked for (weights.py)
+        self.weights_outcomes: list[WeightsOutcome] = []
         self.waiting: deque[Sequence] = deque()  # in arrival order
         self.running: list[Sequence] = []  # in arrival order; the last one is preempted first
         self._seqs: dict[int, Sequence] = {}  # every sequence not finished
@@ -216,6 +219,22 @@ class Scheduler:
         lost, self.lost = self.lost, []
         return lost
 
+    def update_weights(self, path: str, ticket: object = None) -> None:
+        """Asks for the worker's weights to be read again from the checkpoint folder at path, once every sequence
+        held now has finished (weights.py); its outcome comes in weights_outcomes. Raises ValueError while another
+        is asked for."""
+        if self.weights is not None:
+            raise ValueError("a weight update is in progress on this worker group")
+        self.weights = WeightsUpdate(path, ticket, set(self._seqs))
+
+    def take_weights_outcomes(self) -> list[WeightsOutcome]:
+        outcomes, self.weights_outcomes = self.weights_outcomes, []
+        return outcomes
+
+    def _held_back(self, seq: Sequence) -> bool:
+        """Added after a weight update was asked for: admitted once the worker answered it."""
+        return self.weights is not None and seq.seq_id not in self.weights.before
+
     def preempt(self, seq_id: int) -> bool:
         """Send a running sequence back to the waiting queue; it resumes through the prefix cache."""
         seq = self.get(seq_id)
@@ -225,7 +244,7 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running) or self.adapters.pending
+        return bool(self.waiting or self.running) or self.adapters.pending or self.weights is not None
 
     @property
     def num_waiting(self) -> int:
@@ -343,7 +362,7 @@ class Scheduler:
         head = self.waiting[0] if self.waiting else None
         if head is not None and head.priority > least and not (
                 head.params.lora and head.params.lora not in self.adapters.slots) and not (
-                head.status is PREEMPTED and head.seq_id in self._preempted_ids):
+                head.status is PREEMPTED and head.seq_id in self._preempted_ids) and not self._held_back(head):
             bisect.insort(wanting, head, key=_arrival)
         bm = self.block_manager
         max_num_seqs = self.config.limits.max_num_seqs
@@ -376,6 +395,10 @@ class Scheduler:
         cfg = self.config
         cap = self.max_model_len if self.whole_prompts else cfg.chunk_cap(self.block_size)
         draft = _Draft(self._step + 1, cfg.limits.max_num_batched_tokens, cap)
+        if self.weights is not None and not self.weights.step:
+            self.weights.before.intersection_update(self._seqs)
+            if not self.weights.before:
+                return self._plan_weights(draft)
         urgent, urgent_chunk = self._preempt_for_urgent(draft.budget, cap)
         preemptions = self.num_preemptions
         self._plan_decodes(draft)
@@ -476,13 +499,18 @@ class Scheduler:
         running = self.running
         waiting = self.waiting
         no_slot: list[Sequence] = []
+        skipped: list[Sequence] = []  # no_slot and the sequences held back for a weight update, in queue order
         while waiting and d.budget > 0 and len(running) < self.config.limits.max_num_seqs:
             seq = waiting[0]
             if seq.status is PREEMPTED and seq.seq_id in self._preempted_ids:
                 break  # the worker must drop it before it is resent
+            if self._held_back(seq):
+                skipped.append(waiting.popleft())
+                continue
             lora = seq.params.lora
             if lora and no_slot:
-                no_slot.append(waiting.popleft())
+                no_slot.append(seq)
+                skipped.append(waiting.popleft())
                 continue
             hits, n, need = self._first_chunk(seq, d.budget, d.cap)
             total = len(seq.token_ids)
@@ -491,7 +519,8 @@ class Scheduler:
             if need + bm.num_free_among(hits) > bm.num_free_blocks or (self.whole_prompts and n < remaining):
                 break
             if lora and not self.adapters.place(lora, d.step, lambda: {s.params.lora for s in running}):
-                no_slot.append(waiting.popleft())
+                no_slot.append(seq)
+                skipped.append(waiting.popleft())
                 continue
             waiting.popleft()
             self._waiting_tokens -= total
@@ -518,7 +547,7 @@ class Scheduler:
                 d.capped.append(entry)
             d.admitted.append(entry)
             d.budget -= n
-        waiting.extendleft(reversed(no_slot))
+        waiting.extendleft(reversed(skipped))
 
     def _extend_capped(self, d: _Draft) -> None:
         """Budget left: the chunks cut at the cap grow, oldest first, with blocks that are free (no preemption)."""
@@ -539,6 +568,15 @@ class Scheduler:
             entry[1] += extra
             seq.num_computed_tokens = c + extra
             d.budget -= extra
+
+    def _plan_weights(self, d: _Draft) -> worker_pb2.StepPlan:
+        """The plan that has the worker, holding no sequence now, read its weights again (weights.py); every
+        cached block is forgotten first, since its KV came from the weights before."""
+        plan = self._plan_message(d, None)
+        self.block_manager.forget_free()
+        plan.load_weights = self.weights.path
+        self.weights.step = self._step = d.step
+        return plan
 
     def _plan_message(self, d: _Draft, adapters: AdapterPlan | None) -> worker_pb2.StepPlan:
         """The draft as the worker takes it; its sampling sequences recorded in flight, its full blocks registered
@@ -641,6 +679,9 @@ class Scheduler:
                 f"result for step {result.step} does not answer plan {step}: "
                 f"{len(result.seq_ids)} sequences, {len(ids)} expected"
             )
+        if self.weights is not None and self.weights.step == step:
+            self.weights_outcomes.append(WeightsOutcome(self.weights.path, self.weights.ticket, result.failed_weights))
+            self.weights = None
         if self.adapters.pending:
             self.adapters.answered(step, result.failed_loras)
             for name, why in self.adapters.take_lost():
@@ -752,6 +793,9 @@ class Scheduler:
         assert self._waiting_tokens == sum(len(s.token_ids) for s in self.waiting)
         arrivals = [s.arrival for s in self.running]
         assert arrivals == sorted(arrivals), "running list out of arrival order"
+        if self.weights is not None:  # nothing runs that would see both the old weights and the new
+            assert not any(self._held_back(s) for s in self.running), "admitted while a weight update waits"
+            assert not (self.weights.step and self.running), "a sequence runs while the worker reads weights"
         bs = self.block_size
         for seq in self.running:
             assert seq.status is RUNNING

@@ -27,6 +27,11 @@ SIGTERM. It holds no request: a front-end holds its requests, an engine its sequ
   supervisor asks every live group's engine, answers once all did (a load any group refused is unloaded from the
   others: one answer for the tree), and keeps the outcome, by name, for groups that join later: an engine loads what
   its new group lacks, and drops what the tree unloaded, before the group serves.
+- Weights read again from another checkpoint while serving (UpdateWeights on any front-end): the supervisor asks
+  every live group's engine (each loads once the requests it held have finished: scheduler_svc/weights.py), answers
+  once all did, and keeps the folder for groups that join later, whose engines have their workers read it before
+  they serve. Where a group could not, the groups that did read their weights before again: one answer for the
+  tree, which serves the same weights everywhere.
 - ResetPrefixCache on any front-end: every group's engine drops the cached blocks no running request holds (both
   tiers) and says how many; the answer is their sum.
 - A process dies: an engine's groups are gone (their front-ends move their requests, the supervisor retries
@@ -123,6 +128,8 @@ class Supervisor:
         self._receiving: asyncio.Task | None = None
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
         self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load or unload of a name at a time
+        self.weights = ""  # the folder the weights were last read from while serving ("": the workers' own)
+        self._weights_lock = asyncio.Lock()  # one weight update at a time
         # a question put to groups' engines, by (ticket, group id): its future and the answer if the group goes
         self._group_waits: dict[tuple[int, int], tuple[asyncio.Future, Any]] = {}
 
@@ -215,6 +222,7 @@ class Supervisor:
             self.groups[gid] = _Group(gid, engine, address, info)
             future.set_result(self.groups[gid])
             self._sync_adapters(self.groups[gid])
+            self._sync_weights(self.groups[gid])
             self._publish()
         elif op == "connect_failed":
             _, _engine, gid, address, text, unavailable = message
@@ -243,6 +251,19 @@ class Supervisor:
             self._answered(ticket, gid, (code, error))
         elif op == "lora":
             self._spawn_task(self._update_adapter(*message[1:]))
+        elif op == "weights_done":
+            _, _engine, gid, ticket, error = message
+            if ticket == 0 and gid in self.groups:  # a sync, which nobody waits for
+                group = self.groups[gid]
+                if error:
+                    log.error("worker %s could not read the weights the others serve from %s: %s", group.address,
+                              self.weights, error, extra={"worker": group.address})
+                else:
+                    group.info["weights_path"] = self.weights
+                    self._publish()
+            self._answered(ticket, gid, error)
+        elif op == "weights":
+            self._spawn_task(self._update_weights(*message[1:]))
         elif op == "reset_done":
             _, _engine, gid, ticket, dropped = message
             self._answered(ticket, gid, dropped)
@@ -303,7 +324,7 @@ class Supervisor:
             future = self.loop.create_future()
             self._connects[gid] = (engine, future)
             self._to_engine(engine, ["connect", gid, address, timeout, wait_for_ready, self._last_epoch.get(address),
-                                     self.adapters])
+                                     self.adapters, self.weights])
             try:
                 group = await future
             finally:
@@ -452,6 +473,41 @@ class Supervisor:
         for name, path in self.adapters.items():
             if (name in served) != bool(path):
                 self._to_engine(group.engine, ["lora", group.group_id, 0, name, path])
+
+    # ---- weights, read again by a front-end's UpdateWeights --------------------------------------------------
+    async def _update_weights(self, frontend: int, req_id: int, path: str) -> None:
+        """Has every live group read its weights again from path; replies code and message where one could not,
+        after the others read theirs before again."""
+        async with self._weights_lock:
+            groups = [g for g in self.groups.values() if not g.draining]
+            if not groups:
+                return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
+            answers = list(zip(groups, await self._ask_groups(groups, "weights", path, if_gone=None)))
+            done = [g for g, error in answers if error == ""]
+            refused = [(g, error) for g, error in answers if error]
+            if refused:
+                for g in done:
+                    await self._ask_groups([g], "weights", g.info["weights_path"], if_gone=None)
+                group, error = refused[0]
+                log.warning("weights from %s refused by worker %s: %s", path, group.address, error)
+                return self._reply(frontend, req_id, code="INVALID_ARGUMENT",
+                                   message=f"model_path: worker {group.address}: {error}")
+            if not done:
+                return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
+            self.weights = path
+            for g in done:
+                g.info["weights_path"] = path
+            for g in self.groups.values():
+                self._sync_weights(g)  # joined meanwhile, from the weights as they were
+            self._publish()
+            log.info("weights read again from %s on %d worker group(s)", path, len(done))
+            self._reply(frontend, req_id, model_path=path, num_workers=len(done))
+
+    def _sync_weights(self, group: _Group) -> None:
+        """Has a group that serves other weights than the tree's read those (answered by weights_done with no one
+        waiting): for a group whose engine connected it from the weights as they were before an update."""
+        if self.weights and group.info["weights_path"] != self.weights:
+            self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights])
 
     async def _ask_groups(self, groups: list[_Group], op: str, *args: Any, if_gone: Any) -> list:
         """Each group's engine's answer to [op, group id, ticket, *args], in the groups' order; `if_gone` for a

@@ -20,6 +20,11 @@ slot a held sequence runs under, is a violation), and a sequence's KV content ch
 set per folder (path), so that a prefix hit on KV that other weights under the same name computed shows up as a
 mismatch too (KV computed under the same weights, whatever slots and loads they went through, is still right).
 
+It reads the model's weights again from a folder where a plan says so (StepPlan.load_weights; a path "bad" or one in
+`unreadable` fails; a sequence held then is a violation): each folder's weights have an id (0: the ones it started
+with), which a sequence admitted after the load samples under (token_fn(seed ^ id, position)) and chains its KV
+from, so that a token or a prefix hit of the weights before shows up.
+
 It samples token = token_fn(seed, position): results do not depend on batching, chunking or
 preemption, so tests can predict every sequence's output.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +59,11 @@ def default_token_fn(vocab_size: int) -> Callable[[int, int], int]:
     return token
 
 
+def weights_id(path: str) -> int:
+    """The id of the model's weights in a folder, the same for every fake (0: the ones a fake starts with)."""
+    return 0 if path == "fake-model" else zlib.crc32(path.encode())
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ProtocolViolation(msg)
@@ -65,7 +76,8 @@ class _Tokens:
     token_ids: list[int]
     seed: int
     logprobs: int
-    root: int = 0  # its LoRA adapter's weights (0: none)
+    root: int = 0  # its LoRA adapter's weights and the model's (0: none, and the ones the worker started with)
+    model: int = 0  # the model's weights it runs under (FakeWorker.model_weights)
     keys: list[int] = field(default_factory=list)
 
     def key(self, position: int) -> int:
@@ -110,6 +122,8 @@ class FakeWorker:
         self.dropped: dict[str, str] = {}  # adapters dropped for room (StepPlan.drop_loras): their folders
         self.weights: dict[str, int] = {}  # the weights in each folder read so far
         self.unreadable: set[str] = set()  # folders that fail to load (as "bad" does)
+        self.weights_path = "fake-model"  # where the model's weights came from
+        self.model_weights = 0  # their id (weights_id)
         self.num_loads = 0
         self.num_placements = 0
         self.batch: PersistentBatch | None = None  # sized by Describe's limits
@@ -148,6 +162,7 @@ class FakeWorker:
             lora_paths=[self.folders[name] for name in self.loads],
             dropped_loras=list(self.dropped),
             dropped_lora_paths=list(self.dropped.values()),
+            weights_path=self.weights_path,
         )
 
     def submit(self, plan: worker_pb2.StepPlan) -> None:
@@ -182,6 +197,13 @@ class FakeWorker:
             del self.seqs[sid]
         self._swap(plan)
         result = worker_pb2.StepResult(step=plan.step)
+        if plan.load_weights:
+            _check(not self.seqs, f"weights read again while {len(self.seqs)} sequence(s) are held")
+            if plan.load_weights == "bad" or plan.load_weights in self.unreadable:
+                result.failed_weights = f"cannot read weights from {plan.load_weights!r}"
+            else:
+                self.weights_path = plan.load_weights
+                self.model_weights = weights_id(plan.load_weights)
         for name in plan.unload_loras:  # the batch freed its slot, if it had one
             _check(name in self.loads or name in self.dropped, f"unload of {name!r}, which is not loaded")
             if self.dropped.pop(name, None) is None:
@@ -204,8 +226,9 @@ class FakeWorker:
                    f"{placed.name!r} placed into a slot but not loaded")
             self.num_placements += 1
         for ns in plan.new_seqs:
+            lora, model = self.loads.get(ns.sampling.lora, 0), self.model_weights
             self.seqs[ns.seq_id] = _Tokens(list(ns.token_ids), ns.sampling.seed, ns.sampling.logprobs,
-                                           self.loads.get(ns.sampling.lora, 0))
+                                           hash((lora, model)) if model else lora, model)
         batch = [(int(sid), self.seqs[int(sid)], self.batch.block_table[row], int(c), int(n))
                  for sid, row, c, n in zip(step.seq_ids, step.rows, step.num_computed, step.num_scheduled)]
         # Reads first (KV of earlier steps only), then writes: a hit on a block written in this same
@@ -220,7 +243,7 @@ class FakeWorker:
             for p in range(c, c + n):
                 self.kv[table[p // bs]][p % bs] = m.key(p)
             if samples:
-                tok = self.token_fn(m.seed, c + n)
+                tok = self.token_fn(m.seed ^ m.model, c + n)
                 m.token_ids.append(tok)
                 result.seq_ids.append(sid)
                 result.token_ids.append(tok)

@@ -112,6 +112,16 @@ class PagedDriver:
                            lora_slots=[pb.LoraSlot(slot=k, name=n) for k, n in (place or {}).items()])
         return dict(self.runner.execute(plan).result().failed_loras)
 
+    def reload_weights(self, folder: str) -> str:
+        """One plan that has the worker read its weights again from folder (StepPlan.load_weights), where the driver's
+        sequences have all finished; returns why not ("": done)."""
+        self.step += 1
+        finished = [s.seq_id for s in self.seqs.values() if s.on_worker]
+        for s in self.seqs.values():
+            s.on_worker = False
+        plan = pb.StepPlan(step=self.step, epoch=self.runner.epoch, finished_ids=finished, load_weights=str(folder))
+        return self.runner.execute(plan).result().failed_weights
+
     def run_all(self) -> None:
         while any(not self.done(s) for s in self.seqs.values()):
             self.run_step()

@@ -14,7 +14,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import QueueFullError, Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from tests.fake_worker import FakeWorker, ProtocolViolation, fake_logprob
+from tests.fake_worker import FakeWorker, ProtocolViolation, fake_logprob, weights_id
 
 EOS = 0
 
@@ -56,12 +56,13 @@ def seq(seq_id: int, prompt, **params) -> Sequence:
     return Sequence(seq_id, list(prompt), SamplingParams(**params))
 
 
-def expected_output(worker: FakeWorker, s: Sequence) -> tuple[list[int], str]:
-    """What the sequence must generate, whatever the batching: token = f(seed, position)."""
+def expected_output(worker: FakeWorker, s: Sequence, weights: int = 0) -> tuple[list[int], str]:
+    """What the sequence must generate, whatever the batching: token = f(seed, position), under the model's weights
+    of that id (tests/fake_worker.py)."""
     out = []
     n = s.prompt_len
     while True:
-        tok = worker.token_fn(s.params.seed, n)
+        tok = worker.token_fn(s.params.seed ^ weights, n)
         out.append(tok)
         n += 1
         if tok in s.stop_ids and n >= s.min_len:
@@ -490,6 +491,55 @@ def test_adapters_dropped_for_room_are_still_served_after_a_new_handshake():
     assert worker.dropped == {"c": "/c"} and set(worker.loads) == {"a"}
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_weight_update_waits_for_the_sequences_held_and_holds_back_later_ones(depth):
+    """Sequences held when a weight update is asked for (running, waiting, preempted) finish on the weights before;
+    those added later are admitted only once the worker answered the plan that carries the folder, which runs nothing
+    and comes after every cached block was forgotten, and run on the new weights: no sequence sees both."""
+    sched, worker = make(num_blocks=10, block_size=4, budget=16, max_num_seqs=2)
+    d = Driver(sched, worker, depth)
+    prompt = list(range(1, 13))
+    early = [seq(i, prompt, max_tokens=6) for i in range(3)]  # three for two rows: one waits
+    for s in early:
+        sched.add(s)
+    d.step()
+    d.step()
+    sched.preempt(sched.running[-1].seq_id)
+    sched.update_weights("/new", ticket="t")
+    with pytest.raises(ValueError, match="in progress"):
+        sched.update_weights("/other")
+    late = [seq(i, prompt, max_tokens=4) for i in range(3, 5)]
+    for s in late:
+        sched.add(s)
+    d.run()
+    [load] = [i for i, p in enumerate(d.plans) if p.load_weights]
+    plan = d.plans[load]
+    assert plan.load_weights == "/new" and not plan.new_seqs and not plan.seq_ids
+    started = {ns.seq_id: i for i, p in enumerate(d.plans) for ns in p.new_seqs}
+    assert all(started[s.seq_id] < load for s in early) and all(started[s.seq_id] > load for s in late)
+    assert [(o.path, o.ticket, o.error) for o in sched.take_weights_outcomes()] == [("/new", "t", "")]
+    for s in early:
+        assert s.output_token_ids == expected_output(worker, s)[0]
+    for s in late:  # the same prompt, and no prefix hit on the blocks the old weights computed
+        assert s.output_token_ids == expected_output(worker, s, weights_id("/new"))[0] and s.num_cached_tokens == 0
+    assert worker.weights_path == "/new" and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_weight_update_the_worker_refuses_leaves_the_weights_before():
+    """A folder the worker cannot read: the outcome says why, and the sequences held back run on the weights
+    before; an idle group is asked at once, in a plan of its own."""
+    sched, worker = make()
+    d = Driver(sched, worker, 2)
+    sched.update_weights("bad")
+    s = seq(1, range(1, 9), max_tokens=3)
+    sched.add(s)
+    d.run()
+    assert d.plans[0].load_weights == "bad" and [ns.seq_id for ns in d.plans[1].new_seqs] == [1]
+    [outcome] = sched.take_weights_outcomes()
+    assert "cannot read" in outcome.error and sched.weights is None
+    assert s.output_token_ids == expected_output(worker, s)[0] and worker.weights_path == "fake-model"
+
+
 def test_whole_prompts_are_admitted_whole_into_one_step_each():
     """An encoder's scheduler (whole_prompts): every sequence starts with all of its prompt in one step, however the
     step's budget and the chunk cap would cut it; one that does not fit what is left waits for the next step, and
@@ -678,11 +728,13 @@ PREFIXES = [list(range(1, 13)), list(range(1, 7)) + [11] * 6, [3, 1, 4, 1, 5, 9,
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random interleavings of add (at four priorities) / schedule / result / abort / preempt / worker loss / LoRA
-    adapter load and unload over tiny pools, with up to three plans in flight, a host tier behind the GPU's blocks or
-    none, a sliding window or none, and LoRA slots or none. The fake worker checks every plan (block tables, KV
-    content of prefix hits wherever they came from and under whichever load of an adapter, no write or swap-in into a
-    block another live sequence holds, no unload of an adapter a held sequence runs under); every sequence must
-    produce exactly the tokens f(seed, position), and when everything ends every block of both tiers is free."""
+    adapter load and unload / weight update over tiny pools, with up to three plans in flight, a host tier behind the
+    GPU's blocks or none, a sliding window or none, and LoRA slots or none. The fake worker checks every plan (block
+    tables, KV content of prefix hits wherever they came from and under whichever load of an adapter or of the model's
+    weights, no write or swap-in into a block another live sequence holds, no unload of an adapter a held sequence runs
+    under, no weights read while a sequence is held); every sequence must produce exactly the tokens f(seed, position)
+    of one model's weights (those served when it was added, or those an update asked for then was reading), and when
+    everything ends every block of both tiers is free."""
 
     @initialize(
         num_blocks=st.integers(4, 20),
@@ -718,6 +770,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.depth = depth
         self.next_id = 1
         self.seqs: dict[int, Sequence] = {}
+        self.weights = "fake-model"  # the weights the group serves, as the update outcomes say
+        self.allowed: dict[int, set[int]] = {}  # per sequence, the weights it may run under (weights_id)
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -750,7 +804,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         except (ValueError, QueueFullError):
             return
         self.seqs[s.seq_id] = s
+        asked = self.sched.weights
+        self.allowed[s.seq_id] = {weights_id(self.weights)} | ({weights_id(asked.path)} if asked else set())
         self.next_id += 1
+
+    def expected(self, s: Sequence) -> tuple[list[int], str]:
+        """expected_output under the weights s may run under whose tokens it has so far."""
+        wants = [expected_output(self.worker, s, w) for w in sorted(self.allowed[s.seq_id])]
+        return next((w for w in wants if w[0][:s.num_output_tokens] == s.output_token_ids), wants[0])
+
+    @rule(bad=st.sampled_from([False, False, True]), back=st.booleans())
+    def update_weights(self, bad, back):
+        """Weights from another folder (or, back, those the worker started with), or from one it cannot read."""
+        self.versions = getattr(self, "versions", 0) + 1
+        try:
+            self.sched.update_weights("bad" if bad else "fake-model" if back else f"/weights/{self.versions}")
+        except ValueError:
+            pass
 
     @precondition(lambda self: self.sched.running)
     @rule(prefix=st.sampled_from(PREFIXES), max_tokens=st.integers(1, 6))
@@ -793,8 +863,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for outcome in self.sched.adapters.take_outcomes():
             # only a bad path fails, or a load while each adapter the worker holds runs a sequence
             assert bool(outcome.error) == outcome.ticket or outcome.code == "RESOURCE_EXHAUSTED", outcome
+        for outcome in self.sched.take_weights_outcomes():
+            assert bool(outcome.error) == (outcome.path == "bad"), outcome
+            if not outcome.error:
+                self.weights = outcome.path
         for s in done:
-            want, reason = expected_output(self.worker, s)
+            want, reason = self.expected(s)
             assert s.output_token_ids == want[: s.num_output_tokens]
             if s.finish_reason is not None:
                 assert (s.finish_reason, s.num_output_tokens) == (reason, len(want))
@@ -831,11 +905,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mirror = set()
         for name in old.adapters.served:
             self.sched.adapters.load(name, old.adapters.paths[name])
-        while self.sched.adapters.pending:
+        if self.weights != self.worker.weights_path:  # an update asked of the old group died with it
+            self.sched.update_weights(self.weights)
+        while self.sched.adapters.pending or self.sched.weights:
             if (plan := self.sched.schedule()) is not None:
                 self.worker.submit(plan)
             self.sched.update(self.worker.receive())
         assert not any(o.error for o in self.sched.adapters.take_outcomes())
+        assert not any(o.error for o in self.sched.take_weights_outcomes())
         for s in live:
             if s.params.lora not in ("", *self.sched.adapters.served):  # being unloaded there: refused here
                 del self.seqs[s.seq_id]
@@ -880,12 +957,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
         event(f"adapter loads: {min(worker.num_loads, 2)}")
         event(f"adapter unloads: {any(len(p.unload_loras) for p in worker.plans)}")
+        event(f"weights read again: {any(p.load_weights for p in worker.plans)}")
         event(f"discarded results: {sum(len(r.seq_ids) for r in worker.results) > sum(s.num_output_tokens for s in self.seqs.values())}")
         for s in self.seqs.values():
             event(f"finish: {s.finish_reason}")
             assert s.is_finished and not s.block_table
             if s.finish_reason != "abort":
-                want, reason = expected_output(worker, s)
+                want, reason = self.expected(s)
                 assert (s.output_token_ids, s.finish_reason) == (want, reason)
 
 

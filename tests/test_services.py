@@ -429,6 +429,15 @@ def test_shared_prefix_goes_to_the_worker_that_caches_it(client, cluster, hf):
     assert len(homes[0]) == len(homes[1]) == 1 and homes[0] != homes[1], homes
 
 
+def test_weights_are_read_again_only_where_the_scheduler_allows_it(client, tiny_model_dir):
+    """UpdateWeights without --allow-weight-updates: PERMISSION_DENIED, whatever the folder (test_weight_updates.py
+    has the scheduler that allows it)."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(str(tiny_model_dir))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-weight-updates" in e.value.details()
+    assert all(w["weights_path"] == str(tiny_model_dir) for w in client.model_info()["workers"])
+
+
 def test_reset_prefix_cache_drops_every_cached_prefix(client, hf):
     """ResetPrefixCache (vLLM's /reset_prefix_cache): a prompt whose blocks its worker caches is computed whole after
     it, to the same tokens, and the cache fills again from there."""

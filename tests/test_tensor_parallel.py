@@ -14,6 +14,7 @@ import datetime
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -359,6 +360,47 @@ def test_tp2_an_adapter_one_rank_cannot_read_is_refused_by_all(tp_model_dir, tmp
     assert list(leader["failed"]) == ["x"] and "another tensor-parallel rank" in leader["failed"]["x"]
     assert "I/O error on rank 1" in follower["failed"]["x"]
     assert leader["held"] == follower["held"] == ["y"] and leader["slots"] == follower["slots"] == ["y"]
+
+
+def _weights_rank(rank: int, size: int, port: int, model_dir: str, new: str, bad: str, out: str) -> None:
+    """One rank of a TP group that reads its weights again from `new` (every rank can), then from `bad` (rank 1
+    cannot: a disk error there): the outcomes, and whether its parameters then equal its shards of `new`."""
+    import torch.distributed as dist
+
+    from worker_svc.runtime import model_runner
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+    from worker_svc.runtime.tensor_parallel import _init_process_group
+
+    if rank == 1:
+        read = model_runner.load_weights
+
+        def failing(model, folder):
+            if str(folder) == bad:
+                raise OSError(f"an I/O error on rank 1 reading {folder}")
+            return read(model, folder)
+
+        model_runner.load_weights = failing
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=120))
+    _init_process_group(rank, size, store, "cpu")
+    config = RunnerConfig(device="cpu", dtype="float32", num_blocks=8, limits=Limits(max_num_seqs=4))
+    runner = ModelRunner(model_dir, config)
+    failed = [runner.execute(worker_pb2.StepPlan(step=step, epoch=runner.epoch, load_weights=folder)).result()
+              .failed_weights for step, folder in ((1, new), (2, bad))]
+    fresh = dict(ModelRunner(new, config).model.named_parameters())
+    same = all(torch.equal(p, fresh[name]) for name, p in runner.model.named_parameters())
+    torch.save({"failed": failed, "same": same, "path": runner.describe().weights_path}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_tp2_weights_read_again_on_every_rank_or_on_none(tp_model_dir, tmp_path):
+    """Every rank reads its shards of the new checkpoint; where one rank cannot, every rank serves the weights it had
+    (ranks that disagreed would compute a model nobody loaded), and the leader answers why."""
+    new = make_model("qwen3-tiny-tp", tmp_path / "new", seed=4)
+    bad = shutil.copytree(new, tmp_path / "bad")
+    leader, follower = _run_ranks(_weights_rank, 2, tmp_path, str(tp_model_dir), str(new), str(bad), str(tmp_path))
+    assert leader["failed"][0] == follower["failed"][0] == ""
+    assert "another tensor-parallel rank" in leader["failed"][1] and "I/O error on rank 1" in follower["failed"][1]
+    assert leader["same"] and follower["same"] and leader["path"] == follower["path"] == str(new)
 
 
 # ---- full gRPC path ------------------------------------------------------------------------------

@@ -171,3 +171,34 @@ def test_lora_on_the_gpu_equals_its_adapter_merged(tmp_path):
     assert sum(outs["lora"][i] != outs["base"][i] for i in odd) >= 5  # the adapter changes what the model says
     assert sum(outs["loaded"][i] == outs["merged"][i] for i in odd) >= 5, outs
     assert sum(outs["loaded"][i] == outs["base"][i] for i in even) >= 5, outs
+
+
+def test_weights_read_again_on_the_gpu_serve_as_a_runner_started_from_them(tmp_path):
+    """StepPlan.load_weights on a runner whose decode graphs were captured over the weights before: its decode steps
+    replay those graphs over the new weights (copied in place) as a runner started from the new checkpoint runs them,
+    and going back gives the first tokens again, bit for bit."""
+    from tests.paged_driver import PagedDriver
+    from worker_svc.checkpoints.writer import make_model
+    from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+    first, second = _model(tmp_path), make_model("qwen3-small", tmp_path / "b", seed=1, dtype="float32")
+    config = RunnerConfig(device=DEVICE, num_blocks=512, block_size=16, limits=Limits(max_num_seqs=32,
+                                                                                      max_model_len=1024))
+    prompts = [[(11 * i + j) % 5000 + 1 for j in range(4 + 23 * i)] for i in range(12)]
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=-1)
+
+    def run(driver: PagedDriver) -> list[list[int]]:
+        seqs = [driver.add(p, 16, greedy) for p in prompts]
+        driver.run_all()
+        return [s.generated for s in seqs]
+
+    reloaded = PagedDriver(ModelRunner(first, config))
+    assert reloaded.runner.decode.graphs
+    before = run(reloaded)
+    assert reloaded.reload_weights(second) == ""
+    after = run(reloaded)
+    fresh = run(PagedDriver(ModelRunner(second, config)))
+    assert sum(a == f for a, f in zip(after, fresh)) >= 10, (after, fresh)
+    assert sum(a != b for a, b in zip(after, before)) >= 10  # other weights, other tokens
+    assert reloaded.reload_weights(first) == ""
+    assert run(reloaded) == before

@@ -131,6 +131,7 @@ class PendingStep:
         self.prompt, self.pooled, self.sampled = prompt, pooled, sampled
         self.grammar_dead: list[int] = []  # sequences whose grammar no token continued (they sampled an EOS)
         self.failed_loras: dict[str, str] = {}  # the plan's LoRA loads that failed, and why
+        self.failed_weights = ""  # why the plan's load_weights failed
         # asked before the copies: after them every tensor is the host's, yet filled only once the event is reached
         on_gpu = ((out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda)
                   or (pooled is not None and pooled.values.is_cuda))
@@ -164,6 +165,7 @@ class PendingStep:
                 part.write(res)
         res.grammar_dead_ids.extend(self.grammar_dead)
         res.failed_loras.update(self.failed_loras)
+        res.failed_weights = self.failed_weights
         res.forward_ms = (time.perf_counter() - self.started) * 1e3
         return res
 
@@ -192,7 +194,6 @@ class ModelRunner:
         if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {cfg.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
         self.kv_dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype] or self.dtype
-        fp8_cache = self.kv_dtype == torch.float8_e4m3fn
         if self.device.type == "cuda":
             from worker_svc.kernels import build_hooks
 
@@ -223,9 +224,8 @@ class ModelRunner:
             self.model.lm_head = None
         if self.classifier is not None and self.classifier.from_tokens:
             self.model.ignored_prefixes = (*getattr(self.model, "ignored_prefixes", ()), "lm_head.")
-        kv_scales = load_weights(self.model, model_dir)
-        if self.classifier is not None and self.classifier.from_tokens:
-            self.model.score = self._head_from_tokens(self.classifier)
+        self.weights_path = str(model_dir)  # where the weights came from: the model's, or the last load_weights
+        kv_scales = self._read_weights(self.weights_path)
         static = list(cfg.lora_modules.items())
         max_loras = cfg.max_loras or len(static) or int(cfg.enable_lora)
         capacity = cfg.max_cpu_loras or max(max_loras, len(static))
@@ -235,19 +235,12 @@ class ModelRunner:
         self.lora = LoraSlots(self.model, max_loras,  # before the scales fold: adapters take them too
                               cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
                               capacity)
-        self.model.fold_scales()
+        self._fold(kv_scales)
         for name, folder in static:
             self.lora.register(name, folder)
         placed = [name for name, _ in static[:max_loras]]
         for slot, name in enumerate(placed):
             self.lora.place(slot, name)
-        if fp8_cache:
-            # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
-            # is written (cached blocks outlive any change), so a dynamic one could only come from made-up
-            # start-up traffic; e4m3's error is relative over its normal range, and a per-tensor absmax scale
-            # measured no closer to the full-precision cache (bench/NOTES.md).
-            for name, value in kv_scales.items():
-                setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
         self.model.eval()
         host_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda":
@@ -298,15 +291,66 @@ class ModelRunner:
         self._bind_caches(self.kv_cache)
         return min_over_ranks(cfg.kv_offload_bytes // per_block, self.device)
 
-    def _head_from_tokens(self, classifier: model_files.Classifier) -> ReplicatedLinear:
-        """The classifier's head made of the LM head's rows of its tokens, read from the checkpoint (whole on every
-        TP rank, as the head is replicated; the LM head is not loaded)."""
-        tokenizer = Tokenizer.from_str(model_files.tokenizer_json(self.model_dir))
+    def _read_weights(self, folder: str) -> dict[str, float]:
+        """The checkpoint in folder copied into the model's parameters (and a classifier's head made of its LM head's
+        rows); returns its KV-cache scales, for _fold."""
+        kv_scales = load_weights(self.model, folder)
+        if self.classifier is not None and self.classifier.from_tokens:
+            self.model.score = self._head_from_tokens(self.classifier, Path(folder))
+        return kv_scales
+
+    def _fold(self, kv_scales: dict[str, float]) -> None:
+        """After _read_weights: the config's output scales folded into the weights, and an fp8 cache's scales set."""
+        self.model.fold_scales()
+        if self.kv_dtype == torch.float8_e4m3fn:
+            # The checkpoint's scales where it has them, else 1. A scale must be fixed before the first block
+            # is written (cached blocks outlive any change), so a dynamic one could only come from made-up
+            # start-up traffic; e4m3's error is relative over its normal range, and a per-tensor absmax scale
+            # measured no closer to the full-precision cache (bench/NOTES.md).
+            for name, value in kv_scales.items():
+                setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
+
+    def reload_weights(self, folder: str) -> str:
+        """StepPlan.load_weights: the weights read again from another checkpoint of the served model, in place (the
+        CUDA graphs keep reading the same memory), where no sequence is held. Returns why not ("": done); the
+        worker then serves the weights it had, and so does every tensor-parallel rank where one could not."""
+        if self.batch.seqs:
+            raise PlanError("weights are read again only where no sequence is held")
+        error, touched = "", False
+        try:
+            served = ModelConfig.from_dir(self.model_dir, self.config.hf_overrides)
+            theirs = ModelConfig.from_dir(folder, self.config.hf_overrides)
+            # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
+            if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:
+                raise ValueError(f"the config.json in {folder} describes another model than the one served "
+                                 f"({self.model_dir.name}): its weights cannot take their place")
+            touched = True
+            kv_scales = self._read_weights(folder)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            error = f"weights from {folder}: {e}"
+            log.warning("%s", error)
+        if not all_over_ranks([not error], self.device)[0] and not error:
+            error = f"weights from {folder}: another tensor-parallel rank of this worker could not read them (its log " \
+                    "says why)"
+        if error:
+            if touched:  # partly read, or read here and not on another rank: the weights it had, read again
+                kv_scales = self._read_weights(self.weights_path)
+                self._fold(kv_scales)
+            return error
+        self._fold(kv_scales)
+        self.weights_path = folder
+        log.info("weights read again from %s", folder)
+        return ""
+
+    def _head_from_tokens(self, classifier: model_files.Classifier, folder: Path) -> ReplicatedLinear:
+        """The classifier's head made of the LM head's rows of its tokens, read from the checkpoint in folder (whole
+        on every TP rank, as the head is replicated; the LM head is not loaded)."""
+        tokenizer = Tokenizer.from_str(model_files.tokenizer_json(folder))
         ids = [tokenizer.token_to_id(t) for t in classifier.from_tokens]
         if None in ids:
             raise ValueError(f"classifier_from_token {classifier.from_tokens[ids.index(None)]!r} is not a token of "
                              f"{self.model_dir.name}'s tokenizer")
-        rows = lm_head_rows(self.model_dir, ids, self.model_config.tie_word_embeddings)
+        rows = lm_head_rows(folder, ids, self.model_config.tie_word_embeddings)
         head = ReplicatedLinear(rows.shape[1], len(classifier.labels), self.kernels)
         head.weight.data = (rows[1:] - rows[:1] if classifier.two_way else rows).to(self.device, self.dtype)
         return head
@@ -453,7 +497,8 @@ class ModelRunner:
             encoder=not self.model_config.causal,
             labels=self.classifier.labels if self.classifier else (),
             label_activation=self.classifier.activation if self.classifier else "",
-            label_pooling=("last" if self.model_config.causal else "cls") if self.classifier else "")
+            label_pooling=("last" if self.model_config.causal else "cls") if self.classifier else "",
+            weights_path=self.weights_path)
 
     @property
     def num_host_blocks(self) -> int:
@@ -480,12 +525,13 @@ class ModelRunner:
         returns before the step has run."""
         started = time.perf_counter()
         step = self.batch.apply(plan)
+        failed_weights = self.reload_weights(plan.load_weights) if plan.load_weights else ""
         failed_loras = self._update_adapters(plan, step)
         pool = self.host_pool
         if pool is not None:
             pool.swap(plan)
         pending = self._launch(plan, step, started)
-        pending.failed_loras = failed_loras
+        pending.failed_loras, pending.failed_weights = failed_loras, failed_weights
         if pool is not None:
             pool.offload(plan)
         return pending

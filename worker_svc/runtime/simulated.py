@@ -58,8 +58,8 @@ class SimulatedRunner:
                  kv_offload_bytes: int = 0):
         """kv_offload_bytes: the host tier's size, in blocks of the model's K and V in bfloat16 (0: none); none
         where the cost model's block copy costs more than its prefill (tier_policy.py)."""
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.model_name = Path(model_dir).name
+        config = self._config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.model_name, self.weights_path = Path(model_dir).name, str(model_dir)
         self.vocab_size, self.hidden_size = config["vocab_size"], config["hidden_size"]
         self.num_blocks, self.block_size = num_blocks, block_size
         model_len = config["max_position_embeddings"]
@@ -95,16 +95,18 @@ class SimulatedRunner:
             tensor_parallel_size=1, epoch=self.epoch, vocab_size=self.vocab_size, worker_id=self.worker_id,
             device="simulated", max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens, num_host_blocks=self.num_host_blocks,
-            hidden_size=self.hidden_size)
+            hidden_size=self.hidden_size, weights_path=self.weights_path)
 
     def execute(self, plan: pb.StepPlan) -> _SimStep:
         step = self.batch.apply(plan)
+        failed_weights = self._load_weights(plan.load_weights) if plan.load_weights else ""
         end = step.num_computed + step.num_scheduled
         rows = np.flatnonzero(step.samples)
         tokens = _mix(self.batch.seed[step.rows][rows].astype(np.uint64), end[rows].astype(np.uint64))
         token_ids = (tokens % np.uint64(self.vocab_size // 2)).astype(np.int64)
         token_ids[self.batch.pooling[step.rows[rows]] > 0] = 0  # embedding requests sample nothing
-        result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(), token_ids=token_ids.tolist())
+        result = pb.StepResult(step=plan.step, seq_ids=step.seq_ids[rows].tolist(), token_ids=token_ids.tolist(),
+                               failed_weights=failed_weights)
         self._logprobs(result, step, rows, token_ids)
         self._pooled(result, step)
         block_s = self.block_bytes / (self.cost.host_copy_gb_s * 1e9)
@@ -119,6 +121,17 @@ class SimulatedRunner:
                                       + len(plan.offload_blocks) * block_s)
         result.forward_ms = (self._busy_until - start) * 1e3
         return _SimStep(result, self._busy_until)
+
+    def _load_weights(self, folder: str) -> str:
+        """No weights to read: a folder whose config.json is this model's is taken, as a GPU worker would."""
+        try:
+            same = json.loads((Path(folder) / "config.json").read_text()) == self._config
+        except (OSError, ValueError) as e:
+            return f"weights from {folder}: {e}"
+        if not same:
+            return f"weights from {folder}: its config.json describes another model than the one served"
+        self.weights_path = folder
+        return ""
 
     def _logprobs(self, result: pb.StepResult, step, sampled: np.ndarray, token_ids: np.ndarray) -> None:
         """Made-up logprobs where asked (-(1 + t % 8) / 8 for token t; its top n the tokens after it, each one

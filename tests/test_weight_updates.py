@@ -1,0 +1,175 @@
+"""The model's weights read again from another checkpoint while serving (UpdateWeights, the gateway's
+/update_weights_from_disk, LLM.update_weights), against transformers on each checkpoint: qwen3-tiny written with
+seed 0 (A) and seed 1 (B), fp32 on CPU.
+- In process (LLM): B's tokens after the update, A's again after going back, and a folder the worker cannot use
+  (missing, another model, a tensor short) refused with the weights before still served.
+- Through the services (`cluster`: a scheduler run with --allow-weight-updates over one registered worker slowed by
+  --debug-step-delay, so that a request stays in flight): a request in flight finishes on A while the update waits
+  for it; later ones run on B, through the gateway too; refusals name model_path and leave A; a worker that joins
+  after the update reads B before it serves.
+Every wait is bounded."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from client import Client
+from client.launcher import LocalCluster
+from offline.llm import LLM
+from scheduler_svc.sampling import SamplingParams
+from tests import hf_reference, sim_cluster
+from tests.test_gateway import Gateway
+from worker_svc.checkpoints.writer import make_model
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[(7 * i + 3 * k) % 5000 + 1 for i in range(n)] for k, n in enumerate([40, 9])]
+MAX_NEW = 12
+LONG = 48  # tokens of the request kept in flight: at STEP_DELAY_S a step, ~2.4 s
+STEP_DELAY_S = 0.05
+WAIT_S = 60.0
+wait_for = sim_cluster.wait_for
+
+
+def _greedy(hf, prompt: list[int], n: int = MAX_NEW) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def b_dir(tmp_path_factory) -> Path:
+    return make_model("qwen3-tiny", tmp_path_factory.mktemp("b") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, b_dir) -> dict[str, list[list[int]]]:
+    """transformers' greedy tokens of PROMPTS on each checkpoint, and of the first prompt for LONG tokens."""
+    out = {}
+    for name, folder in (("a", tiny_model_dir), ("b", b_dir)):
+        hf = hf_reference.from_pretrained(folder, dtype=torch.float32)
+        out[name] = [_greedy(hf, p) for p in PROMPTS]
+        out[f"{name}_long"] = _greedy(hf, PROMPTS[0], LONG)
+    return out
+
+
+@pytest.fixture(scope="module")
+def unusable(tiny_model_dir, b_dir, tmp_path_factory) -> dict[str, Path]:
+    """Folders a worker cannot take B's place from: none there, another model's config, one tensor short."""
+    root = tmp_path_factory.mktemp("unusable")
+    other, short = root / "other", root / "short"
+    shutil.copytree(b_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    shutil.copytree(b_dir, short)
+    tensors = load_file(short / "model.safetensors")
+    del tensors[sorted(tensors)[-1]]  # after most of them were copied in: the weights before are read back
+    save_file(tensors, str(short / "model.safetensors"), metadata={"format": "pt"})
+    return {"missing": root / "missing", "other model": other, "a tensor short": short}
+
+
+def _generate(llm: LLM, n: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_llm_reads_another_checkpoints_weights_and_back(tiny_model_dir, b_dir, reference, unusable):
+    with LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=32, block_size=16, max_num_seqs=4) as llm:
+        assert _generate(llm) == reference["a"]
+        llm.update_weights(b_dir)
+        assert _generate(llm) == reference["b"]  # the first prompt's cached blocks (A's KV) are not hit
+        for why, folder in unusable.items():
+            with pytest.raises(ValueError, match=f"weights from {folder}"):
+                llm.update_weights(folder)
+            assert _generate(llm) == reference["b"], why
+        llm.update_weights(tiny_model_dir)
+        assert _generate(llm) == reference["a"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = LocalCluster(tiny_model_dir, register=True, log_dir=tmp_path_factory.mktemp("logs"), worker_args=[
+        "--dtype", "float32", "--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "8",
+        "--debug-step-delay", str(STEP_DELAY_S)], scheduler_args=["--allow-weight-updates"]).start(240)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.address, timeout=WAIT_S) as c:
+        yield c
+
+
+def _complete(c: Client, prompt: list[int], n: int = MAX_NEW) -> list[int]:
+    return c.complete(token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)[0].token_ids
+
+
+def test_a_request_in_flight_finishes_on_its_weights_and_later_ones_run_on_the_new(client, tiny_model_dir, b_dir,
+                                                                                 reference):
+    assert [_complete(client, p) for p in PROMPTS] == reference["a"]
+    stream = client.generate(token_ids=PROMPTS[0], max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    first = next(stream)  # in flight: admitted under A
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        update = pool.submit(client.update_weights, str(b_dir))
+        rest = [t for delta in stream for t in delta.token_ids]
+        assert first.token_ids + rest == reference["a_long"]
+        assert update.result(WAIT_S) == 1
+    assert [_complete(client, p) for p in PROMPTS] == reference["b"]
+    assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
+    assert client.update_weights(str(tiny_model_dir)) == 1
+    assert [_complete(client, p) for p in PROMPTS] == reference["a"]
+
+
+def test_a_folder_no_worker_can_use_is_refused_naming_model_path(client, unusable, reference):
+    for why, folder in unusable.items():
+        with pytest.raises(grpc.RpcError) as e:
+            client.update_weights(str(folder))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("model_path"), why
+        assert [_complete(client, p) for p in PROMPTS] == reference["a"], why
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights("")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in e.value.details()
+
+
+def test_the_gateways_update_weights_from_disk(cluster, client, tiny_model_dir, b_dir, reference, tmp_path):
+    """SGLang's endpoint: success with the folder and the workers that read it; 400 naming model_path, as the
+    gateway's other errors, where none can."""
+    g = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+    try:
+        r = httpx.post(f"{g.url}/update_weights_from_disk", json={"model_path": str(b_dir)}, timeout=WAIT_S)
+        assert r.status_code == 200 and r.json() | {"message": ""} == {
+            "success": True, "message": "", "model_path": str(b_dir), "num_workers": 1}
+        assert [_complete(client, p) for p in PROMPTS] == reference["b"]
+        r = httpx.post(f"{g.url}/update_weights_from_disk", json={"model_path": str(tmp_path / "none")},
+                       timeout=WAIT_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+        r = httpx.post(f"{g.url}/update_weights_from_disk", json={"model_path": str(b_dir), "load_format": "gguf"},
+                       timeout=WAIT_S)
+        assert r.status_code == 400
+        r = httpx.post(f"{g.url}/update_weights_from_disk", json={"model_path": str(tiny_model_dir)}, timeout=WAIT_S)
+        assert r.status_code == 200
+    finally:
+        g.stop()
+
+
+def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster, client, b_dir, reference):
+    """A worker started from A registers after the tree moved to B: its engine has it read B before it serves, so
+    that with the first worker gone, B's tokens still come back. Last: it changes the cluster."""
+    assert client.update_weights(str(b_dir)) == 1
+    first = next(p for p in cluster.processes if p.name.startswith("worker"))
+    cluster.start_worker()
+    wait_for("both workers", lambda: client.model_info()["num_workers"] == 2, timeout=WAIT_S * 2)
+    first.popen.kill()
+    first.popen.wait(30)
+    wait_for("the first worker gone", lambda: client.model_info()["num_workers"] == 1, timeout=WAIT_S)
+    assert [_complete(client, p) for p in PROMPTS] == reference["b"]
+    assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
