@@ -73,7 +73,9 @@ class GrpcExecutor:
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results = None
         self._lock = threading.Lock()
-        self._submitted: deque[float] = deque()  # submit time of each plan whose result is due
+        # submit time of each plan whose result is due, and whether it reads weights (StepPlan.load_weights): such a
+        # plan may take as long as the worker's start-up did (connect_timeout), and its time is no step's
+        self._submitted: deque[tuple[float, bool]] = deque()
         self._last_result = 0.0
         self.step_time = 0.0  # recent worker time per step (moving average), for the progress timeout
         self._failure: str | None = None  # why the scheduler gave up on the worker
@@ -96,7 +98,7 @@ class GrpcExecutor:
         if self._results is None:
             self.open()
         with self._lock:
-            self._submitted.append(time.monotonic())
+            self._submitted.append((time.monotonic(), bool(plan.load_weights)))
         self._plans.put(plan)
 
     def receive(self) -> worker_pb2.StepResult:
@@ -109,10 +111,11 @@ class GrpcExecutor:
             raise WorkerUnavailable(self._failure or f"worker {self.address} ended its stream") from None
         now = time.monotonic()
         with self._lock:
-            sent = self._submitted.popleft() if self._submitted else now
+            sent, weights = self._submitted.popleft() if self._submitted else (now, False)
             took = now - max(sent, self._last_result)
             self._last_result = now
-        self.step_time = took if self.step_time == 0.0 else 0.8 * self.step_time + 0.2 * took
+        if not weights:
+            self.step_time = took if self.step_time == 0.0 else 0.8 * self.step_time + 0.2 * took
         return result
 
     def broken(self) -> bool:
@@ -133,8 +136,11 @@ class GrpcExecutor:
         with self._lock:
             if not self._submitted or self._failure is not None:
                 return None
-            waited = now - max(self._submitted[0], self._last_result)
+            sent, weights = self._submitted[0]
+            waited = now - max(sent, self._last_result)
         limit = self.watch.step_deadline(self.step_time)
+        if weights:
+            limit = max(limit, self.connect_timeout)
         if waited <= limit:
             return None
         reason = (f"worker {self.address}: no step result for {waited:.1f} s (limit {limit:.1f} s: the worker "

@@ -173,3 +173,23 @@ def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster
     wait_for("the first worker gone", lambda: client.model_info()["num_workers"] == 1, timeout=WAIT_S)
     assert [_complete(client, p) for p in PROMPTS] == reference["b"]
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
+
+
+def test_the_step_watchdog_gives_a_plan_that_reads_weights_the_workers_start_up_time():
+    """Reading a large checkpoint takes longer than any step: the watchdog waits for such a plan as long as for a
+    worker to come up (--worker-connect-timeout), and for other plans as before (--step-timeout)."""
+    from types import SimpleNamespace
+
+    from protos import worker_pb2
+    from scheduler_svc.grpc_executor import GrpcExecutor, WatchConfig
+
+    def alive_after(weights: str, seconds: float) -> bool:
+        executor = GrpcExecutor("127.0.0.1:1", connect_timeout=600.0, watch=WatchConfig(step_timeout=30.0))
+        executor._results = SimpleNamespace(cancel=lambda: None, done=lambda: False)  # a stream, never answering
+        executor.submit(worker_pb2.StepPlan(step=1, load_weights=weights))
+        alive = executor.check_progress(executor._submitted[0][0] + seconds) is None
+        executor.channel.close()
+        return alive
+
+    assert [alive_after("", s) for s in (20.0, 100.0)] == [True, False]
+    assert [alive_after("/ckpt", s) for s in (20.0, 100.0, 700.0)] == [True, True, False]
