@@ -164,6 +164,12 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _update_weights(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(client.update_weights(args.path))  # the worker groups that read them
+    return 0
+
+
 def _tokenize(args: argparse.Namespace) -> int:
     with _client(args) as client:
         ids = client.tokenize(args.text)
@@ -348,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="drop every cached prefix no running request holds, on every worker (benchmark runs "
                             "that start cold); print how many cached blocks went")
     p.set_defaults(func=_reset_prefix_cache)
+
+    p = sub.add_parser("update-weights", parents=[common],
+                       help="have every worker read the model's weights again from another checkpoint of it (a "
+                            "scheduler run with --allow-weight-updates), once the requests before have finished; "
+                            "print how many worker groups did")
+    p.add_argument("path", metavar="PATH", help="the checkpoint folder, as the workers see their file systems")
+    p.set_defaults(func=_update_weights)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")
     p.add_argument("text", metavar="TEXT", help="the text to tokenize")

@@ -110,6 +110,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     def ResetPrefixCache(self, request, context):
         return pb.ResetPrefixCacheResponse(dropped_blocks=7)
 
+    def UpdateWeights(self, request, context):
+        if not request.model_path.startswith("/"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path: the fake reads absolute folders only")
+        return pb.UpdateWeightsResponse(model_path=request.model_path, num_workers=3)
+
 
 def softmax(values: list[float]) -> list[float]:
     exps = [math.exp(v) for v in values]
@@ -332,6 +337,10 @@ def test_cli_info_tokenize_health_embed_score(address: str, capsys):
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 256
     assert main(["reset-prefix-cache", "--address", address]) == 0
     assert capsys.readouterr().out == "7\n"
+    assert main(["update-weights", "--address", address, "/ckpt/step-2"]) == 0
+    assert capsys.readouterr().out == "3\n"
+    assert main(["update-weights", "--address", address, "ckpt"]) == 2
+    assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT: model_path")
     assert main(["tokenize", "--address", address, "Hi"]) == 0
     assert capsys.readouterr().out == "72,105\n"
     assert main(["health", "--address", address]) == 0
