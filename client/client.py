@@ -284,6 +284,27 @@ def _chat_prompt(messages: list[dict[str, Any]], enable_thinking: bool | None,
     return chat
 
 
+class NotTextPart(ValueError):
+    """A chat message's content part that is not text: only text parts are served."""
+
+    def __init__(self, index: int, kind: object):
+        super().__init__(f"content[{index}]: only text parts are supported, got type {kind!r}")
+        self.index, self.kind = index, kind
+
+
+def content_text(content: str | Sequence[dict[str, Any]] | None) -> str:
+    """A chat message's content as the chat template renders it: a string, or OpenAI's list of content parts, whose
+    texts join with newlines (as vLLM joins them); NotTextPart for the first part that is not text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise NotTextPart(i, part.get("type"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
     calls = []
     for c in m.get("tool_calls") or ():
@@ -291,7 +312,7 @@ def _chat_message(m: dict[str, Any]) -> pb.ChatMessage:
         args = f.get("arguments", {})
         calls.append(pb.ToolCall(id=c.get("id", ""), name=f["name"],
                                  arguments=args if isinstance(args, str) else json.dumps(args)))
-    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+    return pb.ChatMessage(role=m["role"], content=content_text(m.get("content")), tool_calls=calls,
                           tool_call_id=m.get("tool_call_id") or "")
 
 

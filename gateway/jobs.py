@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from client.client import NotTextPart, content_text
 from common.model_files import TEMPLATE_ARGUMENTS
 from gateway import harmony
 from gateway.backend import Backend
@@ -198,15 +199,11 @@ def _message_text(i: int, message) -> str:
         if message.role == "assistant" or message.tool_calls:
             return ""
         raise invalid(f"messages[{i}].content", "content must be a string or a list of text parts")
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise invalid(f"messages[{i}].content[{j}]", f"only text parts are supported, got type {part.type!r}",
-                          "unsupported_parameter")
-        texts.append(part.text)
-    return "\n".join(texts)
+    try:
+        return content_text(content if isinstance(content, str) else [p.model_dump() for p in content])
+    except NotTextPart as e:
+        raise invalid(f"messages[{i}].content[{e.index}]", f"only text parts are supported, got type {e.kind!r}",
+                      "unsupported_parameter") from None
 
 
 def template_kwargs(given: dict[str, Any] | None, reasoning_effort: str | None = None

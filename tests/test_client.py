@@ -180,6 +180,16 @@ def test_prompt_kinds_and_chat_switch():
     assert request.stopping.ignore_eos
 
 
+def test_chat_content_as_openais_list_of_parts():
+    """OpenAI's content parts: their texts joined by newlines, as the gateway joins them (vLLM's way); a part that is not
+    text is refused before any call, naming it."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    chat = build_request(messages=[{"role": "user", "content": parts}, {"role": "assistant", "content": None}]).chat
+    assert [m.content for m in chat.messages] == ["a\nb", ""]
+    with pytest.raises(ValueError, match=r"content\[1\]: only text parts are supported, got type 'image_url'"):
+        build_request(messages=[{"role": "user", "content": [parts[0], {"type": "image_url", "image_url": {}}]}])
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"prompt": "a", "token_ids": [1]}, {"prompt": "a", "messages": []},
                                     {"prompt": "a", "enable_thinking": True}])
 def test_bad_prompt_arguments_fail_before_any_call(client: Client, kwargs):

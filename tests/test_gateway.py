@@ -413,6 +413,22 @@ def test_bad_words_reach_the_sampler(oai, grpc_client, gateway, tiny_model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words", bad.text
 
 
+def test_chat_content_parts_render_as_the_clients(oai, grpc_client, gateway):
+    """OpenAI's content parts, through the gateway and the gRPC client alike (client.content_text): texts joined by
+    newlines, the same prompt and tokens; a part that is not text is 400 naming it."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
+    (ref,) = grpc_client.complete(messages=parts, max_tokens=6, temperature=0)
+    (joined,) = grpc_client.complete(messages=[{"role": "user", "content": "Name\na colour."}], max_tokens=6,
+                                     temperature=0)
+    out = oai.chat.completions.create(model="", messages=parts, max_tokens=6, temperature=0)
+    assert out.choices[0].message.content == ref.text == joined.text
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens == joined.usage.prompt_tokens
+    image = [{"role": "user", "content": [parts[0]["content"][0], {"type": "image_url", "image_url": {"url": "x"}}]}]
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", headers={"authorization": f"Bearer {API_KEY}"}, timeout=30,
+                   json={"model": "", "messages": image, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]", r.text
+
+
 def test_chat_default_max_tokens_fills_the_model(oai, grpc_client):
     """No max_tokens in chat: up to the model's length (OpenAI's default), not the proto's 16."""
     out = oai.chat.completions.create(model="", messages=MESSAGES, temperature=0, seed=3)
