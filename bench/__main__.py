@@ -1,5 +1,5 @@
 """python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
-                 decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,
+                 weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,
                  moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
@@ -28,6 +28,7 @@ MODULES = {
     "scheduler-cpu": "bench.scheduler_cpu",
     "runner-step": "bench.runner_step",
     "lora-loads": "bench.lora_loads",
+    "weight-updates": "bench.weight_updates",
     "decode-attention": "bench.decode_attention",
     "latent-attention": "bench.latent_attention",
     "kernel-sass": "bench.kernel_sass",

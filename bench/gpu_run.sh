@@ -44,6 +44,8 @@ for b in $benches; do
              timeout 300 /tmp/py-spy record --subprocesses --threads --rate 500 --format raw -o $OUT/ttft.folded -- \
                python3 -m bench latency --model $MODEL --device cuda --mode services --output-len 2 --repeats 40 \
                --out $OUT/latency_ttft.json 2>&1 | grep -v -i warn | tail -4; gzip -f $OUT/ttft.folded ;;
+    weights) timeout 300 python3 -m bench weight-updates --preset qwen3-0.6b --device cuda ${WEIGHTS_ARGS:-} \
+               --out $OUT/weight_updates.json 2>&1 | grep -E "^[|]" ;;
     prefill) timeout 300 python3 -m bench prefill-attention --out $OUT/prefill_attention.json 2>&1 | grep '^{' ;;
     offline) timeout 500 python3 -m bench.offline --model $MODEL ${OFFLINE_ARGS:-} --out $OUT/offline.json 2>&1 | grep -E "by batch|^[|]" ;;
     short)   timeout 500 python3 -m bench.offline --model $MODEL --workload short --runs 2 ${OFFLINE_ARGS:-} \

@@ -340,6 +340,17 @@ def test_lora_loads_times_the_gaps_with_and_without_loads_on_a_cpu(tmp_path: Pat
         _positive(row, "median_ms", "p99_ms", "max_ms")
 
 
+def test_weight_updates_times_each_update_beside_the_start_up_on_a_cpu(tmp_path: Path) -> None:
+    from bench.__main__ import main
+
+    out = tmp_path / "weight_updates.json"
+    main(["weight-updates", "--preset", "qwen3-tiny", "--device", "cpu", "--updates", "2", "--out", str(out)])
+    rows = _load(out, "weight_updates", "bench.weight_updates")["results"]
+    assert [row["run"] for row in rows] == ["start-up from a", "update 1 (to b)", "update 2 (to a)"]
+    for row in rows[1:]:
+        _positive(row, "seconds", "gb_per_s")
+
+
 def test_kernel_sass_compiles_the_decode_kernel_for_hopper_without_a_gpu(tmp_path: Path) -> None:
     """Triton's own ptxas compiles the kernel for sm_90 here; the interpreter is off in that process (under it
     nothing is compiled)."""
