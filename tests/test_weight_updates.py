@@ -175,6 +175,22 @@ def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
 
 
+
+def test_a_worker_that_can_read_neither_the_new_weights_nor_its_own_exits(cluster, client, b_dir, unusable,
+                                                                          tmp_path):
+    """A checkpoint a tensor short, read part way, while the folder of the weights served is gone: the worker cannot
+    serve either, so it exits (its orchestrator starts it again from its model) rather than serve a mix; the call
+    answers UNAVAILABLE. Last: it leaves the cluster without a worker."""
+    served = shutil.copytree(b_dir, tmp_path / "served")
+    assert client.update_weights(str(served)) == 1
+    shutil.rmtree(served)
+    [worker] = [p for p in cluster.processes if p.name.startswith("worker") and p.popen.poll() is None]
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(str(unusable["a tensor short"]))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert worker.popen.wait(WAIT_S) == 1
+    assert "the model holds neither" in worker.log_path.read_text()
+
 def test_the_step_watchdog_gives_a_plan_that_reads_weights_the_workers_start_up_time():
     """Reading a large checkpoint takes longer than any step: the watchdog waits for such a plan as long as for a
     worker to come up (--worker-connect-timeout), and for other plans as before (--step-timeout)."""

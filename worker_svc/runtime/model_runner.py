@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import random
 import time
 import uuid
@@ -334,8 +335,12 @@ class ModelRunner:
                     "says why)"
         if error:
             if touched:  # partly read, or read here and not on another rank: the weights it had, read again
-                kv_scales = self._read_weights(self.weights_path)
-                self._fold(kv_scales)
+                try:
+                    self._fold(self._read_weights(self.weights_path))
+                except Exception:
+                    log.critical("weights from %s failed part way, and those before could not be read back from %s: "
+                                 "exiting, as the model holds neither", folder, self.weights_path, exc_info=True)
+                    os._exit(1)
             return error
         self._fold(kv_scales)
         self.weights_path = folder
