@@ -385,7 +385,13 @@ def test_the_registry_serves_the_architecture_transformers_wrote(checkpoint):
     name, folder, hf = checkpoint
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert arch == type(hf).__name__ and arch in ARCHITECTURES
-    assert type(_runner(folder).model).__name__ == arch
+    runner = _runner(folder)
+    assert type(runner.model).__name__ == arch
+    # its weights read again in place (UpdateWeights), names checked first as that load checks them: the same logits
+    before = prefill_logits(runner, _prompts(2))
+    assert runner.reload_weights(str(folder)) == ""
+    for ours, theirs in zip(prefill_logits(runner, _prompts(2)), before):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
 def test_logits_match_transformers(checkpoint):

@@ -63,17 +63,24 @@ def reference(tiny_model_dir, b_dir) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def unusable(tiny_model_dir, b_dir, tmp_path_factory) -> dict[str, Path]:
-    """Folders a worker cannot take B's place from: none there, another model's config, one tensor short."""
+    """Folders a worker cannot take B's place from: none there, another model's config, one tensor short (refused
+    before any is read), a tensor of another shape (found once most were copied in: the weights before are read
+    back)."""
     root = tmp_path_factory.mktemp("unusable")
-    other, short = root / "other", root / "short"
+    other, short, misshapen = root / "other", root / "short", root / "misshapen"
     shutil.copytree(b_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
-    shutil.copytree(b_dir, short)
-    tensors = load_file(short / "model.safetensors")
-    del tensors[sorted(tensors)[-1]]  # after most of them were copied in: the weights before are read back
-    save_file(tensors, str(short / "model.safetensors"), metadata={"format": "pt"})
-    return {"missing": root / "missing", "other model": other, "a tensor short": short}
+    for folder, change in ((short, "drop"), (misshapen, "transpose")):
+        shutil.copytree(b_dir, folder)
+        tensors = load_file(folder / "model.safetensors")
+        last = max(n for n, t in tensors.items() if t.dim() == 2 and t.shape[0] != t.shape[1])
+        if change == "drop":
+            del tensors[last]
+        else:
+            tensors[last] = tensors[last].t().contiguous()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return {"missing": root / "missing", "other model": other, "a tensor short": short, "a tensor misshapen": misshapen}
 
 
 def _generate(llm: LLM, n: int = MAX_NEW) -> list[list[int]]:
@@ -176,17 +183,21 @@ def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster
 
 
 
-def test_a_worker_that_can_read_neither_the_new_weights_nor_its_own_exits(cluster, client, b_dir, unusable,
+def test_a_worker_that_can_read_neither_the_new_weights_nor_its_own_exits(cluster, client, b_dir, unusable, reference,
                                                                           tmp_path):
-    """A checkpoint a tensor short, read part way, while the folder of the weights served is gone: the worker cannot
-    serve either, so it exits (its orchestrator starts it again from its model) rather than serve a mix; the call
-    answers UNAVAILABLE. Last: it leaves the cluster without a worker."""
+    """A checkpoint with a tensor misshapen, read part way, while the folder of the weights served is gone: the worker
+    can serve neither, so it exits (its orchestrator starts it again from its model) rather than serve a mix; the
+    call answers UNAVAILABLE. Last: it leaves the cluster without a worker."""
     served = shutil.copytree(b_dir, tmp_path / "served")
     assert client.update_weights(str(served)) == 1
     shutil.rmtree(served)
+    with pytest.raises(grpc.RpcError) as e:  # refused on its names, before a tensor is read: no reading back needed
+        client.update_weights(str(unusable["a tensor short"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [_complete(client, p) for p in PROMPTS] == reference["b"]
     [worker] = [p for p in cluster.processes if p.name.startswith("worker") and p.popen.poll() is None]
     with pytest.raises(grpc.RpcError) as e:
-        client.update_weights(str(unusable["a tensor short"]))
+        client.update_weights(str(unusable["a tensor misshapen"]))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert worker.popen.wait(WAIT_S) == 1
     assert "the model holds neither" in worker.log_path.read_text()

@@ -49,9 +49,10 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
                 yield name, functools.partial(f.get_tensor, name), path.name
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
+def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = False) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
-    missing name. FP8 block-scaled weights are dequantised (model/quantized.py), and a model's `converted` (if it
+    missing name (names_only: fails as a load would on names, copying nothing; tensors that a conversion below pairs
+    up are still read). FP8 block-scaled weights are dequantised (model/quantized.py), and a model's `converted` (if it
     has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
     Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an
     fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
@@ -88,6 +89,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> dict[str, float]:
         if name not in params:
             raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {file}")
         param = params[name]
+        if names_only:
+            fused = shard_id is None and hasattr(param, "split_fused")
+            loaded.update(f"{name}:{s}" for s in (_shards_of(name, param, packed) if fused else [shard_id]))
+            continue
         tensor = get_tensor()
         if tensor.dtype == torch.float8_e4m3fn:  # dequantised with its scale before this, where it has one
             raise KeyError(f"FP8 weight {hf_name!r} in {file} without its weight_scale_inv")

@@ -325,6 +325,7 @@ class ModelRunner:
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
                                  f"({self.model_dir.name}): its weights cannot take their place")
+            load_weights(self.model, folder, names_only=True)  # a tensor short or too many: refused untouched
             touched = True
             kv_scales = self._read_weights(folder)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
