@@ -160,7 +160,7 @@ class EngineGroup:
                 if self.scheduler.adapters.outcomes:
                     for o in self.scheduler.adapters.take_outcomes():
                         self._adapter_done(out, o.ticket, o.code, o.error)
-                for o in self.scheduler.take_weights_outcomes():
+                for o in self.scheduler.take_weights_outcomes() if self.scheduler.weights_outcomes else ():
                     out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, o.ticket, o.error])
         except Exception as e:
             if self._stopping:

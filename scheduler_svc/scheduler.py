@@ -18,7 +18,8 @@ where its next chunk finds none, preempt the last running sequences while they a
 priority, and after it in arrival order), before the step's decodes are planned, and a less urgent prompt's
 chunk leaves the head's first chunk of the budget: an urgent request does not wait for less urgent ones to
 end. A preempted sequence resumes through the prefix cache: its full blocks are hit where they are, on the
-GPU or (with a host tier, block_manager.py) swapped back in from the host, and the rest is recomputed.
+GPU or (with a host tier, block_manager.py) swapped back in from the host, and the rest is recomputed. While a
+reload of the worker's weights is asked for (weights.py), sequences added after the ask are not admitted.
 
 Pipelining: schedule() for step N+1 may run before the result of step N is applied. Every length is
 known, so a decode is scheduled for the token still being sampled. Rules that keep this exact:
