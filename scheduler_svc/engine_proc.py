@@ -87,6 +87,7 @@ class EngineGroup:
                 if error := self.core.settle_weights(connect.weights):
                     raise RuntimeError(f"worker {connect.address} could not read the weights the others serve from "
                                        f"{connect.weights}: {error}")
+                self.core.worker_info.weights_path = connect.weights  # as the supervisor is told (_group_info)
         except BaseException:
             executor.close()
             raise

@@ -173,14 +173,14 @@ def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster
     that with the first worker gone, B's tokens still come back. Last: it changes the cluster."""
     assert client.update_weights(str(b_dir)) == 1
     first = next(p for p in cluster.processes if p.name.startswith("worker"))
-    cluster.start_worker()
+    joined = cluster.start_worker()
     wait_for("both workers", lambda: client.model_info()["num_workers"] == 2, timeout=WAIT_S * 2)
     first.popen.kill()
     first.popen.wait(30)
     wait_for("the first worker gone", lambda: client.model_info()["num_workers"] == 1, timeout=WAIT_S)
     assert [_complete(client, p) for p in PROMPTS] == reference["b"]
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
-
+    assert joined.log_path.read_text().count("weights read again from") == 1  # at its connect, not again after
 
 
 def test_a_worker_that_can_read_neither_the_new_weights_nor_its_own_exits(cluster, client, b_dir, unusable, reference,
