@@ -487,7 +487,9 @@ class Supervisor:
             refused = [(g, error) for g, error in answers if error]
             if refused:
                 for g in done:
-                    await self._ask_groups([g], "weights", g.info["weights_path"], if_gone=None)
+                    if back := (await self._ask_groups([g], "weights", g.info["weights_path"], if_gone=None))[0]:
+                        log.error("worker %s could not read its weights before back from %s: %s", g.address,
+                                  g.info["weights_path"], back, extra={"worker": g.address})
                 group, error = refused[0]
                 log.warning("weights from %s refused by worker %s: %s", path, group.address, error)
                 return self._reply(frontend, req_id, code="INVALID_ARGUMENT",
