@@ -220,3 +220,38 @@ def test_the_step_watchdog_gives_a_plan_that_reads_weights_the_workers_start_up_
 
     assert [alive_after("", s) for s in (20.0, 100.0)] == [True, False]
     assert [alive_after("/ckpt", s) for s in (20.0, 100.0, 700.0)] == [True, True, False]
+
+
+def test_an_update_one_worker_refuses_leaves_every_worker_on_the_weights_it_had(tmp_path):
+    """Two (simulated) workers that see different folders: a checkpoint the first can read and the second cannot (its
+    config is another model's to the second) is refused for the tree, and the first reads its weights before back, so
+    that both serve what they served."""
+    from protos import WORKER_PROTOCOL_VERSION, worker_pb2, worker_pb2_grpc
+
+    first = sim_cluster.config_only_model(tmp_path / "first")
+    second = shutil.copytree(first, tmp_path / "second")
+    config = json.loads((second / "config.json").read_text())
+    (second / "config.json").write_text(json.dumps({**config, "trainer_step": 0}))
+    like_first = shutil.copytree(first, tmp_path / "like-first")
+
+    def worker_weights() -> list[str]:
+        paths = []
+        for port in cluster.worker_ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                paths.append(worker_pb2_grpc.WorkerStub(channel).Describe(
+                    worker_pb2.DescribeRequest(protocol_version=WORKER_PROTOCOL_VERSION), timeout=30).weights_path)
+        return paths
+
+    cluster = LocalCluster(first, worker_command="simulate", register=True, log_dir=tmp_path / "logs",
+                           scheduler_args=[*sim_cluster.TREE_ARGS, "--allow-weight-updates"]).start(120)
+    try:
+        cluster.start_worker(extra=["--model", str(second)])
+        with Client(cluster.address, timeout=WAIT_S) as c:
+            wait_for("both workers", lambda: c.model_info()["num_workers"] == 2, timeout=WAIT_S)
+            with pytest.raises(grpc.RpcError) as e:
+                c.update_weights(str(like_first))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "another model" in e.value.details()
+            assert worker_weights() == [str(first), str(second)]
+            assert sorted(w["weights_path"] for w in c.model_info()["workers"]) == sorted([str(first), str(second)])
+    finally:
+        cluster.stop()
