@@ -166,7 +166,7 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
 
 def _update_weights(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(client.update_weights(args.path))  # the worker groups that read them
+        print(client.update_weights(args.path, abort_requests=args.abort_requests))  # the worker groups that read them
     return 0
 
 
@@ -360,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "scheduler run with --allow-weight-updates), once the requests before have finished; "
                             "print how many worker groups did")
     p.add_argument("path", metavar="PATH", help="the checkpoint folder, as the workers see their file systems")
+    p.add_argument("--abort-requests", action="store_true",
+                   help="end the requests in flight at once (finish reason abort) instead of waiting for them")
     p.set_defaults(func=_update_weights)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")

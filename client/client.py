@@ -555,13 +555,14 @@ class Client(_Connection):
         return list(self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                  metadata=self.metadata).lora_adapters)
 
-    def update_weights(self, model_path: str, *, timeout: float | None = None) -> int:
+    def update_weights(self, model_path: str, *, abort_requests: bool = False, timeout: float | None = None) -> int:
         """Has every worker read the model's weights again from the checkpoint folder `model_path` (another checkpoint
         of the served model, as the workers see their file systems: a trainer's new weights; a scheduler run with
-        --allow-weight-updates). Requests sent before the call finish on the weights they started with, later ones run
-        on the new; returns how many worker groups loaded them."""
-        return self._stub.UpdateWeights(pb.UpdateWeightsRequest(model_path=str(model_path)),
-                                        timeout=self._deadline(timeout), metadata=self.metadata).num_workers
+        --allow-weight-updates). Requests sent before the call finish on the weights they started with (abort_requests:
+        end at once, finish reason "abort", with the tokens they have), later ones run on the new; returns how many
+        worker groups loaded them."""
+        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests)
+        return self._stub.UpdateWeights(request, timeout=self._deadline(timeout), metadata=self.metadata).num_workers
 
     def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
         """Drops every cached prefix no running request holds, on every worker (vLLM's /reset_prefix_cache);
@@ -700,10 +701,12 @@ class AsyncClient(_Connection):
         return list((await self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                         metadata=self.metadata)).lora_adapters)
 
-    async def update_weights(self, model_path: str, *, timeout: float | None = None) -> int:
+    async def update_weights(self, model_path: str, *, abort_requests: bool = False,
+                             timeout: float | None = None) -> int:
         """As Client.update_weights."""
-        return (await self._stub.UpdateWeights(pb.UpdateWeightsRequest(model_path=str(model_path)),
-                                               timeout=self._deadline(timeout), metadata=self.metadata)).num_workers
+        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests)
+        return (await self._stub.UpdateWeights(request, timeout=self._deadline(timeout),
+                                               metadata=self.metadata)).num_workers
 
     async def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
         """As Client.reset_prefix_cache."""

@@ -268,7 +268,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         weights it had."""
         backend = backend_of(request)
         try:  # as long as the requests before it take: no rpc_timeout
-            workers = await backend.client.update_weights(body.model_path)
+            workers = await backend.client.update_weights(body.model_path, abort_requests=body.abort_all_requests)
         except grpc.RpcError as e:
             error = from_grpc(e)
             if error.status == 400:  # the scheduler's INVALID_ARGUMENT: what the workers found in the folder

@@ -406,6 +406,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_path: NonEmpty  # a checkpoint folder of the served model, as the workers see their file systems
     load_format: Literal["auto"] | None = None  # SGLang's; checkpoints load as the model's own do
+    abort_all_requests: bool = False  # SGLang's: the requests in flight end now (finish_reason "abort")
 
 
 class UpdateWeightsFromDiskResponse(BaseModel):

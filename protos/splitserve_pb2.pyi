@@ -368,10 +368,12 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, dropped_blocks: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("model_path",)
+    __slots__ = ("model_path", "abort_requests")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
-    def __init__(self, model_path: _Optional[str] = ...) -> None: ...
+    abort_requests: bool
+    def __init__(self, model_path: _Optional[str] = ..., abort_requests: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("model_path", "num_workers")

@@ -151,10 +151,10 @@ class GenerationServicer:
         """The model's weights read again from another checkpoint of it (SGLang's /update_weights_from_disk: a trainer's
         new weights), on every worker group and on groups that join later; refused (PERMISSION_DENIED) unless the
         scheduler runs with --allow-weight-updates. Requests received before the call finish on the weights they
-        started with; later ones wait, and run on the new weights. Each group loads once it has finished the earlier
-        ones, and forgets its cached prefixes. Answers once every group loaded them; INVALID_ARGUMENT naming model_path
-        where a worker cannot (the folder is missing, or holds another model: its config must be the served one's),
-        after which every group serves the weights it had.
+        started with (or end at once with abort_requests); later ones wait, and run on the new weights. Each group loads
+        once it has finished the earlier ones, and forgets its cached prefixes. Answers once every group loaded them;
+        INVALID_ARGUMENT naming model_path where a worker cannot (the folder is missing, or holds another model: its
+        config must be the served one's), after which every group serves the weights it had.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,8 +9,8 @@ supervisor that it is gone ("group_down"), so that it retries the address.
 
 Messages in (ipc.py): connect, add, abort, stop, forget (a front-end is gone), drain, snapshot, lora (load or
 unload an adapter), weights (read the weights again from a folder), reset_prefix_cache, metrics, stop_all. Messages
-out: to front-ends ack, out, moved, down; to the supervisor group_up, connect_failed, group_down, group_left,
-lora_done, weights_done, reset_done, metrics.
+out: to front-ends ack, out, moved, down, ended (requests aborted here); to the supervisor group_up, connect_failed,
+group_down, group_left, lora_done, weights_done, reset_done, metrics.
 """
 from __future__ import annotations
 
@@ -230,7 +230,9 @@ class EngineGroup:
                     self.scheduler.adapters.update(name, path, ticket)
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
-            elif op == "weights":  # [weights, group, ticket, path]
+            elif op == "weights":  # [weights, group, ticket, path, whether the requests held end now]
+                if message[4]:
+                    self._abort_all(out)
                 try:
                     self.scheduler.update_weights(message[3], message[2])
                 except ValueError as e:
@@ -239,6 +241,17 @@ class EngineGroup:
                 dropped = self.scheduler.block_manager.forget_free()
                 self._send_load(out, {})  # the front-ends' routers learn the hashes are gone now, not a step later
                 out.send(ipc.SUPERVISOR, ["reset_done", self._engine_index, self.group_id, message[2], dropped])
+
+    def _abort_all(self, out: ipc.Outboxes) -> None:
+        """Every sequence the group holds ends now (reason "abort"), each front-end told which of its requests."""
+        by_frontend: dict[int, list[int]] = {}
+        for owned in self._owned.values():
+            self.core.abort(owned.seq)
+            by_frontend.setdefault(owned.frontend, []).append(owned.key)
+        self._owned.clear()
+        self._by_seq.clear()
+        for f, keys in by_frontend.items():
+            out.send(ipc.frontend_name(f), ["ended", self.group_id, ipc.ints(keys)])
 
     def _adapter_done(self, out: ipc.Outboxes, ticket: int, code: str, error: str) -> None:
         out.send(ipc.SUPERVISOR, ["lora_done", self._engine_index, self.group_id, ticket, code, error,

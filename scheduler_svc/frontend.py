@@ -268,6 +268,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if (c is not None and c.ack is not None and not c.ack.done() and c.group is not None
                     and c.group.group_id == gid):
                 c.ack.set_result((code, text))
+        elif op == "ended":  # [ended, group, keys]: aborted by the engine (a weight update's abort_requests)
+            self._aborted(message[1], list(ipc.unints(message[2])))
         elif op == "moved":  # [moved, group, keys, why they left ("": it drains)]
             self._group_gone(message[1], list(ipc.unints(message[2])), message[3])
         elif op == "down":
@@ -339,6 +341,20 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             del completions[key]
             c.move_to(None)
             c.stream.put(c, 1, True)
+
+    def _aborted(self, group_id: int, keys: list[int]) -> None:
+        """These requests were ended by group `group_id`: each ends with finish reason "abort" and the tokens it has
+        (text held back for a stop string that did not come included)."""
+        for key in keys:
+            c = self.completions.get(key)
+            if c is None or c.group is None or c.group.group_id != group_id:
+                continue
+            if held := c.text.detokenizer.flush():
+                c.out_text.append(held)
+            c.finish_reason = "abort"
+            del self.completions[key]
+            c.move_to(None)
+            c.stream.put(c, 0, True)
 
     def _group_gone(self, group_id: int, keys: list[int], why: str = "") -> None:
         """These requests left group `group_id` unfinished (it failed, drained or its engine died, or it lost their
@@ -761,7 +777,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                 "the scheduler runs with --allow-weight-updates")
         if not request.model_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path must name a checkpoint folder")
-        reply = await asyncio.shield(self.ask_supervisor(["weights", request.model_path]))  # not undone by a cancel
+        reply = await asyncio.shield(  # not undone by a cancel
+            self.ask_supervisor(["weights", request.model_path, request.abort_requests]))
         if reply.get("code"):
             await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
         return api.UpdateWeightsResponse(model_path=reply["model_path"], num_workers=reply["num_workers"])

@@ -475,19 +475,20 @@ class Supervisor:
                 self._to_engine(group.engine, ["lora", group.group_id, 0, name, path])
 
     # ---- weights, read again by a front-end's UpdateWeights --------------------------------------------------
-    async def _update_weights(self, frontend: int, req_id: int, path: str) -> None:
-        """Has every live group read its weights again from path; replies code and message where one could not,
-        after the others read theirs before again."""
+    async def _update_weights(self, frontend: int, req_id: int, path: str, abort: bool) -> None:
+        """Has every live group read its weights again from path (abort: ending the requests it holds first);
+        replies code and message where one could not, after the others read theirs before again."""
         async with self._weights_lock:
             groups = [g for g in self.groups.values() if not g.draining]
             if not groups:
                 return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
-            answers = list(zip(groups, await self._ask_groups(groups, "weights", path, if_gone=None)))
+            answers = list(zip(groups, await self._ask_groups(groups, "weights", path, abort, if_gone=None)))
             done = [g for g, error in answers if error == ""]
             refused = [(g, error) for g, error in answers if error]
             if refused:
                 for g in done:
-                    if back := (await self._ask_groups([g], "weights", g.info["weights_path"], if_gone=None))[0]:
+                    if back := (await self._ask_groups([g], "weights", g.info["weights_path"], False,
+                                                       if_gone=None))[0]:
                         log.error("worker %s could not read its weights before back from %s: %s", g.address,
                                   g.info["weights_path"], back, extra={"worker": g.address})
                 group, error = refused[0]
@@ -509,7 +510,7 @@ class Supervisor:
         """Has a group that serves other weights than the tree's read those (answered by weights_done with no one
         waiting): for a group whose engine connected it from the weights as they were before an update."""
         if self.weights and group.info["weights_path"] != self.weights:
-            self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights])
+            self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights, False])
 
     async def _ask_groups(self, groups: list[_Group], op: str, *args: Any, if_gone: Any) -> list:
         """Each group's engine's answer to [op, group id, ticket, *args], in the groups' order; `if_gone` for a

@@ -111,6 +111,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         return pb.ResetPrefixCacheResponse(dropped_blocks=7)
 
     def UpdateWeights(self, request, context):
+        self.update = request
         if not request.model_path.startswith("/"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path: the fake reads absolute folders only")
         return pb.UpdateWeightsResponse(model_path=request.model_path, num_workers=3)
@@ -342,13 +343,15 @@ def test_cli_errors_exit_2_without_traceback(address: str, capsys):
     assert "no health service 'foo'" in err and "Traceback" not in err
 
 
-def test_cli_info_tokenize_health_embed_score(address: str, capsys):
+def test_cli_info_tokenize_health_embed_score(address: str, fake: FakeGeneration, capsys):
     assert main(["info", "--address", address]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 256
     assert main(["reset-prefix-cache", "--address", address]) == 0
     assert capsys.readouterr().out == "7\n"
     assert main(["update-weights", "--address", address, "/ckpt/step-2"]) == 0
-    assert capsys.readouterr().out == "3\n"
+    assert capsys.readouterr().out == "3\n" and not fake.update.abort_requests
+    assert main(["update-weights", "--address", address, "/ckpt/step-3", "--abort-requests"]) == 0
+    assert capsys.readouterr().out == "3\n" and fake.update.abort_requests
     assert main(["update-weights", "--address", address, "ckpt"]) == 2
     assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT: model_path")
     assert main(["tokenize", "--address", address, "Hi"]) == 0

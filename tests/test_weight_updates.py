@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [[(7 * i + 3 * k) % 5000 + 1 for i in range(n)] for k, n in enumerate([40, 9])]
 MAX_NEW = 12
+NUM_BLOCKS = 64
 LONG = 48  # tokens of the request kept in flight: at STEP_DELAY_S a step, ~2.4 s
 STEP_DELAY_S = 0.05
 WAIT_S = 60.0
@@ -104,7 +105,7 @@ def test_llm_reads_another_checkpoints_weights_and_back(tiny_model_dir, b_dir, r
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     c = LocalCluster(tiny_model_dir, register=True, log_dir=tmp_path_factory.mktemp("logs"), worker_args=[
-        "--dtype", "float32", "--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "8",
+        "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--block-size", "16", "--max-num-seqs", "8",
         "--debug-step-delay", str(STEP_DELAY_S)], scheduler_args=["--allow-weight-updates"]).start(240)
     yield c
     c.stop()
@@ -134,6 +135,34 @@ def test_a_request_in_flight_finishes_on_its_weights_and_later_ones_run_on_the_n
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
     assert client.update_weights(str(tiny_model_dir)) == 1
     assert [_complete(client, p) for p in PROMPTS] == reference["a"]
+
+
+def test_an_update_that_aborts_ends_the_requests_in_flight_at_once(cluster, client, tiny_model_dir, b_dir,
+                                                                    reference, tmp_path):
+    """abort_requests (SGLang's abort_all_requests): a request in flight ends at once with finish reason abort and a
+    prefix of A's tokens, the update does not wait for the rest of it, and later requests run on B; the gateway's
+    field does the same."""
+    g = Gateway(cluster.address, tmp_path / "gateway.log").wait_healthy()
+    try:
+        for via_gateway in (False, True):
+            stream = client.generate(token_ids=PROMPTS[0], max_tokens=LONG, temperature=0.0, ignore_eos=True)
+            deltas = [next(stream)]
+            if via_gateway:
+                r = httpx.post(f"{g.url}/update_weights_from_disk", timeout=WAIT_S,
+                               json={"model_path": str(b_dir), "abort_all_requests": True})
+                assert r.status_code == 200, r.text
+            else:
+                assert client.update_weights(str(b_dir), abort_requests=True) == 1
+            deltas += list(stream)
+            tokens = [t for d in deltas for t in d.token_ids]
+            assert deltas[-1].finish_reason == "abort" and 0 < len(tokens) < LONG, (via_gateway, len(tokens))
+            assert tokens == reference["a_long"][:len(tokens)]
+            assert [_complete(client, p) for p in PROMPTS] == reference["b"]
+            assert client.update_weights(str(tiny_model_dir)) == 1
+            wait_for("every block back", lambda: client.model_info()["workers"][0]["free_blocks"] == NUM_BLOCKS,
+                     timeout=WAIT_S)
+    finally:
+        g.stop()
 
 
 def test_a_folder_no_worker_can_use_is_refused_naming_model_path(client, unusable, reference):
