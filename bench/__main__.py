@@ -1,6 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
-                 weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,fused-layer,
-                 moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
+                 weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,
+                 fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and

@@ -182,8 +182,8 @@ def test_prompt_kinds_and_chat_switch():
 
 
 def test_chat_content_as_openais_list_of_parts():
-    """OpenAI's content parts: their texts joined by newlines, as the gateway joins them (vLLM's way); a part that is not
-    text is refused before any call, naming it."""
+    """OpenAI's content parts: their texts joined by newlines, as the gateway joins them (vLLM's way); a part that is
+    not text is refused before any call, naming it."""
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     chat = build_request(messages=[{"role": "user", "content": parts}, {"role": "assistant", "content": None}]).chat
     assert [m.content for m in chat.messages] == ["a\nb", ""]

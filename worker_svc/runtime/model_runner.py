@@ -332,8 +332,8 @@ class ModelRunner:
             error = f"weights from {folder}: {e}"
             log.warning("%s", error)
         if not all_over_ranks([not error], self.device)[0] and not error:
-            error = f"weights from {folder}: another tensor-parallel rank of this worker could not read them (its log " \
-                    "says why)"
+            error = (f"weights from {folder}: another tensor-parallel rank of this worker could not read them (its log "
+                     "says why)")
         if error:
             if touched:  # partly read, or read here and not on another rank: the weights it had, read again
                 try:
