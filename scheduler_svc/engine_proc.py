@@ -231,12 +231,13 @@ class EngineGroup:
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
             elif op == "weights":  # [weights, group, ticket, path, whether the requests held end now]
-                if message[4]:
-                    self._abort_all(out)
                 try:
                     self.scheduler.update_weights(message[3], message[2])
-                except ValueError as e:
+                except ValueError as e:  # another is asked for: nothing aborted for this one
                     out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, message[2], str(e)])
+                else:
+                    if message[4]:
+                        self._abort_all(out)
             elif op == "reset_prefix_cache":  # [reset_prefix_cache, group, ticket]
                 dropped = self.scheduler.block_manager.forget_free()
                 self._send_load(out, {})  # the front-ends' routers learn the hashes are gone now, not a step later
