@@ -245,14 +245,10 @@ class EngineGroup:
 
     def _abort_all(self, out: ipc.Outboxes) -> None:
         """Every sequence the group holds ends now (reason "abort"), each front-end told which of its requests."""
-        by_frontend: dict[int, list[int]] = {}
-        for owned in self._owned.values():
-            self.core.abort(owned.seq)
-            by_frontend.setdefault(owned.frontend, []).append(owned.key)
-        self._owned.clear()
-        self._by_seq.clear()
-        for f, keys in by_frontend.items():
-            out.send(ipc.frontend_name(f), ["ended", self.group_id, ipc.ints(keys)])
+        seqs = [owned.seq for owned in self._owned.values()]
+        for seq in seqs:
+            self.core.abort(seq)
+        self._leave(out, seqs, "", "ended")
 
     def _adapter_done(self, out: ipc.Outboxes, ticket: int, code: str, error: str) -> None:
         out.send(ipc.SUPERVISOR, ["lora_done", self._engine_index, self.group_id, ticket, code, error,
@@ -295,9 +291,9 @@ class EngineGroup:
         self._leave(out, moved, "")
         return len(moved)
 
-    def _leave(self, out: ipc.Outboxes, seqs: list[Sequence], why: str) -> None:
+    def _leave(self, out: ipc.Outboxes, seqs: list[Sequence], why: str, op: str = "moved") -> None:
         """These sequences, out of the scheduler already, leave the group: each front-end is told which of its
-        requests to continue elsewhere ("moved", with why; "": the group drains)."""
+        requests to continue elsewhere ("moved", with why; "": the group drains), or to end ("ended": aborted here)."""
         by_frontend: dict[int, list[int]] = {}
         for seq in seqs:
             owned = self._by_seq.pop(seq.seq_id, None)
@@ -305,7 +301,7 @@ class EngineGroup:
                 del self._owned[owned.frontend, owned.key]
                 by_frontend.setdefault(owned.frontend, []).append(owned.key)
         for f, keys in by_frontend.items():
-            out.send(ipc.frontend_name(f), ["moved", self.group_id, ipc.ints(keys), why])
+            out.send(ipc.frontend_name(f), [op, self.group_id, ipc.ints(keys), why])
 
     def _drained(self, out: ipc.Outboxes) -> bool:
         """While draining: once nothing runs here, or the grace period is over, moves the rest out, closes the

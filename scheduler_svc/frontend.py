@@ -268,7 +268,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             if (c is not None and c.ack is not None and not c.ack.done() and c.group is not None
                     and c.group.group_id == gid):
                 c.ack.set_result((code, text))
-        elif op == "ended":  # [ended, group, keys]: aborted by the engine (a weight update's abort_requests)
+        elif op == "ended":  # [ended, group, keys, ""]: aborted by the engine (a weight update's abort_requests)
             self._aborted(message[1], list(ipc.unints(message[2])))
         elif op == "moved":  # [moved, group, keys, why they left ("": it drains)]
             self._group_gone(message[1], list(ipc.unints(message[2])), message[3])
@@ -317,10 +317,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             reason = finished.get(i)
             state = c.text
             if state.scoring:  # the token sampled at the prompt's end finished it: none of it is output
-                c.finish_reason = "length"
-                del completions[key]
-                c.move_to(None)
-                c.stream.put(c, 0, True)
+                self._end(c, "length", 0)
                 continue
             c.tokens.append(token)
             g.own_tokens += 1
@@ -337,10 +334,15 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 continue
             if reason_now == "stop" and reason is None:  # a stop string, and its engine still runs it
                 self._to_engine(g.info.engine, ["stop", self.index, key, gid])
-            c.finish_reason, c.stop_reason = reason_now, stop_reason
-            del completions[key]
-            c.move_to(None)
-            c.stream.put(c, 1, True)
+            c.stop_reason = stop_reason
+            self._end(c, reason_now, 1)
+
+    def _end(self, c: Completion, reason: str, count: int) -> None:
+        """c ended with `reason`, with `count` more tokens to send: its stream sends them and its last message."""
+        c.finish_reason = reason
+        del self.completions[c.key]
+        c.move_to(None)
+        c.stream.put(c, count, True)
 
     def _aborted(self, group_id: int, keys: list[int]) -> None:
         """These requests were ended by group `group_id`: each ends with finish reason "abort" and the tokens it has
@@ -351,10 +353,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                 continue
             if held := c.text.detokenizer.flush():
                 c.out_text.append(held)
-            c.finish_reason = "abort"
-            del self.completions[key]
-            c.move_to(None)
-            c.stream.put(c, 0, True)
+            self._end(c, "abort", 0)
 
     def _group_gone(self, group_id: int, keys: list[int], why: str = "") -> None:
         """These requests left group `group_id` unfinished (it failed, drained or its engine died, or it lost their

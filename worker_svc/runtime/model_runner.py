@@ -319,8 +319,7 @@ class ModelRunner:
             raise PlanError("weights are read again only where no sequence is held")
         error, touched = "", False
         try:
-            served = ModelConfig.from_dir(self.model_dir, self.config.hf_overrides)
-            theirs = ModelConfig.from_dir(folder, self.config.hf_overrides)
+            served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
