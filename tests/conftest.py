@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 # Without a GPU, the GPU's Triton kernels run in Triton's CPU interpreter (tests/test_triton_kernels.py).
@@ -24,24 +26,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def session_tmp(tmp_path_factory) -> Path:
+    """A folder for the session-scoped fixtures' files, which outlive the module that first asks for them."""
+    return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_module_tmp(request, tmp_path_factory, session_tmp) -> Iterator[None]:
+    """Removes the temporary folders a module made once it ends, but where one of its tests failed: the whole suite's
+    checkpoints (tens of MB each, real vocabulary) would fill a small disk."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(session_tmp) -> Path:
     """qwen3-tiny written with seed 0 (Hugging Face layout, single safetensors file)."""
     from worker_svc.checkpoints.writer import make_model
 
-    return make_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny") / "model", seed=0)
+    return make_model("qwen3-tiny", session_tmp / "qwen3-tiny" / "model", seed=0)
 
 
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 
 @pytest.fixture(scope="session")
-def harmony_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+def harmony_model_dir(tiny_model_dir, session_tmp) -> Path:
     """qwen3-tiny whose tokenizer also has gpt-oss's harmony markers as special tokens (ids past Qwen's, inside the
     model's vocabulary), as gpt-oss's tokenizer has them."""
     from tokenizers import AddedToken, Tokenizer
 
-    out = tmp_path_factory.mktemp("harmony-tiny") / "model"
-    out.mkdir()
+    out = session_tmp / "harmony-tiny" / "model"
+    out.mkdir(parents=True)
     for f in tiny_model_dir.iterdir():
         (out / f.name).symlink_to(f)
     (out / "tokenizer.json").unlink()

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 
@@ -335,14 +336,21 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     return name, folder, hf
 
 
+def _written(name: str, tmp_path_factory):
+    """_write's, its folder removed once its tests are done (the module writes one for each of CONFIGS)."""
+    written = _write(name, tmp_path_factory)
+    yield written
+    shutil.rmtree(written[1], ignore_errors=True)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    return _write(request.param, tmp_path_factory)
+    yield from _written(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=[name for name in CONFIGS if "moe" in name])
 def moe_checkpoint(request, tmp_path_factory):
-    return _write(request.param, tmp_path_factory)
+    yield from _written(request.param, tmp_path_factory)
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
