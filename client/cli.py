@@ -166,7 +166,8 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
 
 def _update_weights(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(client.update_weights(args.path, abort_requests=args.abort_requests))  # the worker groups that read them
+        # the worker groups that read them
+        print(client.update_weights(args.path, abort_requests=args.abort_requests, weight_version=args.weight_version))
     return 0
 
 
@@ -362,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="the checkpoint folder, as the workers see their file systems")
     p.add_argument("--abort-requests", action="store_true",
                    help="end the requests in flight at once (finish reason abort) instead of waiting for them")
+    p.add_argument("--weight-version", default="", metavar="NAME",
+                   help="a name for the new weights (e.g. the training step that saved them), which every completion "
+                        "they compute carries (default: PATH)")
     p.set_defaults(func=_update_weights)
 
     p = sub.add_parser("tokenize", parents=[common], help="print the token ids of TEXT")

@@ -55,6 +55,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked: prompt tokens 1.. (None: none)
     prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs or return_prompt_token_ids
     cumulative_logprob: float | None = None  # a beam's summed logprob (use_beam_search), on its one delta
+    weight_version: str | None = None  # on the last delta: the version of the weights that computed the tokens
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class Completion:
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (the first has no context)
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs or return_prompt_token_ids: as encoded
     cumulative_logprob: float | None = None  # a beam's summed logprob (use_beam_search)
+    weight_version: str | None = None  # the version of the weights that computed it (update_weights names them)
 
 
 class GenerateParams(TypedDict, total=False):
@@ -409,7 +411,7 @@ def _delta_fields(response: pb.GenerateResponse) -> Delta:
                      Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
                      if response.HasField("usage") else None,
                      cumulative_logprob=response.cumulative_logprob if response.HasField("cumulative_logprob")
-                     else None)
+                     else None, weight_version=response.weight_version)
     return Delta(response.index, list(response.token_ids), response.text, _logprobs(logprobs) if logprobs else None)
 
 
@@ -437,6 +439,7 @@ class CompletionCollector:
             prompt_logprobs=deltas[0].prompt_logprobs,
             prompt_token_ids=deltas[0].prompt_token_ids,
             cumulative_logprob=last.cumulative_logprob,
+            weight_version=last.weight_version,
         )
 
     def completions(self) -> list[Completion]:
@@ -555,13 +558,16 @@ class Client(_Connection):
         return list(self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                  metadata=self.metadata).lora_adapters)
 
-    def update_weights(self, model_path: str, *, abort_requests: bool = False, timeout: float | None = None) -> int:
+    def update_weights(self, model_path: str, *, abort_requests: bool = False, weight_version: str = "",
+                       timeout: float | None = None) -> int:
         """Has every worker read the model's weights again from the checkpoint folder `model_path` (another checkpoint
         of the served model, as the workers see their file systems: a trainer's new weights; a scheduler run with
         --allow-weight-updates). Requests sent before the call finish on the weights they started with (abort_requests:
         end at once, finish reason "abort", with the tokens they have), later ones run on the new; returns how many
-        worker groups loaded them."""
-        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests)
+        worker groups loaded them. weight_version names the new weights (default: model_path): every completion they
+        compute carries it (Completion.weight_version, a last Delta's), as does model_info()."""
+        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests,
+                                          weight_version=weight_version)
         return self._stub.UpdateWeights(request, timeout=self._deadline(timeout), metadata=self.metadata).num_workers
 
     def reset_prefix_cache(self, *, timeout: float | None = None) -> int:
@@ -701,10 +707,11 @@ class AsyncClient(_Connection):
         return list((await self._stub.UnloadLoraAdapter(request, timeout=self._deadline(timeout),
                                                         metadata=self.metadata)).lora_adapters)
 
-    async def update_weights(self, model_path: str, *, abort_requests: bool = False,
+    async def update_weights(self, model_path: str, *, abort_requests: bool = False, weight_version: str = "",
                              timeout: float | None = None) -> int:
         """As Client.update_weights."""
-        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests)
+        request = pb.UpdateWeightsRequest(model_path=str(model_path), abort_requests=abort_requests,
+                                          weight_version=weight_version)
         return (await self._stub.UpdateWeights(request, timeout=self._deadline(timeout),
                                                metadata=self.metadata)).num_workers
 

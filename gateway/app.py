@@ -51,7 +51,7 @@ from gateway.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCo
                               RerankRequest, RerankResponse, ResetPrefixCacheResponse, ResponseBody, ResponsesRequest,
                               ScoreRequest, ScoreResponse, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
                               UnloadLoraAdapterRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDiskResponse,
-                              VersionBody, grpc_priority)
+                              VersionBody, WeightVersionResponse, grpc_priority)
 from gateway.render import chat_completion, collect, text_completion
 from gateway.responses import chat_request, renamed, renamed_error, response_events, response_object
 from gateway.schemas import event_schema, response_event_schema
@@ -264,18 +264,32 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, request: Request) -> JSONResponse:
         """SGLang's: every worker reads the model's weights again from another checkpoint of it (the scheduler's
         UpdateWeights), once the requests received before have finished on the weights they started with; later ones
-        wait and run on the new weights. 400 (param model_path) where a worker cannot: every worker then serves the
-        weights it had."""
+        wait and run on the new weights, their answers' metadata.weight_version the body's weight_version. 400 (param
+        model_path) where a worker cannot: every worker then serves the weights it had."""
         backend = backend_of(request)
         try:  # as long as the requests before it take: no rpc_timeout
-            workers = await backend.client.update_weights(body.model_path, abort_requests=body.abort_all_requests)
+            workers = await backend.client.update_weights(body.model_path, abort_requests=body.abort_all_requests,
+                                                          weight_version=body.weight_version or "")
         except grpc.RpcError as e:
             error = from_grpc(e)
             if error.status == 400:  # the scheduler's INVALID_ARGUMENT: what the workers found in the folder
                 error.param = "model_path"
             raise error from None
+        finally:
+            backend.forget_model_info()
         return JSONResponse({"success": True, "message": f"weights read from {body.model_path} on {workers} worker(s)",
                              "model_path": body.model_path, "num_workers": workers})
+
+    @app.get("/get_weight_version", response_model=WeightVersionResponse, responses=ERRORS)
+    async def get_weight_version(request: Request) -> JSONResponse:
+        """SGLang's: the version of the weights served (/update_weights_from_disk's weight_version; by default the
+        folder they were read from), as the first worker serves them."""
+        backend = backend_of(request)
+        try:
+            info = await backend.client.model_info(timeout=backend.config.rpc_timeout)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        return JSONResponse({"weight_version": info["workers"][0]["weight_version"] if info["workers"] else None})
 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         """vLLM's /reset_prefix_cache (SGLang's /flush_cache): drops every cached prefix no running request holds, on

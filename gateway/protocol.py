@@ -407,6 +407,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     model_path: NonEmpty  # a checkpoint folder of the served model, as the workers see their file systems
     load_format: Literal["auto"] | None = None  # SGLang's; checkpoints load as the model's own do
     abort_all_requests: bool = False  # SGLang's: the requests in flight end now (finish_reason "abort")
+    weight_version: str | None = None  # SGLang's: the new weights' name on the answers they compute (model_path)
 
 
 class UpdateWeightsFromDiskResponse(BaseModel):
@@ -414,6 +415,10 @@ class UpdateWeightsFromDiskResponse(BaseModel):
     message: str
     model_path: str  # the folder every worker serves the weights of now
     num_workers: int  # worker groups that loaded them
+
+
+class WeightVersionResponse(BaseModel):
+    weight_version: str | None  # of the weights the first worker serves (None: none serves)
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -469,6 +474,11 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class AnswerMetadata(BaseModel):
+    """SGLang's."""
+    weight_version: str | None = None  # of the weights that computed the (first) choice
+
+
 class _Answer(BaseModel):
     """What both endpoints' whole answers carry beside their choices."""
     id: str
@@ -477,6 +487,7 @@ class _Answer(BaseModel):
     model: str
     usage: UsageBody
     system_fingerprint: str | None = None
+    metadata: AnswerMetadata | None = None
 
 
 class CompletionResponse(_Answer):

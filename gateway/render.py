@@ -155,6 +155,7 @@ class Choice:
     stop_reason: str | None = None
     prompt_token_ids: list[int] | None = None  # with prompt logprobs (an echoed completion's)
     prompt_logprobs: list | None = None
+    weight_version: str | None = None  # of the weights that computed it
 
 
 async def collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta] | None, job: Job
@@ -172,6 +173,7 @@ async def collect(it: AsyncIterator[tuple[int, Delta]], first: tuple[int, Delta]
             c.prompt_token_ids, c.prompt_logprobs = delta.prompt_token_ids, delta.prompt_logprobs
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            c.weight_version = delta.weight_version
         usage.add(prompt_index, delta)
 
     if first is not None:
@@ -204,7 +206,7 @@ def chat_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
         if job.return_token_ids:
             out[-1]["token_ids"] = c.token_ids
     answer = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-              "usage": usage.body(), "system_fingerprint": None}
+              "usage": usage.body(), "system_fingerprint": None, "metadata": metadata(choices)}
     if choices and job.return_token_ids:
         answer["prompt_token_ids"] = choices[0].prompt_token_ids
     if choices and job.prompt_logprobs:
@@ -231,4 +233,10 @@ def text_completion(choices: list[Choice], usage: Usage, job: Job, backend: Back
         if job.prompt_logprobs:
             out[-1]["prompt_logprobs"] = prompt_logprobs(tokens, c.prompt_token_ids or [], c.prompt_logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
-            "usage": usage.body(), "system_fingerprint": None}
+            "usage": usage.body(), "system_fingerprint": None, "metadata": metadata(choices)}
+
+
+def metadata(choices: list[Choice]) -> dict[str, Any]:
+    """SGLang's metadata of a whole answer: the version of the weights that computed its (first) choice, which an RL
+    loop that updates them while sampling reads (/update_weights_from_disk's weight_version)."""
+    return {"weight_version": choices[0].weight_version if choices else None}

@@ -47,6 +47,7 @@ class Connect:
     stale_epoch: int | None
     adapters: dict[str, str]  # the tree's LoRA adapters loaded ("": unloaded) while serving, by name
     weights: str  # the folder the tree's weights were read from while serving ("": none was)
+    weight_version: str  # the name UpdateWeights gave them
 
 
 @dataclass(slots=True)
@@ -93,6 +94,10 @@ class EngineGroup:
             raise
         self.executor = executor
         self.info = self.core.worker_info
+        # the name of the weights that compute its tokens, sent with its load: a front-end stamps a completion's last
+        # message with it, in order with the tokens (GenerateResponse.weight_version)
+        self.weight_version = connect.weight_version if connect.weights else self.info.weights_path
+        self._version_asked = ""  # an update's, until its outcome
         self.scheduler = self.core.scheduler
         self.scheduler.block_manager.record_events = True
         self.core.step_observer = metrics.step_observer(connect.address)
@@ -162,6 +167,8 @@ class EngineGroup:
                     for o in self.scheduler.adapters.take_outcomes():
                         self._adapter_done(out, o.ticket, o.code, o.error)
                 for o in self.scheduler.take_weights_outcomes() if self.scheduler.weights_outcomes else ():
+                    if not o.error:
+                        self.weight_version = self._version_asked
                     out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, o.ticket, o.error])
         except Exception as e:
             if self._stopping:
@@ -230,9 +237,10 @@ class EngineGroup:
                     self.scheduler.adapters.update(name, path, ticket)
                 except AdapterError as e:
                     self._adapter_done(out, ticket, e.code, str(e))
-            elif op == "weights":  # [weights, group, ticket, path, whether the requests held end now]
+            elif op == "weights":  # [weights, group, ticket, path, whether the requests held end now, version]
                 try:
                     self.scheduler.update_weights(message[3], message[2])
+                    self._version_asked = message[5]
                 except ValueError as e:  # another is asked for: nothing aborted for this one
                     out.send(ipc.SUPERVISOR, ["weights_done", self._engine_index, self.group_id, message[2], str(e)])
                 else:
@@ -351,7 +359,7 @@ class EngineGroup:
         sched = self.scheduler
         bm = sched.block_manager
         load = (sched.num_waiting, sched.num_waiting_tokens, sched.num_running, bm.num_free_blocks,
-                bm.num_cached_blocks, sched.num_preemptions, self.num_requests)
+                bm.num_cached_blocks, sched.num_preemptions, self.num_requests, self.weight_version)
         stored, removed = bm.take_events()
         events = [ipc.ints(stored, "Q"), ipc.ints(removed, "Q")] if stored or removed else None
         for f in self._frontends:
@@ -376,7 +384,7 @@ def _group_info(group: EngineGroup) -> dict:
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
             "lora_adapters": list(group.scheduler.adapters.served), "labels": list(info.labels),
             "label_activation": info.label_activation, "label_pooling": info.label_pooling or "last",
-            "weights_path": info.weights_path}
+            "weights_path": info.weights_path, "weight_version": group.weight_version}
 
 
 def engine_main(index: int, run_dir: str, argv: list[str], frontends: int, parent) -> None:

@@ -153,6 +153,7 @@ class Completion:
     finish_reason: str | None = None  # once it ended
     prompt_ids_due: bool = False  # its next message carries the prompt's token ids (return_prompt_token_ids)
     stop_reason: str | None = None
+    weight_version: str = ""  # once it ended: its group's, whose weights computed its tokens
     queued: bool = False  # in its stream's outputs
     since_wake: int = -1  # tokens since it last woke its call (stream_interval other than 1); -1: none yet
 
@@ -340,6 +341,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def _end(self, c: Completion, reason: str, count: int) -> None:
         """c ended with `reason`, with `count` more tokens to send: its stream sends them and its last message."""
         c.finish_reason = reason
+        if c.group is not None:
+            c.weight_version = c.group.weight_version
         del self.completions[c.key]
         c.move_to(None)
         c.stream.put(c, count, True)
@@ -693,12 +696,15 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         step_params = SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True, lora=p.lora,
                                      cache_salt=p.cache_salt)
         steps = itertools.count()
+        weight_version = ""  # the last step's (an update between steps changes what the next ones run on)
 
         async def next_tokens(prompts: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            nonlocal weight_version
             step = next(steps)
             completions = self._completions([f"{rid}#beam{step}.{i}" for i in range(len(prompts))], prompts,
                                             dataclasses.replace(step_params, logprobs=k), parsed.priority)
             await self._run_all(completions, context, counted=False)
+            weight_version = completions[0].weight_version
             return [c.out_logprobs[0].top if c.out_logprobs else [] for c in completions]
 
         status = "cancelled"
@@ -718,7 +724,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             r = api.GenerateResponse(request_id=rid, index=i, token_ids=beam.tokens, finish_reason=FINISH[
                 beam.finish_reason], text=self.tokenizer.decode(beam.tokens, skip_special_tokens=p.skip_special_tokens),
                 stop_reason=str(beam.stop_token) if beam.stop_token is not None else "",
-                cumulative_logprob=beam.logprob)
+                cumulative_logprob=beam.logprob, weight_version=weight_version)
             r.usage.prompt_tokens, r.usage.completion_tokens = len(parsed.prompt_ids), len(beam.tokens)
             if prompt_ids_due:
                 r.prompt_token_ids.extend(parsed.prompt_ids)
@@ -743,7 +749,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                       num_host_blocks=g.info.num_host_blocks,
                                       sliding_window=g.info.sliding_window, hidden_size=g.info.hidden_size,
                                       embedding_only=g.info.embedding_only, lora_adapters=g.info.lora_adapters,
-                                      weights_path=g.info.weights_path)
+                                      weights_path=g.info.weights_path, weight_version=g.weight_version)
                      for g in self.groups.values()])
 
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
@@ -777,10 +783,12 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         if not request.model_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path must name a checkpoint folder")
         reply = await asyncio.shield(  # not undone by a cancel
-            self.ask_supervisor(["weights", request.model_path, request.abort_requests]))
+            self.ask_supervisor(["weights", request.model_path, request.abort_requests,
+                                 request.weight_version or request.model_path]))
         if reply.get("code"):
             await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
-        return api.UpdateWeightsResponse(model_path=reply["model_path"], num_workers=reply["num_workers"])
+        return api.UpdateWeightsResponse(model_path=reply["model_path"], num_workers=reply["num_workers"],
+                                         weight_version=reply["weight_version"])
 
     async def _update_adapter(self, name: str, path: str, context, load: bool) -> api.LoraAdaptersResponse:
         """A load (of the folder at path) or unload, by the supervisor on every worker group."""

@@ -43,6 +43,7 @@ def response_of(rid: str, c: Completion) -> api.GenerateResponse:
         r.usage.prompt_tokens = usage.prompt_tokens
         r.usage.completion_tokens = usage.completion_tokens
         r.usage.cached_prompt_tokens = usage.cached_prompt_tokens
+        r.weight_version = c.weight_version
     return r
 
 
@@ -61,6 +62,7 @@ def hold(held_back: dict[int, api.GenerateResponse], response: api.GenerateRespo
         joined.text += response.text
         joined.logprobs.extend(response.logprobs)
         joined.finish_reason, joined.stop_reason = response.finish_reason, response.stop_reason
+        joined.weight_version = response.weight_version
         if response.HasField("usage"):
             joined.usage.CopyFrom(response.usage)
         response = joined

@@ -46,6 +46,7 @@ class GroupInfo:
     label_activation: str = ""  # how its logits become probabilities: sigmoid or softmax
     label_pooling: str = "last"  # the token its head reads: the last, or an encoder's first ("cls")
     weights_path: str = ""  # the folder its weights came from (DescribeResponse.weights_path, then UpdateWeights)
+    weight_version: str = ""  # the name UpdateWeights gave them (default: weights_path)
     draining: bool = False
 
 
@@ -62,9 +63,11 @@ class GroupView:
     cached_blocks: int = 0
     preemptions: int = 0
     num_requests: int = 0
+    weight_version: str = ""  # of the weights that computed the tokens its engine sent last
 
     def __post_init__(self) -> None:
         self.free_blocks = self.info.num_blocks  # until its engine's first report
+        self.weight_version = self.info.weight_version
 
     @property
     def group_id(self) -> int:
@@ -77,7 +80,7 @@ class GroupView:
     def report(self, load: list, events: list | None, stored, removed) -> None:
         """The engine's report: its load and prefix-cache events."""
         (self.waiting, self.waiting_tokens, self.running, self.free_blocks, self.cached_blocks, self.preemptions,
-         self.num_requests) = load
+         self.num_requests, self.weight_version) = load
         if events is not None:
             if len(events) > 2:  # a snapshot: the whole index
                 self.hashes = set(stored)

@@ -29,8 +29,8 @@ SIGTERM. It holds no request: a front-end holds its requests, an engine its sequ
   its new group lacks, and drops what the tree unloaded, before the group serves.
 - Weights read again from another checkpoint while serving (UpdateWeights on any front-end): the supervisor asks
   every live group's engine (each loads once the requests it held have finished: scheduler_svc/weights.py), answers
-  once all did, and keeps the folder for groups that join later, whose engines have their workers read it before
-  they serve. Where a group could not, the groups that did read their weights before again: one answer for the
+  once all did, and keeps the folder (and the version it names them) for groups that join later, whose engines have
+  their workers read it before they serve. Where a group could not, the groups that did read their weights before again: one answer for the
   tree, which serves the same weights everywhere.
 - ResetPrefixCache on any front-end: every group's engine drops the cached blocks no running request holds (both
   tiers) and says how many; the answer is their sum.
@@ -129,6 +129,7 @@ class Supervisor:
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded (path) or unloaded ("") while serving, by name
         self._adapter_locks: dict[str, asyncio.Lock] = {}  # one load or unload of a name at a time
         self.weights = ""  # the folder the weights were last read from while serving ("": the workers' own)
+        self.weight_version = ""  # the name UpdateWeights gave them
         self._weights_lock = asyncio.Lock()  # one weight update at a time
         # a question put to groups' engines, by (ticket, group id): its future and the answer if the group goes
         self._group_waits: dict[tuple[int, int], tuple[asyncio.Future, Any]] = {}
@@ -259,7 +260,7 @@ class Supervisor:
                     log.error("worker %s could not read the weights the others serve from %s: %s", group.address,
                               self.weights, error, extra={"worker": group.address})
                 else:
-                    group.info["weights_path"] = self.weights
+                    group.info["weights_path"], group.info["weight_version"] = self.weights, self.weight_version
                     self._publish()
             self._answered(ticket, gid, error)
         elif op == "weights":
@@ -324,7 +325,7 @@ class Supervisor:
             future = self.loop.create_future()
             self._connects[gid] = (engine, future)
             self._to_engine(engine, ["connect", gid, address, timeout, wait_for_ready, self._last_epoch.get(address),
-                                     self.adapters, self.weights])
+                                     self.adapters, self.weights, self.weight_version])
             try:
                 group = await future
             finally:
@@ -475,42 +476,50 @@ class Supervisor:
                 self._to_engine(group.engine, ["lora", group.group_id, 0, name, path])
 
     # ---- weights, read again by a front-end's UpdateWeights --------------------------------------------------
-    async def _update_weights(self, frontend: int, req_id: int, path: str, abort: bool) -> None:
-        """Has every live group read its weights again from path (abort: ending the requests it holds first);
-        replies code and message where one could not, after the others read theirs before again."""
+    async def _update_weights(self, frontend: int, req_id: int, path: str, abort: bool, version: str) -> None:
+        """Has every live group read its weights again from path, named `version` (abort: ending the requests it
+        holds first); replies code and message where one could not, after the others read theirs before again."""
         async with self._weights_lock:
             groups = [g for g in self.groups.values() if not g.draining]
             if not groups:
                 return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
-            answers = list(zip(groups, await self._ask_groups(groups, "weights", path, abort, if_gone=None)))
+            answers = list(zip(groups, await self._ask_groups(groups, "weights", path, abort, version, if_gone=None)))
             done = [g for g, error in answers if error == ""]
             refused = [(g, error) for g, error in answers if error]
             if refused:
-                for g in done:
-                    if back := (await self._ask_groups([g], "weights", g.info["weights_path"], False,
-                                                       if_gone=None))[0]:
-                        log.error("worker %s could not read its weights before back from %s: %s", g.address,
-                                  g.info["weights_path"], back, extra={"worker": g.address})
+                await self._roll_back_weights(done)
                 group, error = refused[0]
                 log.warning("weights from %s refused by worker %s: %s", path, group.address, error)
                 return self._reply(frontend, req_id, code="INVALID_ARGUMENT",
                                    message=f"model_path: worker {group.address}: {error}")
             if not done:
                 return self._reply(frontend, req_id, code="UNAVAILABLE", message="no worker is serving")
-            self.weights = path
+            self.weights, self.weight_version = path, version
             for g in done:
-                g.info["weights_path"] = path
+                g.info["weights_path"], g.info["weight_version"] = path, version
             for g in self.groups.values():
                 self._sync_weights(g)  # joined meanwhile, from the weights as they were
             self._publish()
             log.info("weights read again from %s on %d worker group(s)", path, len(done))
-            self._reply(frontend, req_id, model_path=path, num_workers=len(done))
+            self._reply(frontend, req_id, model_path=path, num_workers=len(done), weight_version=version)
+
+    async def _roll_back_weights(self, groups: list[_Group]) -> None:
+        """Has groups that read an update another group refused read their weights before again, all at once."""
+        by_weights: dict[tuple[str, str], list[_Group]] = {}
+        for g in groups:
+            by_weights.setdefault((g.info["weights_path"], g.info["weight_version"]), []).append(g)
+        for (before, version), gs in by_weights.items():
+            for g, error in zip(gs, await self._ask_groups(gs, "weights", before, False, version, if_gone=None)):
+                if error:
+                    log.error("worker %s could not read its weights before back from %s: %s", g.address, before,
+                              error, extra={"worker": g.address})
 
     def _sync_weights(self, group: _Group) -> None:
         """Has a group that serves other weights than the tree's read those (answered by weights_done with no one
         waiting): for a group whose engine connected it from the weights as they were before an update."""
-        if self.weights and group.info["weights_path"] != self.weights:
-            self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights, False])
+        if self.weights and (group.info["weights_path"], group.info["weight_version"]) != (self.weights,
+                                                                                        self.weight_version):
+            self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights, False, self.weight_version])
 
     async def _ask_groups(self, groups: list[_Group], op: str, *args: Any, if_gone: Any) -> list:
         """Each group's engine's answer to [op, group id, ticket, *args], in the groups' order; `if_gone` for a

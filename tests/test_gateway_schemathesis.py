@@ -40,7 +40,8 @@ ROUTES = ["GET /health", "GET /version", "GET /metrics", "GET /v1/models", "GET 
           "POST /tokenize", "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions",
           "POST /v1/responses", "POST /v1/embeddings", "POST /v1/score", "POST /v1/rerank", "POST /classify",
           "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter", "POST /reset_prefix_cache",
-          "POST /update_weights_from_disk"]  # 403 here: the scheduler runs without --allow-weight-updates
+          "POST /update_weights_from_disk",  # 403 here: the scheduler runs without --allow-weight-updates
+          "GET /get_weight_version"]
 # the GET routes and /reset_prefix_cache take nothing a request could violate
 WITH_INPUT = [r for r in ROUTES if r.startswith("POST") and r != "POST /reset_prefix_cache"]
 # 400s to valid requests that no field's JSON Schema can foresee: message pattern -> the rule.

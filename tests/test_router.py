@@ -50,7 +50,7 @@ def test_a_cached_prefix_wins_between_groups_under_the_same_load():
     a, b = group(0), group(1)
     prompt = list(range(10 * BLOCK + 3))
     a.own_tokens = b.own_tokens = 500
-    b.report([0, 0, 4, b.info.num_blocks - 40, 8, 0, 0], [b"", b""], PromptHashes(prompt).of(BLOCK)[:8], ())
+    b.report([0, 0, 4, b.info.num_blocks - 40, 8, 0, 0, ""], [b"", b""], PromptHashes(prompt).of(BLOCK)[:8], ())
     assert b.cached_prefix_tokens(PromptHashes(prompt)) == 8 * BLOCK
     assert pick_group([a, b], PromptHashes(prompt), frontends=2) is b
     # a busier group loses its prefix's advantage once its extra load (over all front-ends) exceeds the prefill
@@ -62,5 +62,5 @@ def test_a_cached_prefix_wins_between_groups_under_the_same_load():
 
 def test_a_group_its_engine_has_not_reported_yet_is_empty_not_full():
     reported, new = group(0), group(1)
-    reported.report([0, 0, 1, reported.info.num_blocks - 2, 0, 0, 0], None, (), ())
+    reported.report([0, 0, 1, reported.info.num_blocks - 2, 0, 0, 0, ""], None, (), ())
     assert pick_group([reported, new], PromptHashes(list(range(50))), frontends=1) is new

@@ -6,7 +6,8 @@ seed 0 (A) and seed 1 (B), fp32 on CPU.
 - Through the services (`cluster`: a scheduler run with --allow-weight-updates over one registered worker slowed by
   --debug-step-delay, so that a request stays in flight): a request in flight finishes on A while the update waits
   for it; later ones run on B, through the gateway too; refusals name model_path and leave A; a worker that joins
-  after the update reads B before it serves.
+  after the update reads B before it serves. Each completion names the weights that computed it (weight_version,
+  the update's or its folder), as do the model's info and the gateway's answers.
 Every wait is bounded."""
 from __future__ import annotations
 
@@ -128,20 +129,31 @@ def _complete(c: Client, prompt: list[int], n: int = MAX_NEW) -> list[int]:
     return c.complete(token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)[0].token_ids
 
 
+def _versions(c: Client) -> list[str]:
+    """The weight_version of each prompt's greedy completion, and of each worker in the model's info."""
+    done = [c.complete(token_ids=p, max_tokens=2, temperature=0.0)[0].weight_version for p in PROMPTS]
+    return done + [w["weight_version"] for w in c.model_info()["workers"]]
+
+
 def test_a_request_in_flight_finishes_on_its_weights_and_later_ones_run_on_the_new(client, tiny_model_dir, b_dir,
                                                                                  reference):
+    """...and carries the version of A (its folder, as no update named it), the later ones B's ("step-1")."""
     assert [_complete(client, p) for p in PROMPTS] == reference["a"]
+    assert _versions(client) == [str(tiny_model_dir)] * 3
     stream = client.generate(token_ids=PROMPTS[0], max_tokens=LONG, temperature=0.0, ignore_eos=True)
     first = next(stream)  # in flight: admitted under A
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        update = pool.submit(client.update_weights, str(b_dir))
-        rest = [t for delta in stream for t in delta.token_ids]
-        assert first.token_ids + rest == reference["a_long"]
+        update = pool.submit(client.update_weights, str(b_dir), weight_version="step-1")
+        deltas = list(stream)
+        assert first.token_ids + [t for d in deltas for t in d.token_ids] == reference["a_long"]
+        assert deltas[-1].weight_version == str(tiny_model_dir)
         assert update.result(WAIT_S) == 1
     assert [_complete(client, p) for p in PROMPTS] == reference["b"]
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
+    assert _versions(client) == ["step-1"] * 3
     assert client.update_weights(str(tiny_model_dir)) == 1
     assert [_complete(client, p) for p in PROMPTS] == reference["a"]
+    assert _versions(client) == [str(tiny_model_dir)] * 3
 
 
 def test_an_update_that_aborts_ends_the_requests_in_flight_at_once(gateway, client, tiny_model_dir, b_dir,
@@ -181,23 +193,38 @@ def test_a_folder_no_worker_can_use_is_refused_naming_model_path(client, unusabl
 
 def test_the_gateways_update_weights_from_disk(gateway, client, tiny_model_dir, b_dir, reference, tmp_path):
     """SGLang's endpoint: success with the folder and the workers that read it; 400 naming model_path, as the
-    gateway's other errors, where none can."""
+    gateway's other errors, where none can. The version it names is /get_weight_version's and every whole answer's
+    metadata.weight_version (SGLang's)."""
     url = f"{gateway.url}/update_weights_from_disk"
-    r = httpx.post(url, json={"model_path": str(b_dir)}, timeout=WAIT_S)
+
+    def versions() -> list[str]:
+        asked = {"model": "model", "max_tokens": 2, "temperature": 0.0}
+        answers = [httpx.post(f"{gateway.url}/v1/completions", json=asked | {"prompt": [PROMPTS[0]]}, timeout=WAIT_S),
+                   httpx.post(f"{gateway.url}/v1/chat/completions", timeout=WAIT_S,
+                              json=asked | {"messages": [{"role": "user", "content": "hi"}]}),
+                   httpx.get(f"{gateway.url}/get_weight_version", timeout=WAIT_S)]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        return [r.json()["metadata"]["weight_version"] for r in answers[:2]] + [answers[2].json()["weight_version"]]
+
+    assert versions() == [str(tiny_model_dir)] * 3
+    r = httpx.post(url, json={"model_path": str(b_dir), "weight_version": "step-7"}, timeout=WAIT_S)
     assert r.status_code == 200 and r.json() | {"message": ""} == {
         "success": True, "message": "", "model_path": str(b_dir), "num_workers": 1}
     assert [_complete(client, p) for p in PROMPTS] == reference["b"]
+    assert versions() == ["step-7"] * 3
     r = httpx.post(url, json={"model_path": str(tmp_path / "none")}, timeout=WAIT_S)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
     r = httpx.post(url, json={"model_path": str(b_dir), "load_format": "gguf"}, timeout=WAIT_S)
     assert r.status_code == 400
+    assert versions() == ["step-7"] * 3
     assert httpx.post(url, json={"model_path": str(tiny_model_dir)}, timeout=WAIT_S).status_code == 200
+    assert versions() == [str(tiny_model_dir)] * 3
 
 
 def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster, client, b_dir, reference):
     """A worker started from A registers after the tree moved to B: its engine has it read B before it serves, so
     that with the first worker gone, B's tokens still come back. Last: it changes the cluster."""
-    assert client.update_weights(str(b_dir)) == 1
+    assert client.update_weights(str(b_dir), weight_version="b") == 1
     first = next(p for p in cluster.processes if p.name.startswith("worker"))
     joined = cluster.start_worker()
     wait_for("both workers", lambda: client.model_info()["num_workers"] == 2, timeout=WAIT_S * 2)
@@ -206,6 +233,7 @@ def test_a_worker_that_joins_after_an_update_reads_the_new_weights_first(cluster
     wait_for("the first worker gone", lambda: client.model_info()["num_workers"] == 1, timeout=WAIT_S)
     assert [_complete(client, p) for p in PROMPTS] == reference["b"]
     assert [w["weights_path"] for w in client.model_info()["workers"]] == [str(b_dir)]
+    assert _versions(client) == ["b"] * 3
     assert joined.log_path.read_text().count("weights read again from") == 1  # at its connect, not again after
 
 
@@ -275,9 +303,11 @@ def test_an_update_one_worker_refuses_leaves_every_worker_on_the_weights_it_had(
         with Client(cluster.address, timeout=WAIT_S) as c:
             wait_for("both workers", lambda: c.model_info()["num_workers"] == 2, timeout=WAIT_S)
             with pytest.raises(grpc.RpcError) as e:
-                c.update_weights(str(like_first))
+                c.update_weights(str(like_first), weight_version="new")
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "another model" in e.value.details()
             assert worker_weights() == [str(first), str(second)]
-            assert sorted(w["weights_path"] for w in c.model_info()["workers"]) == sorted([str(first), str(second)])
+            workers = c.model_info()["workers"]
+            assert sorted(w["weights_path"] for w in workers) == sorted([str(first), str(second)])
+            assert sorted(w["weight_version"] for w in workers) == sorted([str(first), str(second)])
     finally:
         cluster.stop()
