@@ -56,6 +56,7 @@ class Delta:
     prompt_token_ids: list[int] | None = None  # on the first delta, with prompt_logprobs or return_prompt_token_ids
     cumulative_logprob: float | None = None  # a beam's summed logprob (use_beam_search), on its one delta
     weight_version: str | None = None  # on the last delta: the version of the weights that computed the tokens
+    # (None: the server did not say)
 
 
 @dataclass(slots=True)
@@ -411,7 +412,7 @@ def _delta_fields(response: pb.GenerateResponse) -> Delta:
                      Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
                      if response.HasField("usage") else None,
                      cumulative_logprob=response.cumulative_logprob if response.HasField("cumulative_logprob")
-                     else None, weight_version=response.weight_version)
+                     else None, weight_version=response.weight_version or None)
     return Delta(response.index, list(response.token_ids), response.text, _logprobs(logprobs) if logprobs else None)
 
 

@@ -319,7 +319,8 @@ def test_cli_json_lines(address: str, fake: FakeGeneration, capsys):
     assert lines[-1] == {"type": "completion", "index": 0, "text": "Hi", "token_ids": [72, 105],
                          "finish_reason": "stop", "stop_reason": "eos", "logprobs": None,
                          "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_prompt_tokens": 1},
-                         "prompt_logprobs": None, "prompt_token_ids": None, "cumulative_logprob": None}
+                         "prompt_logprobs": None, "prompt_token_ids": None, "cumulative_logprob": None,
+                         "weight_version": None}
     request = next(r for r in reversed(fake.requests.values()) if r.WhichOneof("prompt") == "chat")
     assert request.chat.messages[0].role == "user" and request.chat.HasField("enable_thinking")
     assert request.sampling.HasField("temperature") and request.sampling.seed == 7
