@@ -30,8 +30,8 @@ SIGTERM. It holds no request: a front-end holds its requests, an engine its sequ
 - Weights read again from another checkpoint while serving (UpdateWeights on any front-end): the supervisor asks
   every live group's engine (each loads once the requests it held have finished: scheduler_svc/weights.py), answers
   once all did, and keeps the folder (and the version it names them) for groups that join later, whose engines have
-  their workers read it before they serve. Where a group could not, the groups that did read their weights before again: one answer for the
-  tree, which serves the same weights everywhere.
+  their workers read it before they serve. Where a group could not, the groups that did read their weights before
+  again: one answer for the tree, which serves the same weights everywhere.
 - ResetPrefixCache on any front-end: every group's engine drops the cached blocks no running request holds (both
   tiers) and says how many; the answer is their sum.
 - A process dies: an engine's groups are gone (their front-ends move their requests, the supervisor retries
