@@ -65,6 +65,18 @@ CONFIGS = {
     "exaone4": transformers.Exaone4Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         sliding_window=12, sliding_window_pattern=3, **COMMON),
+    # Command R: parallel blocks under one LayerNorm, rope on neighbouring dims, attention biases, a logit scale
+    "cohere": transformers.CohereConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, attention_bias=True,
+        logit_scale=0.5, layer_norm_eps=1e-5, **{**COMMON, "tie_word_embeddings": True}),
+    # Command R+: each head's q and k LayerNormed with a weight of its own
+    "cohere-qk_norm": transformers.CohereConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, use_qk_norm=True,
+        logit_scale=0.5, **{**COMMON, "tie_word_embeddings": True}),
+    # Command R7B / A: Cohere's layers, 12-token windows with rope on layers 0-1, layer 2 global without rope
+    "cohere2": transformers.Cohere2Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], logit_scale=0.25, **COMMON),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,

@@ -107,6 +107,16 @@ def _glm4(hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos=32768
                   dtype, head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True)
 
 
+def _cohere(version: int, hidden, layers, heads, kv_heads, intermediate, max_pos=131072, dtype="bfloat16",
+            window=4096, rope_theta=50000.0, logit_scale=0.25, qk_norm=False):
+    """Command R (version 1; R+ with qk_norm) or Command R7B / A (2: windows on three layers of four, the fourth
+    global)."""
+    extra = {"sliding_window": window, "sliding_window_pattern": 4} if version == 2 else {"use_qk_norm": qk_norm}
+    return _other(f"Cohere{version if version == 2 else ''}ForCausalLM", f"cohere{version if version == 2 else ''}",
+                  hidden, layers, heads, kv_heads, intermediate, True, max_pos, rope_theta, dtype,
+                  layer_norm_eps=1e-05, logit_scale=logit_scale, attention_bias=False, **extra)
+
+
 def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
@@ -381,6 +391,8 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, tied=False, max_pos=131072),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
+    "command-r7b": _cohere(2, 4096, 32, 32, 8, 14336),
+    "command-r-08-2024": _cohere(1, 8192, 40, 64, 8, 22528, rope_theta=4000000.0, logit_scale=0.0625),
     "mixtral-8x7b": _mixtral(4096, 32, 32, 8, 14336, experts=8, top_k=2),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
     "phi-3-mini": _phi3(3072, 32, 32, 32, 8192, max_pos=4096, rope_theta=10000.0, window=2047),
@@ -450,6 +462,10 @@ PRESETS: dict[str, dict] = {
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
+    # Command R+'s q/k norms (a weight per head)
+    "cohere-tiny": _cohere(1, 96, 2, 6, 2, 160, max_pos=512, dtype="float32", qk_norm=True),
+    # Cohere 2: 24-token windows on layers 0-2, layer 3 global without rope
+    "cohere2-tiny": _cohere(2, 96, 4, 6, 2, 160, max_pos=512, dtype="float32", window=24),
     "mixtral-tiny": _mixtral(64, 2, 4, 2, 48, experts=8, top_k=2, max_pos=512, dtype="float32"),
     # heads of 24: as Phi-3-mini's 96, not a power of two
     "phi3-tiny": _phi3(96, 2, 4, 2, 160, max_pos=512, rope_theta=10000.0, window=24, dtype="float32"),

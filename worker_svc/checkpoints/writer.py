@@ -80,7 +80,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     if kind == "gpt_oss":
         return _gpt_oss_shapes(config)
-    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1")
+    attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1",
+                                                                     "cohere", "cohere2")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
                 or (kind in ("glm", "glm4") and config.get("attention_bias", True))
                 or (kind in ("glm4_moe", "solar_open", "seed_oss") and bool(config.get("attention_bias"))))
@@ -123,6 +124,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
             if kind in OLMO:  # q/k norms over all heads
                 shapes += [(p + "self_attn.q_norm.weight", (q,)), (p + "self_attn.k_norm.weight", (kv,))]
+            if kind == "cohere" and config.get("use_qk_norm"):  # a weight per head
+                heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+                shapes += [(p + "self_attn.q_norm.weight", (heads, hd)), (p + "self_attn.k_norm.weight", (kv_heads, hd))]
         if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
             e, e_inter = config["num_local_experts"], inter
             shapes += [(p + "block_sparse_moe.input_linear.weight", (e, 2 * e_inter, h)),
@@ -168,6 +172,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 shapes.append((p + f"mlp.{name}.bias", shape[:1]))
         if kind in ("olmo2", "olmo3"):  # norms on the attention's and the MLP's outputs only
             shapes += [(p + "post_attention_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
+            continue
+        if kind in ("cohere", "cohere2"):  # parallel blocks: one norm
+            shapes.append((p + "input_layernorm.weight", (h,)))
             continue
         shapes += [
             (p + "input_layernorm.weight", (h,)),

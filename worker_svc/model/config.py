@@ -114,7 +114,10 @@ class ModelConfig:
     dtype: torch.dtype
     qk_norm: bool = False          # per-head RMSNorm of q and k before rope (Qwen3)
     qk_norm_over_heads: bool = False  # RMSNorm of q and of k over all their heads at once (OLMo 2, OLMoE)
+    qk_layer_norm: bool = False    # Cohere's use_qk_norm: a LayerNorm of each head's q and k, weights per head
     post_norms: bool = False       # OLMo 2: no norm before the attention or the MLP, one on each's output
+    layer_norm: bool = False       # Cohere: the norms subtract the mean (LayerNorm, no bias), not RMSNorm
+    parallel_block: bool = False   # Cohere: attention and MLP read the same normed input, their outputs added
     qkv_bias: bool = False         # biases on the q, k and v projections (Qwen2, Llama's attention_bias)
     o_bias: bool = False           # a bias on the output projection (Llama's attention_bias)
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
@@ -286,6 +289,21 @@ def query_log_scale(raw: dict) -> tuple[float, int] | None:
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def hybrid_windows(raw: dict) -> tuple[int | None, ...]:
+    """Each layer's window in a model whose windowed layers alternate with global ones (EXAONE 4, Cohere 2), as
+    transformers reads them: the layers `layer_types` marks, else those `sliding_window_pattern` picks (every n-th
+    layer global, or a string of L (local) and G); no window anywhere where sliding_window is not set."""
+    layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern") or 0
+        types = [("sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention")
+                 if isinstance(pattern, str) else
+                 "sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
+    return tuple(window if window and t == "sliding_attention" else None for t in types)
 
 
 def optional_windows(raw: dict, derived: Callable[[int], bool]) -> tuple[int | None, ...] | None:

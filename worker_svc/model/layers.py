@@ -32,6 +32,31 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+class LayerNorm(nn.Module):
+    """weight * (x - mean(x)) / std(x) in float32 (Cohere's norms: no bias); called as RMSNorm is."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, kernels: Kernels) -> RMSNorm | LayerNorm:
+    """A norm over the hidden state, of the config's kind."""
+    if cfg.layer_norm:
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, positions: int = 0) -> torch.Tensor:
     """The rotary inverse frequencies over `head_dim` rotated dims, scaled as the checkpoint's rope_scaling says;
     `positions`: how far they are served (LongRoPE's choice of factors)."""
@@ -134,6 +159,27 @@ class NormOverHeads(nn.Module):
         return self.weight * (x.float() * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
 
 
+class HeadLayerNorm(nn.Module):
+    """A LayerNorm of each head over its dims, each with a weight of its own (Cohere's q/k norms, use_qk_norm): this
+    rank's `heads` from head `first` on (each head's dims in rotary_order: the mean and variance do not change)."""
+
+    def __init__(self, heads: int, first: int, head_dim: int, eps: float, order: list[int] | None):
+        super().__init__()
+        self.eps, self.head_dim = eps, head_dim
+        self.weight = nn.Parameter(torch.ones(heads, head_dim), requires_grad=False)
+
+        def load(param: nn.Parameter, w: torch.Tensor) -> None:
+            w = w.narrow(0, first, heads)
+            param.data.copy_(w if order is None else w[:, order])
+
+        self.weight.weight_loader = load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.unflatten(-1, (-1, self.head_dim)).float()
+        normed = nn.functional.layer_norm(heads, heads.shape[-1:], eps=self.eps) * self.weight.float()
+        return normed.flatten(-2).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Packed QKV projection, (q/k norm,) rope and the KV-cache store in one kernel, paged attention (over the
     layer's window, if any), output projection."""
@@ -152,8 +198,15 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset, order)
-        self.norm_over_heads = cfg.qk_norm_over_heads
-        if self.norm_over_heads:
+        # q and k normed before the fused kernel, which norms a head at a time with one weight for all
+        self.norms_apart = cfg.qk_norm_over_heads or cfg.qk_layer_norm
+        if cfg.qk_layer_norm:
+            proj = self.qkv_proj
+            first_kv = proj.tp_rank * proj.total_kv_heads // proj.tp_size // proj.num_kv_heads * proj.num_kv_heads
+            self.q_norm = HeadLayerNorm(self.num_heads, proj.tp_rank * self.num_heads, cfg.head_dim,
+                                        cfg.rms_norm_eps, order)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, first_kv, cfg.head_dim, cfg.rms_norm_eps, order)
+        if cfg.qk_norm_over_heads:
             if cfg.num_key_value_heads < tp_size():
                 raise ValueError(f"q/k norms over all heads need the {cfg.num_key_value_heads} KV heads split, not "
                                  f"replicated, over tensor-parallel size {tp_size()}")
@@ -176,7 +229,7 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_weight = k_weight = None
-        if self.norm_over_heads:  # before the fused kernel, which norms a head at a time
+        if self.norms_apart:
             q, k, v = qkv.split([self.q_norm.weight.numel(), self.k_norm.weight.numel(), self.k_norm.weight.numel()],
                                 dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
@@ -237,12 +290,13 @@ class DecoderLayer(nn.Module):
     attention's and the MLP's outputs are normed too before they join the residual stream (post_attention_layernorm
     then norms the attention output, and pre_feedforward_layernorm the MLP's input); with post norms (OLMo 2) only
     those outputs are (post_attention_layernorm and post_feedforward_layernorm), the layers passing the whole hidden
-    state."""
+    state. A parallel block (Cohere) has one norm: attention and MLP both read its output, and their sum joins the
+    residual."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, kernels: Kernels):
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)  # noqa: E731
-        self.post_norms = cfg.post_norms
+        norm = lambda: make_norm(cfg, kernels)  # noqa: E731
+        self.post_norms, self.parallel = cfg.post_norms, cfg.parallel_block
         if cfg.mla is not None:
             from worker_svc.model.mla import MultiLatentAttention
 
@@ -256,6 +310,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         if cfg.post_norms:
             self.input_layernorm, self.post_feedforward_layernorm = None, norm()
+        if cfg.parallel_block:
+            self.post_attention_layernorm = None
 
     def forward(self, positions, x, residual, meta):
         if self.post_norms:  # OLMo 2: the layer's input whole (no residual apart), each output normed before its add
@@ -265,6 +321,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
+        if self.parallel:
+            return self.self_attn(positions, x, meta) + self.mlp(x), residual
         x = self.self_attn(positions, x, meta)
         if self.pre_feedforward_layernorm is None:
             x, residual = self.post_attention_layernorm(x, residual)
@@ -304,7 +362,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, nope if i in cfg.nope_layers else local if cfg.window_of(i) else rotary, kernels)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+        self.norm = make_norm(cfg, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

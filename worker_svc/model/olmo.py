@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker_svc.model.config import ModelConfig, MoeConfig, rope_by_layer_type
+from worker_svc.model.config import ModelConfig, MoeConfig, hybrid_windows, rope_by_layer_type
 from worker_svc.model.layers import CausalLM
 
 
@@ -53,14 +53,6 @@ class Exaone4ForCausalLM(CausalLM):
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
-        layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
-        types = raw.get("layer_types")
-        if types is None:
-            pattern = raw.get("sliding_window_pattern") or 0
-            types = [("sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention")
-                     if isinstance(pattern, str) else
-                     "sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
-                     for i in range(layers)]
-        windows = tuple(window if window and t == "sliding_attention" else None for t in types)
-        nope = tuple(i for i, w in enumerate(windows) if window and w is None)  # global layers: no rope when hybrid
+        windows = hybrid_windows(raw)
+        nope = tuple(i for i, w in enumerate(windows) if raw.get("sliding_window") and w is None)  # global ones
         return ModelConfig.common(raw, qk_norm=True, post_norms=True, layer_windows=windows, nope_layers=nope)
