@@ -77,6 +77,14 @@ CONFIGS = {
     "cohere2": transformers.Cohere2Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, sliding_window=12,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], logit_scale=0.25, **COMMON),
+    # Aya Vision (language_model.*, vision_tower.*, multi_modal_projector.*) served as text: Cohere 2's layers
+    "aya_vision": transformers.AyaVisionConfig(
+        text_config=transformers.Cohere2Config(
+            hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=3, sliding_window=12,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"], logit_scale=0.25,
+            **{**COMMON, "tie_word_embeddings": True}),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,
@@ -324,7 +332,7 @@ def _write(name: str, tmp_path_factory, config: transformers.PretrainedConfig | 
     # transformers' SDPA attention leaves Gemma 2's score cap out; its eager attention applies it
     eager = getattr(config, "attn_logit_softcapping", None) is not None
     # Mistral 3's and Qwen-VL's multimodal models are no AutoModelForCausalLM (Gemma 3's is)
-    multimodal = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+    multimodal = ("mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "aya_vision")
     auto = transformers.AutoModelForCausalLM
     if config.model_type in multimodal:
         auto = transformers.AutoModelForImageTextToText

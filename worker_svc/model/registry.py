@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from common.model_files import CLASSIFIER_SUFFIX
 from worker_svc.model.bert import BertModel, RobertaModel, XLMRobertaModel
-from worker_svc.model.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from worker_svc.model.cohere import AyaVisionForConditionalGeneration, Cohere2ForCausalLM, CohereForCausalLM
 from worker_svc.model.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
 from worker_svc.model.dots1 import Dots1ForCausalLM
 from worker_svc.model.ernie4_5 import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM
@@ -65,6 +65,7 @@ ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "AyaVisionForConditionalGeneration": AyaVisionForConditionalGeneration,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
