@@ -143,8 +143,8 @@ CONFIG_CLASSES = {"BertModel": transformers.BertConfig, "XLMRobertaModel": trans
                   "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
                   "Olmo2ForCausalLM": transformers.Olmo2Config, "Olmo3ForCausalLM": transformers.Olmo3Config,
                   "OlmoeForCausalLM": transformers.OlmoeConfig, "MiniMaxM2ForCausalLM": transformers.MiniMaxM2Config,
-                  "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig, "CohereForCausalLM": transformers.CohereConfig,
-                  "Cohere2ForCausalLM": transformers.Cohere2Config}
+                  "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig,
+                  "CohereForCausalLM": transformers.CohereConfig, "Cohere2ForCausalLM": transformers.Cohere2Config}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

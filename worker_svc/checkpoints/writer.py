@@ -126,7 +126,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                 shapes += [(p + "self_attn.q_norm.weight", (q,)), (p + "self_attn.k_norm.weight", (kv,))]
             if kind == "cohere" and config.get("use_qk_norm"):  # a weight per head
                 heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-                shapes += [(p + "self_attn.q_norm.weight", (heads, hd)), (p + "self_attn.k_norm.weight", (kv_heads, hd))]
+                shapes += [(p + "self_attn.q_norm.weight", (heads, hd)),
+                           (p + "self_attn.k_norm.weight", (kv_heads, hd))]
         if kind == "granitemoe":  # every layer's experts in one tensor per projection (gate and up as one)
             e, e_inter = config["num_local_experts"], inter
             shapes += [(p + "block_sparse_moe.input_linear.weight", (e, 2 * e_inter, h)),
