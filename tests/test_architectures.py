@@ -85,6 +85,10 @@ CONFIGS = {
             **{**COMMON, "tie_word_embeddings": True}),
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
+    # StarCoder 2: LayerNorms with biases, biases on every projection, a plain tanh-GELU MLP, a 12-token window
+    "starcoder2": transformers.Starcoder2Config(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, sliding_window=12,
+        **{**COMMON, "tie_word_embeddings": True}),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,

@@ -117,6 +117,12 @@ def _cohere(version: int, hidden, layers, heads, kv_heads, intermediate, max_pos
                   layer_norm_eps=1e-05, logit_scale=logit_scale, attention_bias=False, **extra)
 
 
+def _starcoder2(hidden, layers, heads, kv_heads, intermediate, max_pos=16384, dtype="bfloat16", window=4096):
+    return _other("Starcoder2ForCausalLM", "starcoder2", hidden, layers, heads, kv_heads, intermediate, True, max_pos,
+                  999999.4420358813, dtype, hidden_act="gelu_pytorch_tanh", norm_epsilon=1e-05, use_bias=True,
+                  sliding_window=window, residual_dropout=0.0, embedding_dropout=0.0)
+
+
 def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
@@ -392,6 +398,7 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
     "mistral-7b": _mistral(4096, 32, 32, 8, 14336, window=4096),
     "command-r7b": _cohere(2, 4096, 32, 32, 8, 14336),
+    "starcoder2-3b": _starcoder2(3072, 30, 24, 2, 12288),
     "command-r-08-2024": _cohere(1, 8192, 40, 64, 8, 22528, rope_theta=4000000.0, logit_scale=0.0625),
     "mixtral-8x7b": _mixtral(4096, 32, 32, 8, 14336, experts=8, top_k=2),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, max_pos=16384, rope_theta=250000.0),
@@ -462,6 +469,8 @@ PRESETS: dict[str, dict] = {
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
+    # a 24-token window, biases everywhere, a plain MLP
+    "starcoder2-tiny": _starcoder2(96, 2, 6, 2, 160, max_pos=512, dtype="float32", window=24),
     # Command R+'s q/k norms (a weight per head)
     "cohere-tiny": _cohere(1, 96, 2, 6, 2, 160, max_pos=512, dtype="float32", qk_norm=True),
     # Cohere 2: 24-token windows on layers 0-2, layer 3 global without rope

@@ -80,13 +80,15 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     if kind == "gpt_oss":
         return _gpt_oss_shapes(config)
+    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1",
                                                                      "cohere", "cohere2")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
                 or (kind in ("glm", "glm4") and config.get("attention_bias", True))
                 or (kind in ("glm4_moe", "solar_open", "seed_oss") and bool(config.get("attention_bias"))))
+    if kind == "starcoder2":  # use_bias: every projection's
+        attention_bias = qkv_bias = mlp_bias = config.get("use_bias", True)
     o_bias = attention_bias or (kind == "seed_oss" and bool(config.get("attention_out_bias")))
-    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
     qk_norm = (kind in ("qwen3", "qwen3_moe", "gemma3_text", "dots1")
                or (kind == "glm4_moe" and bool(config.get("use_qk_norm"))))
     moe_layers = set()
@@ -166,8 +168,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
             continue
         mlp = ((("gate_up_proj", (2 * inter, h)),) if kind in ("glm", "glm4")  # GLM: gate and up as one tensor
+               else (("c_fc", (inter, h)),) if kind == "starcoder2"  # not gated
                else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
-        for name, shape in (*mlp, ("down_proj", (h, inter))):
+        for name, shape in (*mlp, ("c_proj" if kind == "starcoder2" else "down_proj", (h, inter))):
             shapes.append((p + f"mlp.{name}.weight", shape))
             if mlp_bias:
                 shapes.append((p + f"mlp.{name}.bias", shape[:1]))
@@ -176,6 +179,10 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             continue
         if kind in ("cohere", "cohere2"):  # parallel blocks: one norm
             shapes.append((p + "input_layernorm.weight", (h,)))
+            continue
+        if kind == "starcoder2":  # LayerNorms with biases
+            shapes += [(p + f"{norm}.{part}", (h,)) for norm in ("input_layernorm", "post_attention_layernorm")
+                       for part in ("weight", "bias")]
             continue
         shapes += [
             (p + "input_layernorm.weight", (h,)),
@@ -186,6 +193,8 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind == "glm4":  # norms on the attention's and the MLP's outputs
             shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
+    if kind == "starcoder2":
+        shapes.append(("model.norm.bias", (h,)))
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (config["vocab_size"], h)))
     return shapes
@@ -299,7 +308,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
         return (torch.randn(shape, generator=gen) * (0.001 if ".moe_statics." in name else 0.1)).to(dtype)
     if len(shape) == 1 and norm_offset:  # Gemma's (1 + w) norms: the same weights less the 1
         return (init_tensor(name, shape, seed, torch.float32) - norm_offset).to(dtype)
-    if len(shape) == 1:
+    if len(shape) == 1 or name.endswith("norm.weight"):  # Command R+'s q/k norms: a row a head
         t = torch.rand(shape, generator=gen) + 0.5
         if name == "model.norm.weight":
             t *= LOGIT_SCALE

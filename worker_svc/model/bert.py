@@ -18,22 +18,8 @@ from torch import nn
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import EncoderConfig, ModelConfig
-from worker_svc.model.layers import Attention, RotaryEmbedding
-from worker_svc.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
-
-
-class EncoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels):
-        super().__init__()
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, kernels, bias=True)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=True)
-        self.act = _ACTIVATIONS[cfg.encoder.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+from worker_svc.model.layers import MLP, PLAIN_ACTIVATIONS, Attention, RotaryEmbedding
+from worker_svc.model.parallel import VocabParallelEmbedding
 
 
 class EncoderLayer(nn.Module):
@@ -41,7 +27,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer, rotary, kernels)
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
-        self.mlp = EncoderMLP(cfg, kernels)
+        self.mlp = MLP(cfg, kernels, cfg.encoder.hidden_act, bias=True)
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.encoder.layer_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -113,8 +99,8 @@ class BertModel(nn.Module):
             raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r} is not served (only "
                              "'absolute')")
         act = raw.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r} of an encoder ({', '.join(_ACTIVATIONS)})")
+        if act not in PLAIN_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r} of an encoder ({', '.join(PLAIN_ACTIVATIONS)})")
         positions, offset = raw.get("max_position_embeddings", 512), cls.position_offset(raw)
         encoder = EncoderConfig(positions, offset, raw.get("type_vocab_size", 2), raw.get("layer_norm_eps", 1e-12),
                                 act)

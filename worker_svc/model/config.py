@@ -118,6 +118,8 @@ class ModelConfig:
     post_norms: bool = False       # OLMo 2: no norm before the attention or the MLP, one on each's output
     layer_norm: bool = False       # Cohere: the norms subtract the mean (LayerNorm, no bias), not RMSNorm
     parallel_block: bool = False   # Cohere: attention and MLP read the same normed input, their outputs added
+    norm_bias: bool = False        # StarCoder 2: the LayerNorms have biases
+    gated_mlp: bool = True         # False: down(act(up(x))) (StarCoder 2), not down(act(gate(x)) * up(x))
     qkv_bias: bool = False         # biases on the q, k and v projections (Qwen2, Llama's attention_bias)
     o_bias: bool = False           # a bias on the output projection (Llama's attention_bias)
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)

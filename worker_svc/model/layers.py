@@ -11,8 +11,9 @@ from torch import nn
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.model.config import ModelConfig, RopeScaling
-from worker_svc.model.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                       RowParallelLinear, VocabParallelEmbedding, _shard, tp_rank, tp_size)
+from worker_svc.model.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                       QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding, _shard, tp_rank,
+                                       tp_size)
 
 
 class RMSNorm(nn.Module):
@@ -33,12 +34,14 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """weight * (x - mean(x)) / std(x) in float32 (Cohere's norms: no bias); called as RMSNorm is."""
+    """weight * (x - mean(x)) / std(x) (+ bias: StarCoder 2's; Cohere's have none) in float32; called as RMSNorm
+    is."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, bias: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -47,13 +50,14 @@ class LayerNorm(nn.Module):
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, kernels: Kernels) -> RMSNorm | LayerNorm:
     """A norm over the hidden state, of the config's kind."""
     if cfg.layer_norm:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
 
 
@@ -265,6 +269,28 @@ class GatedMLP(nn.Module):
         scale_rows(self.down_proj, factor)
 
 
+# a plain (not gated) MLP's activations: BERT's, StarCoder 2's
+PLAIN_ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
+                     "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+                     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    """down(act(up(x))), not gated (BERT's, StarCoder 2's)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, act: str, bias: bool):
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, kernels, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=bias)
+        self.act = PLAIN_ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+    def scale_output(self, factor: float) -> None:
+        scale_rows(self.down_proj, factor)
+
+
 def scale_rows(proj: nn.Module, factor: float) -> None:
     """A loaded projection's output times `factor`, in its weight (and bias, and its LoRA adapters' B): no kernel
     spends time on it."""
@@ -277,12 +303,12 @@ def scale_rows(proj: nn.Module, factor: float) -> None:
 
 
 def make_mlp(cfg: ModelConfig, layer: int, kernels: Kernels) -> nn.Module:
-    """The layer's MLP: routed experts where the config puts them, else the dense gated one."""
+    """The layer's MLP: routed experts where the config puts them, else the dense one."""
     if cfg.moe is not None and layer in cfg.moe.layers:
         from worker_svc.model.moe import SparseMoE
 
         return SparseMoE(cfg, kernels)
-    return GatedMLP(cfg, kernels)
+    return GatedMLP(cfg, kernels) if cfg.gated_mlp else MLP(cfg, kernels, cfg.hidden_act, cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -385,7 +411,7 @@ class CausalLM(nn.Module):
                 scale_rows(layer.self_attn.o_proj, cfg.residual_scale)
                 layer.mlp.scale_output(cfg.residual_scale)
         if cfg.logit_scale != 1.0:
-            assert cfg.norm_offset == 0.0, "a (1 + w) norm's weight does not scale its output"
+            assert cfg.norm_offset == 0.0 and not cfg.norm_bias, "the final norm's weight alone scales its output"
             self.norm.weight.mul_(cfg.logit_scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -26,6 +26,7 @@ from worker_svc.model.qwen3 import Qwen3ForCausalLM
 from worker_svc.model.qwen3_moe import Qwen3MoeForCausalLM
 from worker_svc.model.qwen_vl import (Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
                                      Qwen3VLMoeForConditionalGeneration)
+from worker_svc.model.starcoder2 import Starcoder2ForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -66,6 +67,7 @@ ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "AyaVisionForConditionalGeneration": AyaVisionForConditionalGeneration,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
