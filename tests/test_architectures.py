@@ -89,6 +89,10 @@ CONFIGS = {
     "starcoder2": transformers.Starcoder2Config(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, sliding_window=12,
         **{**COMMON, "tie_word_embeddings": True}),
+    # Nemotron: LayerNorm1P norms ((1 + w), biases), a plain relu-squared MLP, rope over half of each head
+    "nemotron": transformers.NemotronConfig(
+        hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **COMMON),
     # Granite 3: the embeddings, attention scores, residual branches and logits scaled by its multipliers
     "granite": transformers.GraniteConfig(
         hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, embedding_multiplier=3.0,

@@ -43,7 +43,8 @@ FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny", "qwen3-moe-tiny", "gemma
             "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny", "dots1-tiny",
             "ernie4_5-tiny", "ernie4_5-moe-tiny", "seed-oss-tiny", "solar-open-tiny", "gpt-oss-tiny",
             "deepseek-v2-tiny", "deepseek-v3-tiny", "olmo2-tiny", "olmo3-tiny", "olmoe-tiny",
-            "minimax-m2-tiny", "glm4-moe-lite-tiny", "cohere2-tiny", "cohere-tiny", "starcoder2-tiny"]
+            "minimax-m2-tiny", "glm4-moe-lite-tiny", "cohere2-tiny", "cohere-tiny", "starcoder2-tiny",
+            "nemotron-tiny"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -145,7 +146,8 @@ CONFIG_CLASSES = {"BertModel": transformers.BertConfig, "XLMRobertaModel": trans
                   "OlmoeForCausalLM": transformers.OlmoeConfig, "MiniMaxM2ForCausalLM": transformers.MiniMaxM2Config,
                   "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig,
                   "CohereForCausalLM": transformers.CohereConfig, "Cohere2ForCausalLM": transformers.Cohere2Config,
-                  "Starcoder2ForCausalLM": transformers.Starcoder2Config}
+                  "Starcoder2ForCausalLM": transformers.Starcoder2Config,
+                  "NemotronForCausalLM": transformers.NemotronConfig}
 
 
 def test_presets_load_as_their_architectures_configs(tmp_path):

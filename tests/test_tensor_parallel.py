@@ -438,7 +438,7 @@ def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, t
                                     "phi4-mini-tiny", "granite-moe-tiny", "glm4-tiny", "glm4-moe-tiny",
                                     "dots1-tiny", "ernie4_5-moe-tiny", "gpt-oss-tiny",
                                     "deepseek-v3-tiny", "olmo2-tiny", "cohere2-tiny", "cohere-tiny",
-                                    "starcoder2-tiny"])
+                                    "starcoder2-tiny", "nemotron-tiny"])
 def test_tp2_newcomers_equal_transformers(preset, tmp_path):
     """Under TP = 2: Llama with attention and MLP biases (column biases cut per rank, the row-parallel bias added
     once after the all-reduce), no q/k norms, scaled rope, 6 heads over 2 KV heads; Qwen3-MoE with each rank

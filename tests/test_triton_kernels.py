@@ -627,7 +627,8 @@ def test_query_blocks_cover_every_token_once():
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "llama-tiny", "mistral-tiny", "gemma3-tiny", "phi3-tiny",
                                     "gemma2-tiny", "phi4-mini-tiny", "smollm3-tiny", "glm4-tiny", "gpt-oss-tiny",
-                                    "deepseek-v2-tiny", "cohere2-tiny", "cohere-tiny", "starcoder2-tiny"])
+                                    "deepseek-v2-tiny", "cohere2-tiny", "cohere-tiny", "starcoder2-tiny",
+                                    "nemotron-tiny"])
 def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path):
     """The triton backend inside a ModelRunner (the interpreter on the CPU): chunked prefills, decodes
     beside them, blocks out of order; greedy tokens equal the torch backend's. For Qwen3 (q/k norms), Llama

@@ -123,6 +123,12 @@ def _starcoder2(hidden, layers, heads, kv_heads, intermediate, max_pos=16384, dt
                   sliding_window=window, residual_dropout=0.0, embedding_dropout=0.0)
 
 
+def _nemotron(hidden, layers, heads, kv_heads, head_dim, intermediate, max_pos=4096, dtype="bfloat16"):
+    return _other("NemotronForCausalLM", "nemotron", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
+                  10000.0, dtype, hidden_act="relu2", head_dim=head_dim, norm_eps=1e-05, partial_rotary_factor=0.5,
+                  attention_bias=False, mlp_bias=False)
+
+
 def _mistral(hidden, layers, heads, kv_heads, intermediate, window, max_pos=32768, dtype="bfloat16"):
     return _other("MistralForCausalLM", "mistral", hidden, layers, heads, kv_heads, intermediate, False, max_pos,
                   10000.0, dtype, sliding_window=window, head_dim=hidden // heads)
@@ -469,6 +475,8 @@ PRESETS: dict[str, dict] = {
     "glm4-tiny": _glm4(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     "qwen2-tiny": _qwen2(96, 2, 6, 2, 160, tied=True, max_pos=512, dtype="float32"),
     "mistral-tiny": _mistral(96, 2, 6, 3, 160, window=24, max_pos=512, dtype="float32"),
+    # rope over half of each head, (1 + w) LayerNorms with biases, a relu-squared MLP
+    "nemotron-tiny": _nemotron(96, 2, 6, 2, 16, 160, max_pos=512, dtype="float32"),
     # a 24-token window, biases everywhere, a plain MLP
     "starcoder2-tiny": _starcoder2(96, 2, 6, 2, 160, max_pos=512, dtype="float32", window=24),
     # Command R+'s q/k norms (a weight per head)

@@ -80,9 +80,9 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     if kind == "gpt_oss":
         return _gpt_oss_shapes(config)
-    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3")
+    mlp_bias = bool(config.get("mlp_bias")) and kind in ("llama", "smollm3", "nemotron")
     attention_bias = bool(config.get("attention_bias")) and kind in ("llama", "smollm3", "qwen3", "qwen3_moe", "dots1",
-                                                                     "cohere", "cohere2")
+                                                                     "cohere", "cohere2", "nemotron")
     qkv_bias = (attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
                 or (kind in ("glm", "glm4") and config.get("attention_bias", True))
                 or (kind in ("glm4_moe", "solar_open", "seed_oss") and bool(config.get("attention_bias"))))
@@ -169,6 +169,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
             continue
         mlp = ((("gate_up_proj", (2 * inter, h)),) if kind in ("glm", "glm4")  # GLM: gate and up as one tensor
                else (("c_fc", (inter, h)),) if kind == "starcoder2"  # not gated
+               else (("up_proj", (inter, h)),) if kind == "nemotron"
                else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
         for name, shape in (*mlp, ("c_proj" if kind == "starcoder2" else "down_proj", (h, inter))):
             shapes.append((p + f"mlp.{name}.weight", shape))
@@ -180,7 +181,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind in ("cohere", "cohere2"):  # parallel blocks: one norm
             shapes.append((p + "input_layernorm.weight", (h,)))
             continue
-        if kind == "starcoder2":  # LayerNorms with biases
+        if kind in ("starcoder2", "nemotron"):  # LayerNorms with biases
             shapes += [(p + f"{norm}.{part}", (h,)) for norm in ("input_layernorm", "post_attention_layernorm")
                        for part in ("weight", "bias")]
             continue
@@ -193,7 +194,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind == "glm4":  # norms on the attention's and the MLP's outputs
             shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
-    if kind == "starcoder2":
+    if kind in ("starcoder2", "nemotron"):
         shapes.append(("model.norm.bias", (h,)))
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (config["vocab_size"], h)))
@@ -394,7 +395,7 @@ def make_model(
 
     weight_map = {}
     for file, names in zip(files, shards):
-        offset = 1.0 if config["model_type"] in GEMMA else 0.0
+        offset = 1.0 if config["model_type"] in (*GEMMA, "nemotron") else 0.0
         tensors = {}
         for name in names:
             if _mxfp4(config, name):

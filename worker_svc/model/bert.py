@@ -17,8 +17,8 @@ from torch import nn
 
 from worker_svc.kernels import Kernels
 from worker_svc.kernels.attention import AttentionMetadata
-from worker_svc.model.config import EncoderConfig, ModelConfig
-from worker_svc.model.layers import MLP, PLAIN_ACTIVATIONS, Attention, RotaryEmbedding
+from worker_svc.model.config import PLAIN_ACTIVATIONS, EncoderConfig, ModelConfig
+from worker_svc.model.layers import MLP, Attention, RotaryEmbedding
 from worker_svc.model.parallel import VocabParallelEmbedding
 
 

@@ -18,6 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # and tensor (half the bytes: about twice the blocks in the same memory, outputs no longer bit-identical)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP: SwiGLU, GeGLU
+PLAIN_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "relu2")  # of a plain one (layers.MLP)
 
 
 @dataclass(slots=True, frozen=True)
@@ -190,8 +191,9 @@ class ModelConfig:
         act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(ACTIVATIONS)})")
+        allowed = ACTIVATIONS if features.get("gated_mlp", True) else PLAIN_ACTIVATIONS
+        if act not in allowed:
+            raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(allowed)})")
         return cls(
             fp8_weight_block=fp8_weight_block(raw.get("quantization_config")),
             architecture=raw["architectures"][0],

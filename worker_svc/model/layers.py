@@ -34,13 +34,15 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """weight * (x - mean(x)) / std(x) (+ bias: StarCoder 2's; Cohere's have none) in float32; called as RMSNorm
-    is."""
+    """weight * (x - mean(x)) / std(x) (+ bias: StarCoder 2's, Nemotron's; Cohere's have none) in float32; called as
+    RMSNorm is. With an offset (Nemotron's LayerNorm1P: (1 + w)), the checkpoint's w is loaded as offset + w."""
 
-    def __init__(self, size: int, eps: float, bias: bool = False):
+    def __init__(self, size: int, eps: float, bias: bool = False, offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        if offset:
+            self.weight.weight_loader = lambda param, w: param.data.copy_(w.float() + offset)
         self.bias = nn.Parameter(torch.zeros(size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -57,7 +59,7 @@ class LayerNorm(nn.Module):
 def make_norm(cfg: ModelConfig, kernels: Kernels) -> RMSNorm | LayerNorm:
     """A norm over the hidden state, of the config's kind."""
     if cfg.layer_norm:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias, cfg.norm_offset)
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
 
 
@@ -269,20 +271,21 @@ class GatedMLP(nn.Module):
         scale_rows(self.down_proj, factor)
 
 
-# a plain (not gated) MLP's activations: BERT's, StarCoder 2's
-PLAIN_ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
-                     "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
-                     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+# config.PLAIN_ACTIVATIONS: BERT's, StarCoder 2's, Nemotron's (relu2: relu(x) squared)
+_PLAIN_ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
+                      "relu2": lambda x: nn.functional.relu(x).square(),
+                      "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+                      "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """down(act(up(x))), not gated (BERT's, StarCoder 2's)."""
+    """down(act(up(x))), not gated (BERT's, StarCoder 2's, Nemotron's)."""
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels, act: str, bias: bool):
         super().__init__()
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, kernels, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, kernels, bias=bias)
-        self.act = PLAIN_ACTIVATIONS[act]
+        self.act = _PLAIN_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
@@ -429,3 +432,7 @@ class CausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap, out=logits).mul_(cap)
         return logits
+
+
+# a plain MLP's models: q, k and v packed as every model's, while their MLP's up projection is not gate_up's half
+PLAIN_MLP_PACKED = {k: v for k, v in CausalLM.packed_modules.items() if k not in ("gate_proj", "up_proj")}

@@ -19,6 +19,7 @@ from worker_svc.model.llama import (GraniteForCausalLM, LlamaForCausalLM, Minist
                                     SeedOssForCausalLM, SmolLM3ForCausalLM)
 from worker_svc.model.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_svc.model.mixtral import GraniteMoeForCausalLM, MixtralForCausalLM
+from worker_svc.model.nemotron import NemotronForCausalLM
 from worker_svc.model.olmo import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from worker_svc.model.qwen2 import Qwen2ForCausalLM
 from worker_svc.model.qwen2_moe import Qwen2MoeForCausalLM
@@ -68,6 +69,7 @@ ARCHITECTURES: dict[str, type[CausalLM | BertModel]] = {
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "AyaVisionForConditionalGeneration": AyaVisionForConditionalGeneration,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.layers import CausalLM
+from worker_svc.model.layers import PLAIN_MLP_PACKED, CausalLM
 
 
 class Starcoder2ForCausalLM(CausalLM):
     renamed_fragments = {".mlp.c_fc.": ".mlp.up_proj.", ".mlp.c_proj.": ".mlp.down_proj."}
-    # q, k and v packed as every model's; its MLP's up projection is not gate_up's second half
-    packed_modules = {k: v for k, v in CausalLM.packed_modules.items() if k not in ("gate_proj", "up_proj")}
+    packed_modules = PLAIN_MLP_PACKED
 
     @classmethod
     def config(cls, raw: dict) -> ModelConfig:
