@@ -16,17 +16,23 @@ from worker_svc.model.parallel import (ColumnParallelLinear, MergedColumnParalle
                                        tp_size)
 
 
+def _norm_weight(size: int, offset: float, order: list[int] | None = None) -> nn.Parameter:
+    """A norm's weight. With an offset ((1 + w) norms: Gemma's, Nemotron's), the checkpoint's w is loaded as
+    offset + w; with an order, a head's dims as the rope stores them (rotary_order)."""
+    weight = nn.Parameter(torch.ones(size), requires_grad=False)
+    if offset or order is not None:
+        weight.weight_loader = lambda param, w: param.data.copy_((w if order is None else w[order]).float() + offset)
+    return weight
+
+
 class RMSNorm(nn.Module):
-    """weight * x / rms(x). With an offset (Gemma's (1 + w) norms), the checkpoint's w is loaded as offset + w."""
+    """weight * x / rms(x), its weight as _norm_weight loads it."""
 
     def __init__(self, size: int, eps: float, kernels: Kernels, offset: float = 0.0,
                  order: list[int] | None = None):
         super().__init__()
         self.eps, self.kernels = eps, kernels
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        if offset or order is not None:  # order: a head's dims as the rope stores them (rotary_order)
-            self.weight.weight_loader = lambda param, w: param.data.copy_(
-                (w if order is None else w[order]).float() + offset)
+        self.weight = _norm_weight(size, offset, order)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
@@ -35,14 +41,12 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """weight * (x - mean(x)) / std(x) (+ bias: StarCoder 2's, Nemotron's; Cohere's have none) in float32; called as
-    RMSNorm is. With an offset (Nemotron's LayerNorm1P: (1 + w)), the checkpoint's w is loaded as offset + w."""
+    RMSNorm is; its weight as _norm_weight loads it (Nemotron's LayerNorm1P: (1 + w))."""
 
     def __init__(self, size: int, eps: float, bias: bool = False, offset: float = 0.0):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        if offset:
-            self.weight.weight_loader = lambda param, w: param.data.copy_(w.float() + offset)
+        self.weight = _norm_weight(size, offset)
         self.bias = nn.Parameter(torch.zeros(size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -208,10 +212,9 @@ class Attention(nn.Module):
         self.norms_apart = cfg.qk_norm_over_heads or cfg.qk_layer_norm
         if cfg.qk_layer_norm:
             proj = self.qkv_proj
-            first_kv = proj.tp_rank * proj.total_kv_heads // proj.tp_size // proj.num_kv_heads * proj.num_kv_heads
             self.q_norm = HeadLayerNorm(self.num_heads, proj.tp_rank * self.num_heads, cfg.head_dim,
                                         cfg.rms_norm_eps, order)
-            self.k_norm = HeadLayerNorm(self.num_kv_heads, first_kv, cfg.head_dim, cfg.rms_norm_eps, order)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, proj.first_kv_head, cfg.head_dim, cfg.rms_norm_eps, order)
         if cfg.qk_norm_over_heads:
             if cfg.num_key_value_heads < tp_size():
                 raise ValueError(f"q/k norms over all heads need the {cfg.num_key_value_heads} KV heads split, not "
@@ -333,14 +336,12 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg, layer, rotary, kernels)
         self.mlp = make_mlp(cfg, layer, kernels)
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.input_layernorm, self.post_attention_layernorm = norm(), None if cfg.parallel_block else norm()
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         if cfg.post_norms:
             self.input_layernorm, self.post_feedforward_layernorm = None, norm()
-        if cfg.parallel_block:
-            self.post_attention_layernorm = None
 
     def forward(self, positions, x, residual, meta):
         if self.post_norms:  # OLMo 2: the layer's input whole (no residual apart), each output normed before its add

@@ -131,6 +131,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, out, kernels, bias)
         _split_on_load(self)
 
+    @property
+    def first_kv_head(self) -> int:
+        """The first of the checkpoint's KV heads this rank keeps: rank r serves query heads [r*h, (r+1)*h), which use
+        KV head r * kv_total // tp_size."""
+        kv_index = self.tp_rank * self.total_kv_heads // self.tp_size
+        return kv_index // self.num_kv_heads * self.num_kv_heads
+
     def split_fused(self, loaded: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A checkpoint tensor of q, k and v at once (Phi-3's qkv_proj), as (shard id, part)."""
         q, kv = self.num_heads * self.tp_size * self.head_dim, self.total_kv_heads * self.head_dim
@@ -142,10 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, shard = 0, q_size, _shard(loaded, 0, self.tp_rank, self.tp_size)
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            # rank r serves query heads [r*h, (r+1)*h); they use KV head r * kv_total // tp_size
-            kv_index = self.tp_rank * self.total_kv_heads // self.tp_size
-            start = (kv_index // self.num_kv_heads) * kv_size
-            size, shard = kv_size, loaded.narrow(0, start, kv_size)
+            size, shard = kv_size, loaded.narrow(0, self.first_kv_head * self.head_dim, kv_size)
         if self.head_order is not None and shard_id != "v":
             shard = shard.unflatten(0, (-1, self.head_dim))[:, self.head_order].flatten(0, 1)
         param.data.narrow(0, offset, size).copy_(shard)
