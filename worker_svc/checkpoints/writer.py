@@ -64,6 +64,7 @@ GEMMA = ("gemma2", "gemma3_text")  # model types with (1 + w) norms (stored as w
 DEEPSEEK_MOE = ("glm4_moe", "dots1", "solar_open", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 MLA = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # model types with DeepSeek's latent attention
 OLMO = ("olmo2", "olmo3", "olmoe", "minimax_m2")  # model types whose q/k norms span all heads
+NORM_BIASES = ("starcoder2", "nemotron")  # model types whose LayerNorms have biases
 ENCODERS = ("bert", "xlm-roberta")  # encoder-only: embeddings, their tokenizer closing each text, CLS pooling
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # experts on every layer as `block_sparse_moe.experts.N.w1` (w3, w2)
 
@@ -181,7 +182,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind in ("cohere", "cohere2"):  # parallel blocks: one norm
             shapes.append((p + "input_layernorm.weight", (h,)))
             continue
-        if kind in ("starcoder2", "nemotron"):  # LayerNorms with biases
+        if kind in NORM_BIASES:
             shapes += [(p + f"{norm}.{part}", (h,)) for norm in ("input_layernorm", "post_attention_layernorm")
                        for part in ("weight", "bias")]
             continue
@@ -194,7 +195,7 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
         if kind == "glm4":  # norms on the attention's and the MLP's outputs
             shapes += [(p + "post_self_attn_layernorm.weight", (h,)), (p + "post_mlp_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
-    if kind in ("starcoder2", "nemotron"):
+    if kind in NORM_BIASES:
         shapes.append(("model.norm.bias", (h,)))
     if not config["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (config["vocab_size"], h)))
