@@ -508,8 +508,10 @@ class Supervisor:
         by_weights: dict[tuple[str, str], list[_Group]] = {}
         for g in groups:
             by_weights.setdefault((g.info["weights_path"], g.info["weight_version"]), []).append(g)
-        for (before, version), gs in by_weights.items():
-            for g, error in zip(gs, await self._ask_groups(gs, "weights", before, False, version, if_gone=None)):
+        answers = await asyncio.gather(*(self._ask_groups(gs, "weights", before, False, version, if_gone=None)
+                                         for (before, version), gs in by_weights.items()))
+        for ((before, _), gs), errors in zip(by_weights.items(), answers):
+            for g, error in zip(gs, errors):
                 if error:
                     log.error("worker %s could not read its weights before back from %s: %s", g.address, before,
                               error, extra={"worker": g.address})
@@ -517,8 +519,8 @@ class Supervisor:
     def _sync_weights(self, group: _Group) -> None:
         """Has a group that serves other weights than the tree's read those (answered by weights_done with no one
         waiting): for a group whose engine connected it from the weights as they were before an update."""
-        if self.weights and (group.info["weights_path"], group.info["weight_version"]) != (self.weights,
-                                                                                        self.weight_version):
+        served = group.info["weights_path"], group.info["weight_version"]
+        if self.weights and served != (self.weights, self.weight_version):
             self._to_engine(group.engine, ["weights", group.group_id, 0, self.weights, False, self.weight_version])
 
     async def _ask_groups(self, groups: list[_Group], op: str, *args: Any, if_gone: Any) -> list:
