@@ -1,6 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
-                 weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,pdl-chain,
-                 fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
+                 weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,fp8-gemm,
+                 pdl-chain,fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -33,6 +33,7 @@ MODULES = {
     "latent-attention": "bench.latent_attention",
     "kernel-sass": "bench.kernel_sass",
     "skinny-gemm": "bench.skinny_gemm",
+    "fp8-gemm": "bench.fp8_gemm",
     "pdl-chain": "bench.pdl_chain",
     "fused-layer": "bench.fused_layer",
     "moe-kernel": "bench.moe_kernel",

@@ -34,6 +34,8 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the worker's --kv-cache-dtype (not with --simulate)")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+                    help="the worker's --quantization (not with --simulate)")
     ap.add_argument("--kv-offload-gib", type=float, default=0.0,
                     help="the worker's host KV tier, GiB (--kv-offload-gib)")
     ap.add_argument("--pipeline-depth", type=int, default=SchedulerConfig().pipeline_depth,
@@ -80,7 +82,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     flags += ["--kv-offload-gib", str(args.kv_offload_gib)]
     if args.simulate:
         return [*flags, *shlex.split(args.step_cost)]
-    return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype]
+    return [*flags, "--attention", args.attention, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--quantization", args.quantization]
 
 
 def scheduler_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> list[str]:
@@ -204,7 +207,8 @@ def in_process_llm(args: argparse.Namespace, model: Path, **engine: object):
                                  StepCost(), int(args.kv_offload_gib * (1 << 30)))
         return LLM(model, executor=InProcessExecutor(runner), **options)
     return LLM(model, device=args.device, block_size=args.block_size, attention=args.attention,
-               kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)), **options)
+               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+               kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)), **options)
 
 
 def replay_ms(graph, replays: int) -> float:

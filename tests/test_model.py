@@ -231,14 +231,17 @@ def test_a_closed_runner_holds_neither_its_model_nor_its_kv_cache(tiny_model_dir
     assert model() is None and cache() is None
 
 
-def test_worker_cli_offers_every_attention_backend_and_kv_cache_dtype():
-    """The CLI lists them without importing torch; the lists are kernels/attention.py's and model/config.py's."""
+def test_worker_cli_offers_every_attention_backend_kv_cache_dtype_and_quantization():
+    """The CLI lists them without importing torch; the lists are kernels/attention.py's, model/config.py's and
+    runtime/model_runner.py's."""
     from worker_svc import cli
     from worker_svc.kernels import attention
     from worker_svc.model.config import KV_CACHE_DTYPES
+    from worker_svc.runtime.model_runner import QUANTIZATIONS
 
     assert cli.ATTENTION_NAMES == attention.NAMES
     assert cli.KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
+    assert cli.QUANTIZATION_NAMES == QUANTIZATIONS
 
 
 def test_worker_cli_takes_vllms_spellings():

@@ -20,6 +20,7 @@ from worker_svc.checkpoints.presets import PRESETS
 # worker_svc.kernels.attention.NAMES, without importing torch for the parser
 ATTENTION_NAMES = ("auto", "triton", "flash_attn", "torch")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8")  # worker_svc.model.config.KV_CACHE_DTYPES
+QUANTIZATION_NAMES = ("auto", "fp8", "none")  # worker_svc.runtime.model_runner.QUANTIZATIONS
 
 
 def resolve_model(model: str) -> Path:
@@ -96,7 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
         limits=args.limits, attention=args.attention, cuda_graphs=not args.no_cuda_graphs,
         kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=int(args.kv_offload_gib * (1 << 30)),
         lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras, enable_lora=args.enable_lora,
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides)
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides,
+        quantization=args.quantization)
     if args.tensor_parallel_size > 1:
         # This process is rank 0 (the leader); it spawns and drives ranks 1..N-1.
         from worker_svc.runtime.tensor_parallel import TensorParallelRunner
@@ -297,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: K and V in the model's dtype; fp8: e4m3 with a scale per layer and tensor (the "
                         "checkpoint's k_scale / v_scale, else 1): about twice the KV blocks, outputs not "
                         "bit-identical to the model's dtype")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_NAMES,
+                   help="the projections' GEMMs. auto: an FP8 checkpoint's (128 x 128 blocks: Qwen3's -FP8, "
+                        "DeepSeek-V3's) in FP8 where the GPU has cuBLAS's block-scaled GEMM (sm_90, CUDA >= 12.9), "
+                        "each input quantised per token and 128 columns; dequantised to 16 bits elsewhere; fp8: any "
+                        "checkpoint's projections quantised to such blocks at load (half their memory; outputs not "
+                        "bit-identical); none: 16-bit GEMMs. Embeddings, the LM head and MoE experts stay 16-bit")
     p.add_argument("--kernel-cache-dir", default=os.environ.get(KERNEL_CACHE_ENV) or None, metavar="PATH",
                    help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "
                         f"worker loads them instead of compiling (default: ${KERNEL_CACHE_ENV}; without it Triton's "

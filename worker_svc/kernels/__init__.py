@@ -23,7 +23,7 @@ class Kernels:
     # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads,
     #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]  # (x, weight, bias=None)
+    linear: Callable[..., torch.Tensor]  # (x, weight, bias=None, scale=None): scale, an FP8 weight's blocks'
     # (router logits, top_k, renormalize) -> each token's top-k (weights, expert ids) (model/moe.py)
     router_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (x, w13, w2, topk_weights, topk_ids, first_expert, *, b13=None, b2=None, act=None) -> the routed experts'

@@ -132,7 +132,33 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+FP8_GROUP = 128  # an FP8 weight's blocks are FP8_GROUP x FP8_GROUP, its input's groups 1 x FP8_GROUP (fp8_gemm.py)
+E4M3_MAX = 448.0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [..., K], float32 scales [..., K / 128]): each 1 x 128 group over its largest magnitude,
+    as fp8_gemm's kernel quantises a linear's input."""
+    groups = x.float().unflatten(-1, (-1, FP8_GROUP))
+    scale = (groups.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    return (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """fp8_gemm.linear in float32 torch ops: x quantised as its kernel does, both sides dequantised."""
+    q, x_scale = quantize_rows(x)
+    n, k = weight.shape
+    xs = (q.float().unflatten(-1, (-1, FP8_GROUP)) * x_scale[..., None]).flatten(-2)
+    w_scale = scale[:, :k // FP8_GROUP].repeat_interleave(FP8_GROUP, 0).repeat_interleave(FP8_GROUP, 1)
+    return F.linear(xs, weight.float() * w_scale, None if bias is None else bias.float()).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; with `scale`, `weight` is FP8 in blocks with those scales (model/quantized.py)."""
+    if scale is not None:
+        return fp8_linear(x, weight, scale, bias)
     return F.linear(x, weight, bias)
 
 

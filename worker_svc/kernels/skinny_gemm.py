@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_svc.kernels import fp8_gemm
+
 
 @triton.jit
 def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -60,8 +62,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.T
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with this kernel where supported() (no bias)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with this kernel where supported() (no bias); with `scale`, `weight` is FP8 in blocks with those
+    scales (fp8_gemm.py)."""
+    if scale is not None:
+        return fp8_gemm.linear(x, weight, scale, bias)
     if bias is None and supported(x, weight):
         return skinny_linear(x, weight)
     return torch.nn.functional.linear(x, weight, bias)

@@ -53,6 +53,7 @@ def _divide(n: int, d: int) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; each rank produces a slice of y."""
     lora = None  # its LoRA adapters (model/lora.py), where some adapt it
+    weight_scale = None  # its FP8 weight's block scales, where model/quantized.py made it FP8
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
         super().__init__()
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight, self.bias)
+        y = self.kernels.linear(x, self.weight, self.bias, self.weight_scale)
         return y if self.lora is None else self.lora.apply(x, y)
 
 
@@ -159,6 +160,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks, or left to the caller
     (`reduce=False`: a sum of several such outputs takes one all-reduce)."""
     lora = None
+    weight_scale = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False,
                  reduce: bool = True):
@@ -177,7 +179,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight)
+        y = self.kernels.linear(x, self.weight, None, self.weight_scale)
         if self.lora is not None:  # before the all-reduce: each rank's delta is a partial sum too
             y = self.lora.apply(x, y)
         if self.tp_size > 1 and self.reduce:
@@ -191,6 +193,7 @@ class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every rank (a projection too small to shard: MLA's latent ones). `row_order`:
     the checkpoint's rows as stored here."""
     lora = None
+    weight_scale = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, row_order: list[int] | None = None):
         super().__init__()
@@ -200,7 +203,7 @@ class ReplicatedLinear(nn.Module):
             self.weight.weight_loader = lambda param, w: param.data.copy_(w[row_order])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight)
+        y = self.kernels.linear(x, self.weight, None, self.weight_scale)
         return y if self.lora is None else self.lora.apply(x, y)
 
 

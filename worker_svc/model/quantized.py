@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from common.util import cdiv
+from worker_svc.kernels.reference import FP8_GROUP
 
 if TYPE_CHECKING:
     from worker_svc.model.loader import CheckpointTensor
@@ -33,6 +35,20 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         values = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
         out[i] = torch.ldexp(values, scales[i].to(torch.int32)[..., None] - 127).flatten(-2)
     return out
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] as an FP8 block-scaled checkpoint stores it (DeepSeek-V3's): float8_e4m3fn values and their
+    weight_scale_inv, float32 [cdiv(rows, block[0]), cdiv(cols, block[1])], each block's largest magnitude at e4m3's
+    largest (448); on w's device."""
+    rows, cols = w.shape
+    grid = (cdiv(rows, block[0]), cdiv(cols, block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], device=w.device)
+    padded[:rows, :cols] = w.float()
+    tiles = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -66,3 +82,33 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
     if weights or scales:
         raise KeyError(f"FP8 weights without their scales or scales without weights: "
                        f"{sorted({*weights, *scales})[:3]}")
+
+
+def fp8_gemms(device: torch.device) -> bool:
+    """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): cuBLAS's block-scaled GEMM needs
+    Hopper (sm_90) and CUDA >= 12.9."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 9)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module) -> int:
+    """Every projection of whole 128 x 128 blocks made FP8 in place, as an FP8 checkpoint stores it: its weight in
+    e4m3 and its `weight_scale`, each block's largest magnitude at e4m3's 448, padded as cuBLAS reads them (the
+    kernels' linear then quantises the input and multiplies in FP8). An FP8 checkpoint's codes come back as they were
+    stored, its scales within bfloat16's rounding of the dequantised weights (2^-9: they load as 16-bit weights first).
+    The embeddings, the LM head, routers, experts and MLA's absorbed kv_b_proj stay as they are. Returns how many."""
+    from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        if (not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
+                or getattr(module, "absorbed", False) or module.weight.shape[0] % FP8_GROUP
+                or module.weight.shape[1] % FP8_GROUP):
+            continue
+        q, scale = quantize_fp8_blocks(module.weight.data, (FP8_GROUP, FP8_GROUP))
+        module.weight = nn.Parameter(q, requires_grad=False)
+        module.weight_scale = nn.functional.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
+        count += 1
+    return count

@@ -28,11 +28,13 @@ from protos import WORKER_PROTOCOL_VERSION
 from protos import worker_pb2 as pb
 from worker_svc import kernels
 from worker_svc.kernels.attention import AttentionMetadata, prefill_metadata
+from worker_svc.kernels.reference import FP8_GROUP
 from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
 from worker_svc.model.lora import LoraSlots, adapter_rank, step_adapters
 from worker_svc.model.parallel import ReplicatedLinear, all_over_ranks, min_over_ranks, tp_size
+from worker_svc.model.quantized import fp8_gemms, quantize_linears
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
                                       pooled_span)
@@ -65,7 +67,12 @@ class RunnerConfig:
     max_cpu_loras: int = 0              # LoRA adapters held in host memory; 0: max_loras or lora_modules, the more
     max_lora_rank: int = 0              # the largest rank a slot takes; 0: 16, or the lora_modules' largest
     hf_overrides: dict = field(default_factory=dict)  # over config.json's top-level keys (vLLM's --hf-overrides)
+    quantization: str = "auto"          # the projections' GEMMs: one of QUANTIZATIONS
 
+
+# --quantization: `auto` multiplies an FP8 checkpoint's projections in FP8 where the GPU can (kernels/fp8_gemm.py), in
+# 16 bits elsewhere; `fp8` quantises any checkpoint's projections to FP8 blocks at load; `none` keeps them in 16 bits
+QUANTIZATIONS = ("auto", "fp8", "none")
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
 
@@ -237,6 +244,7 @@ class ModelRunner:
                               cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
                               capacity)
         self._fold(kv_scales)
+        self.fp8_linears = self._quantize()
         for name, folder in static:
             self.lora.register(name, folder)
         placed = [name for name, _ in static[:max_loras]]
@@ -311,6 +319,22 @@ class ModelRunner:
             for name, value in kv_scales.items():
                 setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
 
+    def _quantize(self) -> int:
+        """The projections made FP8 as `quantization` says (model/quantized.py); returns how many."""
+        cfg, fp8 = self.config, fp8_gemms(self.device)
+        if cfg.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {cfg.quantization!r} ({', '.join(QUANTIZATIONS)})")
+        if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8:
+            raise ValueError("quantization fp8 needs cuBLAS's block-scaled FP8 GEMM: an sm_90 GPU and CUDA >= 12.9")
+        if cfg.quantization == "none" or cfg.quantization == "auto" and not (
+                fp8 and self.model_config.fp8_weight_block == (FP8_GROUP, FP8_GROUP)):
+            return 0
+        count = quantize_linears(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights' memory, for the KV cache
+        log.info("%d projections in FP8 blocks of %d x %d", count, FP8_GROUP, FP8_GROUP)
+        return count
+
     def reload_weights(self, folder: str) -> str:
         """StepPlan.load_weights: the weights read again from another checkpoint of the served model, in place (the
         CUDA graphs keep reading the same memory), where no sequence is held. Returns why not ("": done); the
@@ -319,6 +343,9 @@ class ModelRunner:
             raise PlanError("weights are read again only where no sequence is held")
         error, touched = "", False
         try:
+            if self.fp8_linears:
+                raise ValueError("this worker's projections are FP8 (--quantization): weights are read again only "
+                                 "into 16-bit ones (--quantization none)")
             served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:

@@ -1,0 +1,140 @@
+"""FP8 projections (`--quantization`, model/quantized.py, kernels/fp8_gemm.py and its reference) on a CPU, qwen3-small
+in float32 over the torch kernels (every projection of 128 x 128 blocks):
+
+- the reference linear quantises its input per token and 128 columns, each group's largest magnitude at e4m3's 448,
+  and multiplies what the codes and scales say;
+- a runner with FP8 projections computes what the 16-bit model computes with each projection's weight and input
+  rounded through those blocks and groups (the quantisation is the only change), and differs from the 16-bit model;
+- an FP8 checkpoint's projections keep its codes and scales; `auto` on a CPU serves it dequantised as before;
+- weights are not read again into FP8 projections: the update is refused with why.
+The GPU's kernel against this reference: tests/gpu/test_gpu_fp8_linear.py.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.limits import Limits
+from tests.paged_driver import prefill_logits
+from worker_svc.checkpoints.writer import make_model
+from worker_svc.kernels import reference
+from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from worker_svc.model.quantized import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_linears
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+FP8 = torch.float8_e4m3fn
+PROJECTIONS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return make_model("qwen3-small", tmp_path_factory.mktemp("fp8_linear") / "model", seed=0)
+
+
+def _runner(model_dir, quantization: str) -> ModelRunner:
+    return ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                               limits=Limits(max_num_seqs=4), quantization=quantization))
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(0, 150000) for _ in range(n)] for n in (40, 90, 17)]
+
+
+def test_the_reference_quantises_each_group_of_its_input_and_multiplies_what_the_codes_say():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=gen) * torch.tensor([1.0, 50.0, 1e-3]).repeat_interleave(128)
+    q, scale = reference.quantize_rows(x)
+    assert q.dtype == FP8 and scale.shape == (5, 3)
+    torch.testing.assert_close(scale, x.unflatten(-1, (3, 128)).abs().amax(-1) / 448)
+    back = (q.float().unflatten(-1, (3, 128)) * scale[..., None]).flatten(-2)
+    assert ((back - x).abs() <= x.abs() / 16 + scale.repeat_interleave(128, -1) * 2 ** -9).all()  # e4m3's step
+
+    w = torch.randn(256, 384, generator=gen) * 0.02
+    codes, w_scale = quantize_fp8_blocks(w, (128, 128))
+    bias = torch.randn(256, generator=gen)
+    y = reference.linear(x, codes, bias, w_scale)
+    expected = back @ dequantize_fp8_blocks(codes, w_scale, (128, 128)).t() + bias
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    exact = x @ w.t() + bias
+    assert 1e-3 < ((y - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_quantize_linears_makes_whole_block_projections_fp8_and_leaves_the_rest():
+    layers = torch.nn.ModuleList([ReplicatedLinear(256, 128, None), ReplicatedLinear(256, 100, None),
+                                  ColumnParallelLinear(128, 384, None), RowParallelLinear(384, 128, None)])
+    layers[2].absorbed = True  # MLA's kv_b_proj: read as a tensor, never run as a linear
+    for layer in layers:
+        layer.weight.data.normal_(0, 0.02)
+    assert quantize_linears(layers) == 2
+    assert [layer.weight.dtype for layer in layers] == [FP8, torch.float32, torch.float32, FP8]
+    assert layers[0].weight_scale.shape == (1, 4) and layers[3].weight_scale.shape == (1, 4)  # 2 or 3 K blocks, to 4
+    assert layers[0].weight_scale[0, 2:].eq(0).all() and layers[1].weight_scale is None
+
+
+def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_inputs(small_model):
+    prompts = _prompts()
+    fp8 = _runner(small_model, "fp8")
+    assert fp8.fp8_linears == 4 * 4  # qkv, o, gate_up and down of each of its 4 layers
+    emulated, plain = _runner(small_model, "none"), _runner(small_model, "none")
+    assert emulated.fp8_linears == 0
+    for module in emulated.model.modules():
+        if isinstance(module, PROJECTIONS):
+            codes, scale = quantize_fp8_blocks(module.weight.data, (128, 128))
+            module.weight.data = dequantize_fp8_blocks(codes, scale, (128, 128))
+            module.register_forward_pre_hook(lambda _, args: (
+                (lambda q, s: (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2))(
+                    *reference.quantize_rows(args[0])),))
+    ours = torch.cat(prefill_logits(fp8, prompts))
+    torch.testing.assert_close(ours, torch.cat(prefill_logits(emulated, prompts)), rtol=1e-4, atol=1e-4)
+    assert (ours - torch.cat(prefill_logits(plain, prompts))).abs().max() > 1e-2
+
+
+def _fp8_checkpoint(folder, out):
+    """The model's checkpoint as Qwen3's -FP8 ones are published: every projection in e4m3 with its 128 x 128 blocks'
+    weight_scale_inv."""
+    shutil.copytree(folder, out)
+    tensors = {}
+    for name, t in load_file(out / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(t, (128, 128))
+        else:
+            tensors[name] = t
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_an_fp8_checkpoints_projections_keep_its_codes_and_scales(small_model, tmp_path):
+    stored = _fp8_checkpoint(small_model, tmp_path / "fp8")
+    assert _runner(tmp_path / "fp8", "auto").fp8_linears == 0  # no FP8 GEMM on a CPU: dequantised, as before
+    runner = _runner(tmp_path / "fp8", "fp8")
+    attention, mlp = runner.model.layers[1].self_attn, runner.model.layers[1].mlp
+    # (k and v, 64 rows each, share one block of qkv's rows here: each came with a scale of its own, so their codes
+    # change; at head_dim 128 every head is a block of its own)
+    parts = {"q_proj": (attention.qkv_proj, 0), "o_proj": (attention.o_proj, 0), "gate_proj": (mlp.gate_up_proj, 0),
+             "up_proj": (mlp.gate_up_proj, 256), "down_proj": (mlp.down_proj, 0)}
+    for name, (module, row) in parts.items():
+        prefix = f"model.layers.1.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}.weight"
+        codes, scale = stored[prefix], stored[f"{prefix}_scale_inv"]
+        assert torch.equal(module.weight[row:row + codes.shape[0]].view(torch.uint8), codes.view(torch.uint8)), name
+        mine = module.weight_scale[row // 128:(row + codes.shape[0]) // 128, :scale.shape[1]]
+        torch.testing.assert_close(mine, scale, rtol=2 ** -8, atol=0)
+
+
+def test_weights_are_not_read_again_into_fp8_projections(small_model):
+    runner = _runner(small_model, "fp8")
+    before = runner.model.layers[0].mlp.down_proj.weight.clone()
+    why = runner.reload_weights(str(small_model))
+    assert "FP8" in why and "--quantization none" in why
+    assert torch.equal(runner.model.layers[0].mlp.down_proj.weight.view(torch.uint8), before.view(torch.uint8))
