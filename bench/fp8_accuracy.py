@@ -1,5 +1,6 @@
-"""What an fp8 KV cache does to the model's outputs: per-token KL divergence of the next-token distribution with
-an fp8 (e4m3) cache against the model's-dtype cache, and how often their greedy (argmax) tokens agree.
+"""What an fp8 KV cache, and FP8 projections (`--quantization fp8`), do to the model's outputs: per-token KL
+divergence of the next-token distribution with an fp8 (e4m3) cache, or with FP8 projections, against the model's
+dtype throughout, and how often their greedy (argmax) tokens agree.
 
 Greedy completions are generated with the model's-dtype cache (`--num-seqs` prompts of `--prompt-len` tokens,
 `--output-len` tokens each); then each whole sequence is run once through a ModelRunner with each cache and
@@ -38,9 +39,11 @@ def log_probs(runner: ModelRunner, seq: list[int], start: int) -> torch.Tensor:
     return runner.model.compute_logits(hidden[start - 1:n - 1]).float().log_softmax(-1)
 
 
-def make_runner(model_dir: Path, longest: int, device: str, dtype: str, cache: str, attention: str) -> ModelRunner:
+def make_runner(model_dir: Path, longest: int, device: str, dtype: str, cache: str, attention: str,
+                quantization: str = "none") -> ModelRunner:
     return ModelRunner(model_dir, RunnerConfig(
         device=device, dtype=dtype, kv_cache_dtype=cache, cuda_graphs=False, attention=attention,
+        quantization=quantization,
         num_blocks=cdiv(longest, 256) + 1, block_size=256,
         limits=Limits(max_num_seqs=1, max_num_batched_tokens=longest, max_model_len=longest)))
 
@@ -51,14 +54,15 @@ def divergence(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def compare(model_dir: Path, sequences: list[list[int]], prompt_len: int, device: str, dtype: str) -> list[dict]:
-    """fp8 against the model's-dtype cache, both read by one attention kernel (Triton on a GPU: flash-attn-4
-    reads no fp8; the torch reference on a CPU). On a GPU also a control: the model's-dtype cache read by the
+    """An fp8 cache, and FP8 projections, against the model's dtype throughout, all read by one attention kernel
+    (Triton on a GPU: flash-attn-4 reads no fp8; the torch reference on a CPU). On a GPU also a control: the model's-dtype cache read by the
     torch reference instead of Triton, two kernels equally right up to rounding, which shows how far this model
     carries a rounding-sized change in K and V (random weights carry it much further than trained ones)."""
     longest = max(map(len, sequences))
     kernel = "triton" if device == "cuda" else "torch"
     runners = {"base": make_runner(model_dir, longest, device, dtype, "auto", kernel),
-               "fp8": make_runner(model_dir, longest, device, dtype, "fp8", kernel)}
+               "fp8": make_runner(model_dir, longest, device, dtype, "fp8", kernel),
+               "fp8 projections": make_runner(model_dir, longest, device, dtype, "auto", kernel, "fp8")}
     if device == "cuda":
         runners["control"] = make_runner(model_dir, longest, device, dtype, "auto", "torch")
     kls = {name: [] for name in runners if name != "base"}
@@ -77,7 +81,9 @@ def compare(model_dir: Path, sequences: list[list[int]], prompt_len: int, device
     for name, per_seq in kls.items():
         seq_means = sorted(kl.mean().item() for kl in per_seq)
         every = torch.cat(per_seq)
-        rows.append({"against": "fp8 cache" if name == "fp8" else f"{dtype} cache, torch attention (control)",
+        against = {"fp8": "fp8 cache", "fp8 projections": f"fp8 projections, {dtype} cache"}.get(
+            name, f"{dtype} cache, torch attention (control)")
+        rows.append({"against": against,
                      "tokens": count, "mean_kl": round(every.mean().item(), 6),
                      "p50_kl": round(every.median().item(), 6), "max_kl": round(every.max().item(), 4),
                      "median_seq_kl": round(seq_means[len(seq_means) // 2], 6),
@@ -86,13 +92,14 @@ def compare(model_dir: Path, sequences: list[list[int]], prompt_len: int, device
 
 
 def capacity(model_dir: Path, dtype: str, seq_len: int = 4096) -> dict:
-    """How many sequences of `seq_len` tokens fit in the KV cache at once (default memory use), per cache dtype."""
+    """How many sequences of `seq_len` tokens fit in the KV cache at once (default memory use), per cache dtype, and
+    with FP8 projections (their weights' half of the memory goes to the cache)."""
     fits = {}
-    for cache in ("auto", "fp8"):
+    for cache, quantization, name in (("auto", "none", dtype), ("fp8", "none", "fp8"),
+                                      ("auto", "fp8", f"{dtype}_fp8_projections")):
         runner = ModelRunner(model_dir, RunnerConfig(device="cuda", dtype=dtype, kv_cache_dtype=cache,
-                                                     limits=Limits(max_model_len=seq_len)))
-        fits[f"{seq_len}_token_seqs_{'fp8' if cache == 'fp8' else dtype}"] = (
-            runner.num_blocks // cdiv(seq_len, runner.block_size))
+                                                     quantization=quantization, limits=Limits(max_model_len=seq_len)))
+        fits[f"{seq_len}_token_seqs_{name}"] = runner.num_blocks // cdiv(seq_len, runner.block_size)
         runner.close()
     return fits
 

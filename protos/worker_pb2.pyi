@@ -203,7 +203,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slots", "encoder", "label_pooling", "lora_paths", "dropped_loras", "dropped_lora_paths", "weights_path")
+    __slots__ = ("protocol_version", "model", "dtype", "num_blocks", "block_size", "max_model_len", "tensor_parallel_size", "epoch", "vocab_size", "worker_id", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "num_host_blocks", "sliding_window", "hidden_size", "embedding_only", "lora_adapters", "labels", "label_activation", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slots", "encoder", "label_pooling", "lora_paths", "dropped_loras", "dropped_lora_paths", "weights_path", "projection_dtype")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class DescribeResponse(_message.Message):
     DROPPED_LORAS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_DTYPE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     dtype: str
@@ -266,4 +267,5 @@ class DescribeResponse(_message.Message):
     dropped_loras: _containers.RepeatedScalarFieldContainer[str]
     dropped_lora_paths: _containers.RepeatedScalarFieldContainer[str]
     weights_path: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slots: _Optional[_Iterable[str]] = ..., encoder: _Optional[bool] = ..., label_pooling: _Optional[str] = ..., lora_paths: _Optional[_Iterable[str]] = ..., dropped_loras: _Optional[_Iterable[str]] = ..., dropped_lora_paths: _Optional[_Iterable[str]] = ..., weights_path: _Optional[str] = ...) -> None: ...
+    projection_dtype: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., epoch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., label_activation: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slots: _Optional[_Iterable[str]] = ..., encoder: _Optional[bool] = ..., label_pooling: _Optional[str] = ..., lora_paths: _Optional[_Iterable[str]] = ..., dropped_loras: _Optional[_Iterable[str]] = ..., dropped_lora_paths: _Optional[_Iterable[str]] = ..., weights_path: _Optional[str] = ..., projection_dtype: _Optional[str] = ...) -> None: ...

@@ -380,6 +380,7 @@ def _group_info(group: EngineGroup) -> dict:
     return {"model": info.model, "dtype": info.dtype, "num_blocks": info.num_blocks, "block_size": info.block_size,
             "max_model_len": group.scheduler.max_model_len, "vocab_size": info.vocab_size, "epoch": info.epoch,
             "device": info.device, "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
+            "projection_dtype": info.projection_dtype or info.dtype,
             "num_host_blocks": info.num_host_blocks, "sliding_window": info.sliding_window,
             "hidden_size": info.hidden_size, "embedding_only": info.embedding_only,
             "lora_adapters": list(group.scheduler.adapters.served), "labels": list(info.labels),

@@ -746,6 +746,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                       free_blocks=g.free_blocks, cached_blocks=g.cached_blocks,
                                       num_running=g.running, num_waiting=g.waiting, num_requests=g.num_requests,
                                       num_preemptions=g.preemptions, kv_cache_dtype=g.info.kv_cache_dtype,
+                                      projection_dtype=g.info.projection_dtype,
                                       num_host_blocks=g.info.num_host_blocks,
                                       sliding_window=g.info.sliding_window, hidden_size=g.info.hidden_size,
                                       embedding_only=g.info.embedding_only, lora_adapters=g.info.lora_adapters,

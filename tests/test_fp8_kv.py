@@ -167,6 +167,7 @@ def test_a_worker_with_an_fp8_cache_serves_the_in_process_engines_tokens(tiny_mo
                       log_dir=tmp_path) as cluster, Client(cluster.address, timeout=120) as client:
         (status,) = client.model_info()["workers"]
         assert status["kv_cache_dtype"] == "float8_e4m3fn" and status["num_blocks"] == 128
+        assert status["projection_dtype"] == "float32"  # FP8 projections are --quantization's (test_fp8_linear.py)
         got = [client.complete(token_ids=p, max_tokens=16, temperature=0.0, ignore_eos=True)[0].token_ids
                for p in prompts]
     assert got == want

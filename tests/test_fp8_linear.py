@@ -85,6 +85,7 @@ def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_input
     assert fp8.fp8_linears == 4 * 4  # qkv, o, gate_up and down of each of its 4 layers
     emulated, plain = _runner(small_model, "none"), _runner(small_model, "none")
     assert emulated.fp8_linears == 0
+    assert (fp8.describe().projection_dtype, plain.describe().projection_dtype) == ("float8_e4m3fn", "float32")
     for module in emulated.model.modules():
         if isinstance(module, PROJECTIONS):
             codes, scale = quantize_fp8_blocks(module.weight.data, (128, 128))

@@ -520,6 +520,7 @@ class ModelRunner:
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
+            projection_dtype="float8_e4m3fn" if self.fp8_linears else str(self.dtype).removeprefix("torch."),
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
             embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
             lora_paths=list(self.lora.folders.values()), dropped_loras=list(self.lora.dropped),
