@@ -3,7 +3,7 @@ of every step shape within its limits (prefills from 1 token to the batch budget
 decode batches from 1 to max_num_seqs, mixed steps, sampling and greedy, and rows that need the general sampler:
 a grammar, logprobs, penalties, a bias, filters, bad words) builds nothing
 (`splitserve:worker_kernel_builds_total{phase="serving"}` stays 0). One worker per attention choice and KV
-cache dtype. Run: pytest tests/gpu (skipped without a CUDA GPU)."""
+cache dtype, and with FP8 projections. Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -45,8 +45,8 @@ def _traffic(address: str) -> None:
                                                     **(extra if k % 4 == 0 else {})), range(16)))
 
 
-@pytest.mark.parametrize("worker_flags", [[], ["--attention", "triton"], ["--kv-cache-dtype", "fp8"]],
-                         ids=["auto", "triton", "fp8"])
+@pytest.mark.parametrize("worker_flags", [[], ["--attention", "triton"], ["--kv-cache-dtype", "fp8"],
+                                          ["--quantization", "fp8"]], ids=["auto", "triton", "fp8", "fp8_projections"])
 def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, worker_flags):
     from worker_svc.checkpoints.writer import make_model
 
