@@ -43,13 +43,15 @@ class DecodeBatch:
     """`batch` sequences prefilled to `context` tokens on a fresh runner, then decoded together."""
 
     def __init__(self, model_dir: Path, batch: int, context: int, block_size: int, graphs: bool, steps: int,
-                 kv_cache_dtype: str = "auto", device: str = "cuda", loras: dict[str, Path] | None = None):
+                 kv_cache_dtype: str = "auto", device: str = "cuda", loras: dict[str, Path] | None = None,
+                 quantization: str = "auto"):
         """loras: LoRA adapters served (name -> folder); the sequences run under them in turn."""
         per_seq = cdiv(context + 4 * steps + 32, block_size)  # room for step_ms's, host_ms's and profile's steps
         names = list(loras or {})
         self.runner = ModelRunner(model_dir, RunnerConfig(
             device=device, block_size=block_size, num_blocks=batch * per_seq, cuda_graphs=graphs,
             kv_cache_dtype=kv_cache_dtype, lora_modules={n: str(f) for n, f in (loras or {}).items()},
+            quantization=quantization,
             limits=Limits(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=per_seq * block_size)))
         self.ids, self.step = list(range(batch)), 0
         rng = random.Random(0)
@@ -188,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the same steps eagerly (a smoke test; no --profile)")
     ap.add_argument("--num-layers", type=int, help="the preset's first N layers only (a large model's step per layer)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--quantization", default="auto", help="the projections' GEMMs, comma-separated to time several "
+                    "(auto, fp8, none: the worker's --quantization)")
     ap.add_argument("--batches", default="256", help="decode batch sizes, comma-separated")
     ap.add_argument("--context", type=int, default=800)
     ap.add_argument("--steps", type=int, default=50)
@@ -219,13 +223,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                                          args.device))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            for size, loras, graphs in itertools.product(
-                    [int(b) for b in args.batches.split(",")], counts, (True,) if args.graphs_only else (True, False)):
+            for size, loras, quantization, graphs in itertools.product(
+                    [int(b) for b in args.batches.split(",")], counts, args.quantization.split(","),
+                    (True,) if args.graphs_only else (True, False)):
                 batch = DecodeBatch(model_dir, size, args.context, bs, graphs, args.steps, args.kv_cache_dtype,
-                                    args.device, dict(list(adapters.items())[:loras]))
+                                    args.device, dict(list(adapters.items())[:loras]), quantization)
                 ms = batch.step_ms(args.steps)
                 rows.append({"block_size": bs, "cuda_graphs": graphs, "batch": size, "context": args.context,
-                             "loras": loras, "step_ms": round(ms, 3), "tokens_per_s": round(size / ms * 1e3)})
+                             "loras": loras, "quantization": quantization, "step_ms": round(ms, 3),
+                             "tokens_per_s": round(size / ms * 1e3)})
                 print(json.dumps(rows[-1]), flush=True)
                 if args.profile and graphs:
                     batch.profile(args.steps)

@@ -656,7 +656,7 @@ def test_fp8_block_scaled_checkpoints_load_as_transformers_dequantises_them(name
     from safetensors.torch import load_file, save_file
 
     from tests.hf_reference import from_pretrained
-    from worker_svc.model.quantized import quantize_fp8_blocks
+    from worker_svc.checkpoints.writer import quantize_fp8_blocks
 
     _, folder, hf = _write(name, tmp_path_factory)
     fp8 = tmp_path_factory.mktemp(f"{name}_fp8")

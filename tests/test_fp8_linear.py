@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from common.limits import Limits
 from tests.paged_driver import prefill_logits
-from worker_svc.checkpoints.writer import make_model
+from worker_svc.checkpoints.writer import make_model, quantize_fp8_blocks
 from worker_svc.kernels import reference
 from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from worker_svc.model.quantized import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_linears
+from worker_svc.model.quantized import dequantize_fp8_blocks, quantize_linears
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)

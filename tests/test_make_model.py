@@ -323,7 +323,8 @@ def test_fp8_blocks_round_trip_with_partial_blocks():
     """The writer's FP8 block quantiser and the loader's dequantiser over a matrix whose last blocks are partial:
     each block's scale is its largest magnitude over e4m3's 448, and every value comes back within e4m3's step
     (2^-3 of its binade) times that scale; the blocks are where the scales say."""
-    from worker_svc.model.quantized import dequantize_fp8_blocks, quantize_fp8_blocks
+    from worker_svc.checkpoints.writer import quantize_fp8_blocks
+    from worker_svc.model.quantized import dequantize_fp8_blocks
 
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
     w[:128, :128] *= 100  # one block far larger than the others

@@ -8,8 +8,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from worker_svc.checkpoints.writer import quantize_fp8_blocks  # noqa: E402
 from worker_svc.kernels import reference  # noqa: E402
-from worker_svc.model.quantized import fp8_gemms, quantize_fp8_blocks  # noqa: E402
+from worker_svc.model.quantized import fp8_gemms  # noqa: E402
 
 _NEEDS_FP8 = pytest.mark.skipif(not torch.cuda.is_available() or not fp8_gemms(torch.device("cuda")),
                                 reason="no block-scaled FP8 GEMM here (sm_90, CUDA >= 12.9)")
@@ -29,8 +30,8 @@ def test_the_quantiser_and_the_gemm_match_the_reference(rows, n, k):
     torch.testing.assert_close(scale[:rows], scale_ref, rtol=1e-6, atol=0)
     assert (q[:rows].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.999  # a division's last bit
 
-    codes, w_scale = quantize_fp8_blocks((torch.randn(n, k, generator=gen) * 0.02).cuda(), (128, 128))
-    w_scale = torch.nn.functional.pad(w_scale, (0, -w_scale.shape[1] % 4)).contiguous()
+    codes, w_scale = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.02, (128, 128))
+    codes, w_scale = codes.cuda(), torch.nn.functional.pad(w_scale, (0, -w_scale.shape[1] % 4)).cuda()
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
     y = fp8_gemm.linear(x, codes, w_scale, bias)
     expected = reference.fp8_linear(x.float(), codes, w_scale, bias).float()
@@ -40,8 +41,8 @@ def test_the_quantiser_and_the_gemm_match_the_reference(rows, n, k):
 
 @_NEEDS_FP8
 def test_a_runner_with_fp8_projections_decodes_under_graphs_as_eager(tmp_path):
-    from tests.paged_driver import PagedDriver
     from common.limits import Limits
+    from tests.paged_driver import PagedDriver
     from worker_svc.checkpoints.writer import make_model
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 

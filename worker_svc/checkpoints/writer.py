@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.util import cdiv
 from worker_svc.checkpoints.presets import DEFAULT_PRESET, GENERATION_CONFIG, get_preset
 from worker_svc.checkpoints.tokenizer_files import TOKENIZER_SIZE, add_encoder_special_tokens, write_qwen_tokenizer
-from worker_svc.model.quantized import quantize_fp8_blocks
 
 LOGIT_SCALE = 8.0
 QK_NORM_SCALE = 2.0
@@ -274,6 +274,20 @@ def _mxfp4(config: dict, name: str) -> bool:
     """Whether make_model writes the tensor in MXFP4 (gpt-oss's experts, as its config says)."""
     quantized = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     return quantized and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] as an FP8 block-scaled checkpoint stores it (DeepSeek-V3's): float8_e4m3fn values and their
+    weight_scale_inv, float32 [cdiv(rows, block[0]), cdiv(cols, block[1])], each block's largest magnitude at e4m3's
+    largest (448)."""
+    rows, cols = w.shape
+    grid = (cdiv(rows, block[0]), cdiv(cols, block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = w.float()
+    tiles = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def _fp8(config: dict, name: str) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from common.util import cdiv
-from worker_svc.kernels.reference import FP8_GROUP
+from worker_svc.kernels.reference import E4M3_MAX, FP8_GROUP
 
 if TYPE_CHECKING:
     from worker_svc.model.loader import CheckpointTensor
@@ -35,20 +35,6 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         values = torch.stack([lut[codes & 15], lut[codes >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
         out[i] = torch.ldexp(values, scales[i].to(torch.int32)[..., None] - 127).flatten(-2)
     return out
-
-
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] as an FP8 block-scaled checkpoint stores it (DeepSeek-V3's): float8_e4m3fn values and their
-    weight_scale_inv, float32 [cdiv(rows, block[0]), cdiv(cols, block[1])], each block's largest magnitude at e4m3's
-    largest (448); on w's device."""
-    rows, cols = w.shape
-    grid = (cdiv(rows, block[0]), cdiv(cols, block[1]))
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], device=w.device)
-    padded[:rows, :cols] = w.float()
-    tiles = padded.view(grid[0], block[0], grid[1], block[1])
-    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
-    q = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -107,7 +93,10 @@ def quantize_linears(model: nn.Module) -> int:
                 or getattr(module, "absorbed", False) or module.weight.shape[0] % FP8_GROUP
                 or module.weight.shape[1] % FP8_GROUP):
             continue
-        q, scale = quantize_fp8_blocks(module.weight.data, (FP8_GROUP, FP8_GROUP))
+        n, k = module.weight.shape
+        tiles = module.weight.data.float().view(n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP)
+        scale = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp_min(1e-12)
+        q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
         module.weight = nn.Parameter(q, requires_grad=False)
         module.weight_scale = nn.functional.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
         count += 1
