@@ -416,6 +416,23 @@ def test_skinny_gemm_takes_a_row_slice_of_a_wider_buffer():
     torch.testing.assert_close(skinny_linear(x, w, BLOCK_N=16, BLOCK_K=128), x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_input_quantiser_matches_the_reference():
+    """FP8 projections' input (kernels/fp8_gemm.py): each 1 x 128 group's scale as the reference computes it, the
+    scales laid out as cuBLAS reads them, rows padded to 4 with zeros of scale 1. The interpreter's float32 -> e4m3
+    conversion rounds some values just under a power of two down a binade (124.3 -> 64 where the GPU gives 128), so
+    the codes are compared on the GPU (tests/gpu/test_gpu_fp8_linear.py)."""
+    from worker_svc.kernels import fp8_gemm, reference
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=gen) * torch.tensor([1.0, 50.0, 1e-3]).repeat_interleave(128)
+    q, scale = fp8_gemm.quantize_rows(x)
+    q_ref, scale_ref = reference.quantize_rows(x)
+    assert q.shape == (8, 384) and scale.shape == (8, 3) and scale.stride() == (1, 8)
+    torch.testing.assert_close(scale[:5], scale_ref, rtol=0, atol=0)
+    assert scale[5:].eq(1).all() and q[5:].float().eq(0).all()
+    assert (q[:5].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (16, 16, 32), (32, 32, 16)])
 @pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)

@@ -21,11 +21,12 @@ def _quantize_rows(X, Q, S, rows, groups, stride_x, stride_q, stride_s,
     row = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=(g < groups)[:, None] & (row < rows),
-                other=0.0).to(tl.float32)
+    present = cols < groups * GROUP
+    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=present & (cols * 0 + row < rows), other=0.0)
+    x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1) / E4M3_MAX, 1e-12)
     q = tl.clamp(x / scale[:, None], -E4M3_MAX, E4M3_MAX)
-    tl.store(Q + row.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=(g < groups)[:, None])
+    tl.store(Q + row.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=present)
     tl.store(S + g * stride_s + row, tl.where(row < rows, scale, 1.0), mask=g < groups)
 
 
@@ -55,4 +56,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     if bias is not None:
         y = y + bias
     return y.unflatten(0, rows)
+
 
