@@ -524,6 +524,27 @@ def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):
         cluster.stop()
 
 
+def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path):
+    """Each rank quantises its own shard of every projection (whole 128 x 128 blocks on both ranks here), and a
+    row-parallel projection's input per 128 of its own columns: the blocks and groups of TP 1's, so the same tokens."""
+    from offline.llm import LLM
+    from scheduler_svc.sampling import SamplingParams
+
+    model = make_model("qwen3-fp8-tp", tmp_path / "model", seed=5)
+    prompts = _prompts(seed=13)
+    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
+             quantization="fp8") as llm:
+        assert llm.engine.executor.runner.fp8_linears == 2 * 4
+        tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    cluster = _cluster(model, 2, tmp_path, "--quantization", "fp8")
+    try:
+        assert _describe(cluster.worker_ports[0]).projection_dtype == "float8_e4m3fn"
+        assert _generate_all(cluster.address, prompts) == tp1
+    finally:
+        cluster.stop()
+
+
 def test_sigterm_stops_every_rank(tp2_cluster):
     worker = _worker(tp2_cluster)
     ranks = _rank_pids(worker.popen.pid)

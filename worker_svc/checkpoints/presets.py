@@ -368,6 +368,8 @@ PRESETS: dict[str, dict] = {
     "qwen3-small": _qwen3(128, 4, 4, 2, 32, 256, tied=True, max_pos=1024, dtype="float32"),
     # Heads, KV heads and intermediate size divisible by 2 and 4 for tensor-parallel tests.
     "qwen3-tiny-tp": _qwen3(128, 2, 8, 4, 16, 256, tied=True, max_pos=512, dtype="float32"),
+    # Every projection's shard on each of 2 ranks whole 128 x 128 blocks (heads of 128), for FP8 projections under TP.
+    "qwen3-fp8-tp": _qwen3(256, 2, 4, 2, 128, 512, tied=True, max_pos=512, dtype="float32"),
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, tied=False),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
     "smollm3-3b": _smollm3(2048, 36, 16, 4, 11008),
