@@ -55,9 +55,10 @@ def divergence(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, to
 
 def compare(model_dir: Path, sequences: list[list[int]], prompt_len: int, device: str, dtype: str) -> list[dict]:
     """An fp8 cache, and FP8 projections, against the model's dtype throughout, all read by one attention kernel
-    (Triton on a GPU: flash-attn-4 reads no fp8; the torch reference on a CPU). On a GPU also a control: the model's-dtype cache read by the
-    torch reference instead of Triton, two kernels equally right up to rounding, which shows how far this model
-    carries a rounding-sized change in K and V (random weights carry it much further than trained ones)."""
+    (Triton on a GPU: flash-attn-4 reads no fp8; the torch reference on a CPU). On a GPU also a control: the
+    model's-dtype cache read by the torch reference instead of Triton, two kernels equally right up to rounding, which
+    shows how far this model carries a rounding-sized change in K and V (random weights carry it much further than
+    trained ones)."""
     longest = max(map(len, sequences))
     kernel = "triton" if device == "cuda" else "torch"
     runners = {"base": make_runner(model_dir, longest, device, dtype, "auto", kernel),
