@@ -56,5 +56,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     if bias is not None:
         y = y + bias
     return y.unflatten(0, rows)
-
-
