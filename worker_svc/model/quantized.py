@@ -8,6 +8,8 @@
   weight_block_size (the last blocks of a row or column may be partial); every other tensor as it is."""
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,8 @@ from torch import nn
 
 from common.util import cdiv
 from worker_svc.kernels.reference import E4M3_MAX, FP8_GROUP
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from worker_svc.model.loader import CheckpointTensor
@@ -70,12 +74,24 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
                        f"{sorted({*weights, *scales})[:3]}")
 
 
+@functools.cache
 def fp8_gemms(device: torch.device) -> bool:
     """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): cuBLAS's block-scaled GEMM needs
-    Hopper (sm_90) and CUDA >= 12.9."""
+    Hopper (sm_90) and CUDA >= 12.9, and one small product must run (a build that lacks it: 16-bit GEMMs, said)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (12, 9)
+    if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
+        return False
+    from worker_svc.kernels import fp8_gemm
+
+    try:
+        fp8_gemm.linear(torch.ones(1, FP8_GROUP, dtype=torch.bfloat16, device=device),
+                        torch.ones(FP8_GROUP, FP8_GROUP, device=device).to(torch.float8_e4m3fn),
+                        torch.ones(1, 4, device=device))
+    except Exception as e:  # whatever fails here, the GEMM is not there to serve
+        log.warning("no FP8 block-scaled GEMM here (%s): projections stay 16-bit", e)
+        return False
+    return True
 
 
 @torch.no_grad()
