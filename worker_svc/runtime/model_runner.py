@@ -321,14 +321,14 @@ class ModelRunner:
 
     def _quantize(self) -> int:
         """The projections made FP8 as `quantization` says (model/quantized.py); returns how many."""
-        cfg, fp8 = self.config, fp8_gemms(self.device)
+        cfg = self.config
         if cfg.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {cfg.quantization!r} ({', '.join(QUANTIZATIONS)})")
-        if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8:
+        if cfg.quantization == "none" or cfg.quantization == "auto" and (
+                self.model_config.fp8_weight_block != (FP8_GROUP, FP8_GROUP) or not fp8_gemms(self.device)):
+            return 0  # an FP8 checkpoint stays dequantised, as it loaded
+        if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8_gemms(self.device):
             raise ValueError("quantization fp8 needs cuBLAS's block-scaled FP8 GEMM: an sm_90 GPU and CUDA >= 12.9")
-        if cfg.quantization == "none" or cfg.quantization == "auto" and not (
-                fp8 and self.model_config.fp8_weight_block == (FP8_GROUP, FP8_GROUP)):
-            return 0
         count = quantize_linears(self.model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the 16-bit weights' memory, for the KV cache
