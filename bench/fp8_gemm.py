@@ -30,8 +30,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/fp8_gemm.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels import fp8_gemm, reference
-    from worker_svc.model.parallel import ReplicatedLinear
-    from worker_svc.model.quantized import quantize_linears
+    from worker_svc.model.quantized import quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
     rows_out = []
@@ -39,12 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         n, k = SHAPES[shape]
         copies = cdiv(400_000_000, n * k * 2)
         weights = [(torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(copies)]
-        fp8 = []
-        for w in weights:
-            layer = ReplicatedLinear(k, n, None).cuda()
-            layer.weight.data = w
-            quantize_linears(layer)
-            fp8.append((layer.weight.data, layer.weight_scale))
+        fp8 = [quantize_blocks(w) for w in weights]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
             exact = F.linear(x.float(), weights[0].float())

@@ -298,9 +298,10 @@ class MLP(nn.Module):
 
 
 def scale_rows(proj: nn.Module, factor: float) -> None:
-    """A loaded projection's output times `factor`, in its weight (and bias, and its LoRA adapters' B): no kernel
-    spends time on it."""
-    proj.weight.mul_(factor)
+    """A loaded projection's output times `factor`, folded into its weight (an FP8 weight's block scales), its bias
+    and its LoRA adapters' B: no kernel spends time on it."""
+    scale = getattr(proj, "weight_scale", None)
+    (proj.weight if scale is None else scale).mul_(factor)
     if getattr(proj, "bias", None) is not None:
         proj.bias.mul_(factor)
     if getattr(proj, "lora", None) is not None:

@@ -52,8 +52,9 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
 def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = False) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
     missing name (names_only: fails as a load would on names, copying nothing; tensors that a conversion below pairs
-    up are still read). FP8 block-scaled weights are dequantised (model/quantized.py), and a model's `converted` (if it
-    has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
+    up are still read). FP8 block-scaled weights are dequantised, an FP8 projection's shards staged until its last is
+    in (model/quantized.py), and a model's `converted` (if it has one) turns its checkpoint's own forms into the
+    layout its parameters load (gpt-oss's MXFP4 experts).
     Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an
     fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -96,19 +97,23 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
         tensor = get_tensor()
         if tensor.dtype == torch.float8_e4m3fn:  # dequantised with its scale before this, where it has one
             raise KeyError(f"FP8 weight {hf_name!r} in {file} without its weight_scale_inv")
-        tensor = tensor.to(param.dtype)
+        staged = getattr(param, "staged", None)  # an FP8 projection's: its shards go to a buffer first
+        target = param if staged is None else staged.target()
+        tensor = tensor.to(target.dtype)
         loader = getattr(param, "weight_loader", None)
         # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
         fused = shard_id is None and hasattr(param, "split_fused")
         for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
             with torch.no_grad():
                 if loader is None:
-                    param.data.copy_(part)
+                    target.data.copy_(part)
                 elif shard_id is None:
-                    loader(param, part)
+                    loader(target, part)
                 else:
-                    loader(param, part, shard_id)
+                    loader(target, part, shard_id)
             loaded.add(f"{name}:{shard_id}")
+        if staged is not None and all(f"{name}:{s}" in loaded for s in _shards_of(name, param, packed)):
+            staged.finish()
     expected = {f"{name}:{shard}" for name, param in params.items() for shard in _shards_of(name, param, packed)}
     if tied:
         expected = {e for e in expected if not e.startswith("lm_head.")}

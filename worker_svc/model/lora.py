@@ -108,8 +108,9 @@ class LoraSlots:
     no shape and no captured CUDA graph. Which adapter a slot holds is the PersistentBatch's to know (its rows name
     slots); this class only moves weights."""
 
-    def __init__(self, model: nn.Module, slots: int, max_rank: int, capacity: int = 0):
-        """capacity: adapters held in host memory (0: as many as slots)."""
+    def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype, capacity: int = 0):
+        """dtype: the adapters' (the model's activations'); capacity: adapters held in host memory (0: as many as
+        slots)."""
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.capacity = max(capacity, slots)
         self.modules: dict[str, nn.Module] = {}
@@ -126,8 +127,8 @@ class LoraSlots:
                 width = max_rank * (sum(target == leaf for target, _ in packed.values()) or 1)
                 weight = module.weight
                 module.lora = LoraWeights(
-                    torch.zeros(slots * width, weight.shape[1], dtype=weight.dtype, device=weight.device),
-                    torch.zeros(weight.shape[0], slots * width, dtype=weight.dtype, device=weight.device), width)
+                    torch.zeros(slots * width, weight.shape[1], dtype=dtype, device=weight.device),
+                    torch.zeros(weight.shape[0], slots * width, dtype=dtype, device=weight.device), width)
                 self.modules[path] = module
 
     @torch.no_grad()

@@ -1,16 +1,21 @@
-"""Checkpoints whose weights are stored quantized, dequantized at load: the experts then run as 16-bit weights.
+"""Quantized weights: checkpoints stored quantized, dequantized as they are read, and projections served in FP8.
 
 - MXFP4 (the OCP microscaling format gpt-oss publishes its experts in): each block of 32 values is 16 bytes of
   e2m1 codes, two a byte (the low nibble first), and one e8m0 scale, a power of two biased by 127; dequantised into
   bfloat16, where every such value is exact (model/gpt_oss.py pairs the tensors).
 - FP8 with block scales (`quant_method: fp8`, `weight_block_size`: DeepSeek-V3 / R1, Kimi-K2, Qwen3's -FP8
   checkpoints): a linear's `weight` in float8_e4m3fn and its `weight_scale_inv`, one float32 factor per block of
-  weight_block_size (the last blocks of a row or column may be partial); every other tensor as it is."""
+  weight_block_size (the last blocks of a row or column may be partial); every other tensor as it is.
+- FP8 projections (`--quantization`, runtime/model_runner.py chooses): each projection of whole 128 x 128 blocks
+  holds e4m3 codes and a float32 scale per block, quantised from whatever the checkpoint stores as its last shard
+  loads (StagedFp8), and the kernels' linear multiplies them in FP8.
+"""
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,26 +99,68 @@ def fp8_gemms(device: torch.device) -> bool:
     return True
 
 
-@torch.no_grad()
-def quantize_linears(model: nn.Module) -> int:
-    """Every projection of whole 128 x 128 blocks made FP8 in place, as an FP8 checkpoint stores it: its weight in
-    e4m3 and its `weight_scale`, each block's largest magnitude at e4m3's 448, padded as cuBLAS reads them (the
-    kernels' linear then quantises the input and multiplies in FP8). An FP8 checkpoint's codes come back as they were
-    stored, its scales within bfloat16's rounding of the dequantised weights (2^-9: they load as 16-bit weights first).
-    The embeddings, the LM head, routers, experts and MLA's absorbed kv_b_proj stay as they are. Returns how many."""
+def fp8_blocks(module: nn.Module) -> bool:
+    """Whether this module's weight is served in FP8 blocks where the projections are: a projection (not MLA's absorbed
+    kv_b_proj, read as a tensor) of whole 128 x 128 blocks. The embeddings, the LM head, routers and experts are not
+    projections of this kind and stay as they are."""
     from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
+    return (isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
+            and not getattr(module, "absorbed", False)
+            and module.weight.shape[0] % FP8_GROUP == 0 and module.weight.shape[1] % FP8_GROUP == 0)
+
+
+@torch.no_grad()
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] (whole 128 x 128 blocks) -> its e4m3 codes and float32 block scales [N / 128, K / 128 padded to 4] as
+    the kernels' linear takes them: each block's largest magnitude at e4m3's 448, the padding 0."""
+    n, k = w.shape
+    tiles = w.float().view(n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP)
+    scale = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp_min(1e-12)
+    codes = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
+    return codes, nn.functional.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
+
+
+@dataclass(slots=True)
+class StagedFp8:
+    """An FP8 projection's weight while it loads: load_weights copies each checkpoint shard of it into a float32
+    buffer and calls `finish` once every shard is in, which quantises the buffer into the weight and drops it. So an
+    FP8 model loads within its FP8 size plus the projections being loaded (an FP8 checkpoint's codes and scales come
+    back as stored, up to float32's rounding of the dequantised values)."""
+    module: nn.Module
+    buffer: torch.Tensor | None = None
+
+    def target(self) -> torch.Tensor:
+        """Where the module's weight loader writes a shard."""
+        if self.buffer is None:
+            weight = self.module.weight
+            self.buffer = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        return self.buffer
+
+    def finish(self) -> None:
+        codes, scale = quantize_blocks(self.target())
+        self.module.weight.data.copy_(codes)
+        self.module.weight_scale.copy_(scale)
+        self.buffer = None
+
+
+def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Storage for the weights of a model built under parallel.deferred_projections: FP8 codes and block scales for
+    every projection of whole blocks (`fp8_blocks`), each weight's load staged (StagedFp8); `dtype` for the rest.
+    Returns how many are FP8."""
     count = 0
     for module in model.modules():
-        if (not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
-                or getattr(module, "absorbed", False) or module.weight.shape[0] % FP8_GROUP
-                or module.weight.shape[1] % FP8_GROUP):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.is_meta:
             continue
-        n, k = module.weight.shape
-        tiles = module.weight.data.float().view(n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP)
-        scale = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp_min(1e-12)
-        q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
-        module.weight = nn.Parameter(q, requires_grad=False)
-        module.weight_scale = nn.functional.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
-        count += 1
+        fp8 = fp8_blocks(module)
+        allocated = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn if fp8 else dtype,
+                                             device=device), requires_grad=False)
+        allocated.__dict__.update(weight.__dict__)  # its weight_loader, split_fused
+        module.weight = allocated
+        if fp8:
+            n, k = weight.shape
+            module.weight_scale = torch.zeros(n // FP8_GROUP, cdiv(k // FP8_GROUP, 4) * 4, device=device)
+            allocated.staged = StagedFp8(module)
+            count += 1
     return count

@@ -6,6 +6,7 @@ scheduler and no host round trip.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -33,8 +34,9 @@ from worker_svc.kernels.uploads import upload
 from worker_svc.model.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
 from worker_svc.model.lora import LoraSlots, adapter_rank, step_adapters
-from worker_svc.model.parallel import ReplicatedLinear, all_over_ranks, min_over_ranks, tp_size
-from worker_svc.model.quantized import fp8_gemms, quantize_linears
+from worker_svc.model.parallel import (ReplicatedLinear, all_over_ranks, deferred_projections, min_over_ranks,
+                                       tp_size)
+from worker_svc.model.quantized import allocate_projections, fp8_gemms
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
                                       pooled_span)
@@ -218,12 +220,16 @@ class ModelRunner:
         # the LM head's rows of some tokens (vLLM's classifier_from_token)
         self.classifier = mc.classifier
         torch.set_default_dtype(self.dtype)
-        with torch.device(self.device):
+        fp8 = self._fp8_projections()
+        with torch.device(self.device), deferred_projections() if fp8 else contextlib.nullcontext():
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
             if self.classifier is not None and not self.classifier.from_tokens and mc.causal:  # loaded below (an
                 # encoder's head is its own)
                 self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
         torch.set_default_dtype(torch.float32)
+        self.fp8_linears = allocate_projections(self.model, self.device, self.dtype) if fp8 else 0
+        if fp8:
+            log.info("%d projections in FP8 blocks of %d x %d", self.fp8_linears, FP8_GROUP, FP8_GROUP)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
         self.embedding_only = self.classifier is not None or not mc.causal or not mc.tie_word_embeddings and not any(
@@ -242,9 +248,8 @@ class ModelRunner:
                              "adapters to load at start")
         self.lora = LoraSlots(self.model, max_loras,  # before the scales fold: adapters take them too
                               cfg.max_lora_rank or max([16, *(adapter_rank(name, folder) for name, folder in static)]),
-                              capacity)
+                              self.dtype, capacity)
         self._fold(kv_scales)
-        self.fp8_linears = self._quantize()
         for name, folder in static:
             self.lora.register(name, folder)
         placed = [name for name, _ in static[:max_loras]]
@@ -319,21 +324,18 @@ class ModelRunner:
             for name, value in kv_scales.items():
                 setattr(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], value)
 
-    def _quantize(self) -> int:
-        """The projections made FP8 as `quantization` says (model/quantized.py); returns how many."""
+    def _fp8_projections(self) -> bool:
+        """Whether the projections are served in FP8 blocks (`quantization`): `fp8` always, `auto` for an FP8
+        checkpoint in 128 x 128 blocks where the GPU multiplies them (model/quantized.py), else 16 bits."""
         cfg = self.config
         if cfg.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {cfg.quantization!r} ({', '.join(QUANTIZATIONS)})")
         if cfg.quantization == "none" or cfg.quantization == "auto" and (
                 self.model_config.fp8_weight_block != (FP8_GROUP, FP8_GROUP) or not fp8_gemms(self.device)):
-            return 0  # an FP8 checkpoint stays dequantised, as it loaded
+            return False  # an FP8 checkpoint is dequantised as it loads
         if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8_gemms(self.device):
             raise ValueError("quantization fp8 needs cuBLAS's block-scaled FP8 GEMM: an sm_90 GPU and CUDA >= 12.9")
-        count = quantize_linears(self.model)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the 16-bit weights' memory, for the KV cache
-        log.info("%d projections in FP8 blocks of %d x %d", count, FP8_GROUP, FP8_GROUP)
-        return count
+        return True
 
     def reload_weights(self, folder: str) -> str:
         """StepPlan.load_weights: the weights read again from another checkpoint of the served model, in place (the
@@ -343,9 +345,6 @@ class ModelRunner:
             raise PlanError("weights are read again only where no sequence is held")
         error, touched = "", False
         try:
-            if self.fp8_linears:
-                raise ValueError("this worker's projections are FP8 (--quantization): weights are read again only "
-                                 "into 16-bit ones (--quantization none)")
             served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:
