@@ -5,9 +5,10 @@ in float32 over the torch kernels (every projection of 128 x 128 blocks):
   and multiplies what the codes and scales say;
 - a runner with FP8 projections computes what the 16-bit model computes with each projection's weight and input
   rounded through those blocks and groups (the quantisation is the only change), and differs from the 16-bit model;
+- a MoE's experts likewise (weight-only: their inputs stay 16-bit);
 - projections are built unallocated and given FP8 storage where they are whole blocks, 16-bit elsewhere; loading
   stages each through a buffer of its own, dropped once its last part is in;
-- an FP8 checkpoint's projections keep its codes and scales (a 16-bit model too); `auto` on a CPU serves it
+- an FP8 checkpoint's projections and experts keep its codes and scales (a 16-bit model too); `auto` on a CPU serves it
   dequantised as before;
 - weights read again into FP8 projections (RL weight updates) serve what a fresh load of them does.
 The GPU's kernel against this reference: tests/gpu/test_gpu_fp8_linear.py.
@@ -26,6 +27,7 @@ from common.limits import Limits
 from tests.paged_driver import prefill_logits
 from worker_svc.checkpoints.writer import make_model, quantize_fp8_blocks
 from worker_svc.kernels import reference
+from worker_svc.model.moe import ExpertWeights
 from worker_svc.model.parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                        deferred_projections)
 from worker_svc.model.quantized import StagedFp8, allocate_projections, dequantize_fp8_blocks
@@ -40,6 +42,11 @@ PROJECTIONS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     return make_model("qwen3-small", tmp_path_factory.mktemp("fp8_linear") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return make_model("qwen3-moe-fp8", tmp_path_factory.mktemp("fp8_moe") / "model", seed=0)
 
 
 def _runner(model_dir, quantization: str, dtype: str = "float32") -> ModelRunner:
@@ -106,11 +113,15 @@ def test_an_fp8_model_loads_each_projection_through_its_own_buffer_and_keeps_non
     # the checkpoint stores q, k and v (and gate and up) apart, a layer's tensors in name order: a packed projection
     # waits for its last part while the one between (o_proj, or down_proj) loads, never more
     assert most[0] == 2
-def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_inputs(small_model):
+@pytest.mark.parametrize("which, count", [("small_model", 4 * 4), ("moe_model", 2 * 4)])
+def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_inputs(which, count, request):
+    """qkv, o, gate_up and down of each layer (the MoE's experts as two weights): the linears' inputs are quantised
+    too, the experts' are not (their tiles are dequantised in the kernel)."""
+    model = request.getfixturevalue(which)
     prompts = _prompts()
-    fp8 = _runner(small_model, "fp8")
-    assert fp8.fp8_linears == 4 * 4  # qkv, o, gate_up and down of each of its 4 layers
-    emulated, plain = _runner(small_model, "none"), _runner(small_model, "none")
+    fp8 = _runner(model, "fp8")
+    assert fp8.fp8_linears == count
+    emulated, plain = _runner(model, "none"), _runner(model, "none")
     assert emulated.fp8_linears == 0
     assert (fp8.describe().projection_dtype, plain.describe().projection_dtype) == ("float8_e4m3fn", "float32")
     for module in emulated.model.modules():
@@ -120,6 +131,9 @@ def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_input
             module.register_forward_pre_hook(lambda _, args: (
                 (lambda q, s: (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2))(
                     *reference.quantize_rows(args[0])),))
+        elif isinstance(module, ExpertWeights):
+            for w in module.weight.data:
+                w.copy_(dequantize_fp8_blocks(*quantize_fp8_blocks(w, (128, 128)), (128, 128)))
     ours = torch.cat(prefill_logits(fp8, prompts))
     torch.testing.assert_close(ours, torch.cat(prefill_logits(emulated, prompts)), rtol=1e-4, atol=1e-4)
     assert (ours - torch.cat(prefill_logits(plain, prompts))).abs().max() > 1e-2
@@ -158,6 +172,21 @@ def test_an_fp8_checkpoints_projections_keep_its_codes_and_scales(small_model, t
         assert torch.equal(module.weight[row:row + codes.shape[0]].view(torch.uint8), codes.view(torch.uint8)), name
         mine = module.weight_scale[row // 128:(row + codes.shape[0]) // 128, :scale.shape[1]]
         torch.testing.assert_close(mine, scale, rtol=2 ** -20, atol=0)
+
+
+def test_an_fp8_checkpoints_experts_keep_its_codes_and_scales(moe_model, tmp_path):
+    stored = _fp8_checkpoint(moe_model, tmp_path / "fp8")
+    experts = _runner(tmp_path / "fp8", "fp8", dtype="bfloat16").model.layers[1].mlp.experts
+    assert experts.gate_up_proj.weight.dtype == experts.down_proj.weight.dtype == FP8
+    for e in (0, 5):
+        for name, (weights, row) in {"gate_proj": (experts.gate_up_proj, 0), "up_proj": (experts.gate_up_proj, 128),
+                                     "down_proj": (experts.down_proj, 0)}.items():
+            prefix = f"model.layers.1.mlp.experts.{e}.{name}.weight"
+            codes, scale = stored[prefix], stored[f"{prefix}_scale_inv"]
+            rows = slice(row, row + codes.shape[0])
+            assert torch.equal(weights.weight[e, rows].view(torch.uint8), codes.view(torch.uint8)), name
+            mine = weights.weight_scale[e, rows.start // 128:rows.stop // 128, :scale.shape[1]]
+            torch.testing.assert_close(mine, scale, rtol=2 ** -20, atol=0)
 
 
 def test_weights_read_again_into_fp8_projections_serve_what_a_fresh_load_of_them_does(small_model, tmp_path):

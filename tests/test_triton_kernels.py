@@ -21,6 +21,7 @@ from worker_svc.kernels.decode_attention import merge_counters, paged_decode_att
 from worker_svc.kernels.elementwise import qk_norm_rope_store
 from worker_svc.kernels.gumbel import gumbel_argmax
 from worker_svc.kernels.latent_attention import tile_config as latent_tiles
+from worker_svc.kernels.moe import Tiles
 from worker_svc.kernels.prefill_attention import paged_prefill_attention, query_blocks
 from worker_svc.kernels.reference import TorchAttention, qk_norm_rope, store_kv, uniform_noise
 from worker_svc.kernels.skinny_gemm import skinny_linear
@@ -715,6 +716,27 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(tokens, t
                         act=functools.partial(elementwise.clamped_swiglu, limit=1.0))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ref, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first))
+
+
+@pytest.mark.parametrize("tiles", [Tiles(64, 64), Tiles(256, 128)], ids=["K tiles of half a block",
+                                                                               "N tiles of two blocks"])
+@pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (40, 4, 8, 4, 4)])
+def test_fused_moe_over_fp8_experts_matches_the_loop_over_their_dequantised_weights(tokens, top_k, experts, first,
+                                                                                   local, tiles):
+    """The experts' weights in e4m3 with a scale per 128 x 128 block (model/quantized.py): each tile converted
+    exactly, its product times its columns' scales, as the loop computes over the dequantised weights."""
+    from worker_svc.kernels import moe, reference
+    from worker_svc.model.quantized import quantize_blocks
+
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(tokens, top_k, experts, local, 256, 128, seed=tokens)
+    (q13, s13), (q2, s2) = (map(torch.stack, zip(*(quantize_blocks(w) for w in ws))) for ws in (w13, w2))
+    ref = reference.fused_moe(x, q13, q2, topk_weights, topk_ids, first, s13=s13, s2=s2)
+    dequantised = [torch.stack([reference.dequantize_blocks(q, s) for q, s in zip(*qs)]) for qs in ((q13, s13),
+                                                                                                    (q2, s2))]
+    torch.testing.assert_close(ref, reference.fused_moe(x, *dequantised, topk_weights, topk_ids, first))
+    out = moe.fused_moe(x, q13, q2, topk_weights, topk_ids, first, moe.MoeConfig(16, tiles, tiles), s13=s13, s2=s2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (ref - reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

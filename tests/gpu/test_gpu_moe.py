@@ -56,6 +56,20 @@ def test_every_moe_table_config_matches_the_loop(weights, tokens, config):
     torch.testing.assert_close(replayed.float(), _loop(x2, weights2, ids2, w13_f, w2_f), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("tokens,config", [c for c in _cases() if c.values[0] <= GRAPH_TOKENS])
+def test_every_moe_table_config_over_fp8_experts_matches_the_loop(weights, tokens, config):
+    """The experts in e4m3 with 128 x 128 block scales (model/quantized.py; K tiles capped at a block), against the
+    loop over the same codes dequantised."""
+    from worker_svc.model.quantized import quantize_blocks
+
+    w13, w2, _, _ = weights
+    (q13, s13), (q2, s2) = (map(torch.stack, zip(*(quantize_blocks(w) for w in ws))) for ws in (w13, w2))
+    x, topk_weights, ids = _batch(tokens, seed=tokens)
+    out = moe.fused_moe(x, q13, q2, topk_weights, ids, 0, config, s13=s13, s2=s2)
+    expected = reference.fused_moe(x.float(), q13, q2, topk_weights.float(), ids, 0, s13=s13, s2=s2)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
 def test_fused_moe_of_a_rank_holding_half_the_experts(weights):
     """Tensor parallelism: experts 64..127 here, the slots routed to 0..63 left out of the sum."""
     w13, w2, w13_f, w2_f = weights

@@ -419,6 +419,9 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
                                  dtype="float32"),
+    # Every projection and expert whole 128 x 128 blocks, on each of 2 ranks too: FP8 experts
+    "qwen3-moe-fp8": _qwen3_moe(256, 2, 4, 2, 128, 256, experts=8, top_k=2, expert_intermediate=128, max_pos=512,
+                                dtype="float32"),
     "qwen1.5-moe-a2.7b": _qwen2_moe(2048, 24, 16, 16, 5632, experts=60, top_k=4, expert_intermediate=1408,
                                     shared_intermediate=5632),
     "qwen2-moe-tiny": _qwen2_moe(64, 2, 4, 2, 128, experts=8, top_k=2, expert_intermediate=32,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from common.util import cdiv
 from worker_svc.kernels.precision import dot
+from worker_svc.kernels.reference import FP8_GROUP
 
 
 @dataclass(frozen=True)
@@ -297,10 +298,10 @@ def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
 
 # ---- the grouped GEMM ----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_slots"])
-def _moe_gemm(A, W, Bias, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
-              stride_am, stride_we, stride_wn, stride_be, stride_cm,
+def _moe_gemm(A, W, Bias, Scale, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
+              stride_am, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_cm,
               A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              FP8_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BlockExpert + pid_m).to(tl.int64)
     if expert < 0:
@@ -316,7 +317,12 @@ def _moe_gemm(A, W, Bias, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_
         a = tl.load(A + a_row[:, None] * stride_am + k[None, :], mask=live[:, None] & (k[None, :] < K), other=0.0)
         w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
                     mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
-        acc += dot(a, w)
+        if FP8_BLOCK:  # e4m3 weights: the tile in a's dtype (exact), its product times each column's block scale
+            scale = tl.load(Scale + expert * stride_se + (n // FP8_BLOCK) * stride_sn + k0 // FP8_BLOCK, mask=n < N,
+                            other=0.0)
+            acc += dot(a, w.to(a.dtype)) * scale[None, :]
+        else:
+            acc += dot(a, w)
     if HAS_BIAS:  # the expert's bias, before the routing weight (gpt-oss's)
         acc += tl.load(Bias + expert * stride_be + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
@@ -332,19 +338,23 @@ def _tile(size: int, wanted: int) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
                  weights: torch.Tensor | None, top_k: int, per_slot: bool, block_m: int, tiles: Tiles,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[slots, N]: row s = (a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T + bias[s's expert])
     (times weights[s]), for every slot the blocks list; the other rows (another rank's experts) are left
-    unwritten."""
+    unwritten. With `scale` ([E, N / 128, >= K / 128]), w is e4m3 in 128 x 128 blocks with those scales."""
     slots = a.shape[0] if per_slot else a.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(slots, n, dtype=a.dtype, device=a.device)
     block_n, block_k = _tile(n, tiles.block_n), _tile(k, tiles.block_k)
+    if scale is not None:
+        block_k = min(block_k, FP8_GROUP)  # a K tile within one block of scales
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm[grid](a, w, w if bias is None else bias, out, sorted_slots, block_expert, weights, n, k, slots,
-                    a.stride(0), w.stride(0), w.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
+    _moe_gemm[grid](a, w, w if bias is None else bias, w if scale is None else scale, out, sorted_slots,
+                    block_expert, weights, n, k, slots, a.stride(0), w.stride(0), w.stride(1),
+                    0 if bias is None else bias.stride(0), 0 if scale is None else scale.stride(0),
+                    0 if scale is None else scale.stride(1), out.stride(0),
                     A_PER_SLOT=per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None,
-                    BLOCK_M=block_m,
+                    FP8_BLOCK=0 if scale is None else FP8_GROUP, BLOCK_M=block_m,
                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -379,10 +389,12 @@ def topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, num_exp
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0, config: MoeConfig | None = None, *,
               b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-              act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
     (ids global, this rank holding experts first_expert .. first_expert + E - 1); b13 [E, 2I] and b2 [E, H]: the
-    experts' biases, if any (gpt-oss's). Returns [T, H] in x's dtype: sum over k of weight_k * down(act(gate_up(x)))
+    experts' biases, if any (gpt-oss's); s13 [E, 2I / 128, >= H / 128] and s2 [E, H / 128, >= I / 128]: where the
+    weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales. Returns [T, H] in x's dtype: sum over k of weight_k * down(act(gate_up(x)))
     of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config: moe_config()'s by default."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
@@ -393,7 +405,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     experts = w13.shape[0]
     sorted_slots, block_expert = align(topk_ids, first_expert, experts, config.block_m)
     inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up,
-                         b13)
+                         b13, s13)
     y = grouped_gemm((act or silu_and_mul)(inter), w2, sorted_slots, block_expert, topk_weights.reshape(-1), top_k,
-                     True, config.block_m, config.down, b2)
+                     True, config.block_m, config.down, b2, s2)
     return topk_sum(y, topk_ids, first_expert, experts)

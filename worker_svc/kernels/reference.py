@@ -119,17 +119,29 @@ def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float = 1.702) -> torch
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0, *, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None,
-              act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums)."""
+              b2: torch.Tensor | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums); with s13 and s2
+    the experts' weights are FP8 in blocks with those scales, multiplied dequantised in float32."""
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, k = torch.where(topk_ids == first_expert + e)
         if token.numel():
-            gate_up = F.linear(x[token], w13[e], None if b13 is None else b13[e])
-            y = F.linear((act or silu_and_mul)(gate_up), w2[e], None if b2 is None else b2[e])
+            gate_up = _expert_linear(x[token], w13[e], _of(b13, e), _of(s13, e))
+            y = _expert_linear((act or silu_and_mul)(gate_up), w2[e], _of(b2, e), _of(s2, e))
             out.index_add_(0, token, (y * topk_weights[token, k, None]).to(out.dtype))
     return out
+
+
+def _of(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if t is None else t[e]
+
+
+def _expert_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None
+                   ) -> torch.Tensor:
+    if scale is None:
+        return F.linear(x, w, b)
+    return F.linear(x.float(), dequantize_blocks(w, scale), None if b is None else b.float()).to(x.dtype)
 
 
 FP8_GROUP = 128  # an FP8 weight's blocks are FP8_GROUP x FP8_GROUP, its input's groups 1 x FP8_GROUP (fp8_gemm.py)
@@ -144,14 +156,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2), scale
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight [N, K] in 128 x 128 blocks times its scales [N / 128, >= K / 128 (padding past K)], in float32."""
+    n, k = weight.shape
+    w_scale = scale[:, :k // FP8_GROUP].repeat_interleave(FP8_GROUP, 0).repeat_interleave(FP8_GROUP, 1)
+    return weight.float() * w_scale
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """fp8_gemm.linear in float32 torch ops: x quantised as its kernel does, both sides dequantised."""
     q, x_scale = quantize_rows(x)
-    n, k = weight.shape
     xs = (q.float().unflatten(-1, (-1, FP8_GROUP)) * x_scale[..., None]).flatten(-2)
-    w_scale = scale[:, :k // FP8_GROUP].repeat_interleave(FP8_GROUP, 0).repeat_interleave(FP8_GROUP, 1)
-    return F.linear(xs, weight.float() * w_scale, None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(xs, dequantize_blocks(weight, scale), None if bias is None else bias.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

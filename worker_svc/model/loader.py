@@ -99,7 +99,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
             raise KeyError(f"FP8 weight {hf_name!r} in {file} without its weight_scale_inv")
         staged = getattr(param, "staged", None)  # an FP8 projection's: its shards go to a buffer first
         target = param if staged is None else staged.target()
-        tensor = tensor.to(target.dtype)
+        if target.dtype != torch.float8_e4m3fn:  # an FP8 parameter's own loader quantises (the experts')
+            tensor = tensor.to(target.dtype)
         loader = getattr(param, "weight_loader", None)
         # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
         fused = shard_id is None and hasattr(param, "split_fused")

@@ -15,7 +15,8 @@ from torch import nn
 from worker_svc.kernels import Kernels
 from worker_svc.model.config import ModelConfig, MoeConfig
 from worker_svc.model.layers import GatedMLP
-from worker_svc.model.parallel import _divide, tp_rank, tp_size
+from worker_svc.model.parallel import _divide, projection_weight, tp_rank, tp_size
+from worker_svc.model.quantized import quantize_blocks
 
 
 class ExpertWeights(nn.Module):
@@ -23,15 +24,16 @@ class ExpertWeights(nn.Module):
     checkpoint tensor (for gate_up: its half, 0 gate, 1 up) and skips the experts of other ranks; a checkpoint
     tensor of every expert at once is split into those: [experts, out, in] (GraniteMoE's, Qwen3-VL-MoE's as
     transformers saves it) or [experts, in, out] (Qwen3-VL-MoE's as published), told apart by shape as transformers
-    does."""
+    does. Where the weight is FP8 (model/quantized.py) each part is quantised as it loads: every part is whole
+    128 x 128 blocks."""
+    weight_scale = None  # [experts, out / 128, in / 128 padded to 4] where the weight is FP8
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None,
                  bias: bool = False):
         super().__init__()
         local = _divide(num_experts, tp_size())
         self.first, self.out = tp_rank() * local, out_features
-        self.weight = nn.Parameter(torch.empty(local, out_features * len(halves or (None,)), in_features),
-                                   requires_grad=False)
+        self.weight = projection_weight(local, out_features * len(halves or (None,)), in_features)
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_ids = [(e, h) for e in range(num_experts) for h in (halves or (None,))]
         self.weight.split_fused = self.split_fused
@@ -54,7 +56,12 @@ class ExpertWeights(nn.Module):
         rows = param.data[expert - self.first]
         if half is not None:
             rows = rows.narrow(0, half * self.out, self.out)
-        rows.copy_(loaded)
+        if param.dtype != torch.float8_e4m3fn:
+            rows.copy_(loaded)
+            return
+        codes, scale = quantize_blocks(loaded.to(rows.device))
+        rows.copy_(codes)
+        self.weight_scale[expert - self.first].narrow(0, (half or 0) * scale.shape[0], scale.shape[0]).copy_(scale)
 
 
 class FusedExperts(nn.Module):
@@ -139,7 +146,8 @@ class SparseMoE(nn.Module):
         experts = self.experts
         y = self.kernels.fused_moe(x, experts.gate_up_proj.weight, experts.down_proj.weight, weights, ids,
                                    experts.gate_up_proj.first, b13=experts.gate_up_proj.bias,
-                                   b2=experts.down_proj.bias, act=self.act)
+                                   b2=experts.down_proj.bias, act=self.act, s13=experts.gate_up_proj.weight_scale,
+                                   s2=experts.down_proj.weight_scale)
         if self.shared_expert_gate is not None:  # rounded as transformers rounds: the gated output, then the sum
             y = y + torch.sigmoid(self.kernels.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         elif self.shared_expert is not None:
@@ -149,7 +157,8 @@ class SparseMoE(nn.Module):
         return y
 
     def scale_output(self, factor: float) -> None:
-        self.experts.down_proj.weight.mul_(factor)  # each expert's output, so their weighted sum
+        down = self.experts.down_proj  # each expert's output, so their weighted sum
+        (down.weight if down.weight_scale is None else down.weight_scale).mul_(factor)
         if self.experts.down_proj.bias is not None:
             self.experts.down_proj.bias.mul_(factor)
         if self.shared_expert is not None:

@@ -22,7 +22,7 @@ _deferred = False  # inside deferred_projections
 
 @contextlib.contextmanager
 def deferred_projections() -> Iterator[None]:
-    """The linears built inside leave their weights unallocated (on the meta device), for
+    """The linears and experts built inside leave their weights unallocated (on the meta device), for
     model/quantized.py's allocate_projections to give each the storage it is served in."""
     global _deferred
     _deferred = True
@@ -32,8 +32,9 @@ def deferred_projections() -> Iterator[None]:
         _deferred = False
 
 
-def _projection_weight(rows: int, cols: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, cols, device="meta" if _deferred else None), requires_grad=False)
+def projection_weight(*shape: int) -> nn.Parameter:
+    """A linear's (or experts') weight: unallocated inside deferred_projections."""
+    return nn.Parameter(torch.empty(*shape, device="meta" if _deferred else None), requires_grad=False)
 
 
 def tp_rank() -> int:
@@ -81,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.kernels = kernels
-        self.weight = _projection_weight(_divide(out_features, self.tp_size), in_features)
+        self.weight = projection_weight(_divide(out_features, self.tp_size), in_features)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
@@ -188,7 +189,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size, self.reduce = tp_rank(), tp_size(), reduce
         self.kernels = kernels
-        self.weight = _projection_weight(out_features, _divide(in_features, self.tp_size))
+        self.weight = projection_weight(out_features, _divide(in_features, self.tp_size))
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
@@ -218,7 +219,7 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, row_order: list[int] | None = None):
         super().__init__()
         self.kernels = kernels
-        self.weight = _projection_weight(out_features, in_features)
+        self.weight = projection_weight(out_features, in_features)
         if row_order is not None:
             self.weight.weight_loader = lambda param, w: param.data.copy_(w[row_order])
 

@@ -8,7 +8,8 @@
   weight_block_size (the last blocks of a row or column may be partial); every other tensor as it is.
 - FP8 projections (`--quantization`, runtime/model_runner.py chooses): each projection of whole 128 x 128 blocks
   holds e4m3 codes and a float32 scale per block, quantised from whatever the checkpoint stores as its last shard
-  loads (StagedFp8), and the kernels' linear multiplies them in FP8.
+  loads (StagedFp8), and the kernels' linear multiplies them in FP8; a MoE's experts likewise, each part quantised
+  as it loads, multiplied by the fused MoE over 16-bit inputs (each weight tile converted in registers).
 """
 from __future__ import annotations
 
@@ -101,10 +102,13 @@ def fp8_gemms(device: torch.device) -> bool:
 
 def fp8_blocks(module: nn.Module) -> bool:
     """Whether this module's weight is served in FP8 blocks where the projections are: a projection (not MLA's absorbed
-    kv_b_proj, read as a tensor) of whole 128 x 128 blocks. The embeddings, the LM head, routers and experts are not
-    projections of this kind and stay as they are."""
+    kv_b_proj, read as a tensor) of whole 128 x 128 blocks, or the experts' weights where each expert's parts are
+    whole blocks. The embeddings, the LM head and the routers stay as they are."""
+    from worker_svc.model.moe import ExpertWeights
     from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
+    if isinstance(module, ExpertWeights):
+        return module.out % FP8_GROUP == 0 and module.weight.shape[2] % FP8_GROUP == 0
     return (isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
             and not getattr(module, "absorbed", False)
             and module.weight.shape[0] % FP8_GROUP == 0 and module.weight.shape[1] % FP8_GROUP == 0)
@@ -146,8 +150,8 @@ class StagedFp8:
 
 def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Storage for the weights of a model built under parallel.deferred_projections: FP8 codes and block scales for
-    every projection of whole blocks (`fp8_blocks`), each weight's load staged (StagedFp8); `dtype` for the rest.
-    Returns how many are FP8."""
+    every projection of whole blocks (`fp8_blocks`), each linear's load staged (StagedFp8; the experts' loader
+    quantises each part itself); `dtype` for the rest. Returns how many are FP8."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -159,8 +163,9 @@ def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dt
         allocated.__dict__.update(weight.__dict__)  # its weight_loader, split_fused
         module.weight = allocated
         if fp8:
-            n, k = weight.shape
-            module.weight_scale = torch.zeros(n // FP8_GROUP, cdiv(k // FP8_GROUP, 4) * 4, device=device)
-            allocated.staged = StagedFp8(module)
+            *lead, n, k = weight.shape
+            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, cdiv(k // FP8_GROUP, 4) * 4, device=device)
+            if not lead:  # a linear, whose parts may share a block (k and v at head_dim 64)
+                allocated.staged = StagedFp8(module)
             count += 1
     return count
