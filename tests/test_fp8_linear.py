@@ -84,10 +84,11 @@ def test_projections_built_deferred_are_allocated_fp8_where_whole_blocks_and_16_
                                       ColumnParallelLinear(128, 384, None), RowParallelLinear(384, 128, None)])
     assert all(layer.weight.is_meta for layer in layers)  # nothing allocated before its storage is known
     layers[2].absorbed = True  # MLA's kv_b_proj: read as a tensor, never run as a linear
-    assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16) == 2
+    assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16, columns=4) == 2
     assert [layer.weight.dtype for layer in layers] == [FP8, torch.bfloat16, torch.bfloat16, FP8]
     assert layers[2].weight.weight_loader == layers[2].weight_loader  # its loader kept
-    assert layers[0].weight_scale.shape == (1, 4) and layers[3].weight_scale.shape == (1, 4)  # 2 or 3 K blocks, to 4
+    # 2 or 3 K blocks, to 4: each row of scales as long as cuBLAS reads it (where a torch asks so: fp8_gemms)
+    assert layers[0].weight_scale.shape == (1, 4) and layers[3].weight_scale.shape == (1, 4)
     assert layers[1].weight_scale is None and ReplicatedLinear(256, 128, None).weight.dtype == torch.float32
 
 

@@ -31,7 +31,8 @@ def test_the_quantiser_and_the_gemm_match_the_reference(rows, n, k):
     assert (q[:rows].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.999  # a division's last bit
 
     codes, w_scale = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.02, (128, 128))
-    codes, w_scale = codes.cuda(), torch.nn.functional.pad(w_scale, (0, -w_scale.shape[1] % 4)).cuda()
+    columns = fp8_gemms(torch.device("cuda"))  # the rows of scales as this torch's cuBLAS call reads them
+    codes, w_scale = codes.cuda(), torch.nn.functional.pad(w_scale, (0, -w_scale.shape[1] % columns)).cuda()
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
     y = fp8_gemm.linear(x, codes, w_scale, bias)
     expected = reference.fp8_linear(x.float(), codes, w_scale, bias).float()

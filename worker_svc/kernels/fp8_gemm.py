@@ -45,14 +45,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """y = x W^T: `weight` e4m3 [N, K], `scale` its block scales [N / 128, K / 128 padded to 4] (model/quantized.py);
-    y in x's dtype."""
+    """y = x W^T: `weight` e4m3 [N, K], `scale` its block scales [N / 128, >= K / 128] (its rows as long as this
+    torch's cuBLAS call reads them: model/quantized.py's fp8_gemms); y in x's dtype."""
     rows = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
     q, x_scale = quantize_rows(x)
-    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)[:x.shape[0]]
+    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale[:, :weight.shape[1] // FP8_GROUP].t(),
+                         out_dtype=x.dtype)[:x.shape[0]]
     if bias is not None:
         y = y + bias
     return y.unflatten(0, rows)

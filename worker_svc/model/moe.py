@@ -26,7 +26,7 @@ class ExpertWeights(nn.Module):
     transformers saves it) or [experts, in, out] (Qwen3-VL-MoE's as published), told apart by shape as transformers
     does. Where the weight is FP8 (model/quantized.py) each part is quantised as it loads: every part is whole
     128 x 128 blocks."""
-    weight_scale = None  # [experts, out / 128, in / 128 padded to 4] where the weight is FP8
+    weight_scale = None  # [experts, out / 128, in / 128] where the weight is FP8
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, halves: tuple | None,
                  bias: bool = False):

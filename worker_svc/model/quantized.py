@@ -81,23 +81,31 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
 
 
 @functools.cache
-def fp8_gemms(device: torch.device) -> bool:
-    """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): cuBLAS's block-scaled GEMM needs
-    Hopper (sm_90) and CUDA >= 12.9, and one small product must run (a build that lacks it: 16-bit GEMMs, said)."""
+def fp8_gemms(device: torch.device) -> int:
+    """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): 0 where not, else the multiple of
+    blocks a weight's row of block scales is stored in. cuBLAS's block-scaled GEMM needs Hopper (sm_90) and CUDA >=
+    12.9; torch versions differ on whether it reads those rows padded to 4 blocks or packed, so the product of a
+    one-block-wide weight is tried each way (a build that runs neither: 16-bit GEMMs, said)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
+        return 0
     if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
-        return False
+        return 0
     from worker_svc.kernels import fp8_gemm
 
-    try:
-        fp8_gemm.linear(torch.ones(1, FP8_GROUP, dtype=torch.bfloat16, device=device),
-                        torch.ones(FP8_GROUP, FP8_GROUP, device=device).to(torch.float8_e4m3fn),
-                        torch.ones(1, 4, device=device))
-    except Exception as e:  # whatever fails here, the GEMM is not there to serve
-        log.warning("no FP8 block-scaled GEMM here (%s): projections stay 16-bit", e)
-        return False
-    return True
+    errors = []
+    for columns in (4, 1):
+        try:
+            y = fp8_gemm.linear(torch.ones(1, FP8_GROUP, dtype=torch.bfloat16, device=device),
+                                torch.ones(2 * FP8_GROUP, FP8_GROUP, device=device).to(torch.float8_e4m3fn),
+                                torch.ones(2, columns, device=device))
+            if y.float().eq(FP8_GROUP).all():
+                return columns
+            errors.append(f"{columns}: a wrong product")
+        except Exception as e:  # whatever fails here, the GEMM is not there to serve
+            errors.append(f"{columns}: {e}")
+    log.warning("no FP8 block-scaled GEMM here (scale rows in multiples of %s): projections stay 16-bit",
+                "; ".join(errors))
+    return 0
 
 
 def fp8_blocks(module: nn.Module) -> bool:
@@ -116,13 +124,13 @@ def fp8_blocks(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] (whole 128 x 128 blocks) -> its e4m3 codes and float32 block scales [N / 128, K / 128 padded to 4] as
-    the kernels' linear takes them: each block's largest magnitude at e4m3's 448, the padding 0."""
+    """[N, K] (whole 128 x 128 blocks) -> its e4m3 codes and float32 block scales [N / 128, K / 128]: each block's
+    largest magnitude at e4m3's 448."""
     n, k = w.shape
     tiles = w.float().view(n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP)
     scale = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp_min(1e-12)
     codes = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
-    return codes, nn.functional.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
+    return codes, scale
 
 
 @dataclass(slots=True)
@@ -144,14 +152,16 @@ class StagedFp8:
     def finish(self) -> None:
         codes, scale = quantize_blocks(self.target())
         self.module.weight.data.copy_(codes)
-        self.module.weight_scale.copy_(scale)
+        self.module.weight_scale[:, :scale.shape[1]].copy_(scale)
         self.buffer = None
 
 
-def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype, columns: int) -> int:
     """Storage for the weights of a model built under parallel.deferred_projections: FP8 codes and block scales for
     every projection of whole blocks (`fp8_blocks`), each linear's load staged (StagedFp8; the experts' loader
-    quantises each part itself); `dtype` for the rest. Returns how many are FP8."""
+    quantises each part itself); `dtype` for the rest. A linear's rows of scales are stored in multiples of
+    `columns` blocks (fp8_gemms), the experts' packed (the fused MoE reads them by stride). Returns how many are
+    FP8."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -164,7 +174,8 @@ def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dt
         module.weight = allocated
         if fp8:
             *lead, n, k = weight.shape
-            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, cdiv(k // FP8_GROUP, 4) * 4, device=device)
+            stored = k // FP8_GROUP if lead else cdiv(k // FP8_GROUP, columns) * columns
+            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, stored, device=device)
             if not lead:  # a linear, whose parts may share a block (k and v at head_dim 64)
                 allocated.staged = StagedFp8(module)
             count += 1
