@@ -394,8 +394,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
     (ids global, this rank holding experts first_expert .. first_expert + E - 1); b13 [E, 2I] and b2 [E, H]: the
     experts' biases, if any (gpt-oss's); s13 [E, 2I / 128, >= H / 128] and s2 [E, H / 128, >= I / 128]: where the
-    weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales. Returns [T, H] in x's dtype: sum over k of weight_k * down(act(gate_up(x)))
-    of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config: moe_config()'s by default."""
+    weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales. Returns [T, H] in x's dtype: sum over k
+    of weight_k * down(act(gate_up(x))) of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config:
+    moe_config()'s by default."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
     tokens, top_k = topk_ids.shape
