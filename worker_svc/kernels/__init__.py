@@ -26,8 +26,8 @@ class Kernels:
     linear: Callable[..., torch.Tensor]  # (x, weight, bias=None, scale=None): scale, an FP8 weight's blocks'
     # (router logits, top_k, renormalize) -> each token's top-k (weights, expert ids) (model/moe.py)
     router_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    # (x, w13, w2, topk_weights, topk_ids, first_expert, *, b13=None, b2=None, act=None) -> the routed experts'
-    # weighted sum (act: the activation of [gate | up], SwiGLU if None)
+    # (x, w13, w2, topk_weights, topk_ids, first_expert, *, b13=None, b2=None, act=None, s13=None, s2=None) -> the
+    # routed experts' weighted sum (act: the activation of [gate | up], SwiGLU if None; s13, s2: FP8 experts' scales)
     fused_moe: Callable[..., torch.Tensor]
     # (logits, temperature, seeds, positions) -> tokens: temperature sampling or greedy, no filters
     gumbel_argmax: Callable[..., torch.Tensor]
