@@ -371,7 +371,7 @@ def test_metrics_agree_with_what_the_client_saw(slow, client):
 # --- soak ---------------------------------------------------------------------------------------------------
 
 SOAK_REQUESTS = 500
-SOAK_ARRIVAL_S = 40.0  # arrivals spread over this long (Poisson)
+SOAK_ARRIVAL_S = 30.0  # arrivals spread over this long (Poisson)
 WORDS = ["red", "fox", "jumps", "über", "水", "the", "a", "lazy", "dog", "🙂", "\n"]
 
 

@@ -524,15 +524,15 @@ def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):
         cluster.stop()
 
 
-@pytest.mark.parametrize("preset", ["qwen3-fp8-tp", "qwen3-moe-fp8"])
-def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path, preset):
-    """Each rank quantises its own shard of every projection (whole 128 x 128 blocks on both ranks here), and a
-    row-parallel projection's input per 128 of its own columns: the blocks and groups of TP 1's, so the same tokens.
-    A MoE's ranks each hold half its experts whole, in FP8 as TP 1 holds them."""
+def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path):
+    """Each rank quantises its own shard of every projection (whole 128 x 128 blocks on both ranks here: packed
+    column-parallel qkv, row-parallel o), and a row-parallel projection's input per 128 of its own columns: the blocks
+    and groups of TP 1's, so the same tokens. The MoE's ranks each hold half its experts whole, in FP8 as TP 1 holds
+    them."""
     from offline.llm import LLM
     from scheduler_svc.sampling import SamplingParams
 
-    model = make_model(preset, tmp_path / "model", seed=5)
+    model = make_model("qwen3-moe-fp8", tmp_path / "model", seed=5)
     prompts = _prompts(seed=13)
     with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
              quantization="fp8") as llm:

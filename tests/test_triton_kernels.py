@@ -670,7 +670,7 @@ def test_runner_on_the_triton_backend_matches_the_torch_backend(preset, tmp_path
         assert runner.kernels.attention.name == attention
         runner.kv_cache.fill_(float("nan"))
         driver = PagedDriver(runner, chunk=7, shuffle_seed=1)
-        seqs = [driver.add(p, 10) for p in prompts]
+        seqs = [driver.add(p, 5) for p in prompts]
         driver.run_all()
         outs.append([s.generated for s in seqs])
     assert outs[0] == outs[1]

@@ -368,8 +368,6 @@ PRESETS: dict[str, dict] = {
     "qwen3-small": _qwen3(128, 4, 4, 2, 32, 256, tied=True, max_pos=1024, dtype="float32"),
     # Heads, KV heads and intermediate size divisible by 2 and 4 for tensor-parallel tests.
     "qwen3-tiny-tp": _qwen3(128, 2, 8, 4, 16, 256, tied=True, max_pos=512, dtype="float32"),
-    # Every projection's shard on each of 2 ranks whole 128 x 128 blocks (heads of 128), for FP8 projections under TP.
-    "qwen3-fp8-tp": _qwen3(256, 2, 4, 2, 128, 512, tied=True, max_pos=512, dtype="float32"),
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, tied=False),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, tied=True),
     "smollm3-3b": _smollm3(2048, 36, 16, 4, 11008),
@@ -419,7 +417,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 6144, experts=128, top_k=8, expert_intermediate=768),
     "qwen3-moe-tiny": _qwen3_moe(64, 2, 4, 2, 16, 128, experts=8, top_k=2, expert_intermediate=32, max_pos=512,
                                  dtype="float32"),
-    # Every projection and expert whole 128 x 128 blocks, on each of 2 ranks too: FP8 experts
+    # Every projection's and expert's shard on each of 2 ranks whole 128 x 128 blocks (heads of 128): FP8 under TP
     "qwen3-moe-fp8": _qwen3_moe(256, 2, 4, 2, 128, 256, experts=8, top_k=2, expert_intermediate=128, max_pos=512,
                                 dtype="float32"),
     "qwen1.5-moe-a2.7b": _qwen2_moe(2048, 24, 16, 16, 5632, experts=60, top_k=4, expert_intermediate=1408,
