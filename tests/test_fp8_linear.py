@@ -84,12 +84,22 @@ def test_projections_built_deferred_are_allocated_fp8_where_whole_blocks_and_16_
                                       ColumnParallelLinear(128, 384, None), RowParallelLinear(384, 128, None)])
     assert all(layer.weight.is_meta for layer in layers)  # nothing allocated before its storage is known
     layers[2].absorbed = True  # MLA's kv_b_proj: read as a tensor, never run as a linear
-    assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16, columns=4) == 2
+    assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16) == 2
     assert [layer.weight.dtype for layer in layers] == [FP8, torch.bfloat16, torch.bfloat16, FP8]
     assert layers[2].weight.weight_loader == layers[2].weight_loader  # its loader kept
-    # 2 or 3 K blocks, to 4: each row of scales as long as cuBLAS reads it (where a torch asks so: fp8_gemms)
-    assert layers[0].weight_scale.shape == (1, 4) and layers[3].weight_scale.shape == (1, 4)
+    assert layers[0].weight_scale.shape == (1, 2) and layers[3].weight_scale.shape == (1, 3)
     assert layers[1].weight_scale is None and ReplicatedLinear(256, 128, None).weight.dtype == torch.float32
+
+
+def test_on_a_gpu_only_inputs_of_whole_four_blocks_take_fp8():
+    """cuBLAS reads a weight's scales in rows padded to 4 blocks where torch's check wants them packed (fp8_gemm.py:
+    K_BLOCKS): a linear 256 or 384 wide stays 16-bit there, one 512 wide does not."""
+    with deferred_projections():
+        layers = torch.nn.ModuleList([ReplicatedLinear(256, 128, None), RowParallelLinear(384, 128, None),
+                                      ColumnParallelLinear(512, 256, None)])
+    assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16, k_blocks=4) == 1
+    assert [layer.weight.dtype for layer in layers] == [torch.bfloat16, torch.bfloat16, FP8]
+    assert layers[2].weight_scale.shape == (2, 4)
 
 
 def test_an_fp8_model_loads_each_projection_through_its_own_buffer_and_keeps_none(small_model, monkeypatch):

@@ -12,6 +12,10 @@ import triton.language as tl
 from worker_svc.kernels.reference import E4M3_MAX, FP8_GROUP
 
 GROUPS_PER_PROGRAM = 4
+# A weight's input width, in 128-column blocks, must be a multiple of this: torch's check of the weight's scales asks
+# for rows of K / 128 packed while cuBLAS reads them padded to 4 blocks (torch 2.11, CUDA 13, H100: a weight 128 wide
+# multiplied its second row of blocks by the wrong scale), and at whole multiples of 4 the two layouts are one.
+K_BLOCKS = 4
 
 
 @triton.jit(do_not_specialize=["rows"])  # one build whatever a step's token count
@@ -45,15 +49,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """y = x W^T: `weight` e4m3 [N, K], `scale` its block scales [N / 128, >= K / 128] (its rows as long as this
-    torch's cuBLAS call reads them: model/quantized.py's fp8_gemms); y in x's dtype."""
+    """y = x W^T: `weight` e4m3 [N, K] (K a multiple of K_BLOCKS blocks), `scale` its block scales [N / 128, K / 128]
+    (model/quantized.py); y in x's dtype."""
     rows = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
     q, x_scale = quantize_rows(x)
-    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale[:, :weight.shape[1] // FP8_GROUP].t(),
-                         out_dtype=x.dtype)[:x.shape[0]]
+    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)[:x.shape[0]]
     if bias is not None:
         y = y + bias
     return y.unflatten(0, rows)

@@ -81,37 +81,37 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
 
 
 @functools.cache
-def fp8_gemms(device: torch.device) -> int:
-    """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): 0 where not, else the multiple of
-    blocks a weight's row of block scales is stored in. cuBLAS's block-scaled GEMM needs Hopper (sm_90) and CUDA >=
-    12.9; torch versions differ on whether it reads those rows padded to 4 blocks or packed, so the product of a
-    one-block-wide weight is tried each way (a build that runs neither: 16-bit GEMMs, said)."""
+def fp8_gemms(device: torch.device) -> bool:
+    """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): cuBLAS's block-scaled GEMM needs
+    Hopper (sm_90) and CUDA >= 12.9, and one product with a scale of its own per block must come out right (a build
+    that lacks it or computes it wrong: 16-bit GEMMs, said)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return 0
+        return False
     if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
-        return 0
+        return False
     from worker_svc.kernels import fp8_gemm
 
-    errors = []
-    for columns in (4, 1):
-        try:
-            y = fp8_gemm.linear(torch.ones(1, FP8_GROUP, dtype=torch.bfloat16, device=device),
-                                torch.ones(2 * FP8_GROUP, FP8_GROUP, device=device).to(torch.float8_e4m3fn),
-                                torch.ones(2, columns, device=device))
-            if y.float().eq(FP8_GROUP).all():
-                return columns
-            errors.append(f"{columns}: a wrong product")
-        except Exception as e:  # whatever fails here, the GEMM is not there to serve
-            errors.append(f"{columns}: {e}")
-    log.warning("no FP8 block-scaled GEMM here (scale rows in multiples of %s): projections stay 16-bit",
-                "; ".join(errors))
-    return 0
+    k_blocks = fp8_gemm.K_BLOCKS
+    scale = torch.arange(1, 2 * k_blocks + 1, dtype=torch.float32, device=device).view(2, k_blocks)
+    try:
+        y = fp8_gemm.linear(torch.ones(1, k_blocks * FP8_GROUP, dtype=torch.bfloat16, device=device),
+                            torch.ones(2 * FP8_GROUP, k_blocks * FP8_GROUP, device=device).to(torch.float8_e4m3fn),
+                            scale)
+        expected = (FP8_GROUP * scale.sum(1)).repeat_interleave(FP8_GROUP)
+        if torch.equal(y[0].float(), expected):
+            return True
+        why = f"a wrong product ({y[0, ::FP8_GROUP].tolist()} for {expected[::FP8_GROUP].tolist()})"
+    except Exception as e:  # whatever fails here, the GEMM is not there to serve
+        why = str(e)
+    log.warning("no FP8 block-scaled GEMM here (%s): projections stay 16-bit", why)
+    return False
 
 
-def fp8_blocks(module: nn.Module) -> bool:
+def fp8_blocks(module: nn.Module, k_blocks: int) -> bool:
     """Whether this module's weight is served in FP8 blocks where the projections are: a projection (not MLA's absorbed
-    kv_b_proj, read as a tensor) of whole 128 x 128 blocks, or the experts' weights where each expert's parts are
-    whole blocks. The embeddings, the LM head and the routers stay as they are."""
+    kv_b_proj, read as a tensor) of whole 128 x 128 blocks, its input a whole number of `k_blocks` blocks wide
+    (kernels/fp8_gemm.py's K_BLOCKS on a GPU), or the experts' weights where each expert's parts are whole blocks. The
+    embeddings, the LM head and the routers stay as they are."""
     from worker_svc.model.moe import ExpertWeights
     from worker_svc.model.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -119,7 +119,7 @@ def fp8_blocks(module: nn.Module) -> bool:
         return module.out % FP8_GROUP == 0 and module.weight.shape[2] % FP8_GROUP == 0
     return (isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
             and not getattr(module, "absorbed", False)
-            and module.weight.shape[0] % FP8_GROUP == 0 and module.weight.shape[1] % FP8_GROUP == 0)
+            and module.weight.shape[0] % FP8_GROUP == 0 and module.weight.shape[1] % (k_blocks * FP8_GROUP) == 0)
 
 
 @torch.no_grad()
@@ -152,30 +152,33 @@ class StagedFp8:
     def finish(self) -> None:
         codes, scale = quantize_blocks(self.target())
         self.module.weight.data.copy_(codes)
-        self.module.weight_scale[:, :scale.shape[1]].copy_(scale)
+        self.module.weight_scale.copy_(scale)
         self.buffer = None
 
 
-def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype, columns: int) -> int:
+def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dtype, k_blocks: int | None = None
+                         ) -> int:
     """Storage for the weights of a model built under parallel.deferred_projections: FP8 codes and block scales for
     every projection of whole blocks (`fp8_blocks`), each linear's load staged (StagedFp8; the experts' loader
-    quantises each part itself); `dtype` for the rest. A linear's rows of scales are stored in multiples of
-    `columns` blocks (fp8_gemms), the experts' packed (the fused MoE reads them by stride). Returns how many are
-    FP8."""
+    quantises each part itself); `dtype` for the rest. `k_blocks`: by default the GPU's GEMM's K_BLOCKS on a GPU, any
+    whole blocks (the reference's) elsewhere. Returns how many are FP8."""
+    if k_blocks is None:
+        from worker_svc.kernels import fp8_gemm
+
+        k_blocks = fp8_gemm.K_BLOCKS if device.type == "cuda" else 1
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or not weight.is_meta:
             continue
-        fp8 = fp8_blocks(module)
+        fp8 = fp8_blocks(module, k_blocks)
         allocated = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn if fp8 else dtype,
                                              device=device), requires_grad=False)
         allocated.__dict__.update(weight.__dict__)  # its weight_loader, split_fused
         module.weight = allocated
         if fp8:
             *lead, n, k = weight.shape
-            stored = k // FP8_GROUP if lead else cdiv(k // FP8_GROUP, columns) * columns
-            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, stored, device=device)
+            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, k // FP8_GROUP, device=device)
             if not lead:  # a linear, whose parts may share a block (k and v at head_dim 64)
                 allocated.staged = StagedFp8(module)
             count += 1

@@ -227,8 +227,7 @@ class ModelRunner:
                 # encoder's head is its own)
                 self.model.score = ReplicatedLinear(mc.hidden_size, len(self.classifier.labels), self.kernels)
         torch.set_default_dtype(torch.float32)
-        self.fp8_linears = allocate_projections(self.model, self.device, self.dtype, fp8_gemms(self.device) or 1
-                                                ) if fp8 else 0
+        self.fp8_linears = allocate_projections(self.model, self.device, self.dtype) if fp8 else 0
         if fp8:
             log.info("%d projections in FP8 blocks of %d x %d", self.fp8_linears, FP8_GROUP, FP8_GROUP)
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
