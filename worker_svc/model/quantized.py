@@ -178,7 +178,8 @@ def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dt
         module.weight = allocated
         if fp8:
             *lead, n, k = weight.shape
-            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, k // FP8_GROUP, device=device)
+            module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, k // FP8_GROUP, dtype=torch.float32,
+                                              device=device)
             if not lead:  # a linear, whose parts may share a block (k and v at head_dim 64)
                 allocated.staged = StagedFp8(module)
             count += 1
