@@ -30,7 +30,7 @@ from worker_svc.kernels import reference
 from worker_svc.model.moe import ExpertWeights
 from worker_svc.model.parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                        deferred_projections)
-from worker_svc.model.quantized import StagedFp8, allocate_projections, dequantize_fp8_blocks
+from worker_svc.model.quantized import StagedFp8, allocate_projections, dequantize_fp8_blocks, gemm_fault
 from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,6 +100,27 @@ def test_on_a_gpu_only_inputs_of_whole_four_blocks_take_fp8():
     assert allocate_projections(layers, torch.device("cpu"), torch.bfloat16, k_blocks=4) == 1
     assert [layer.weight.dtype for layer in layers] == [torch.bfloat16, torch.bfloat16, FP8]
     assert layers[2].weight_scale.shape == (2, 4)
+
+
+def test_the_start_up_trial_passes_a_right_product_and_names_a_wrong_one():
+    """fp8_gemms' check of the GPU's GEMM (quantized.gemm_fault), here over the reference: right, it passes; reading
+    each row of block scales padded to 4 where they are packed (the fault torch 2.11's cuBLAS call had at widths of
+    fewer than 4 blocks), or failing, it says why."""
+    cpu = torch.device("cpu")
+    assert gemm_fault(reference.fp8_linear, cpu, 4) == gemm_fault(reference.fp8_linear, cpu, 1) == ""
+
+    def padded_rows(x, weight, scale):  # row r of scales read at r * 4, as if padded, past them whatever lies there
+        memory = torch.cat([scale.flatten(), torch.zeros(4 * scale.shape[0])])
+        rows = torch.arange(scale.shape[0])[:, None] * max(4, scale.shape[1]) + torch.arange(scale.shape[1])
+        return reference.fp8_linear(x, weight, memory[rows])
+
+    assert gemm_fault(padded_rows, cpu, 4) == ""  # whole 4 blocks: the two layouts are one
+    assert gemm_fault(padded_rows, cpu, 1) == "a wrong product ([128.0, 0.0] for [128.0, 256.0])"
+
+    def refused(x, weight, scale):
+        raise RuntimeError("no block-scaled GEMM in this build")
+
+    assert gemm_fault(refused, cpu, 4) == "no block-scaled GEMM in this build"
 
 
 def test_an_fp8_model_loads_each_projection_through_its_own_buffer_and_keeps_none(small_model, monkeypatch):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,28 +83,34 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
 @functools.cache
 def fp8_gemms(device: torch.device) -> bool:
     """Whether this device and this torch multiply FP8 blocks (kernels/fp8_gemm.py): cuBLAS's block-scaled GEMM needs
-    Hopper (sm_90) and CUDA >= 12.9, and one product with a scale of its own per block must come out right (a build
-    that lacks it or computes it wrong: 16-bit GEMMs, said)."""
+    Hopper (sm_90) and CUDA >= 12.9, and its product must pass `gemm_fault` (a build that lacks it or computes it
+    wrong: 16-bit GEMMs, said)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
         return False
     from worker_svc.kernels import fp8_gemm
 
-    k_blocks = fp8_gemm.K_BLOCKS
+    why = gemm_fault(fp8_gemm.linear, device, fp8_gemm.K_BLOCKS)
+    if why:
+        log.warning("no FP8 block-scaled GEMM here (%s): projections stay 16-bit", why)
+    return not why
+
+
+def gemm_fault(linear: Callable[..., torch.Tensor], device: torch.device, k_blocks: int) -> str:
+    """What is wrong with `linear` (x, e4m3 weight, block scales) -> x W^T, or "" where nothing: a weight of ones two
+    blocks high and `k_blocks` wide, each block with a scale of its own, times an input of ones, must give each output
+    128 times its row of scales' sum exactly (a GEMM that reads a scale from the wrong place does not)."""
     scale = torch.arange(1, 2 * k_blocks + 1, dtype=torch.float32, device=device).view(2, k_blocks)
     try:
-        y = fp8_gemm.linear(torch.ones(1, k_blocks * FP8_GROUP, dtype=torch.bfloat16, device=device),
-                            torch.ones(2 * FP8_GROUP, k_blocks * FP8_GROUP, device=device).to(torch.float8_e4m3fn),
-                            scale)
-        expected = (FP8_GROUP * scale.sum(1)).repeat_interleave(FP8_GROUP)
-        if torch.equal(y[0].float(), expected):
-            return True
-        why = f"a wrong product ({y[0, ::FP8_GROUP].tolist()} for {expected[::FP8_GROUP].tolist()})"
+        y = linear(torch.ones(1, k_blocks * FP8_GROUP, dtype=torch.bfloat16, device=device),
+                   torch.ones(2 * FP8_GROUP, k_blocks * FP8_GROUP, device=device).to(torch.float8_e4m3fn), scale)
     except Exception as e:  # whatever fails here, the GEMM is not there to serve
-        why = str(e)
-    log.warning("no FP8 block-scaled GEMM here (%s): projections stay 16-bit", why)
-    return False
+        return str(e)
+    expected = (FP8_GROUP * scale.sum(1)).repeat_interleave(FP8_GROUP)
+    if torch.equal(y[0].float(), expected):
+        return ""
+    return f"a wrong product ({y[0, ::FP8_GROUP].tolist()} for {expected[::FP8_GROUP].tolist()})"
 
 
 def fp8_blocks(module: nn.Module, k_blocks: int) -> bool:
