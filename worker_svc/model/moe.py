@@ -14,7 +14,7 @@ from torch import nn
 
 from worker_svc.kernels import Kernels
 from worker_svc.model.config import ModelConfig, MoeConfig
-from worker_svc.model.layers import GatedMLP
+from worker_svc.model.layers import GatedMLP, scale_rows
 from worker_svc.model.parallel import _divide, projection_weight, tp_rank, tp_size
 from worker_svc.model.quantized import quantize_blocks
 
@@ -157,9 +157,6 @@ class SparseMoE(nn.Module):
         return y
 
     def scale_output(self, factor: float) -> None:
-        down = self.experts.down_proj  # each expert's output, so their weighted sum
-        (down.weight if down.weight_scale is None else down.weight_scale).mul_(factor)
-        if self.experts.down_proj.bias is not None:
-            self.experts.down_proj.bias.mul_(factor)
+        scale_rows(self.experts.down_proj, factor)  # each expert's output, so their weighted sum
         if self.shared_expert is not None:
             self.shared_expert.scale_output(factor)
