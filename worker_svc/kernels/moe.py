@@ -341,7 +341,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, b
                  bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[slots, N]: row s = (a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T + bias[s's expert])
     (times weights[s]), for every slot the blocks list; the other rows (another rank's experts) are left
-    unwritten. With `scale` ([E, N / 128, >= K / 128]), w is e4m3 in 128 x 128 blocks with those scales."""
+    unwritten. With `scale` ([E, N / 128, K / 128]), w is e4m3 in 128 x 128 blocks with those scales."""
     slots = a.shape[0] if per_slot else a.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(slots, n, dtype=a.dtype, device=a.device)
@@ -393,7 +393,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
     (ids global, this rank holding experts first_expert .. first_expert + E - 1); b13 [E, 2I] and b2 [E, H]: the
-    experts' biases, if any (gpt-oss's); s13 [E, 2I / 128, >= H / 128] and s2 [E, H / 128, >= I / 128]: where the
+    experts' biases, if any (gpt-oss's); s13 [E, 2I / 128, H / 128] and s2 [E, H / 128, I / 128]: where the
     weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales. Returns [T, H] in x's dtype: sum over k
     of weight_k * down(act(gate_up(x))) of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config:
     moe_config()'s by default."""

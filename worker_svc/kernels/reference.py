@@ -157,10 +157,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An FP8 weight [N, K] in 128 x 128 blocks times its scales [N / 128, >= K / 128 (padding past K)], in float32."""
-    n, k = weight.shape
-    w_scale = scale[:, :k // FP8_GROUP].repeat_interleave(FP8_GROUP, 0).repeat_interleave(FP8_GROUP, 1)
-    return weight.float() * w_scale
+    """An FP8 weight [N, K] in 128 x 128 blocks times its scales [N / 128, K / 128], in float32."""
+    return weight.float() * scale.repeat_interleave(FP8_GROUP, 0).repeat_interleave(FP8_GROUP, 1)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
