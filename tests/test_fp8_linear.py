@@ -5,7 +5,7 @@ in float32 over the torch kernels (every projection of 128 x 128 blocks):
   and multiplies what the codes and scales say;
 - a runner with FP8 projections computes what the 16-bit model computes with each projection's weight and input
   rounded through those blocks and groups (the quantisation is the only change), and differs from the 16-bit model;
-- a MoE's experts likewise (weight-only: their inputs stay 16-bit);
+- a MoE's experts likewise (each expert GEMM's input rounded as a projection's);
 - projections are built unallocated and given FP8 storage where they are whole blocks, 16-bit elsewhere; loading
   stages each through a buffer of its own, dropped once its last part is in;
 - an FP8 checkpoint's projections and experts keep its codes and scales (a 16-bit model too); `auto` on a CPU serves it
@@ -15,6 +15,7 @@ The GPU's kernel against this reference: tests/gpu/test_gpu_fp8_linear.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -27,7 +28,7 @@ from common.limits import Limits
 from tests.paged_driver import prefill_logits
 from worker_svc.checkpoints.writer import make_model, quantize_fp8_blocks
 from worker_svc.kernels import reference
-from worker_svc.model.moe import ExpertWeights
+from worker_svc.model.moe import ExpertWeights, SparseMoE
 from worker_svc.model.parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                        deferred_projections)
 from worker_svc.model.quantized import StagedFp8, allocate_projections, dequantize_fp8_blocks, gemm_fault
@@ -145,10 +146,22 @@ def test_an_fp8_model_loads_each_projection_through_its_own_buffer_and_keeps_non
     # the checkpoint stores q, k and v (and gate and up) apart, a layer's tensors in name order: a packed projection
     # waits for its last part while the one between (o_proj, or down_proj) loads, never more
     assert most[0] == 2
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x through its 1 x 128 groups' e4m3 codes and back: what an FP8 GEMM reads of its input."""
+    q, scale = reference.quantize_rows(x)
+    return (q.float().unflatten(-1, (-1, 128)) * scale[..., None]).flatten(-2).to(x.dtype)
+
+
+def _moe_over_rounded_inputs(x, w13, w2, *args, act=None, **kwargs):
+    rounded_act = lambda t: _rounded((act or reference.silu_and_mul)(t))  # noqa: E731
+    return reference.fused_moe(_rounded(x), w13, w2, *args, act=rounded_act, **kwargs)
+
+
 @pytest.mark.parametrize("which, count", [("small_model", 4 * 4), ("moe_model", 2 * 4)])
 def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_inputs(which, count, request):
-    """qkv, o, gate_up and down of each layer (the MoE's experts as two weights): the linears' inputs are quantised
-    too, the experts' are not (their tiles are dequantised in the kernel)."""
+    """qkv, o, gate_up and down of each layer (the MoE's experts as two weights), their inputs quantised too."""
     model = request.getfixturevalue(which)
     prompts = _prompts()
     fp8 = _runner(model, "fp8")
@@ -160,12 +173,12 @@ def test_fp8_projections_compute_the_16_bit_model_over_rounded_weights_and_input
         if isinstance(module, PROJECTIONS):
             codes, scale = quantize_fp8_blocks(module.weight.data, (128, 128))
             module.weight.data = dequantize_fp8_blocks(codes, scale, (128, 128))
-            module.register_forward_pre_hook(lambda _, args: (
-                (lambda q, s: (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2))(
-                    *reference.quantize_rows(args[0])),))
+            module.register_forward_pre_hook(lambda _, args: (_rounded(args[0]),))
         elif isinstance(module, ExpertWeights):
             for w in module.weight.data:
                 w.copy_(dequantize_fp8_blocks(*quantize_fp8_blocks(w, (128, 128)), (128, 128)))
+        elif isinstance(module, SparseMoE):
+            module.kernels = dataclasses.replace(module.kernels, fused_moe=_moe_over_rounded_inputs)
     ours = torch.cat(prefill_logits(fp8, prompts))
     torch.testing.assert_close(ours, torch.cat(prefill_logits(emulated, prompts)), rtol=1e-4, atol=1e-4)
     assert (ours - torch.cat(prefill_logits(plain, prompts))).abs().max() > 1e-2

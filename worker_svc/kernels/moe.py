@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
+from worker_svc.kernels.fp8_gemm import quantize_rows
 from worker_svc.kernels.precision import dot
 from worker_svc.kernels.reference import FP8_GROUP
 
@@ -298,8 +299,8 @@ def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
 
 # ---- the grouped GEMM ----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_slots"])
-def _moe_gemm(A, W, Bias, Scale, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
-              stride_am, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_cm,
+def _moe_gemm(A, AScale, W, Bias, Scale, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
+              stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_cm,
               A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
               FP8_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -317,10 +318,11 @@ def _moe_gemm(A, W, Bias, Scale, C, SortedSlots, BlockExpert, RoutedWeights, N, 
         a = tl.load(A + a_row[:, None] * stride_am + k[None, :], mask=live[:, None] & (k[None, :] < K), other=0.0)
         w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
                     mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
-        if FP8_BLOCK:  # e4m3 weights: the tile in a's dtype (exact), its product times each column's block scale
-            scale = tl.load(Scale + expert * stride_se + (n // FP8_BLOCK) * stride_sn + k0 // FP8_BLOCK, mask=n < N,
-                            other=0.0)
-            acc += dot(a, w.to(a.dtype)) * scale[None, :]
+        if FP8_BLOCK:  # e4m3 on both sides: the product times each row's group scale and each column's block scale
+            a_scale = tl.load(AScale + a_row * stride_asm + (k0 // FP8_BLOCK) * stride_asg, mask=live, other=0.0)
+            w_scale = tl.load(Scale + expert * stride_se + (n // FP8_BLOCK) * stride_sn + k0 // FP8_BLOCK,
+                              mask=n < N, other=0.0)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
         else:
             acc += dot(a, w)
     if HAS_BIAS:  # the expert's bias, before the routing weight (gpt-oss's)
@@ -341,16 +343,21 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, b
                  bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[slots, N]: row s = (a[s, or its token s // top_k if not per_slot] @ w[s's expert]^T + bias[s's expert])
     (times weights[s]), for every slot the blocks list; the other rows (another rank's experts) are left
-    unwritten. With `scale` ([E, N / 128, K / 128]), w is e4m3 in 128 x 128 blocks with those scales."""
+    unwritten. With `scale` ([E, N / 128, K / 128]), w is e4m3 in 128 x 128 blocks with those scales, and a is
+    quantised per row and 128 columns as an FP8 projection's input (fp8_gemm.quantize_rows), so that the product
+    runs on e4m3 on both sides (DeepSeek's recipe: twice the tensor cores' bf16 rate, no tile converted)."""
     slots = a.shape[0] if per_slot else a.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(slots, n, dtype=a.dtype, device=a.device)
     block_n, block_k = _tile(n, tiles.block_n), _tile(k, tiles.block_k)
+    a_scale = None
     if scale is not None:
+        a, a_scale = quantize_rows(a)
         block_k = min(block_k, FP8_GROUP)  # a K tile within one block of scales
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm[grid](a, w, w if bias is None else bias, w if scale is None else scale, out, sorted_slots,
-                    block_expert, weights, n, k, slots, a.stride(0), w.stride(0), w.stride(1),
+    _moe_gemm[grid](a, a if a_scale is None else a_scale, w, w if bias is None else bias,
+                    w if scale is None else scale, out, sorted_slots, block_expert, weights, n, k, slots,
+                    a.stride(0), *(a_scale.stride() if a_scale is not None else (0, 0)), w.stride(0), w.stride(1),
                     0 if bias is None else bias.stride(0), 0 if scale is None else scale.stride(0),
                     0 if scale is None else scale.stride(1), out.stride(0),
                     A_PER_SLOT=per_slot, TOP_K=top_k, MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None,
@@ -394,9 +401,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights / topk_ids: [T, top_k]
     (ids global, this rank holding experts first_expert .. first_expert + E - 1); b13 [E, 2I] and b2 [E, H]: the
     experts' biases, if any (gpt-oss's); s13 [E, 2I / 128, H / 128] and s2 [E, H / 128, I / 128]: where the
-    weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales. Returns [T, H] in x's dtype: sum over k
-    of weight_k * down(act(gate_up(x))) of expert id_k, act SwiGLU (elementwise.silu_and_mul) unless given. config:
-    moe_config()'s by default."""
+    weights are e4m3 in 128 x 128 blocks (model/quantized.py), their scales (the GEMMs' inputs are quantised too:
+    grouped_gemm). Returns [T, H] in x's dtype: sum over k of weight_k * down(act(gate_up(x))) of expert id_k, act
+    SwiGLU (elementwise.silu_and_mul) unless given. config: moe_config()'s by default."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
     tokens, top_k = topk_ids.shape

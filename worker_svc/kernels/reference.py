@@ -122,7 +122,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               b2: torch.Tensor | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None,
               s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
     """kernels/moe.py's fused_moe as a loop over this rank's experts (transformers' order of sums); with s13 and s2
-    the experts' weights are FP8 in blocks with those scales, multiplied dequantised in float32."""
+    the experts' weights are FP8 in blocks with those scales, each expert's projection an fp8_linear (its input
+    quantised as the kernel quantises it, both sides dequantised in float32)."""
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, k = torch.where(topk_ids == first_expert + e)
@@ -139,9 +140,7 @@ def _of(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None
                    ) -> torch.Tensor:
-    if scale is None:
-        return F.linear(x, w, b)
-    return F.linear(x.float(), dequantize_blocks(w, scale), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x, w, b) if scale is None else fp8_linear(x, w, scale, b)
 
 
 FP8_GROUP = 128  # an FP8 weight's blocks are FP8_GROUP x FP8_GROUP, its input's groups 1 x FP8_GROUP (fp8_gemm.py)

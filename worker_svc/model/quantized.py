@@ -9,7 +9,7 @@
 - FP8 projections (`--quantization`, runtime/model_runner.py chooses): each projection of whole 128 x 128 blocks
   holds e4m3 codes and a float32 scale per block, quantised from whatever the checkpoint stores as its last shard
   loads (StagedFp8), and the kernels' linear multiplies them in FP8; a MoE's experts likewise, each part quantised
-  as it loads, multiplied by the fused MoE over 16-bit inputs (each weight tile converted in registers).
+  as it loads, multiplied by the fused MoE over inputs quantised as a projection's (kernels/moe.py: grouped_gemm).
 """
 from __future__ import annotations
 
