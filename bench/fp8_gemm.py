@@ -3,8 +3,7 @@ then cuBLAS's block-scaled GEMM) against cuBLAS's bfloat16 GEMM, per call, at de
 
 Each call reads a different copy of the weight (copies fill well past the 50 MB L2, as a model's layers do), 20
 calls per CUDA graph, replayed: GPU time with cold weights. `fp8` is the whole linear, `fp8 gemm` cuBLAS's part
-alone (the input quantised once, outside the graph), `fp8 skinny N:S` the one-kernel path for up to 64 rows
-(fp8_gemm.skinny_linear, BLOCK_N N, S stages). Checks each against reference.fp8_linear (the same
+alone (the input quantised once, outside the graph). Checks each against reference.fp8_linear (the same
 quantisation in float32 torch ops) and reports its error against the bfloat16 product.
 
 python -m bench fp8-gemm
@@ -28,11 +27,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,128,256,1024,16384")
     ap.add_argument("--shapes", default="qkv_8b,o_8b,gate_up_8b,down_8b")
-    ap.add_argument("--skinny", default="32:4,64:4,16:6", help="fp8_gemm.skinny_linear's block_n:num_stages to time "
-                    "at up to 64 rows, comma-separated ('' for none)")
     ap.add_argument("--out", default="bench/results/fp8_gemm.json")
     args = ap.parse_args(argv)
-    args.skinny = [tuple(int(v) for v in c.split(":")) for c in args.skinny.split(",") if c]
     from worker_svc.kernels import fp8_gemm, reference
     from worker_svc.model.quantized import quantize_blocks
 
@@ -54,10 +50,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "fp8 gemm": (lambda x, w: torch._scaled_mm(q, w[0].t(), scale_a=x_scale, scale_b=w[1].t(),
                                                            out_dtype=torch.bfloat16), fp8),
             }
-            if rows <= 64:
-                for block_n, stages in args.skinny:
-                    kernels[f"fp8 skinny {block_n}:{stages}"] = (
-                        lambda x, w, b=block_n, st=stages: fp8_gemm.skinny_linear(x, *w, block_n=b, num_stages=st), fp8)
             for name, (fn, ws) in kernels.items():
                 try:
                     y = fn(x, ws[0])[:rows].float()

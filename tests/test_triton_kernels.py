@@ -434,23 +434,6 @@ def test_fp8_input_quantiser_matches_the_reference():
     assert (q[:5].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_skinny_fp8_linear_quantises_in_registers_as_the_reference(rows, faithful_fp8):
-    """A few rows' FP8 projection in one kernel (fp8_gemm.skinny_linear): each 128-column group of the input
-    quantised in registers as quantize_rows does it, times the weight's blocks and both scales, plus the bias: the
-    reference's fp8_linear (rows padded to a tile of 16 or more, masked)."""
-    from worker_svc.kernels import fp8_gemm, reference
-    from worker_svc.model.quantized import quantize_blocks
-
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 384, generator=gen) * torch.tensor([1.0, 50.0, 1e-3]).repeat_interleave(128)
-    weight, scale = quantize_blocks(torch.randn(256, 384, generator=gen) * 0.02)
-    bias = torch.randn(256, generator=gen)
-    expected = reference.fp8_linear(x, weight, scale, bias)
-    torch.testing.assert_close(fp8_gemm.skinny_linear(x, weight, scale, bias), expected, atol=1e-5, rtol=1e-5)
-    assert (expected - x @ reference.dequantize_blocks(weight, scale).T - bias).abs().max() > 1e-3
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page,block_m,block_n", [(16, 16, 16), (16, 16, 32), (32, 32, 16)])
 @pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)

@@ -40,24 +40,6 @@ def test_the_quantiser_and_the_gemm_match_the_reference(rows, n, k):
 
 
 @_NEEDS_FP8
-@pytest.mark.parametrize("rows", [1, 5, 16, 64])
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (6144, 4096)])
-def test_the_skinny_fp8_kernel_matches_the_reference(rows, n, k):
-    from worker_svc.kernels import fp8_gemm
-
-    gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 4).to("cuda", torch.bfloat16)
-    codes, w_scale = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.02, (128, 128))
-    codes, w_scale = codes.cuda(), w_scale.cuda()
-    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
-    expected = reference.fp8_linear(x.float(), codes, w_scale, bias).float()
-    for block_n, stages in ((32, 4), (64, 4), (16, 6)):
-        y = fp8_gemm.skinny_linear(x, codes, w_scale, bias, block_n=block_n, num_stages=stages)
-        assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().mean().item())
-
-
-@_NEEDS_FP8
 def test_a_runner_with_fp8_projections_decodes_under_graphs_as_eager(tmp_path):
     from common.limits import Limits
     from tests.paged_driver import PagedDriver

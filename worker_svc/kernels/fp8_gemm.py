@@ -47,42 +47,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t()
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _skinny_fp8(X, W, S, Bias, Y, rows, N, K, stride_x, stride_w, stride_s, stride_y, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, E4M3_MAX: tl.constexpr):
-    # BLOCK_N output columns of every row; each 128-column group of the rows quantised in registers as
-    # _quantize_rows does it, then multiplied e4m3 by e4m3 and scaled by the row's and the weight block's scales
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    k = tl.arange(0, GROUP)
-    live, cols = m < rows, n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, GROUP):
-        x = tl.load(X + m[:, None] * stride_x + k0 + k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / E4M3_MAX, 1e-12)
-        q = tl.clamp(x / x_scale[:, None], -E4M3_MAX, E4M3_MAX).to(W.dtype.element_ty)
-        w = tl.load(W + n[:, None].to(tl.int64) * stride_w + k0 + k[None, :], mask=cols[:, None], other=0.0)
-        w_scale = tl.load(S + (n // GROUP) * stride_s + k0 // GROUP, mask=cols, other=0.0)
-        acc += tl.dot(q, tl.trans(w)) * (x_scale[:, None] * w_scale[None, :])
-    if HAS_BIAS:
-        acc += tl.load(Bias + n, mask=cols, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_y + n[None, :], acc.to(Y.dtype.element_ty), mask=live[:, None] & cols[None, :])
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  block_n: int = 32, num_stages: int = 4) -> torch.Tensor:
-    """linear() for a few rows (a decode step's) in one Triton kernel: the input quantised in registers as
-    quantize_rows does, no launch of its own; x [M, K] with M <= 64."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _skinny_fp8[(triton.cdiv(n, block_n),)](
-        x, weight, scale, weight if bias is None else bias, y, m, n, k, x.stride(0), weight.stride(0),
-        scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, GROUP=FP8_GROUP, E4M3_MAX=E4M3_MAX, num_warps=4, num_stages=num_stages)
-    return y
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """y = x W^T: `weight` e4m3 [N, K] (K a multiple of K_BLOCKS blocks), `scale` its block scales [N / 128, K / 128]
