@@ -718,7 +718,7 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(tokens, t
     assert not torch.allclose(ref, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first))
 
 
-@pytest.mark.parametrize("tiles", [Tiles(64, 64), Tiles(256, 128)], ids=["K tiles of half a block",
+@pytest.mark.parametrize("tiles", [Tiles(64, 64), Tiles(256, 128)], ids=["N tiles of half a block",
                                                                                "N tiles of two blocks"])
 @pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (40, 4, 8, 4, 4)])
 def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_k, experts, first, local, tiles,

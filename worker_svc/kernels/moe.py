@@ -353,7 +353,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, b
     a_scale = None
     if scale is not None:
         a, a_scale = quantize_rows(a)
-        block_k = min(block_k, FP8_GROUP)  # a K tile within one block of scales
+        # A K tile of one block of scales (an e4m3 tile of 128 is a 16-bit one of 64 in shared memory). Each tile's
+        # product is scaled before it joins the accumulator, so it needs registers of its own beside it: the N tile
+        # narrows until both fit (64 fp32 values a thread each) where a 16-bit table entry would spill.
+        block_k = FP8_GROUP
+        while block_m * block_n > 64 * 32 * tiles.num_warps and block_n > 16:
+            block_n //= 2
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm[grid](a, a if a_scale is None else a_scale, w, w if bias is None else bias,
                     w if scale is None else scale, out, sorted_slots, block_expert, weights, n, k, slots,
