@@ -1,6 +1,7 @@
 """transformers' model of a checkpoint folder, as a test's reference, in float32: quantized weights dequantised by
 transformers' own code where it has some for a CPU (MXFP4: Mxfp4Config(dequantize=True); FP8 block scales: its
-Fp8Dequantize op, into a float copy of the folder, since its FP8 loader needs accelerate)."""
+Fp8Dequantize op, into a float copy of the folder, since its FP8 loader needs accelerate; compressed-tensors: its
+integration, float32 checkpoints only)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,11 @@ def from_pretrained(model_dir: str | Path, **kwargs):
         folder = _dequantized_fp8(model_dir, Path(tmp)) if method == "fp8" else model_dir
         loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model, *info = loaded if isinstance(loaded, tuple) else (loaded,)  # (model, info) with output_loading_info
-    model = model.float().eval()
+    if method == "compressed-tensors":  # decompressed by its integration (the compressed-tensors package) in the
+        assert model.dtype == torch.float32  # checkpoint's dtype, which it will not cast
+    else:
+        model = model.float()
+    model = model.eval()
     return (model, *info) if info else model
 
 

@@ -1,0 +1,161 @@
+"""compressed-tensors checkpoints (model/compressed_tensors.py): qwen3-small quantized and written by the
+compressed-tensors library itself (its quantization config applied to transformers' model, each weight's scales
+and zero points from its min and max, compressed and saved by its ModelCompressor, as llm-compressor writes
+RedHatAI's models), then served on the CPU in float32: every position's logits equal transformers' over the same
+folder (its compressed-tensors integration decompresses it) as closely as over the unquantized folder, and differ
+from the unquantized model's; each weight is what the library's own decompressor makes of its parts.
+Schemes the worker does not serve are refused at start by name."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.limits import Limits
+from tests.hf_reference import from_pretrained
+from tests.paged_driver import prefill_logits
+from worker_svc.checkpoints.writer import make_model
+from worker_svc.model.compressed_tensors import CompressedTensors, unpack_int32
+from worker_svc.model.loader import checkpoint_names, checkpoint_tensors
+from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEMES = {  # (format, weights' quantization args): the published kinds
+    "w4a16 (groups of 32)": ("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=32)),
+    "w4a16 asymmetric": ("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=64,
+                                                symmetric=False)),
+    "w8a8 int8 channels": ("int-quantized", dict(num_bits=8, type="int", strategy="channel")),
+    "fp8 channels (FP8-dynamic)": ("float-quantized", dict(num_bits=8, type="float", strategy="channel")),
+    "fp8 tensor": ("float-quantized", dict(num_bits=8, type="float", strategy="tensor")),
+    "fp8 blocks": ("float-quantized", dict(num_bits=8, type="float", strategy="block", block_structure=[128, 128])),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_model("qwen3-small", tmp_path_factory.mktemp("ct") / "src", seed=0)
+
+
+def _extremes(weight: torch.Tensor, strategy: str, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each scale's weights' min and max, in the scale's shape."""
+    if strategy == "tensor":
+        return weight.amin().reshape(1), weight.amax().reshape(1)
+    if strategy == "channel":
+        return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    if strategy == "group":
+        groups = weight.unflatten(-1, (-1, args.group_size))
+        return groups.amin(-1), groups.amax(-1)
+    rows, cols = args.block_structure
+    padded = torch.nn.functional.pad(weight, (0, -weight.shape[1] % cols, 0, -weight.shape[0] % rows))
+    blocks = padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols))
+    return blocks.amin((1, 3)), blocks.amax((1, 3))
+
+
+def compressed_checkpoint(source: Path, out: Path, fmt: str, weights: dict) -> Path:
+    """`source` quantized and saved by the compressed-tensors library under one scheme for every Linear but the
+    LM head."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    args = QuantizationArgs(**weights)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"],
+        format=fmt))
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        scale, zero = calculate_qparams(*_extremes(module.weight.data, args.strategy, args), args)
+        module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data = zero.reshape(module.weight_zero_point.shape).to(
+                module.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for path in source.iterdir():
+        if path.suffix != ".safetensors" and not (out / path.name).exists():
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(0, 150000) for _ in range(n)] for n in (40, 90, 17)]
+
+
+def _logits(model_dir: Path) -> torch.Tensor:
+    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                                 limits=Limits(max_num_seqs=4)))
+    return torch.cat(prefill_logits(runner, _prompts()))
+
+
+def _hf_logits(model_dir: Path) -> torch.Tensor:
+    reference = from_pretrained(model_dir)
+    with torch.inference_mode():
+        return torch.cat([reference(torch.tensor([p])).logits[0] for p in _prompts()])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_compressed_checkpoint_serves_transformers_logits(scheme, source, tmp_path):
+    """Each module's weight as the library decompresses it, bit for bit; the logits as transformers computes them
+    over the folder, as close as over the unquantized one (float32 sums in another order), and not those."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    fmt, weights = SCHEMES[scheme]
+    folder = compressed_checkpoint(source, tmp_path / "q", fmt, weights)
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert quantization["format"] == fmt
+    decompress = BaseCompressor.get_value_from_registry(fmt).decompress
+    library_scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    ours = CompressedTensors.parse(quantization)
+    names = checkpoint_names(folder)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, get, _ in checkpoint_tensors(folder):
+        prefix, _, part = name.rpartition(".")
+        if f"{prefix}.weight_scale" in names:
+            parts.setdefault(prefix, {})[part] = get()
+    assert len(parts) == 4 * 7  # every projection of the 4 layers, the LM head left out
+    for prefix, stored in parts.items():
+        expected = decompress(dict(stored), library_scheme)["weight"]
+        assert torch.equal(ours.dequantize(stored), expected.float()), prefix
+
+    ours, theirs = _logits(folder), _hf_logits(folder)
+    unquantized = (_logits(source) - _hf_logits(source)).abs().max().item()
+    assert (ours - theirs).abs().max() <= max(2 * unquantized, 1e-4)
+    assert (ours - _logits(source)).abs().max() > 1e-2  # the codes, not the 16-bit weights, were served
+
+
+def test_packed_integers_unpack_across_word_boundaries():
+    """Element i at bit i * num_bits of the row's words, offset to unsigned: 3-bit values straddle words."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    values = torch.randint(-4, 4, (5, 70), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_to_int32(values, 3), 3, 70), values.float())
+    values = torch.randint(-8, 8, (3, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_to_int32(values, 4), 4, 64), values.float())
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder"),
+    (lambda q: q["config_groups"].update(group_1=q["config_groups"]["group_0"]), "one config group"),
+    (lambda q: q.update(format="nvfp4-pack-quantized"), "format"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
+])
+def test_unserved_schemes_are_refused_by_name(change, why):
+    quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+    assert CompressedTensors.parse(json.loads(json.dumps(quantization))).num_bits == 4
+    change(quantization)
+    with pytest.raises(ValueError, match=why):
+        CompressedTensors.parse(quantization)

@@ -1,0 +1,126 @@
+"""Checkpoints in the compressed-tensors format (llm-compressor's: RedHatAI's and Neural Magic's quantized models,
+`quantization_config.quant_method: compressed-tensors`), read into 16-bit weights as they load.
+
+One scheme serves every Linear (one config group targeting `Linear`; the `ignore`d modules, the LM head as a rule,
+are stored as plain weights). Each quantized module stores its codes as
+- `weight` (formats float-quantized, int-quantized, naive-quantized): 8-bit codes, e4m3 or int8;
+- `weight_packed` + `weight_shape` (pack-quantized): `num_bits`-bit integers offset to unsigned and packed into int32
+  words, element i at bit i * num_bits of the row's little-endian word stream (8 int4 a word, the first lowest);
+and `weight_scale` per tensor, output row (channel), `group_size` input columns (group) or block; where asymmetric,
+`weight_zero_point` of the scale's shape (pack-quantized packs it along the rows). A weight is (codes - zero point) *
+scale, as compressed-tensors dequantises it. The activations' scheme (`input_activations`: dynamic per-token FP8 or
+INT8, or a static `input_scale`) is not applied: the served model computes with 16-bit activations over the
+dequantised weights, and `--quantization fp8` puts the projections back into FP8 blocks (model/quantized.py).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from worker_svc.model.loader import CheckpointTensor
+
+FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quantized": ("float", "int"),
+           "pack-quantized": ("int",)}
+STRATEGIES = ("tensor", "channel", "group", "block")
+PARTS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
+ACTIVATION_PARTS = ("input_scale", "input_zero_point")  # a static activation scheme's: not applied
+UNPACK_ROWS = 1024  # rows unpacked at a time (int64 words per element while unpacking)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedTensors:
+    fmt: str
+    num_bits: int
+    strategy: str
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
+
+    @classmethod
+    def parse(cls, quantization: dict) -> "CompressedTensors":
+        """The scheme of a `compressed-tensors` quantization_config; ValueError naming what is not supported."""
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"unsupported compressed-tensors checkpoint: {why}")
+
+        for key in ("sparsity_config", "transform_config"):
+            if quantization.get(key):
+                raise refuse(f"{key} is set")
+        groups = list((quantization.get("config_groups") or {}).values())
+        if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
+            raise refuse("one config group targeting Linear is served (every projection under one scheme)")
+        weights = groups[0].get("weights") or {}
+        fmt = groups[0].get("format") or quantization.get("format")
+        kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+        packed = fmt == "pack-quantized" and bits in range(1, 8)
+        if fmt not in FORMATS or kind not in FORMATS[fmt] or not (bits == 8 or packed):
+            raise refuse(f"format {fmt!r} of {bits}-bit {kind} weights (served: 8-bit float or int codes, or "
+                         "pack-quantized integers of 1-8 bits)")
+        if strategy not in STRATEGIES:
+            raise refuse(f"weight strategy {strategy!r} ({', '.join(STRATEGIES)})")
+        if weights.get("actorder") == "group":
+            raise refuse("actorder 'group' (columns permuted into their groups by weight_g_idx)")
+        block = weights.get("block_structure")
+        return cls(fmt, bits, strategy, weights.get("group_size"), tuple(block) if block else None)
+
+    def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
+        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
+        `*.weight`, its activation scales dropped; every other tensor as it is, still unread."""
+        quantized = {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
+        waiting: dict[str, dict[str, torch.Tensor]] = {}
+        for name, get, file in tensors:
+            prefix, _, part = name.rpartition(".")
+            if prefix in quantized and part in ACTIVATION_PARTS:
+                continue
+            if prefix not in quantized or part not in PARTS:
+                yield name, get, file
+                continue
+            got = waiting.setdefault(prefix, {})
+            got[part] = get()
+            if all(p in got for p in PARTS if f"{prefix}.{p}" in names):  # its last part may lie in another file
+                yield f"{prefix}.weight", functools.partial(self.dequantize, waiting.pop(prefix)), file
+        if waiting:
+            raise KeyError(f"quantized weights without all their parts: {sorted(waiting)[:3]}")
+
+    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One module's weight in float32 from its stored parts."""
+        scale, zero = parts["weight_scale"].float(), parts.get("weight_zero_point")
+        if "weight_packed" in parts:
+            rows, cols = (int(v) for v in parts["weight_shape"])
+            codes = unpack_int32(parts["weight_packed"], self.num_bits, cols)
+            if zero is not None:  # packed along the rows
+                zero = unpack_int32(zero.t(), self.num_bits, rows).t()
+        else:
+            codes = parts["weight"].float()
+        if self.strategy == "block":
+            if zero is not None:
+                raise ValueError("asymmetric block-quantized weights are not served")
+            rows, cols = codes.shape
+            br, bc = self.block
+            return codes * scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        if self.strategy == "group":
+            groups = codes.unflatten(-1, (-1, self.group_size))
+            if zero is not None:
+                groups = groups - zero.float()[..., None]
+            return (groups * scale[..., None]).flatten(-2)
+        if zero is not None:
+            codes = codes - zero.float().reshape(scale.shape)
+        return codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
+    """[rows, words] int32 -> float32 [rows, cols]: element i of a row at bit i * num_bits of its words taken as
+    one little-endian stream (an element may straddle two words), less the unsigned offset 2^(num_bits - 1)."""
+    start = torch.arange(cols) * num_bits
+    word, shift = start // 32, start % 32
+    following = (word + 1).clamp(max=packed.shape[1] - 1)
+    straddles = shift + num_bits > 32
+    out = torch.empty(packed.shape[0], cols)
+    for r in range(0, packed.shape[0], UNPACK_ROWS):
+        words = packed[r:r + UNPACK_ROWS].to(torch.int64) & 0xFFFFFFFF
+        values = (words[:, word] >> shift) | torch.where(straddles, words[:, following] << (32 - shift), 0)
+        out[r:r + UNPACK_ROWS] = (values & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))
+    return out
