@@ -159,3 +159,28 @@ def test_unserved_schemes_are_refused_by_name(change, why):
     change(quantization)
     with pytest.raises(ValueError, match=why):
         CompressedTensors.parse(quantization)
+
+
+def test_auto_keeps_fp8_blocks_as_stored_and_dequantises_other_fp8(source, tmp_path, monkeypatch):
+    """`--quantization auto` where the device has the block-scaled GEMM (said so here on the CPU, whose reference
+    kernels compute it): an FP8 checkpoint in 128 x 128 blocks is served in FP8 with its codes as stored (o_proj's and
+    down_proj's here: whole blocks of their own), one scaled per channel in 16 bits."""
+    from worker_svc.runtime import model_runner
+
+    monkeypatch.setattr(model_runner, "fp8_gemms", lambda device: True)
+    blocks = compressed_checkpoint(source, tmp_path / "blocks", *SCHEMES["fp8 blocks"])
+    channels = compressed_checkpoint(source, tmp_path / "channels", *SCHEMES["fp8 channels (FP8-dynamic)"])
+
+    def runner(folder: Path) -> ModelRunner:
+        return ModelRunner(folder, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                                limits=Limits(max_num_seqs=4)))
+
+    assert runner(channels).fp8_linears == 0
+    served = runner(blocks)
+    assert served.fp8_linears == 4 * 4
+    stored = {n: get() for n, get, _ in checkpoint_tensors(blocks) if ".layers.2." in n}
+    layer = served.model.layers[2]
+    for module, name in ((layer.self_attn.o_proj, "self_attn.o_proj"), (layer.mlp.down_proj, "mlp.down_proj")):
+        codes, scale = stored[f"model.layers.2.{name}.weight"], stored[f"model.layers.2.{name}.weight_scale"]
+        assert torch.equal(module.weight.view(torch.uint8), codes.view(torch.uint8))
+        torch.testing.assert_close(module.weight_scale, scale.float(), rtol=2 ** -20, atol=0)

@@ -35,6 +35,7 @@ UNPACK_ROWS = 1024  # rows unpacked at a time (int64 words per element while unp
 @dataclass(frozen=True, slots=True)
 class CompressedTensors:
     fmt: str
+    kind: str  # "float" (e4m3 codes) or "int"
     num_bits: int
     strategy: str
     group_size: int | None = None
@@ -64,7 +65,12 @@ class CompressedTensors:
         if weights.get("actorder") == "group":
             raise refuse("actorder 'group' (columns permuted into their groups by weight_g_idx)")
         block = weights.get("block_structure")
-        return cls(fmt, bits, strategy, weights.get("group_size"), tuple(block) if block else None)
+        return cls(fmt, kind, bits, strategy, weights.get("group_size"), tuple(block) if block else None)
+
+    @property
+    def fp8_blocks(self) -> tuple[int, int] | None:
+        """The blocks of e4m3 codes stored in blocks, as DeepSeek's FP8 checkpoints store them; None otherwise."""
+        return self.block if self.kind == "float" and self.strategy == "block" else None
 
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32

@@ -185,6 +185,12 @@ class ModelConfig:
         return dataclasses.replace(arch.config(raw), architecture=arch.__name__,
                                    classifier=model_files.classifier(raw))
 
+    @property
+    def fp8_blocks(self) -> tuple[int, int] | None:
+        """The blocks an FP8 checkpoint stores its projections' codes in, whichever its format; None for others."""
+        scheme = self.compressed_tensors
+        return self.fp8_weight_block or (scheme.fp8_blocks if scheme else None)
+
     @classmethod
     def common(cls, raw: dict, **features) -> "ModelConfig":
         """The fields every architecture reads the same way, plus its `features`."""

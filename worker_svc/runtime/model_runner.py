@@ -326,12 +326,13 @@ class ModelRunner:
 
     def _fp8_projections(self) -> bool:
         """Whether the projections are served in FP8 blocks (`quantization`): `fp8` always, `auto` for an FP8
-        checkpoint in 128 x 128 blocks where the GPU multiplies them (model/quantized.py), else 16 bits."""
+        checkpoint in 128 x 128 blocks (DeepSeek's format or compressed-tensors') where the GPU multiplies them
+        (model/quantized.py: their codes kept as stored), else 16 bits."""
         cfg = self.config
         if cfg.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {cfg.quantization!r} ({', '.join(QUANTIZATIONS)})")
         if cfg.quantization == "none" or cfg.quantization == "auto" and (
-                self.model_config.fp8_weight_block != (FP8_GROUP, FP8_GROUP) or not fp8_gemms(self.device)):
+                self.model_config.fp8_blocks != (FP8_GROUP, FP8_GROUP) or not fp8_gemms(self.device)):
             return False  # an FP8 checkpoint is dequantised as it loads
         if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8_gemms(self.device):
             raise ValueError("quantization fp8 needs cuBLAS's block-scaled FP8 GEMM: an sm_90 GPU and CUDA >= 12.9")
@@ -347,7 +348,8 @@ class ModelRunner:
         try:
             served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
-            if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block) != served:
+            if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block,
+                                   compressed_tensors=served.compressed_tensors) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
                                  f"({self.model_dir.name}): its weights cannot take their place")
             load_weights(self.model, folder, names_only=True)  # a tensor short or too many: refused untouched
