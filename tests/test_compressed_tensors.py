@@ -184,3 +184,38 @@ def test_auto_keeps_fp8_blocks_as_stored_and_dequantises_other_fp8(source, tmp_p
         codes, scale = stored[f"model.layers.2.{name}.weight"], stored[f"model.layers.2.{name}.weight_scale"]
         assert torch.equal(module.weight.view(torch.uint8), codes.view(torch.uint8))
         torch.testing.assert_close(module.weight_scale, scale.float(), rtol=2 ** -20, atol=0)
+
+
+def test_a_moe_checkpoints_quantized_experts_load_as_the_library_decompresses_them(tmp_path):
+    """Qwen3-MoE as published (each expert's gate, up and down its own Linear): every projection, experts included
+    and the router left out, in w4a16 groups compressed by the library's own compressor; served, it computes what
+    the same model computes over a float32 checkpoint of the library's decompressed weights, bit for bit."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    source = make_model("qwen3-moe-fp8", tmp_path / "src", seed=0)
+    fmt, weights = SCHEMES["w4a16 (groups of 32)"]
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    compressed, decompressed = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if not name.endswith("_proj.weight"):
+            compressed[name] = decompressed[name] = tensor
+            continue
+        scale, zero = calculate_qparams(*_extremes(tensor, "group", args), args)
+        parts = compressor.compress({"weight": tensor, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        prefix = name.removesuffix(".weight")
+        compressed |= {f"{prefix}.{part}": t for part, t in parts.items()}
+        decompressed[name] = compressor.decompress(dict(parts), scheme)["weight"].float()
+    assert any(".experts.3.down_proj.weight_packed" in n for n in compressed)
+    for folder, tensors in (("q", compressed), ("dq", decompressed)):
+        shutil.copytree(source, tmp_path / folder)
+        save_file(tensors, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json")}}, "ignore": ["lm_head"]}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    assert torch.equal(_logits(tmp_path / "q"), _logits(tmp_path / "dq"))
