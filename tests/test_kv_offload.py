@@ -24,10 +24,12 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def offload_cluster(tiny_model_dir, tmp_path_factory):
     metrics_port = free_port()
-    # 12 blocks of 16 tokens: two or three of the eight sequences (up to 64 positions each) at a time
+    # 12 blocks of 16 tokens: two or three of the eight sequences (up to 64 positions each) at a time. Each step
+    # waits 20 ms first, so that all eight arrive before the pool fills however loaded the machine: which blocks are
+    # swapped out, and whether a resumed sequence finds them still on the GPU, then depends on the plans alone.
     c = LocalCluster(tiny_model_dir, num_workers=1,
                      worker_args=["--num-blocks", "12", "--block-size", "16", "--max-num-seqs", "8",
-                                  "--kv-offload-gib", "0.01", "--log-format", "text"],
+                                  "--kv-offload-gib", "0.01", "--log-format", "text", "--debug-step-delay", "0.02"],
                      scheduler_args=[*SCHED_ARGS, "--metrics-port", str(metrics_port)],
                      log_dir=tmp_path_factory.mktemp("offload-logs")).start(timeout=240)
     c.metrics_port = metrics_port
