@@ -92,7 +92,8 @@ class CompressedTensors:
             raise KeyError(f"quantized weights without all their parts: {sorted(waiting)[:3]}")
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One module's weight in float32 from its stored parts."""
+        """One module's weight from its stored parts, in float32 (one rounding, to the model's dtype, when it loads:
+        transformers casts the scales to the model's dtype first and computes there)."""
         scale, zero = parts["weight_scale"].float(), parts.get("weight_zero_point")
         if "weight_packed" in parts:
             rows, cols = (int(v) for v in parts["weight_shape"])
@@ -108,13 +109,20 @@ class CompressedTensors:
             br, bc = self.block
             return codes * scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
         if self.strategy == "group":
-            groups = codes.unflatten(-1, (-1, self.group_size))
-            if zero is not None:
-                groups = groups - zero.float()[..., None]
-            return (groups * scale[..., None]).flatten(-2)
+            return dequantize_groups(codes, zero, scale, self.group_size)
         if zero is not None:
             codes = codes - zero.float().reshape(scale.shape)
         return codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+
+
+def dequantize_groups(codes: torch.Tensor, zero: torch.Tensor | None, scale: torch.Tensor,
+                      group_size: int) -> torch.Tensor:
+    """[rows, cols] codes less their group's zero point, times its scale ([rows, cols / group_size] each), in
+    float32."""
+    groups = codes.float().unflatten(-1, (-1, group_size))
+    if zero is not None:
+        groups = groups - zero.float()[..., None]
+    return (groups * scale.float()[..., None]).flatten(-2)
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import model_files
+from worker_svc.model.awq import Awq
 from worker_svc.model.compressed_tensors import CompressedTensors
 from typing import Callable
 
@@ -154,6 +155,7 @@ class ModelConfig:
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
     compressed_tensors: CompressedTensors | None = None  # a compressed-tensors checkpoint's scheme
+    awq: Awq | None = None  # an AutoAWQ checkpoint's scheme
     # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
     classifier: model_files.Classifier | None = None
     encoder: EncoderConfig | None = None  # an encoder-only model: bidirectional attention, embeddings only
@@ -205,6 +207,7 @@ class ModelConfig:
         return cls(
             fp8_weight_block=fp8_weight_block(raw.get("quantization_config")),
             compressed_tensors=compressed_tensors(raw.get("quantization_config")),
+            awq=awq(raw.get("quantization_config")),
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -225,15 +228,15 @@ class ModelConfig:
         )
 
 
-QUANTIZATIONS = ("fp8 with weight_block_size", "mxfp4 (gpt-oss)", "compressed-tensors")
+QUANTIZATIONS = ("fp8 with weight_block_size", "mxfp4 (gpt-oss)", "compressed-tensors", "awq (gemm)")
 
 
 def fp8_weight_block(quantization: dict | None) -> tuple[int, int] | None:
     """The blocks of an FP8 block-scaled checkpoint (`quant_method: fp8`); None for one not quantized, in MXFP4
-    (gpt-oss's experts, model/gpt_oss.py) or compressed-tensors (below); any other quantization refused with the
-    supported list."""
+    (gpt-oss's experts, model/gpt_oss.py), compressed-tensors or AWQ (below); any other quantization refused with
+    the supported list."""
     method = (quantization or {}).get("quant_method")
-    if method in (None, "mxfp4", "compressed-tensors"):
+    if method in (None, "mxfp4", "compressed-tensors", "awq"):
         return None
     if method == "fp8" and quantization.get("weight_block_size"):
         rows, cols = quantization["weight_block_size"]
@@ -247,6 +250,11 @@ def compressed_tensors(quantization: dict | None) -> CompressedTensors | None:
     if (quantization or {}).get("quant_method") != "compressed-tensors":
         return None
     return CompressedTensors.parse(quantization)
+
+
+def awq(quantization: dict | None) -> Awq | None:
+    """An AutoAWQ checkpoint's scheme (model/awq.py), refused there if not served."""
+    return Awq.parse(quantization) if (quantization or {}).get("quant_method") == "awq" else None
 
 
 def rope_scaling(rope: dict, max_positions: int, original: int | None = None) -> RopeScaling | None:

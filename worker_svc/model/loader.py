@@ -52,9 +52,9 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
 def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = False) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
     missing name (names_only: fails as a load would on names, copying nothing; tensors that a conversion below pairs
-    up are still read). FP8 block-scaled weights and compressed-tensors' quantized ones are dequantised, an FP8
-    projection's shards staged until its last is in (model/quantized.py), and a model's `converted` (if it has one)
-    turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
+    up are still read). FP8 block-scaled weights and compressed-tensors' and AWQ's quantized ones are dequantised,
+    an FP8 projection's shards staged until its last is in (model/quantized.py), and a model's `converted` (if it
+    has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
     Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an
     fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -69,9 +69,10 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
         from worker_svc.model.quantized import fp8_dequantized
 
         tensors = fp8_dequantized(tensors, block, checkpoint_names(Path(model_dir)))
-    scheme = getattr(getattr(model, "config", None), "compressed_tensors", None)
-    if scheme is not None:
-        tensors = scheme.dequantized(tensors, checkpoint_names(Path(model_dir)))
+    for layout in ("compressed_tensors", "awq"):  # integer or 8-bit codes in their own layouts
+        scheme = getattr(getattr(model, "config", None), layout, None)
+        if scheme is not None:
+            tensors = scheme.dequantized(tensors, checkpoint_names(Path(model_dir)))
     if hasattr(model, "converted"):
         tensors = model.converted(tensors)
     loaded: set[str] = set()

@@ -349,7 +349,7 @@ class ModelRunner:
             served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block,
-                                   compressed_tensors=served.compressed_tensors) != served:
+                                   compressed_tensors=served.compressed_tensors, awq=served.awq) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
                                  f"({self.model_dir.name}): its weights cannot take their place")
             load_weights(self.model, folder, names_only=True)  # a tensor short or too many: refused untouched

@@ -1,0 +1,70 @@
+"""AutoAWQ checkpoints (`quantization_config.quant_method: awq`, GEMM layout: Qwen's and the community's -AWQ
+models), read into 16-bit weights as they load.
+
+Each quantized Linear stores `qweight` int32 [in, out / 8] (eight 4-bit codes a word along the output columns, in
+AWQ's order: the word's nibble p, from the lowest, holds column 8c + ORDER[p]), `qzeros` int32 [in / group_size,
+out / 8] packed the same way, and `scales` [in / group_size, out]; weight[out, in] = (code - zero) * scale of the
+input's group, in float32 (one rounding to the model's dtype as it loads; transformers, over compressed-tensors'
+conversion of the folder, casts the scales to the model's dtype first). Without zero points (`zero_point: false`)
+the codes are centred on 8. Activations stay 16-bit; modules_to_not_convert
+(and the LM head) are stored as plain weights.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker_svc.model.compressed_tensors import dequantize_groups
+
+if TYPE_CHECKING:
+    from worker_svc.model.loader import CheckpointTensor
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of the word's nibble p
+COLUMN_NIBBLE = tuple(ORDER.index(c) for c in range(8))  # the nibble of the word's column c
+PARTS = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True, slots=True)
+class Awq:
+    group_size: int
+    zero_point: bool
+
+    @classmethod
+    def parse(cls, quantization: dict) -> "Awq":
+        """The scheme of an `awq` quantization_config; ValueError naming what is not supported."""
+        version, bits = str(quantization.get("version", "gemm")).lower(), quantization.get("bits", 4)
+        if version != "gemm" or bits != 4:
+            raise ValueError(f"unsupported AWQ checkpoint: version {version!r}, {bits} bits (served: gemm, 4 bits)")
+        return cls(int(quantization.get("group_size", 128)), bool(quantization.get("zero_point", True)))
+
+    def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
+        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
+        `*.weight`; every other tensor as it is, still unread."""
+        waiting: dict[str, dict[str, torch.Tensor]] = {}
+        for name, get, file in tensors:
+            prefix, _, part = name.rpartition(".")
+            if part not in PARTS or f"{prefix}.qweight" not in names:
+                yield name, get, file
+                continue
+            got = waiting.setdefault(prefix, {})
+            got[part] = get()
+            if all(p in got for p in PARTS if f"{prefix}.{p}" in names):
+                yield f"{prefix}.weight", functools.partial(self.dequantize, waiting.pop(prefix)), file
+        if waiting:
+            raise KeyError(f"AWQ weights without all their parts: {sorted(waiting)[:3]}")
+
+    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One module's weight [out, in] in float32 from its qweight, qzeros and scales."""
+        scale = parts["scales"].t()
+        zero = unpack(parts["qzeros"]).t() if self.zero_point else torch.full(scale.shape, 8)
+        return dequantize_groups(unpack(parts["qweight"]).t(), zero, scale, self.group_size)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, words] -> int64 [rows, words * 8]: each word's eight nibbles put back in column order."""
+    nibbles = (packed.to(torch.int64)[..., None] >> torch.arange(0, 32, 4)) & 15
+    return nibbles[..., list(COLUMN_NIBBLE)].flatten(-2)
