@@ -1,9 +1,10 @@
 """AutoAWQ checkpoints (model/awq.py): qwen3-small's projections in 4-bit groups, float16 scales, with and without
 zero points, packed in AWQ's GEMM layout by this test. compressed-tensors' AutoAWQ converter (the library's own
 reader of the format) turns each folder into a compressed-tensors one: every weight the worker reads from the AWQ
-folder is what the library decompresses from its conversion in float32 (the scales cast first, as transformers casts
-them into a float32 model), bit for bit, and the served logits are transformers' over the converted folder (as close as over the unquantized one). transformers reads AWQ itself only through
-autoawq or gptqmodel, which do not install on a CPU-only machine."""
+folder is what the library decompresses from its conversion in float32 (the scales cast first, as transformers
+casts them into a float32 model), bit for bit, and the served logits are transformers' over the converted folder
+(as close as over the unquantized one). transformers reads AWQ itself only through autoawq or gptqmodel, which do
+not install on a CPU-only machine."""
 from __future__ import annotations
 
 import json
