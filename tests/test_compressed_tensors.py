@@ -219,3 +219,35 @@ def test_a_moe_checkpoints_quantized_experts_load_as_the_library_decompresses_th
         "group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json")}}, "ignore": ["lm_head"]}
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     assert torch.equal(_logits(tmp_path / "q"), _logits(tmp_path / "dq"))
+
+
+def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(source, tmp_path):
+    """`--quantization fp8` over a w4a16 checkpoint: its 16 projections in FP8 blocks, quantised from the dequantised
+    weights, so it serves exactly what an FP8 runner over a float32 checkpoint of those weights serves."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    fmt, weights = SCHEMES["w4a16 (groups of 32)"]
+    folder = compressed_checkpoint(source, tmp_path / "q", fmt, weights)
+    decompress = BaseCompressor.get_value_from_registry(fmt).decompress
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    stored, plain = load_file(folder / "model.safetensors"), {}
+    for name, tensor in stored.items():
+        prefix, _, part = name.rpartition(".")
+        if f"{prefix}.weight_scale" not in stored:
+            plain[name] = tensor
+        elif part == "weight_packed":
+            parts = {p: stored[f"{prefix}.{p}"] for p in ("weight_packed", "weight_scale", "weight_shape")}
+            plain[f"{prefix}.weight"] = decompress(parts, scheme)["weight"].float()
+    shutil.copytree(source, tmp_path / "dq")
+    save_file(plain, tmp_path / "dq" / "model.safetensors", metadata={"format": "pt"})
+
+    def fp8(model_dir: Path) -> tuple[int, torch.Tensor]:
+        runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                                     limits=Limits(max_num_seqs=4), quantization="fp8"))
+        return runner.fp8_linears, torch.cat(prefill_logits(runner, _prompts()))
+
+    (count, ours), (plain_count, theirs) = fp8(folder), fp8(tmp_path / "dq")
+    assert count == plain_count == 4 * 4
+    assert torch.equal(ours, theirs)
