@@ -75,6 +75,18 @@ for b in $benches; do
              preset=llama-3.1-8b; layers=""; [ $b = moe30b ] && preset=qwen3-30b-a3b && layers="--num-layers ${MOE_LAYERS:-16}"
              M2=/tmp/$preset; [ -f $M2/config.json ] || python3 -m worker_svc.cli make-model --preset $preset $layers --out $M2 >/dev/null
              timeout 560 python3 -m bench.offline --model $M2 ${OFFLINE_ARGS:-} --out $OUT/offline_$b.json 2>&1 | grep -E "^[|]" ;;
+    quant)   # FP8 projections and experts: the offline workload in-process with --quantization none, then fp8, over
+             # Llama-3.1-8B's first 8 layers and Qwen3-30B-A3B's first 4 (bench/NOTES.md "FP8 projections")
+             for shape in llama-3.1-8b:8 qwen3-30b-a3b:4; do
+               preset=${shape%%:*} layers=${shape##*:}; M4=/tmp/$preset-$layers
+               [ -f $M4/config.json ] || python3 -m worker_svc.cli make-model --preset $preset --num-layers $layers \
+                 --out $M4 >/dev/null
+               for q in none fp8; do
+                 timeout 200 python3 -m bench.offline --model $M4 --mode in-process --attention triton \
+                   --quantization $q --out $OUT/offline_${preset}_${layers}layers_$q.json 2>&1 \
+                   | grep -E "^[|] in-process" | sed "s/^/$q /"
+               done
+             done ;;
     nano_short|nano_offline)  # nano-vLLM beside it (../shared/device/peers, carried as .peers/: its README)
              shape="2048 100 300 100 300 4096 2"; [ $b = nano_offline ] && shape="256 100 1024 100 1024 4096 1"
              (cd .peers/nano-vllm && PYTHONPATH=$PWD/../peers/shim:$PWD:$PYTHONPATH timeout 500 \
