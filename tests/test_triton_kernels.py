@@ -718,11 +718,11 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(tokens, t
     assert not torch.allclose(ref, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first))
 
 
-@pytest.mark.parametrize("tiles", [Tiles(64, 64), Tiles(256, 128)], ids=["N tiles of half a block",
-                                                                               "N tiles of two blocks"])
+@pytest.mark.parametrize("block_m,tiles", [(16, Tiles(64, 64)), (16, Tiles(256, 128)), (64, Tiles(256, 64, 4))],
+                         ids=["N tiles of half a block", "N tiles of two blocks", "N tiles narrowed to fit"])
 @pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (40, 4, 8, 4, 4)])
-def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_k, experts, first, local, tiles,
-                                                                    faithful_fp8):
+def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_k, experts, first, local, block_m,
+                                                                    tiles, faithful_fp8):
     """The experts' weights in e4m3 with a scale per 128 x 128 block (model/quantized.py) and each GEMM's input
     quantised per row and 128 columns: each grouped GEMM's e4m3 products times both scales equal the reference's
     fp8_linear of every slot over the dequantised codes (the down GEMM fed the reference's SwiGLU output, since one
@@ -739,9 +739,9 @@ def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_
     inter = torch.zeros(tokens * top_k, 2 * 128)
     for s, e in slots:
         inter[s] = reference.fp8_linear(x[s // top_k], q13[e - first], s13[e - first])
-    sorted_slots, block_expert = moe.align(topk_ids, first, local, 16)
+    sorted_slots, block_expert = moe.align(topk_ids, first, local, block_m)
     gemm = functools.partial(moe.grouped_gemm, sorted_slots=sorted_slots, block_expert=block_expert, top_k=top_k,
-                             block_m=16, tiles=tiles)
+                             block_m=block_m, tiles=tiles)
     live = [s for s, _ in slots]
     out = gemm(x, q13, weights=None, per_slot=False, scale=s13)
     torch.testing.assert_close(out[live], inter[live], atol=1e-5, rtol=1e-5)
@@ -751,7 +751,8 @@ def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_
         expected = reference.fp8_linear(act[s], q2[e - first], s2[e - first]) * topk_weights.flatten()[s]
         torch.testing.assert_close(out[s], expected, atol=1e-5, rtol=1e-5)
 
-    fused = moe.fused_moe(x, q13, q2, topk_weights, topk_ids, first, moe.MoeConfig(16, tiles, tiles), s13=s13, s2=s2)
+    fused = moe.fused_moe(x, q13, q2, topk_weights, topk_ids, first, moe.MoeConfig(block_m, tiles, tiles), s13=s13,
+                          s2=s2)
     exact = reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first)
     assert 1e-3 < (fused - exact).abs().max() < 0.1 * exact.abs().max()
     torch.testing.assert_close(fused, reference.fused_moe(x, q13, q2, topk_weights, topk_ids, first, s13=s13, s2=s2),
