@@ -11,17 +11,13 @@ the codes are centred on 8. Activations stay 16-bit; modules_to_not_convert
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker_svc.model.compressed_tensors import dequantize_groups
-
-if TYPE_CHECKING:
-    from worker_svc.model.loader import CheckpointTensor
+from worker_svc.model.loader import CheckpointTensor, joined
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of the word's nibble p
 COLUMN_NIBBLE = tuple(ORDER.index(c) for c in range(8))  # the nibble of the word's column c
@@ -44,18 +40,11 @@ class Awq:
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
         `*.weight`; every other tensor as it is, still unread."""
-        waiting: dict[str, dict[str, torch.Tensor]] = {}
-        for name, get, file in tensors:
-            prefix, _, part = name.rpartition(".")
-            if part not in PARTS or f"{prefix}.qweight" not in names:
-                yield name, get, file
-                continue
-            got = waiting.setdefault(prefix, {})
-            got[part] = get()
-            if all(p in got for p in PARTS if f"{prefix}.{p}" in names):
-                yield f"{prefix}.weight", functools.partial(self.dequantize, waiting.pop(prefix)), file
-        if waiting:
-            raise KeyError(f"AWQ weights without all their parts: {sorted(waiting)[:3]}")
+        def part_of(name: str) -> tuple[str, str] | None:
+            module, _, part = name.rpartition(".")
+            return (f"{module}.weight", part) if part in PARTS and f"{module}.qweight" in names else None
+
+        return joined(tensors, names, part_of, self.dequantize)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's weight [out, in] in float32 from its qweight, qzeros and scales."""

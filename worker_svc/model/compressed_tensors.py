@@ -14,15 +14,12 @@ dequantised weights, and `--quantization fp8` puts the projections back into FP8
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from worker_svc.model.loader import CheckpointTensor
+from worker_svc.model.loader import CheckpointTensor, joined
 
 FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quantized": ("float", "int"),
            "pack-quantized": ("int",)}
@@ -76,20 +73,12 @@ class CompressedTensors:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
         `*.weight`, its activation scales dropped; every other tensor as it is, still unread."""
         quantized = {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
-        waiting: dict[str, dict[str, torch.Tensor]] = {}
-        for name, get, file in tensors:
-            prefix, _, part = name.rpartition(".")
-            if prefix in quantized and part in ACTIVATION_PARTS:
-                continue
-            if prefix not in quantized or part not in PARTS:
-                yield name, get, file
-                continue
-            got = waiting.setdefault(prefix, {})
-            got[part] = get()
-            if all(p in got for p in PARTS if f"{prefix}.{p}" in names):  # its last part may lie in another file
-                yield f"{prefix}.weight", functools.partial(self.dequantize, waiting.pop(prefix)), file
-        if waiting:
-            raise KeyError(f"quantized weights without all their parts: {sorted(waiting)[:3]}")
+
+        def part_of(name: str) -> tuple[str, str] | None:
+            module, _, part = name.rpartition(".")
+            return (f"{module}.weight", part) if module in quantized and part in PARTS + ACTIVATION_PARTS else None
+
+        return joined(tensors, names, part_of, self.dequantize)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's weight from its stored parts, in float32 (one rounding, to the model's dtype, when it loads:

@@ -32,6 +32,30 @@ KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")  # an fp8 KV cache's scales,
 CheckpointTensor = tuple[str, Callable[[], torch.Tensor], str]
 
 
+def joined(tensors: Iterator[CheckpointTensor], names: set[str], part_of: Callable[[str], tuple[str, str] | None],
+           weight: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Iterator[CheckpointTensor]:
+    """The checkpoint's tensors with each quantized weight's stored parts read together as that one weight:
+    part_of(name) gives a tensor's (weight's name, part) where it is such a part, None for a tensor passed on as it
+    is, still unread; the weight (weight(parts), when asked for) follows its last part among `names` (a weight's
+    parts may lie in different files)."""
+    expected: dict[str, set[str]] = {}
+    for name in names:
+        if (owner := part_of(name)) is not None:
+            expected.setdefault(owner[0], set()).add(owner[1])
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, get, file in tensors:
+        if (owner := part_of(name)) is None:
+            yield name, get, file
+            continue
+        target, part = owner
+        got = waiting.setdefault(target, {})
+        got[part] = get()
+        if got.keys() == expected[target]:
+            yield target, functools.partial(weight, waiting.pop(target)), file
+    if waiting:
+        raise KeyError(f"quantized weights without all their parts: {sorted(waiting)[:3]}")
+
+
 def checkpoint_names(model_dir: Path) -> set[str]:
     """Every tensor name of the checkpoint, from its index or its file's header (no tensor read)."""
     index = model_dir / "model.safetensors.index.json"

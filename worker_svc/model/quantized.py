@@ -17,18 +17,15 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from common.util import cdiv
 from worker_svc.kernels.reference import E4M3_MAX, FP8_GROUP
+from worker_svc.model.loader import CheckpointTensor, joined
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from worker_svc.model.loader import CheckpointTensor
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -61,23 +58,12 @@ def fp8_dequantized(tensors: Iterator[CheckpointTensor], block: tuple[int, int],
                     names: set[str]) -> Iterator[CheckpointTensor]:
     """The checkpoint's tensors with each `*.weight` that has a `*.weight_scale_inv` among its `names` and that scale
     as one float32 `*.weight`; every other tensor as it is, still unread."""
-    weights: dict[str, tuple[torch.Tensor, str]] = {}
-    scales: dict[str, torch.Tensor] = {}
-    for name, get, file in tensors:
-        if name.endswith(".weight_scale_inv"):
-            base = name.removesuffix("_scale_inv")
-            scales[base] = get()
-        elif f"{name}_scale_inv" in names:
-            weights[name], base = (get(), file), name  # now: its scale may lie in another file
-        else:
-            yield name, get, file
-            continue
-        if base in weights and base in scales:
-            (weight, file), scale = weights.pop(base), scales.pop(base)
-            yield base, lambda w=weight, s=scale: dequantize_fp8_blocks(w, s, block), file
-    if weights or scales:
-        raise KeyError(f"FP8 weights without their scales or scales without weights: "
-                       f"{sorted({*weights, *scales})[:3]}")
+    def part_of(name: str) -> tuple[str, str] | None:
+        if name.endswith(".weight_scale_inv") and name.removesuffix("_scale_inv") in names:
+            return name.removesuffix("_scale_inv"), "scale"
+        return (name, "weight") if f"{name}_scale_inv" in names else None
+
+    return joined(tensors, names, part_of, lambda p: dequantize_fp8_blocks(p["weight"], p["scale"], block))
 
 
 @functools.cache
