@@ -230,6 +230,9 @@ class ModelRunner:
         self.fp8_linears = allocate_projections(self.model, self.device, self.dtype) if fp8 else 0
         if fp8:
             log.info("%d projections in FP8 blocks of %d x %d", self.fp8_linears, FP8_GROUP, FP8_GROUP)
+        if (stored := mc.compressed_tensors or mc.awq) is not None and not fp8:
+            log.info("the checkpoint's quantized weights (%s) dequantised to %s as they load", stored,
+                     str(self.dtype).removeprefix("torch."))
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
         self.embedding_only = self.classifier is not None or not mc.causal or not mc.tie_word_embeddings and not any(
