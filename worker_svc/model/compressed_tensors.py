@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc.model.loader import CheckpointTensor, joined
+from worker_svc.model.quantized import dequantize_fp8_blocks
 
 FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quantized": ("float", "int"),
            "pack-quantized": ("int",)}
@@ -94,14 +95,12 @@ class CompressedTensors:
         if self.strategy == "block":
             if zero is not None:
                 raise ValueError("asymmetric block-quantized weights are not served")
-            rows, cols = codes.shape
-            br, bc = self.block
-            return codes * scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+            return dequantize_fp8_blocks(codes, scale, self.block)
         if self.strategy == "group":
             return dequantize_groups(codes, zero, scale, self.group_size)
         if zero is not None:
             codes = codes - zero.float().reshape(scale.shape)
-        return codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+        return codes * (scale.reshape(-1, 1) if self.strategy == "channel" else scale.reshape(()))
 
 
 def dequantize_groups(codes: torch.Tensor, zero: torch.Tensor | None, scale: torch.Tensor,

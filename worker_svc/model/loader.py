@@ -88,15 +88,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
     renamed = getattr(model, "renamed_fragments", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     tensors = checkpoint_tensors(Path(model_dir))
-    block = getattr(getattr(model, "config", None), "fp8_weight_block", None)
-    if block is not None:
+    config = getattr(model, "config", None)
+    block = getattr(config, "fp8_weight_block", None)
+    layouts = [s for s in (getattr(config, "compressed_tensors", None), getattr(config, "awq", None)) if s is not None]
+    if block is not None or layouts:  # quantized codes in their own layouts: dequantised as they are read
         from worker_svc.model.quantized import fp8_dequantized
 
-        tensors = fp8_dequantized(tensors, block, checkpoint_names(Path(model_dir)))
-    for layout in ("compressed_tensors", "awq"):  # integer or 8-bit codes in their own layouts
-        scheme = getattr(getattr(model, "config", None), layout, None)
-        if scheme is not None:
-            tensors = scheme.dequantized(tensors, checkpoint_names(Path(model_dir)))
+        names = checkpoint_names(Path(model_dir))
+        if block is not None:
+            tensors = fp8_dequantized(tensors, block, names)
+        for scheme in layouts:
+            tensors = scheme.dequantized(tensors, names)
     if hasattr(model, "converted"):
         tensors = model.converted(tensors)
     loaded: set[str] = set()

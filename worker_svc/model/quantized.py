@@ -45,7 +45,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float8 [..., rows, cols] times its scales [..., cdiv(rows, block[0]), cdiv(cols, block[1])] -> float32."""
+    """Codes [..., rows, cols] (float8, or integers) times their blocks' scales [..., cdiv(rows, block[0]),
+    cdiv(cols, block[1])] -> float32."""
     rows, cols = weight.shape[-2:]
     if scale_inv.shape[-2:] != (cdiv(rows, block[0]), cdiv(cols, block[1])):
         raise ValueError(f"FP8 weight {tuple(weight.shape)} in blocks of {block} does not match its scales "
