@@ -205,9 +205,6 @@ class ModelConfig:
         if act not in allowed:
             raise ValueError(f"unsupported hidden_act {act!r} ({', '.join(allowed)})")
         return cls(
-            fp8_weight_block=fp8_weight_block(raw.get("quantization_config")),
-            compressed_tensors=compressed_tensors(raw.get("quantization_config")),
-            awq=awq(raw.get("quantization_config")),
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -224,6 +221,7 @@ class ModelConfig:
             dtype=DTYPES[str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")],
             rope_scaling=rope_scaling(rope, positions, raw.get("original_max_position_embeddings")),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+            **checkpoint_quantization(raw.get("quantization_config")),
             **features,
         )
 
@@ -231,30 +229,23 @@ class ModelConfig:
 QUANTIZATIONS = ("fp8 with weight_block_size", "mxfp4 (gpt-oss)", "compressed-tensors", "awq (gemm)")
 
 
-def fp8_weight_block(quantization: dict | None) -> tuple[int, int] | None:
-    """The blocks of an FP8 block-scaled checkpoint (`quant_method: fp8`); None for one not quantized, in MXFP4
-    (gpt-oss's experts, model/gpt_oss.py), compressed-tensors or AWQ (below); any other quantization refused with
-    the supported list."""
+def checkpoint_quantization(quantization: dict | None) -> dict:
+    """The ModelConfig fields that say how a checkpoint's weights are stored, by its `quant_method`: FP8 blocks
+    (model/quantized.py), compressed-tensors (model/compressed_tensors.py) or AWQ (model/awq.py) schemes; none for
+    one not quantized or in MXFP4 (gpt-oss's experts, model/gpt_oss.py). Any other refused with the supported list,
+    as is a scheme its parser does not serve."""
     method = (quantization or {}).get("quant_method")
-    if method in (None, "mxfp4", "compressed-tensors", "awq"):
-        return None
+    if method in (None, "mxfp4"):
+        return {}
     if method == "fp8" and quantization.get("weight_block_size"):
         rows, cols = quantization["weight_block_size"]
-        return rows, cols
+        return {"fp8_weight_block": (rows, cols)}
+    if method == "compressed-tensors":
+        return {"compressed_tensors": CompressedTensors.parse(quantization)}
+    if method == "awq":
+        return {"awq": Awq.parse(quantization)}
     raise ValueError(f"unsupported quantization_config {quantization!r} (supported: {', '.join(QUANTIZATIONS)}); its "
                      "weights would not load")
-
-
-def compressed_tensors(quantization: dict | None) -> CompressedTensors | None:
-    """A compressed-tensors checkpoint's scheme (model/compressed_tensors.py), refused there if not served."""
-    if (quantization or {}).get("quant_method") != "compressed-tensors":
-        return None
-    return CompressedTensors.parse(quantization)
-
-
-def awq(quantization: dict | None) -> Awq | None:
-    """An AutoAWQ checkpoint's scheme (model/awq.py), refused there if not served."""
-    return Awq.parse(quantization) if (quantization or {}).get("quant_method") == "awq" else None
 
 
 def rope_scaling(rope: dict, max_positions: int, original: int | None = None) -> RopeScaling | None:
