@@ -1,6 +1,6 @@
 """python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
                  weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,fp8-gemm,
-                 pdl-chain,fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
+                 pdl-chain,l2-weights,fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -35,6 +35,7 @@ MODULES = {
     "skinny-gemm": "bench.skinny_gemm",
     "fp8-gemm": "bench.fp8_gemm",
     "pdl-chain": "bench.pdl_chain",
+    "l2-weights": "bench.l2_weights",
     "fused-layer": "bench.fused_layer",
     "moe-kernel": "bench.moe_kernel",
     "prefill-attention": "bench.prefill_attention",
