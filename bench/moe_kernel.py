@@ -15,11 +15,14 @@ stops at --budget-s (shared out over the token counts; what it skipped is marked
 Reports per token count the table's config (moe_config: what serves now) and the best found, each as
 microseconds and as the ratio to reading the routed experts' weights (distinct experts x their bytes) at
 --bandwidth, the best's time per stage, and prints the shape's HOPPER_CONFIGS entry to paste into moe.py (also
-written next to --out as *_table.txt: an entry, not a module); every trial goes to *_trials.json.
+written next to --out as *_table.txt: an entry, not a module); every trial goes to *_trials.json. With --fp8 the
+experts are e4m3 in 128 x 128 blocks with their scales (model/quantized.py), the GEMMs' inputs quantised as served,
+K tiles at most a block, and the entry is HOPPER_FP8_CONFIGS'.
 
 python -m bench moe-kernel
 python -m bench moe-kernel --tokens 1,130 --budget-s 60
 python -m bench moe-kernel --block-m 16 --block-n 64,128 --warps 4 --stages 3,4
+python -m bench moe-kernel --fp8
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from bench.common import csv_numbers, rnd, save
 from common.util import available_cpus, cdiv
 from worker_svc.kernels import moe, reference
 from worker_svc.kernels.moe import MoeConfig, Tiles
+from worker_svc.model.quantized import quantize_blocks
 
 TOKENS = "1,8,32,64,130,256,512,1024,4096,16384"
 SHARED_MEMORY = 232_448  # bytes a Hopper block may ask for (the H200's sharedMemPerBlockOptin)
@@ -61,8 +65,43 @@ class Shape:
         """(N, K) of a GEMM's weights."""
         return (2 * self.inter, self.hidden) if gemm == "gate_up" else (self.hidden, self.inter)
 
-    def expert_bytes(self, dtype: torch.dtype) -> int:
-        return 3 * self.inter * self.hidden * dtype.itemsize
+    def expert_bytes(self, itemsize: int) -> int:
+        return 3 * self.inter * self.hidden * itemsize
+
+
+@dataclass
+class Experts:
+    """w13 [E, 2I, H] and w2 [E, H, I]; where e4m3, their block scales s13 and s2 (fused_moe's arguments)."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> Experts:
+        """These weights as served: as they are, or (fp8) each expert's in e4m3 128 x 128 blocks."""
+        if not fp8:
+            return cls(w13, w2)
+        (q13, s13), (q2, s2) = (map(torch.stack, zip(*(quantize_blocks(e) for e in w))) for w in (w13, w2))
+        return cls(q13, q2, s13, s2)
+
+    @property
+    def fp8(self) -> bool:
+        return self.s13 is not None
+
+    def fused_moe(self, d: Draw, config: MoeConfig) -> torch.Tensor:
+        return moe.fused_moe(d.x, self.w13, self.w2, d.weights, d.ids, 0, config, s13=self.s13, s2=self.s2)
+
+    def gemm(self, gemm: str, a: torch.Tensor, aligned: tuple, weights: torch.Tensor | None, top_k: int,
+             block_m: int, tiles: Tiles) -> torch.Tensor:
+        w, scale = (self.w13, self.s13) if gemm == "gate_up" else (self.w2, self.s2)
+        return moe.grouped_gemm(a, w, *aligned, weights, top_k, gemm == "down", block_m, tiles, scale=scale)
+
+    def reference(self, d: Draw) -> torch.Tensor:
+        """The loop over experts on the same values the kernel reads (its codes and scales where e4m3)."""
+        return reference.fused_moe(d.x.float(), self.w13 if self.fp8 else self.w13.float(),
+                                   self.w2 if self.fp8 else self.w2.float(), d.weights.float(), d.ids,
+                                   s13=self.s13, s2=self.s2)
 
 
 @dataclass
@@ -92,15 +131,19 @@ def block_ms(tokens: int, shape: Shape, wanted: Sequence[int]) -> list[int]:
     return [m for m in wanted if rows / 16 <= m <= max(32, 4 * rows)] or [min(wanted)]
 
 
-def fits(block_m: int, tiles: Tiles, n: int, k: int) -> bool:
+def fits(block_m: int, tiles: Tiles, n: int, k: int, fp8: bool = False) -> bool:
     """Tiles worth compiling for an [N, K] GEMM: no wider than the weights, within shared memory and
-    registers, 8 warps only for tiles that give them work, no more stages than K has tiles to prefetch."""
+    registers, 8 warps only for tiles that give them work, no more stages than K has tiles to prefetch. e4m3
+    (fp8): K tiles within a block of scales, one byte an element, and each tile's scaled product held beside the
+    accumulator (moe.fp8_config)."""
     if tiles.block_n > max(16, 1 << (n - 1).bit_length()) or tiles.block_k > max(16, 1 << (k - 1).bit_length()):
+        return False
+    if fp8 and tiles.block_k > moe.FP8_GROUP:
         return False
     # Triton keeps num_stages tiles in shared memory where it issues wgmma (64 rows and more), one fewer else
     buffers = tiles.num_stages if block_m >= 64 else tiles.num_stages - 1
-    smem = buffers * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * 2
-    per_thread = block_m * tiles.block_n / (32 * tiles.num_warps)
+    smem = buffers * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * (1 if fp8 else 2)
+    per_thread = block_m * tiles.block_n / (32 * tiles.num_warps) * (2 if fp8 else 1)
     return (smem <= SHARED_MEMORY and per_thread <= MAX_ACC_PER_THREAD
             and (tiles.num_warps == 4 or block_m * tiles.block_n >= 2048)
             and tiles.num_stages - 1 <= cdiv(k, tiles.block_k))
@@ -108,7 +151,7 @@ def fits(block_m: int, tiles: Tiles, n: int, k: int) -> bool:
 
 def candidates(block_m: int, n: int, k: int, args: argparse.Namespace) -> list[Tiles]:
     return [t for bn in args.block_n for bk in args.block_k for w in args.warps for s in args.stages
-            if fits(block_m, t := Tiles(bn, bk, w, s), n, k)]
+            if fits(block_m, t := Tiles(bn, bk, w, s), n, k, args.fp8)]
 
 
 def sweep_jobs(shape: Shape, args: argparse.Namespace) -> list[Job]:
@@ -121,32 +164,32 @@ def sweep_jobs(shape: Shape, args: argparse.Namespace) -> list[Job]:
 Job = tuple[str, int, Tiles]  # (GEMM, BLOCK_M, tiles)
 
 
-def _build(jobs: list[Job], shape: Shape, device: str, dtype: torch.dtype) -> list[tuple[Job, str]]:
+def _build(jobs: list[Job], shape: Shape, device: str, dtype: torch.dtype, fp8: bool) -> list[tuple[Job, str]]:
     """In a worker process: runs each job's GEMM once on a few tokens, which puts its kernel in Triton's
     cache (the same specialisation as the sweep's: same N, K, strides, dtypes). Returns the failures."""
     tokens, experts = 4, shape.top_k
     x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
-    w = {g: torch.randn(experts, *shape.nk(g), device=device, dtype=dtype) * 0.02 for g in GEMMS}
+    w13, w2 = (torch.randn(experts, *shape.nk(g), device=device, dtype=dtype) * 0.02 for g in GEMMS)
+    e = Experts.of(w13, w2, fp8)
     ids = torch.arange(shape.top_k, device=device).repeat(tokens, 1)
     weights = torch.full((tokens, shape.top_k), 1.0 / shape.top_k, device=device, dtype=dtype)
     act = torch.randn(tokens * shape.top_k, shape.inter, device=device, dtype=dtype)
     failed = []
     for gemm, block_m, tiles in jobs:
-        slots, block_expert = moe.align(ids, 0, experts, block_m)
+        aligned = moe.align(ids, 0, experts, block_m)
         try:
             if gemm == "gate_up":
-                moe.grouped_gemm(x, w[gemm], slots, block_expert, None, shape.top_k, False, block_m, tiles)
+                e.gemm(gemm, x, aligned, None, shape.top_k, block_m, tiles)
             else:
-                moe.grouped_gemm(act, w[gemm], slots, block_expert, weights.reshape(-1), shape.top_k, True,
-                                 block_m, tiles)
+                e.gemm(gemm, act, aligned, weights.reshape(-1), shape.top_k, block_m, tiles)
             if device == "cuda":
                 torch.cuda.synchronize()
-        except Exception as e:  # out of resources: the sweep skips it
-            failed.append(((gemm, block_m, tiles), type(e).__name__))
+        except Exception as err:  # out of resources: the sweep skips it
+            failed.append(((gemm, block_m, tiles), type(err).__name__))
     return failed
 
 
-def build_all(jobs: list[Job], shape: Shape, workers: int, device: str, dtype: torch.dtype) -> set[Job]:
+def build_all(jobs: list[Job], shape: Shape, workers: int, device: str, dtype: torch.dtype, fp8: bool) -> set[Job]:
     """Builds the jobs' kernels in `workers` processes; returns the jobs that failed to build or run."""
     workers = min(workers, len(jobs))
     if workers <= 0:
@@ -156,7 +199,7 @@ def build_all(jobs: list[Job], shape: Shape, workers: int, device: str, dtype: t
     try:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             failed = [f for fs in pool.map(_build, shares, [shape] * workers, [device] * workers,
-                                           [dtype] * workers) for f in fs]
+                                           [dtype] * workers, [fp8] * workers) for f in fs]
     except Exception as e:  # the sweep then builds each kernel as it first runs it
         print(f"parallel build failed ({type(e).__name__}: {e}); building in the sweep", flush=True)
         return set()
@@ -203,36 +246,37 @@ def time_us(calls: list[Callable[[], object]], graph: bool, reps: int, device: t
     return ms * 1e3 / len(calls)
 
 
-def checked_us(case: Case, config: MoeConfig, w13: torch.Tensor, w2: torch.Tensor, reps: int) -> tuple[float | None, str]:
+def checked_us(case: Case, config: MoeConfig, experts: Experts, reps: int) -> tuple[float | None, str]:
     """(microseconds per fused_moe, '') or (None, why: an error or a mismatch with the loop)."""
     first = case.draws[0]
     try:
-        out = moe.fused_moe(first.x, w13, w2, first.weights, first.ids, 0, config)
+        out = experts.fused_moe(first, config)
         if not torch.allclose(out.float(), case.reference, atol=3e-2, rtol=3e-2):
             return None, f"mismatch: max abs diff {float((out.float() - case.reference).abs().max()):.3g}"
-        calls = [lambda d=d: moe.fused_moe(d.x, w13, w2, d.weights, d.ids, 0, config) for d in case.draws]
+        calls = [lambda d=d: experts.fused_moe(d, config) for d in case.draws]
         return time_us(calls, case.graph, reps, first.x.device), ""
     except Exception as e:  # a tile too large for this GPU: skipped, and said so
         return None, f"{type(e).__name__}: {str(e)[:120]}"
 
 
-def stage_us(case: Case, config: MoeConfig, w13: torch.Tensor, w2: torch.Tensor, reps: int) -> dict[str, float]:
-    """Each stage of fused_moe alone (the same graph or eager timing as the whole)."""
+def stage_us(case: Case, config: MoeConfig, e: Experts, reps: int) -> dict[str, float]:
+    """Each stage of fused_moe alone (the same graph or eager timing as the whole; with e4m3 experts a GEMM's
+    input quantiser is in its stage)."""
     from worker_svc.kernels.elementwise import silu_and_mul
 
-    top_k, experts, m = case.draws[0].ids.shape[1], w13.shape[0], config.block_m
+    top_k, experts, m = case.draws[0].ids.shape[1], e.w13.shape[0], config.block_m
     aligned = [moe.align(d.ids, 0, experts, m) for d in case.draws]
-    inter = [moe.grouped_gemm(d.x, w13, *a, None, top_k, False, m, config.gate_up) for d, a in zip(case.draws, aligned)]
+    inter = [e.gemm("gate_up", d.x, a, None, top_k, m, config.gate_up) for d, a in zip(case.draws, aligned)]
     act = [silu_and_mul(i) for i in inter]
-    y = [moe.grouped_gemm(a_, w2, *a, d.weights.reshape(-1), top_k, True, m, config.down)
+    y = [e.gemm("down", a_, a, d.weights.reshape(-1), top_k, m, config.down)
          for d, a, a_ in zip(case.draws, aligned, act)]
     stages = {
         "align": [lambda d=d: moe.align(d.ids, 0, experts, m) for d in case.draws],
-        "gate_up": [lambda d=d, a=a: moe.grouped_gemm(d.x, w13, *a, None, top_k, False, m, config.gate_up)
+        "gate_up": [lambda d=d, a=a: e.gemm("gate_up", d.x, a, None, top_k, m, config.gate_up)
                     for d, a in zip(case.draws, aligned)],
         "silu": [lambda i=i: silu_and_mul(i) for i in inter],
-        "down": [lambda d=d, a=a, a_=a_: moe.grouped_gemm(a_, w2, *a, d.weights.reshape(-1), top_k, True, m,
-                                                          config.down) for d, a, a_ in zip(case.draws, aligned, act)],
+        "down": [lambda d=d, a=a, a_=a_: e.gemm("down", a_, a, d.weights.reshape(-1), top_k, m, config.down)
+                 for d, a, a_ in zip(case.draws, aligned, act)],
         "sum": [lambda d=d, y_=y_: moe.topk_sum(y_, d.ids, 0, experts) for d, y_ in zip(case.draws, y)],
     }
     device = case.draws[0].x.device
@@ -243,8 +287,7 @@ def stage_us(case: Case, config: MoeConfig, w13: torch.Tensor, w2: torch.Tensor,
 @dataclass
 class Search:
     case: Case
-    w13: torch.Tensor
-    w2: torch.Tensor
+    experts: Experts
     reps: int
     deadline: float
     trials: list[dict]
@@ -261,7 +304,7 @@ class Search:
         return self.timed[config]
 
     def retime(self, config: MoeConfig, reps: int) -> None:
-        us, why = checked_us(self.case, config, self.w13, self.w2, reps)
+        us, why = checked_us(self.case, config, self.experts, reps)
         self.timed[config] = us
         self.trials.append({"tokens": self.case.tokens, "block_m": config.block_m, "gate_up": describe(config.gate_up),
                             "down": describe(config.down), "reps": reps, "us": rnd(us, 2) if us is not None else None,
@@ -285,7 +328,7 @@ def search(s: Search, table: MoeConfig, shape: Shape, args: argparse.Namespace) 
     configs and the table's are then timed again with more reps, the fastest of those wins."""
     s.time(table)
     for m in block_ms(s.case.tokens, shape, args.block_m):
-        down = table.down if fits(m, table.down, *shape.nk("down")) else Tiles()
+        down = table.down if fits(m, table.down, *shape.nk("down"), args.fp8) else Tiles()
         gate_up = s.best_of([MoeConfig(m, t, down) for t in s.tiles("gate_up", m, shape, args)])
         if gate_up is not None:
             s.best_of([replace(gate_up, down=t) for t in s.tiles("down", m, shape, args)])
@@ -306,16 +349,15 @@ def routing(tokens: int, shape: Shape, gen: torch.Generator, device: torch.devic
     return (weights / weights.sum(-1, keepdim=True)).to(device, dtype), ids.to(device)
 
 
-def make_case(tokens: int, shape: Shape, w13_f: torch.Tensor, w2_f: torch.Tensor, args: argparse.Namespace,
-              device: torch.device, dtype: torch.dtype) -> Case:
+def make_case(tokens: int, shape: Shape, experts: Experts, args: argparse.Namespace, device: torch.device,
+              dtype: torch.dtype) -> Case:
     gen = torch.Generator().manual_seed(args.seed + tokens)
     graph = device.type == "cuda" and tokens <= args.graph_max_tokens
     draws = []
     for _ in range(args.draws if graph else 1):
         weights, ids = routing(tokens, shape, gen, device, dtype)
         draws.append(Draw(torch.randn(tokens, shape.hidden, generator=gen).to(device, dtype), weights, ids))
-    first = draws[0]
-    ref = reference.fused_moe(first.x.float(), w13_f, w2_f, first.weights.float(), first.ids)
+    ref = experts.reference(draws[0])
     distinct = statistics.mean(float(d.ids.unique().numel()) for d in draws)
     return Case(tokens, draws, ref, distinct, graph)
 
@@ -327,13 +369,14 @@ def describe(t: Tiles) -> str:
 def result_row(case: Case, shape: Shape, table: MoeConfig, table_us: float | None, best: MoeConfig,
                best_us: float | None, stages: dict[str, float | None], searched: str, trials: int,
                args: argparse.Namespace, dtype: torch.dtype) -> dict:
-    floor_us = case.distinct * shape.expert_bytes(dtype) / args.bandwidth * 1e6
+    itemsize = 1 if args.fp8 else dtype.itemsize
+    floor_us = case.distinct * shape.expert_bytes(itemsize) / args.bandwidth * 1e6
     n_gu, k_gu = shape.nk("gate_up")
-    gu_floor = case.distinct * n_gu * k_gu * dtype.itemsize / args.bandwidth * 1e6
+    gu_floor = case.distinct * n_gu * k_gu * itemsize / args.bandwidth * 1e6
     ratio = (lambda us: rnd(us / floor_us, 3) if us else None)
     return {
         "tokens": case.tokens, "timing": "graph" if case.graph else "eager", "experts_routed": rnd(case.distinct, 1),
-        "routed_mb": rnd(case.distinct * shape.expert_bytes(dtype) / 1e6, 1), "floor_us": rnd(floor_us, 1),
+        "routed_mb": rnd(case.distinct * shape.expert_bytes(itemsize) / 1e6, 1), "floor_us": rnd(floor_us, 1),
         "table": f"{table.block_m} {describe(table.gate_up)} {describe(table.down)}", "table_us": rnd(table_us, 1),
         "table_ratio": ratio(table_us), "block_m": best.block_m, "gate_up": describe(best.gate_up),
         "down": describe(best.down), "best_us": rnd(best_us, 1), "best_ratio": ratio(best_us),
@@ -407,6 +450,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s the floor reads the experts at")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--fp8", action="store_true", help="experts in e4m3 128 x 128 blocks (HOPPER_FP8_CONFIGS' entry)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/moe_kernel.json")
     ap.set_defaults(model=None, preset="random experts")  # what save() records as the model
@@ -428,24 +472,24 @@ def _write(argv: Sequence[str] | None, args: argparse.Namespace, shape: Shape, r
     return literal
 
 
-def weights(shape: Shape, args: argparse.Namespace, device: torch.device,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [E, 2I, H] and w2 [E, H, I], scaled as trained weights are (outputs of unit size)."""
+def weights(shape: Shape, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Experts:
+    """w13 [E, 2I, H] and w2 [E, H, I], scaled as trained weights are (outputs of unit size), as served."""
     gen = torch.Generator(device).manual_seed(args.seed)
     w13 = torch.randn(shape.experts, *shape.nk("gate_up"), generator=gen, device=device) / shape.hidden ** 0.5
     w2 = torch.randn(shape.experts, *shape.nk("down"), generator=gen, device=device) / shape.inter ** 0.5
-    return w13.to(dtype), w2.to(dtype)
+    return Experts.of(w13.to(dtype), w2.to(dtype), args.fp8)
 
 
-def measure(case: Case, shape: Shape, w13: torch.Tensor, w2: torch.Tensor, deadline: float, trials: list[dict],
-            unbuilt: set[Job], args: argparse.Namespace, dtype: torch.dtype) -> tuple[dict, MoeConfig]:
+def measure(case: Case, shape: Shape, experts: Experts, deadline: float, trials: list[dict], unbuilt: set[Job],
+            args: argparse.Namespace, dtype: torch.dtype) -> tuple[dict, MoeConfig]:
     """One token count: the search until the deadline, then the stages of the best. (row, best)."""
     device = case.draws[0].x.device
-    s = Search(case, w13, w2, args.reps, deadline, trials, {}, unbuilt)
-    table = moe.moe_config(case.tokens, shape.top_k, moe.hopper_table(shape.hidden, shape.inter, dtype, device))
+    s = Search(case, experts, args.reps, deadline, trials, {}, unbuilt)
+    table = moe.moe_config(case.tokens, shape.top_k,
+                           moe.hopper_table(shape.hidden, shape.inter, dtype, device, args.fp8))
     found = search(s, table, shape, args) if time.perf_counter() < deadline else table
     searched = "none" if found is table and len(s.timed) <= 1 else ("partial" if s.cut else "full")
-    stages = stage_us(case, found, w13, w2, args.reps) if s.time(found) is not None else dict.fromkeys(STAGES)
+    stages = stage_us(case, found, experts, args.reps) if s.time(found) is not None else dict.fromkeys(STAGES)
     row = result_row(case, shape, table, s.time(table), found, s.time(found), stages, searched, len(s.timed),
                      args, dtype)
     return row, found
@@ -457,23 +501,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shape = Shape(args.experts, args.top_k, args.hidden, args.intermediate)
     workers = available_cpus() - 1 if args.build_workers < 0 else args.build_workers
-    unbuilt = build_all(sweep_jobs(shape, args), shape, min(workers, 16), args.device, dtype) \
+    unbuilt = build_all(sweep_jobs(shape, args), shape, min(workers, 16), args.device, dtype, args.fp8) \
         if device.type == "cuda" else set()
-    w13, w2 = weights(shape, args, device, dtype)
-    w13_f, w2_f = w13.float(), w2.float()  # the loop's weights: the same values the kernel reads
+    experts = weights(shape, args, device, dtype)
     rows, trials, best = [], [], {}
     literal = ""
     for i, tokens in enumerate(args.tokens):
-        case = make_case(tokens, shape, w13_f, w2_f, args, device, dtype)
+        case = make_case(tokens, shape, experts, args, device, dtype)
         share = (args.budget_s - (time.perf_counter() - started)) / (len(args.tokens) - i)
-        row, best[tokens] = measure(case, shape, w13, w2, time.perf_counter() + share, trials, unbuilt, args, dtype)
+        row, best[tokens] = measure(case, shape, experts, time.perf_counter() + share, trials, unbuilt, args, dtype)
         rows.append(row)
         print(json.dumps(row), flush=True)
         literal = _write(argv, args, shape, rows, trials, best, quiet=i + 1 < len(args.tokens))
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n# paste into HOPPER_CONFIGS in worker_svc/kernels/moe.py (this shape's entry):\n{literal}")
+    name = "HOPPER_FP8_CONFIGS" if args.fp8 else "HOPPER_CONFIGS"
+    print(f"\n# paste into {name} in worker_svc/kernels/moe.py (this shape's entry):\n{literal}")
     print(f"# {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -69,3 +69,26 @@ def harmony_model_dir(tiny_model_dir, session_tmp) -> Path:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
     tok.save(str(out / "tokenizer.json"))
     return out
+
+
+@pytest.fixture
+def faithful_fp8(monkeypatch):
+    """Triton's interpreter rounds float32 -> e4m3 wrongly (it truncates by default, and its round-to-nearest
+    ORs the mantissa's carry into the exponent: 1.97 becomes 1.0); the GPU's cvt.rn.satfinite does not. The
+    kernels' own arithmetic is what these tests check, so the interpreter converts with torch's
+    round-to-nearest-even instead."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
+            x = np.frombuffer(data.tobytes(), dtype=np.float32 if input_dtype == tl.float32 else np.float16)
+            e4m3 = torch.from_numpy(x.astype(np.float32)).to(torch.float8_e4m3fn)
+            return e4m3.view(torch.uint8).numpy().reshape(data.shape)
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)

@@ -67,13 +67,33 @@ def test_the_candidates_suit_the_shapes():
     assert not fits(16, Tiles(32, 64, 8, 3), 1536, 2048)  # 8 warps for 512 outputs
     assert not fits(16, Tiles(64, 256, 4, 5), 2048, 768)  # 4 tiles to prefetch of K's 3
     assert not fits(16, Tiles(64, 64, 4, 3), 32, 2048) and fits(16, Tiles(64, 64, 4, 3), 33, 2048)
+    # e4m3 experts: K tiles within a block of scales, half the shared memory, twice the registers
+    assert fits(16, Tiles(64, 128, 4, 3), 1536, 2048, fp8=True) and not fits(16, Tiles(64, 256, 4, 3), 1536, 2048, True)
+    assert fits(128, Tiles(128, 128, 8, 4), 1536, 2048, True) and not fits(128, Tiles(128, 128, 8, 4), 1536, 2048)
+    assert fits(128, Tiles(128, 64, 4, 3), 1536, 2048) and not fits(128, Tiles(128, 64, 4, 3), 1536, 2048, True)
+
+
+def test_the_fp8_sweep_times_e4m3_experts_against_the_loop_over_their_codes(tmp_path, faithful_fp8):
+    """--fp8: the experts as served in e4m3 128 x 128 blocks, every config checked against the loop over the same
+    codes (none mismatches), K tiles at most a block, and the table's config the fp8 one (moe.fp8_config's on a
+    CPU, where no table is measured: the default's)."""
+    out = tmp_path / "moe_kernel.json"
+    moe_kernel.main(["--device", "cpu", "--dtype", "float32", "--experts", "4", "--top-k", "2", "--hidden", "128",
+                     "--intermediate", "128", "--block-m", "16", "--block-n", "32,64", "--block-k", "64,128,256",
+                     "--warps", "4", "--stages", "2", "--reps", "1", "--tokens", "5", "--fp8", "--out", str(out)])
+    row, = json.loads(out.read_text())["results"]
+    assert row["searched"] == "full" and row["best_us"] > 0
+    assert row["routed_mb"] == round(row["experts_routed"] * 3 * 128 * 128 / 1e6, 1)  # a byte a weight
+    trials = json.loads((tmp_path / "moe_kernel_trials.json").read_text())
+    assert len(trials) > 2 and not [t for t in trials if "error" in t]
+    assert {t["gate_up"].split("/")[1] for t in trials} == {"64", "128"}
 
 
 def test_kernels_build_in_worker_processes(capsys):
     shape = Shape(4, 2, 64, 32)
     jobs = [("gate_up", 16, Tiles(32, 32, 4, 2)), ("down", 16, Tiles(64, 64, 4, 2))]
-    assert moe_kernel.build_all(jobs, shape, 2, "cpu", torch.float32) == set()
+    assert moe_kernel.build_all(jobs, shape, 2, "cpu", torch.float32, False) == set()
     assert "built 2 kernels" in capsys.readouterr().out
     bad = ("gate_up", 16, Tiles(48, 32, 4, 2))  # not a power of two: does not build
-    assert [job for job, _ in moe_kernel._build([bad, *jobs], shape, "cpu", torch.float32)] == [bad]
+    assert [job for job, _ in moe_kernel._build([bad, *jobs], shape, "cpu", torch.float32, False)] == [bad]
 

@@ -483,26 +483,6 @@ FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.75, 2.5  # scales other than 1, so that a scale applied twice or not at all shows
 
 
-@pytest.fixture
-def faithful_fp8(monkeypatch):
-    """Triton's interpreter rounds float32 -> e4m3 wrongly (it truncates by default, and its round-to-nearest
-    ORs the mantissa's carry into the exponent: 1.97 becomes 1.0); the GPU's cvt.rn.satfinite does not. The
-    kernels' own arithmetic is what these tests check, so the interpreter converts with torch's
-    round-to-nearest-even instead."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-
-    def convert(data, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
-            x = np.frombuffer(data.tobytes(), dtype=np.float32 if input_dtype == tl.float32 else np.float16)
-            return torch.from_numpy(x.astype(np.float32)).to(FP8).view(torch.uint8).numpy().reshape(data.shape)
-        return original(data, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
-
-
 def _fp8(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (k.float() * 4 / K_SCALE).to(FP8), (v.float() * 4 / V_SCALE).to(FP8)  # values spread over e4m3
 
@@ -718,8 +698,10 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_the_loop(tokens, t
     assert not torch.allclose(ref, reference.fused_moe(x, w13, w2, topk_weights, topk_ids, first))
 
 
-@pytest.mark.parametrize("block_m,tiles", [(16, Tiles(64, 64)), (16, Tiles(256, 128)), (64, Tiles(256, 64, 4))],
-                         ids=["N tiles of half a block", "N tiles of two blocks", "N tiles narrowed to fit"])
+@pytest.mark.parametrize("block_m,tiles", [(16, Tiles(64, 64)), (16, Tiles(256, 128)), (64, Tiles(128, 128, 4)),
+                                           (16, Tiles(32, 256))],
+                         ids=["tiles of half a block", "N tiles of two blocks", "fp8_config's tiles of 64 x 256",
+                              "K tiles capped at a block"])
 @pytest.mark.parametrize("tokens,top_k,experts,first,local", [(13, 2, 8, 0, 8), (40, 4, 8, 4, 4)])
 def test_fused_moe_over_fp8_experts_matches_the_loop_of_fp8_linears(tokens, top_k, experts, first, local, block_m,
                                                                     tiles, faithful_fp8):
@@ -851,12 +833,20 @@ def test_every_moe_table_config_matches_the_loop(config):
                                atol=1e-4, rtol=1e-4)
 
 
+def _every_table() -> list:
+    """Each measured table (16-bit and FP8) and each 16-bit one's tiles made to fit e4m3 experts."""
+    from worker_svc.kernels import moe
+
+    return [*moe.HOPPER_CONFIGS.values(), *moe.HOPPER_FP8_CONFIGS.values(),
+            *({k: moe.fp8_config(c) for k, c in t.items()} for t in moe.HOPPER_CONFIGS.values())]
+
+
 def test_moe_tables_serve_every_token_count_by_cuda_graph_batch_sizes():
     """Keys are CUDA-graph batch sizes (a batch and its graph's padded batch take the same tiles), tiles are
     powers of two tl.dot takes, and a count takes the entry of the smallest key at or above it."""
     from worker_svc.kernels import moe
 
-    for table in moe.HOPPER_CONFIGS.values():
+    for table in _every_table():
         assert all(k in (1, 2, 4, 8) or k % 16 == 0 for k in table)
         for c in table.values():
             assert c.block_m in (16, 32, 64, 128)
@@ -883,13 +873,33 @@ def test_moe_tables_are_chosen_by_expert_shape_device_and_dtype(monkeypatch, hop
             assert moe.hopper_table(hidden, inter, dtype, cuda) is (table if hopper else None)
         assert moe.hopper_table(hidden, inter, torch.float32, cuda) is None
         assert moe.hopper_table(hidden, inter, torch.bfloat16, cpu) is None
+        fp8 = moe.hopper_table(hidden, inter, torch.bfloat16, cuda, fp8=True)
+        measured = moe.HOPPER_FP8_CONFIGS.get((hidden, inter))
+        assert fp8 == (None if not hopper else measured or {k: moe.fp8_config(c) for k, c in table.items()})
     assert moe.hopper_table(4096, 1536, torch.bfloat16, cuda) is None  # Qwen3-235B-A22B: not measured
+    assert moe.hopper_table(4096, 1536, torch.bfloat16, cuda, fp8=True) is None
+
+
+def test_fp8_config_takes_k_tiles_of_a_block_and_narrows_n_tiles_until_they_fit():
+    """e4m3 experts: a K tile is one block of scales, and BLOCK_M x BLOCK_N stays within 64 fp32 values a thread
+    (the scaled product's registers beside the accumulator's); tiles that fit keep their width, warps and stages."""
+    from worker_svc.kernels.moe import MoeConfig, Tiles, fp8_config
+
+    wide = fp8_config(MoeConfig(128, Tiles(256, 64, 8, 4), Tiles(256, 64, 4, 3)))
+    assert wide == MoeConfig(128, Tiles(128, 128, 8, 4), Tiles(64, 128, 4, 3))
+    assert fp8_config(MoeConfig(16, Tiles(32, 256, 4, 5), Tiles(128, 64, 4, 2))) == \
+        MoeConfig(16, Tiles(32, 128, 4, 5), Tiles(128, 128, 4, 2))
+    for table in _every_table():
+        for c in table.values():
+            for t in fp8_config(c).gate_up, fp8_config(c).down:
+                assert t.block_k == 128 and (c.block_m * t.block_n <= 64 * 32 * t.num_warps or t.block_n == 16)
 
 
 def _tables() -> list:
-    from worker_svc.kernels.moe import HOPPER_CONFIGS
+    from worker_svc.kernels.moe import HOPPER_CONFIGS, fp8_table
 
-    return [pytest.param(None, id="default")] + [pytest.param(t, id=f"{h}x{i}") for (h, i), t in HOPPER_CONFIGS.items()]
+    return [pytest.param(None, id="default"), *(pytest.param(t, id=f"{h}x{i}") for (h, i), t in HOPPER_CONFIGS.items()),
+            *(pytest.param(fp8_table(h, i), id=f"{h}x{i}-fp8") for h, i in HOPPER_CONFIGS)]
 
 
 @pytest.mark.parametrize("table", _tables())

@@ -1,7 +1,8 @@
-"""The fused MoE's tile tables on a CUDA machine (the H200): every HOPPER_CONFIGS entry (each shape's table's) and
-the default, at Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, 768 per expert) in bf16, against the loop over
-experts at the largest token count of its bucket (also replayed in a CUDA graph for a new batch, up to decode
-sizes); a rank holding half the experts; align() against a stable sort by expert.
+"""The fused MoE's tile tables on a CUDA machine (the H200): every HOPPER_CONFIGS entry (each shape's table's), each
+entry e4m3 experts are served with, and the default, at Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden
+2048, 768 per expert) in bf16, against the loop over experts at the largest token count of its bucket (also
+replayed in a CUDA graph for a new batch, up to decode sizes); a rank holding half the experts; align() against a
+stable sort by expert.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
@@ -56,10 +57,17 @@ def test_every_moe_table_config_matches_the_loop(weights, tokens, config):
     torch.testing.assert_close(replayed.float(), _loop(x2, weights2, ids2, w13_f, w2_f), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("tokens,config", [c for c in _cases() if c.values[0] <= GRAPH_TOKENS])
+def _fp8_cases() -> list:
+    """Every entry e4m3 experts are served with (moe.fp8_table: measured, or the 16-bit table's made to fit)."""
+    cases = [pytest.param(key, config, id=f"hopper-fp8-{hidden}x{inter}-{key}")
+             for hidden, inter in moe.HOPPER_CONFIGS for key, config in sorted(moe.fp8_table(hidden, inter).items())]
+    return cases + [pytest.param(t, moe.default_config(t, TOP_K), id=f"default-{t}") for t in (128, 129)]
+
+
+@pytest.mark.parametrize("tokens,config", [c for c in _fp8_cases() if c.values[0] <= GRAPH_TOKENS])
 def test_every_moe_table_config_over_fp8_experts_matches_the_loop(weights, tokens, config):
-    """The experts in e4m3 with 128 x 128 block scales (model/quantized.py; K tiles capped at a block), against the
-    loop over the same codes dequantised."""
+    """The experts in e4m3 with 128 x 128 block scales (model/quantized.py), against the loop over the same codes
+    dequantised."""
     from worker_svc.model.quantized import quantize_blocks
 
     w13, w2, _, _ = weights

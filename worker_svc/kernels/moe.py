@@ -8,13 +8,13 @@ adds the top-k outputs of each token. Experts outside this rank's share (tensor 
 experts) get no slot: their rows are left out of the sum, and the all-reduce adds the other ranks' experts.
 
 The tiles come from `moe_config` (token count -> MoeConfig): a table per expert shape measured on the H200 by
-`python -m bench moe-kernel`, which prints the entry to paste into HOPPER_CONFIGS.
+`python -m bench moe-kernel`, which prints the entry to paste into HOPPER_CONFIGS (HOPPER_FP8_CONFIGS with --fp8).
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -90,9 +90,28 @@ HOPPER_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
 }
 
 
+# Hopper, e4m3 experts in 128 x 128 blocks (model/quantized.py), by the same keys: `python -m bench moe-kernel --fp8`.
+# A shape measured in 16 bits only serves its 16-bit table's tiles made to fit (fp8_config).
+HOPPER_FP8_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {}
+
+
 def default_config(tokens: int, top_k: int) -> MoeConfig:
     """Elsewhere (other GPUs and shapes, float32, Triton's interpreter): 16-row blocks up to 1,024 slots, 64 past."""
     return MoeConfig(16 if tokens * top_k <= 1024 else 64)
+
+
+def fp8_config(config: MoeConfig) -> MoeConfig:
+    """A 16-bit entry's tiles for e4m3 experts: K tiles of one block of scales (an e4m3 tile of 128 is a 16-bit one
+    of 64 in shared memory), and N tiles narrowed until the scaled product fits beside the accumulator (64 fp32
+    values a thread each): each tile's product is scaled before it joins the accumulator, so it needs registers of
+    its own, and a 16-bit entry's widest tiles would spill."""
+    def fit(t: Tiles) -> Tiles:
+        block_n = t.block_n
+        while config.block_m * block_n > 64 * 32 * t.num_warps and block_n > 16:
+            block_n //= 2
+        return replace(t, block_n=block_n, block_k=FP8_GROUP)
+
+    return replace(config, gate_up=fit(config.gate_up), down=fit(config.down))
 
 
 def lookup(table: dict[int, MoeConfig], tokens: int) -> MoeConfig:
@@ -106,14 +125,23 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def hopper_table(hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device) -> dict[int, MoeConfig] | None:
-    """The measured table for experts of these sizes computing in `dtype` on `device`, if there is one."""
+@functools.lru_cache(maxsize=None)
+def fp8_table(hidden: int, intermediate: int) -> dict[int, MoeConfig] | None:
+    """The Hopper tiles for e4m3 experts of these sizes: their measured table, else the 16-bit one's made to fit."""
+    table = HOPPER_CONFIGS.get((hidden, intermediate))
+    fitted = {key: fp8_config(config) for key, config in table.items()} if table else None
+    return HOPPER_FP8_CONFIGS.get((hidden, intermediate)) or fitted
+
+
+def hopper_table(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
+                 fp8: bool = False) -> dict[int, MoeConfig] | None:
+    """The measured table for experts of these sizes computing in `dtype` on `device` (their weights in e4m3 where
+    `fp8`), if there is one."""
     if device.type != "cuda" or dtype.itemsize != 2:
         return None
     if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return None
-    return HOPPER_CONFIGS.get((hidden, intermediate))
+    return fp8_table(hidden, intermediate) if fp8 else HOPPER_CONFIGS.get((hidden, intermediate))
 
 
 def moe_config(tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> MoeConfig:
@@ -353,12 +381,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor, b
     a_scale = None
     if scale is not None:
         a, a_scale = quantize_rows(a)
-        # A K tile of one block of scales (an e4m3 tile of 128 is a 16-bit one of 64 in shared memory). Each tile's
-        # product is scaled before it joins the accumulator, so it needs registers of its own beside it: the N tile
-        # narrows until both fit (64 fp32 values a thread each) where a 16-bit table entry would spill.
-        block_k = FP8_GROUP
-        while block_m * block_n > 64 * 32 * tiles.num_warps and block_n > 16:
-            block_n //= 2
+        block_k = min(block_k, FP8_GROUP)  # a K tile within one block of scales
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm[grid](a, a if a_scale is None else a_scale, w, w if bias is None else bias,
                     w if scale is None else scale, out, sorted_slots, block_expert, weights, n, k, slots,
@@ -414,7 +437,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    config = config or moe_config(tokens, top_k, hopper_table(w2.shape[1], w2.shape[2], x.dtype, x.device))
+    config = config or moe_config(tokens, top_k, hopper_table(w2.shape[1], w2.shape[2], x.dtype, x.device,
+                                                              fp8=s13 is not None))
     experts = w13.shape[0]
     sorted_slots, block_expert = align(topk_ids, first_expert, experts, config.block_m)
     inter = grouped_gemm(x, w13, sorted_slots, block_expert, None, top_k, False, config.block_m, config.gate_up,

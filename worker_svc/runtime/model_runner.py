@@ -464,8 +464,10 @@ class ModelRunner:
         moe = self.model_config.moe
         if moe is not None and self.device.type == "cuda":  # a step of each token count that changes the tiles
             from worker_svc.kernels.moe import hopper_table, warm_up_token_counts
+            from worker_svc.model.moe import ExpertWeights
 
-            table = hopper_table(self.model_config.hidden_size, moe.intermediate_size, self.dtype, self.device)
+            fp8 = any(isinstance(m, ExpertWeights) and m.weight_scale is not None for m in self.model.modules())
+            table = hopper_table(self.model_config.hidden_size, moe.intermediate_size, self.dtype, self.device, fp8)
             for n in warm_up_token_counts(budget, moe.top_k, table):
                 self._warm_up_step([longest] * (n // longest) + ([n % longest] if n % longest else []))
         if self.embedding_only:
