@@ -28,7 +28,7 @@ for b in $benches; do
              XD=$(python3 -c "import xdist" 2>/dev/null && echo "-p xdist -n ${CHECK_PROCS:-12}")
              timeout ${CHECKS_TIMEOUT:-300} python3 -m pytest -q -p no:warnings $XD -rf tests/gpu \
                --ignore=tests/gpu/test_gpu_warm_up.py ${CHECKS:+-k "$CHECKS"} > $OUT/checks.txt 2>&1
-             timeout 150 python3 -m pytest -q -p no:warnings -rf tests/gpu/test_gpu_warm_up.py ${CHECKS:+-k "$CHECKS"} \
+             timeout 420 python3 -m pytest -q -p no:warnings -rf tests/gpu/test_gpu_warm_up.py ${CHECKS:+-k "$CHECKS"} \
                >> $OUT/checks.txt 2>&1
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks.txt | tail -20 ;;
     kernel)  timeout 300 python3 -m bench decode-attention --configs "${KERNEL_CONFIGS:-64:4:3:256,128:4:3:512}" ${KERNEL_ARGS:-} --out $OUT/decode_attention.json 2>&1 | grep -v -i warn | grep '^{' ;;

@@ -250,9 +250,13 @@ def checked_us(case: Case, config: MoeConfig, experts: Experts, reps: int) -> tu
     """(microseconds per fused_moe, '') or (None, why: an error or a mismatch with the loop)."""
     first = case.draws[0]
     try:
-        out = experts.fused_moe(first, config)
-        if not torch.allclose(out.float(), case.reference, atol=3e-2, rtol=3e-2):
-            return None, f"mismatch: max abs diff {float((out.float() - case.reference).abs().max()):.3g}"
+        out = experts.fused_moe(first, config).float()
+        far = ~torch.isclose(out, case.reference, atol=3e-2, rtol=3e-2)
+        # e4m3 experts: an input a rounding apart from the loop's takes the next code, which reaches a few outputs
+        allowed = 1e-4 * far.numel() if experts.fp8 else 0
+        diff = float((out - case.reference).abs().max())
+        if far.sum() > allowed or experts.fp8 and diff > 0.1:
+            return None, f"mismatch: max abs diff {diff:.3g}, {int(far.sum())} outputs past 3e-2"
         calls = [lambda d=d: experts.fused_moe(d, config) for d in case.draws]
         return time_us(calls, case.graph, reps, first.x.device), ""
     except Exception as e:  # a tile too large for this GPU: skipped, and said so

@@ -3,7 +3,8 @@ of every step shape within its limits (prefills from 1 token to the batch budget
 decode batches from 1 to max_num_seqs, mixed steps, sampling and greedy, and rows that need the general sampler:
 a grammar, logprobs, penalties, a bias, filters, bad words) builds nothing
 (`splitserve:worker_kernel_builds_total{phase="serving"}` stays 0). One worker per attention choice and KV
-cache dtype, and with FP8 projections. Run: pytest tests/gpu (skipped without a CUDA GPU)."""
+cache dtype, with FP8 projections, and a MoE's experts in 16 bits and FP8. Run: pytest tests/gpu (skipped without
+a CUDA GPU)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -45,12 +46,16 @@ def _traffic(address: str) -> None:
                                                     **(extra if k % 4 == 0 else {})), range(16)))
 
 
-@pytest.mark.parametrize("worker_flags", [[], ["--attention", "triton"], ["--kv-cache-dtype", "fp8"],
-                                          ["--quantization", "fp8"]], ids=["auto", "triton", "fp8", "fp8_projections"])
-def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, worker_flags):
+@pytest.mark.parametrize("preset,worker_flags", [
+    ("qwen3-small", []), ("qwen3-small", ["--attention", "triton"]), ("qwen3-small", ["--kv-cache-dtype", "fp8"]),
+    ("qwen3-small", ["--quantization", "fp8"]), ("qwen3-30b-a3b", []), ("qwen3-30b-a3b", ["--quantization", "fp8"])],
+    ids=["auto", "triton", "fp8", "fp8_projections", "moe", "moe_fp8_experts"])
+def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, preset, worker_flags):
+    """(qwen3-30b-a3b: its first layer, whose experts' shape has measured tile tables, 16-bit and FP8.)"""
     from worker_svc.checkpoints.writer import make_model
 
-    model = make_model("qwen3-small", tmp_path / "m", seed=0, dtype="bfloat16")
+    layers = 1 if preset == "qwen3-30b-a3b" else None
+    model = make_model(preset, tmp_path / "m", seed=0, dtype="bfloat16", num_layers=layers)
     port = free_port()
     worker = ["--metrics-port", str(port), *LIMITS, *worker_flags]
     with LocalCluster(model, device="cuda", worker_args=worker, scheduler_args=LIMITS,

@@ -90,9 +90,23 @@ HOPPER_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
 }
 
 
-# Hopper, e4m3 experts in 128 x 128 blocks (model/quantized.py), by the same keys: `python -m bench moe-kernel --fp8`.
-# A shape measured in 16 bits only serves its 16-bit table's tiles made to fit (fp8_config).
-HOPPER_FP8_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {}
+# Hopper, e4m3 experts in 128 x 128 blocks (model/quantized.py), by the same keys: `python -m bench moe-kernel --fp8`
+# (measured on an H100: bench/results/moe_kernel_fp8_*). A shape measured in 16 bits only serves its 16-bit table's
+# tiles made to fit (fp8_config).
+HOPPER_FP8_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
+    (2048, 768): {  # 128 experts, top 8
+        2: MoeConfig(16, Tiles(32, 128, 4, 4), Tiles(64, 128, 4, 3)),  # from 1 token
+        16: MoeConfig(16, Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 8 tokens
+        32: MoeConfig(16, Tiles(128, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 32 tokens
+        80: MoeConfig(16, Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 64 tokens
+        176: MoeConfig(16, Tiles(256, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 130 tokens
+        352: MoeConfig(16, Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 256 tokens
+        720: MoeConfig(64, Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 3)),  # from 512 tokens
+        2048: MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(128, 128, 8, 4)),  # from 1024 tokens
+        8192: MoeConfig(128, Tiles(128, 128, 8, 4), Tiles(128, 128, 8, 4)),  # 4096 tokens: fp8_config's, kept
+        16384: MoeConfig(64, Tiles(256, 64, 8, 4), Tiles(256, 128, 8, 3)),  # from 16384 tokens
+    },
+}
 
 
 def default_config(tokens: int, top_k: int) -> MoeConfig:
