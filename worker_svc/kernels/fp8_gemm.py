@@ -18,7 +18,7 @@ GROUPS_PER_PROGRAM = 4
 K_BLOCKS = 4
 
 
-@triton.jit(do_not_specialize=["rows"])  # one build whatever a step's token count
+@triton.jit(do_not_specialize=["rows", "stride_s"])  # one build whatever a step's token count (stride_s: rows)
 def _quantize_rows(X, Q, S, rows, groups, stride_x, stride_q, stride_s,
                    GROUPS: tl.constexpr, GROUP: tl.constexpr, E4M3_MAX: tl.constexpr):
     # GROUPS groups of GROUP columns of one row; rows past `rows` (cuBLAS's padding to 4) become 0 with scale 1

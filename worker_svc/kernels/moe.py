@@ -340,7 +340,8 @@ def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
 
 
 # ---- the grouped GEMM ----------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_slots"])
+# one build whatever a step's token count: num_slots and stride_asg (an FP8 input's scales are rows-innermost)
+@triton.jit(do_not_specialize=["num_slots", "stride_asg"])
 def _moe_gemm(A, AScale, W, Bias, Scale, C, SortedSlots, BlockExpert, RoutedWeights, N, K, num_slots,
               stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_cm,
               A_PER_SLOT: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
