@@ -103,8 +103,7 @@ HOPPER_FP8_CONFIGS: dict[tuple[int, int], dict[int, MoeConfig]] = {
         352: MoeConfig(16, Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)),  # from 256 tokens
         720: MoeConfig(64, Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 3)),  # from 512 tokens
         2048: MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(128, 128, 8, 4)),  # from 1024 tokens
-        8192: MoeConfig(128, Tiles(128, 128, 8, 4), Tiles(128, 128, 8, 4)),  # 4096 tokens: fp8_config's, kept
-        16384: MoeConfig(64, Tiles(256, 64, 8, 4), Tiles(256, 128, 8, 3)),  # from 16384 tokens
+        16384: MoeConfig(128, Tiles(128, 128, 8, 4), Tiles(128, 128, 8, 4)),  # fp8_config's: see bench/NOTES.md
     },
 }
 
