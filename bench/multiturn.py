@@ -1,6 +1,9 @@
 """Multi-turn chat through the services, for the host-memory KV tier (issue 23): C conversations of T turns,
 all running at once, each turn sent when the conversation's previous one finished (or, with --think-time, a
-user's reading and typing later). A turn appends U fresh "user" token ids (seeded, distinct per conversation:
+user's reading and typing later). With --request-rate the turns that are ready go out at that rate instead
+(Poisson arrivals, as SGLang's HiCache multi-turn benchmark paces its clients), so that TTFT is timed at a load
+below the server's capacity rather than at saturation, where a closed system's wait is set by its throughput
+alone. A turn appends U fresh "user" token ids (seeded, distinct per conversation:
 conversations share no prefix) to the history, sends the whole history as the prompt, streams exactly G tokens
 (ignore EOS) and appends them to the history.
 
@@ -80,13 +83,28 @@ class _Recorder:
             yield delta
 
 
-async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm) -> list[tuple[int, common.Trace]]:
+class Pacer:
+    """Send times at `rate` a second, exponentially apart (seeded): each slot() waits for the next one."""
+
+    def __init__(self, rate: float, seed: int):
+        self.rate, self.rng, self.next = rate, random.Random(seed), time.perf_counter()
+
+    async def slot(self) -> None:
+        at = max(self.next, time.perf_counter())
+        self.next = at + self.rng.expovariate(self.rate)
+        await asyncio.sleep(at - time.perf_counter())
+
+
+async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm,
+                       pacer: Pacer | None) -> list[tuple[int, common.Trace]]:
     """One conversation's turns in sequence: (turn, trace) per turn sent; it ends at its first failed turn."""
     rng = random.Random(args.seed * 1_000_003 + c)
     history: list[int] = []
     turns = []
     for turn in range(1, args.turns + 1):
         history += [rng.randint(0, 10000) for _ in range(args.user_tokens)]
+        if pacer is not None:
+            await pacer.slot()
         recorder = _Recorder(client)
         trace = await common.stream(recorder, history, args.output_tokens, temperature=args.temperature,
                                     ignore_eos=True)
@@ -112,8 +130,10 @@ async def run_workload(address: str, args: argparse.Namespace, desc: str) -> tup
             await common.stream(client, [1, 2, 3], 16, temperature=args.temperature, ignore_eos=True)
         bar = tqdm(total=args.conversations * args.turns, desc=desc, dynamic_ncols=True)
         start = time.perf_counter()
+        pacer = Pacer(args.request_rate, args.seed) if args.request_rate else None
         try:
-            done = await asyncio.gather(*(conversation(client, c, args, bar) for c in range(args.conversations)))
+            done = await asyncio.gather(*(conversation(client, c, args, bar, pacer)
+                                          for c in range(args.conversations)))
         finally:
             bar.close()
         turns = [t for conv in done for t in conv]
@@ -185,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--think-time", type=float, default=0.0,
                     help="mean seconds between an answer and the conversation's next turn (exponential, seeded; "
                          "0: at once, so every conversation is live all the time)")
+    ap.add_argument("--request-rate", type=float, default=0.0,
+                    help="turns a second sent of those ready (Poisson, seeded); 0: each as soon as it is ready")
     ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--seed", type=int, default=0, help="of the user tokens")
+    ap.add_argument("--seed", type=int, default=0, help="of the user tokens and of the send times")
     ap.add_argument("--warmup", type=int, default=2, help="3-token requests (16 out) before measuring")
     return ap
 

@@ -269,16 +269,18 @@ def test_offline_with_constrained_requests_counts_what_they_wrote(model: Path, t
     assert doc["results"][1]["output_tokens"] == doc["results"][2]["output_tokens"]
 
 
-@pytest.mark.parametrize("worker", [["--device", "cpu"], ["--simulate"]], ids=["cpu-worker", "simulated-worker"])
-def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[str]) -> None:
-    """Conversations whose histories outgrow the GPU pool, on a real (tiny) CPU worker or a simulated one (which
-    times the copies it does not make): the run with the host tier swaps blocks out and back in (its counters show
-    both), the run without it none."""
+@pytest.mark.parametrize("worker,pace", [(["--device", "cpu"], ["--think-time", "0.01"]),
+                                         (["--simulate"], ["--request-rate", "100"])],
+                         ids=["cpu-worker", "simulated-worker-paced"])
+def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[str], pace: list[str]) -> None:
+    """Conversations whose histories outgrow the GPU pool, on a real (tiny) CPU worker (users reading between
+    turns) or a simulated one (which times the copies it does not make; turns sent at a rate): the run with the
+    host tier swaps blocks out and back in (its counters show both), the run without it none."""
     from bench.__main__ import main
 
     out = tmp_path / "multiturn.json"
     main(["multiturn", "--preset", "qwen3-tiny", *worker, "--block-size", "16", "--conversations", "8",
-          "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--think-time", "0.01", "--out", str(out)])
+          "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", *pace, "--out", str(out)])
     off, on = _load(out, "multiturn", "bench.multiturn")["results"]
     assert (off["run"], on["run"]) == ("tier off", "tier on")
     assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
