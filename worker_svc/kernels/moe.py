@@ -7,7 +7,7 @@ first [tokens' hidden] x gate_up^T, then (after SwiGLU) x down^T times the slot'
 adds the top-k outputs of each token. Experts outside this rank's share (tensor parallelism shards the
 experts) get no slot: their rows are left out of the sum, and the all-reduce adds the other ranks' experts.
 
-The tiles come from `moe_config` (token count -> MoeConfig): a table per expert shape measured on the H200 by
+The tiles come from `moe_config` (token count -> MoeConfig): a table per expert shape measured on Hopper by
 `python -m bench moe-kernel`, which prints the entry to paste into HOPPER_CONFIGS (HOPPER_FP8_CONFIGS with --fp8).
 """
 from __future__ import annotations
