@@ -3,7 +3,7 @@ all running at once, each turn sent when the conversation's previous one finishe
 user's reading and typing later). With --request-rate the turns that are ready go out at that rate instead
 (Poisson arrivals, as SGLang's HiCache multi-turn benchmark paces its clients), so that TTFT is timed at a load
 below the server's capacity rather than at saturation, where a closed system's wait is set by its throughput
-alone. A turn appends U fresh "user" token ids (seeded, distinct per conversation:
+alone; several rates run a round each, with conversations of their own, on the same two clusters. A turn appends U fresh "user" token ids (seeded, distinct per conversation:
 conversations share no prefix) to the history, sends the whole history as the prompt, streams exactly G tokens
 (ignore EOS) and appends them to the history.
 
@@ -18,6 +18,7 @@ from cache, and the blocks swapped either way (the scheduler's Prometheus counte
     python -m bench multiturn --preset qwen3-tiny --device cpu --block-size 16 --conversations 4 --turns 2 \\
         --user-tokens 20 --output-tokens 8
     python -m bench multiturn --simulate --conversations 32   # the scheduler's side on a CPU: copies timed, not made
+    python -m bench multiturn --preset llama-3.1-8b --device cuda --conversations 64 --request-rate 3,6,9
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import random
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -95,10 +97,11 @@ class Pacer:
         await asyncio.sleep(at - time.perf_counter())
 
 
-async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm,
-                       pacer: Pacer | None) -> list[tuple[int, common.Trace]]:
-    """One conversation's turns in sequence: (turn, trace) per turn sent; it ends at its first failed turn."""
-    rng = random.Random(args.seed * 1_000_003 + c)
+async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm, pacer: Pacer | None,
+                       round_: int) -> list[tuple[int, common.Trace]]:
+    """One conversation's turns in sequence: (turn, trace) per turn sent; it ends at its first failed turn. Each
+    round (request rate) has conversations of its own, sharing no prefix with an earlier round's."""
+    rng = random.Random((args.seed + round_) * 1_000_003 + c)
     history: list[int] = []
     turns = []
     for turn in range(1, args.turns + 1):
@@ -118,26 +121,42 @@ async def conversation(client, c: int, args: argparse.Namespace, bar: tqdm,
     return turns
 
 
-async def run_workload(address: str, args: argparse.Namespace, desc: str) -> tuple[list[tuple[int, common.Trace]],
-                                                                                 float, int]:
-    """Every conversation's turns, the seconds they took, and the host blocks the workers kept (a worker drops a
-    tier that does not pay: worker_svc/runtime/tier_policy.py)."""
+@dataclass(slots=True)
+class Round:
+    """One request rate's workload on a cluster: every conversation's turns, the seconds they took, the blocks
+    swapped out and in meanwhile."""
+    rate: float
+    turns: list[tuple[int, common.Trace]]
+    seconds: float
+    swapped: tuple[float, float]
+
+
+async def run_workload(address: str, args: argparse.Namespace, desc: str, metrics_port: int) -> tuple[list[Round], int]:
+    """The workload once per --request-rate on one cluster (a round's conversations its own), and the host blocks
+    the workers kept (a worker drops a tier that does not pay: worker_svc/runtime/tier_policy.py)."""
     from client import AsyncClient
 
     async with AsyncClient(address) as client:
         host_blocks = sum(w.get("num_host_blocks", 0) for w in (await client.model_info())["workers"])
         for _ in range(args.warmup):  # a prompt no conversation shares
             await common.stream(client, [1, 2, 3], 16, temperature=args.temperature, ignore_eos=True)
-        bar = tqdm(total=args.conversations * args.turns, desc=desc, dynamic_ncols=True)
-        start = time.perf_counter()
-        pacer = Pacer(args.request_rate, args.seed) if args.request_rate else None
-        try:
-            done = await asyncio.gather(*(conversation(client, c, args, bar, pacer)
-                                          for c in range(args.conversations)))
-        finally:
-            bar.close()
-        turns = [t for conv in done for t in conv]
-        return turns, max((t.end for _, t in turns), default=start) - start, host_blocks
+        rounds = []
+        for i, rate in enumerate(args.request_rate):
+            before = swapped_blocks(metrics_port)
+            bar = tqdm(total=args.conversations * args.turns, desc=f"{desc} at {rate}/s" if rate else desc,
+                       dynamic_ncols=True)
+            start = time.perf_counter()
+            pacer = Pacer(rate, args.seed + i) if rate else None
+            try:
+                done = await asyncio.gather(*(conversation(client, c, args, bar, pacer, i)
+                                              for c in range(args.conversations)))
+            finally:
+                bar.close()
+            turns = [t for conv in done for t in conv]
+            after = swapped_blocks(metrics_port)
+            rounds.append(Round(rate, turns, max((t.end for _, t in turns), default=start) - start,
+                                (after[0] - before[0], after[1] - before[1])))
+        return rounds, host_blocks
 
 
 def swapped_blocks(metrics_port: int) -> tuple[float, float]:
@@ -205,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--think-time", type=float, default=0.0,
                     help="mean seconds between an answer and the conversation's next turn (exponential, seeded; "
                          "0: at once, so every conversation is live all the time)")
-    ap.add_argument("--request-rate", type=float, default=0.0,
-                    help="turns a second sent of those ready (Poisson, seeded); 0: each as soon as it is ready")
+    ap.add_argument("--request-rate", type=lambda text: common.csv_numbers(text, float), default=[0.0],
+                    help="turns a second sent of those ready (Poisson, seeded); 0: each as soon as it is ready; "
+                         "several, comma-separated: one round each on the same clusters")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0, help="of the user tokens and of the send times")
     ap.add_argument("--warmup", type=int, default=2, help="3-token requests (16 out) before measuring")
@@ -229,23 +249,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
             metrics_port = free_port()
             with common.cluster(args, Path(model), ["--metrics-port", str(metrics_port)],
                                 extra_worker_args=worker) as address:
-                turns, seconds, host_blocks = run_loop(run_workload(address, args, run))
-                swapped = swapped_blocks(metrics_port)
-            rows.append({"path": "grpc services",
-                         **summarize(run, turns, seconds, swapped, per_token * args.block_size, blocks, gib,
-                                     host_blocks)})
-            print(rows[-1], flush=True)
-            errors = [t.error for _, t in turns if t.error]
-            if errors:
-                print(f"{len(errors)} turns failed, e.g. {errors[0]}", flush=True)
+                rounds, host_blocks = run_loop(run_workload(address, args, run, metrics_port))
+            for r in rounds:
+                rows.append({"path": "grpc services", "request_rate": r.rate,
+                             **summarize(run, r.turns, r.seconds, r.swapped, per_token * args.block_size, blocks,
+                                         gib, host_blocks)})
+                print(rows[-1], flush=True)
+                errors = [t.error for _, t in r.turns if t.error]
+                if errors:
+                    print(f"{len(errors)} turns failed, e.g. {errors[0]}", flush=True)
     doc = common.save("bench.multiturn", argv, args.out, "multiturn", args, rows)
-    off, on = rows
-    line = (f"ratios: TTFT p50 off/on {ratio(off['ttft_p50_ms'], on['ttft_p50_ms'])}, "
-            f"TTFT p50 turns 2+ off/on {ratio(off['ttft_p50_turn2plus_ms'], on['ttft_p50_turn2plus_ms'])}, "
-            f"output tok/s on/off {ratio(on['output_tokens_per_s'], off['output_tokens_per_s'])}")
-    print(line)
+    half, lines = len(rows) // 2, []
+    for off, on in zip(rows[:half], rows[half:]):
+        at = f" at {off['request_rate']}/s" if off["request_rate"] else ""
+        lines.append(f"ratios{at}: TTFT p50 off/on {ratio(off['ttft_p50_ms'], on['ttft_p50_ms'])}, "
+                     f"TTFT p50 turns 2+ off/on {ratio(off['ttft_p50_turn2plus_ms'], on['ttft_p50_turn2plus_ms'])}, "
+                     f"output tok/s on/off {ratio(on['output_tokens_per_s'], off['output_tokens_per_s'])}")
+    print("\n".join(lines))
     with Path(args.out).with_suffix(".md").open("a") as md:
-        md.write(f"\n{line}\n")
+        md.write("\n" + "".join(f"{line}\n" for line in lines))
     return doc
 
 

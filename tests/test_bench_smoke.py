@@ -269,25 +269,31 @@ def test_offline_with_constrained_requests_counts_what_they_wrote(model: Path, t
     assert doc["results"][1]["output_tokens"] == doc["results"][2]["output_tokens"]
 
 
-@pytest.mark.parametrize("worker,pace", [(["--device", "cpu"], ["--think-time", "0.01"]),
-                                         (["--simulate"], ["--request-rate", "100"])],
+@pytest.mark.parametrize("worker,pace,rates", [(["--device", "cpu"], ["--think-time", "0.01"], [0]),
+                                               (["--simulate"], ["--request-rate", "100,200"], [100, 200])],
                          ids=["cpu-worker", "simulated-worker-paced"])
-def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[str], pace: list[str]) -> None:
+def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[str], pace: list[str],
+                                                 rates: list[float]) -> None:
     """Conversations whose histories outgrow the GPU pool, on a real (tiny) CPU worker (users reading between
-    turns) or a simulated one (which times the copies it does not make; turns sent at a rate): the run with the
-    host tier swaps blocks out and back in (its counters show both), the run without it none."""
+    turns) or a simulated one (which times the copies it does not make; turns sent at two rates, a round each on
+    the same clusters): the run with the host tier swaps blocks out and back in in every round (its counters show
+    both), the run without it none."""
     from bench.__main__ import main
 
     out = tmp_path / "multiturn.json"
     main(["multiturn", "--preset", "qwen3-tiny", *worker, "--block-size", "16", "--conversations", "8",
           "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", *pace, "--out", str(out)])
-    off, on = _load(out, "multiturn", "bench.multiturn")["results"]
-    assert (off["run"], on["run"]) == ("tier off", "tier on")
-    assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
-    assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0 and off["host_gib"] == off["host_blocks"] == 0
-    assert on["host_blocks"] > 0  # a tiny model's blocks come back faster than they prefill: the tier is kept
-    assert on["swapped_out_blocks"] > 0 and on["swapped_in_blocks"] > 0 and on["swap_gb_s"] > 0
-    assert on["cached_prompt_share"] > 0  # a swap-in is a prompt served from the host tier
+    rows = _load(out, "multiturn", "bench.multiturn")["results"]
+    assert [(r["run"], r["request_rate"]) for r in rows] == [(run, rate) for run in ("tier off", "tier on")
+                                                               for rate in rates]
+    for off, on in zip(rows[:len(rates)], rows[len(rates):]):
+        assert off["errors"] == on["errors"] == 0 and off["turns"] == on["turns"] == 8 * 3
+        assert off["swapped_out_blocks"] == off["swapped_in_blocks"] == 0
+        assert off["host_gib"] == off["host_blocks"] == 0
+        assert on["host_blocks"] > 0  # a tiny model's blocks come back faster than they prefill: the tier is kept
+        assert on["swapped_out_blocks"] > 0 and on["swapped_in_blocks"] > 0 and on["swap_gb_s"] > 0
+        assert on["cached_prompt_share"] > 0  # a swap-in is a prompt served from the host tier
+    assert out.with_suffix(".md").read_text().count("ratios") == len(rates)
 
 
 def test_grpc_stream_floor_counts_every_message_on_both_loops(tmp_path: Path) -> None:
