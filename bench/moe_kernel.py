@@ -69,7 +69,7 @@ class Shape:
         return 3 * self.inter * self.hidden * itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class Experts:
     """w13 [E, 2I, H] and w2 [E, H, I]; where e4m3, their block scales s13 and s2 (fused_moe's arguments)."""
     w13: torch.Tensor
