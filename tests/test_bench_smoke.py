@@ -296,6 +296,32 @@ def test_multiturn_with_the_host_tier_off_and_on(tmp_path: Path, worker: list[st
     assert out.with_suffix(".md").read_text().count("ratios") == len(rates)
 
 
+def test_multiturn_pacer_sends_no_turn_before_its_seeded_time() -> None:
+    """--request-rate's send times: the i-th slot comes no earlier than the sum of the first i exponential gaps
+    its seed draws (the same seed, the same schedule: the tier-off and tier-on runs get the same one)."""
+    import asyncio
+    import random
+    import time
+
+    from bench.multiturn import Pacer
+
+    pacer, sent = Pacer(2000.0, seed=5), []
+    start = pacer.next
+
+    async def send_all() -> None:
+        for _ in range(50):
+            await pacer.slot()
+            sent.append(time.perf_counter())
+
+    asyncio.run(send_all())
+    rng = random.Random(5)
+    due = [start]
+    for _ in range(50):
+        due.append(due[-1] + rng.expovariate(2000.0))
+    assert all(t >= d - 1e-6 for t, d in zip(sent, due))
+    assert pacer.next >= due[-1] - 1e-9
+
+
 def test_grpc_stream_floor_counts_every_message_on_both_loops(tmp_path: Path) -> None:
     """bench grpc-stream: every message written is read, and both sides' CPU per message is measured."""
     from bench.__main__ import main
