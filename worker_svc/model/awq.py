@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -28,6 +29,7 @@ PARTS = ("qweight", "qzeros", "scales")
 class Awq:
     group_size: int
     zero_point: bool
+    fp8_blocks: ClassVar[None] = None  # 4-bit integer codes, never FP8 blocks (CompressedTensors.fp8_blocks)
 
     @classmethod
     def parse(cls, quantization: dict) -> "Awq":

@@ -154,8 +154,8 @@ class ModelConfig:
     logit_scale: float = 1.0
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
-    compressed_tensors: CompressedTensors | None = None  # a compressed-tensors checkpoint's scheme
-    awq: Awq | None = None  # an AutoAWQ checkpoint's scheme
+    # a compressed-tensors or AutoAWQ checkpoint's scheme: its weights dequantised as they load (its `dequantized`)
+    weight_scheme: CompressedTensors | Awq | None = None
     # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
     classifier: model_files.Classifier | None = None
     encoder: EncoderConfig | None = None  # an encoder-only model: bidirectional attention, embeddings only
@@ -190,8 +190,7 @@ class ModelConfig:
     @property
     def fp8_blocks(self) -> tuple[int, int] | None:
         """The blocks an FP8 checkpoint stores its projections' codes in, whichever its format; None for others."""
-        scheme = self.compressed_tensors
-        return self.fp8_weight_block or (scheme.fp8_blocks if scheme else None)
+        return self.fp8_weight_block or (self.weight_scheme.fp8_blocks if self.weight_scheme else None)
 
     @classmethod
     def common(cls, raw: dict, **features) -> "ModelConfig":
@@ -241,9 +240,9 @@ def checkpoint_quantization(quantization: dict | None) -> dict:
         rows, cols = quantization["weight_block_size"]
         return {"fp8_weight_block": (rows, cols)}
     if method == "compressed-tensors":
-        return {"compressed_tensors": CompressedTensors.parse(quantization)}
+        return {"weight_scheme": CompressedTensors.parse(quantization)}
     if method == "awq":
-        return {"awq": Awq.parse(quantization)}
+        return {"weight_scheme": Awq.parse(quantization)}
     raise ValueError(f"unsupported quantization_config {quantization!r} (supported: {', '.join(QUANTIZATIONS)}); its "
                      "weights would not load")
 

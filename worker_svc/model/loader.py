@@ -90,14 +90,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
     tensors = checkpoint_tensors(Path(model_dir))
     config = getattr(model, "config", None)
     block = getattr(config, "fp8_weight_block", None)
-    layouts = [s for s in (getattr(config, "compressed_tensors", None), getattr(config, "awq", None)) if s is not None]
-    if block is not None or layouts:  # quantized codes in their own layouts: dequantised as they are read
+    scheme = getattr(config, "weight_scheme", None)
+    if block is not None or scheme is not None:  # quantized codes in their own layouts: dequantised as they are read
         from worker_svc.model.quantized import fp8_dequantized
 
         names = checkpoint_names(Path(model_dir))
         if block is not None:
             tensors = fp8_dequantized(tensors, block, names)
-        for scheme in layouts:
+        if scheme is not None:
             tensors = scheme.dequantized(tensors, names)
     if hasattr(model, "converted"):
         tensors = model.converted(tensors)

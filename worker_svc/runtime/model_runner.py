@@ -230,8 +230,8 @@ class ModelRunner:
         self.fp8_linears = allocate_projections(self.model, self.device, self.dtype) if fp8 else 0
         if fp8:
             log.info("%d projections in FP8 blocks of %d x %d", self.fp8_linears, FP8_GROUP, FP8_GROUP)
-        if (stored := mc.compressed_tensors or mc.awq) is not None and not fp8:
-            log.info("the checkpoint's quantized weights (%s) dequantised to %s as they load", stored,
+        if mc.weight_scheme is not None and not fp8:
+            log.info("the checkpoint's quantized weights (%s) dequantised to %s as they load", mc.weight_scheme,
                      str(self.dtype).removeprefix("torch."))
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
@@ -352,7 +352,7 @@ class ModelRunner:
             served, theirs = self.model_config, ModelConfig.from_dir(folder, self.config.hf_overrides)
             # its dtype may differ (a trainer's float32, a served FP8 checkpoint's dequantised weights): they load cast
             if dataclasses.replace(theirs, dtype=served.dtype, fp8_weight_block=served.fp8_weight_block,
-                                   compressed_tensors=served.compressed_tensors, awq=served.awq) != served:
+                                   weight_scheme=served.weight_scheme) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
                                  f"({self.model_dir.name}): its weights cannot take their place")
             load_weights(self.model, folder, names_only=True)  # a tensor short or too many: refused untouched
