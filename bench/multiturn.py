@@ -3,9 +3,9 @@ all running at once, each turn sent when the conversation's previous one finishe
 user's reading and typing later). With --request-rate the turns that are ready go out at that rate instead
 (Poisson arrivals, as SGLang's HiCache multi-turn benchmark paces its clients), so that TTFT is timed at a load
 below the server's capacity rather than at saturation, where a closed system's wait is set by its throughput
-alone; several rates run a round each, with conversations of their own, on the same two clusters. A turn appends U fresh "user" token ids (seeded, distinct per conversation:
-conversations share no prefix) to the history, sends the whole history as the prompt, streams exactly G tokens
-(ignore EOS) and appends them to the history.
+alone; several rates run a round each, with conversations of their own, on the same two clusters. A turn appends
+U fresh "user" token ids (seeded, distinct per conversation: conversations share no prefix) to the history, sends
+the whole history as the prompt, streams exactly G tokens (ignore EOS) and appends them to the history.
 
 The GPU's KV pool is cut (the worker's --num-blocks) so that the histories at the end are about 4x what it
 holds: the scheduler evicts a conversation's blocks between its turns. The workload runs twice, each on a
