@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
@@ -69,7 +70,7 @@ class Shape:
         return 3 * self.inter * self.hidden * itemsize
 
 
-@dataclass(slots=True)
+@dataclass
 class Experts:
     """w13 [E, 2I, H] and w2 [E, H, I]; where e4m3, their block scales s13 and s2 (fused_moe's arguments)."""
     w13: torch.Tensor
@@ -97,11 +98,15 @@ class Experts:
         w, scale = (self.w13, self.s13) if gemm == "gate_up" else (self.w2, self.s2)
         return moe.grouped_gemm(a, w, *aligned, weights, top_k, gemm == "down", block_m, tiles, scale=scale)
 
+    @functools.cached_property
+    def loop_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loop's w13 and w2: the values the kernel reads (float32 copies, made once; the codes where e4m3)."""
+        return (self.w13, self.w2) if self.fp8 else (self.w13.float(), self.w2.float())
+
     def reference(self, d: Draw) -> torch.Tensor:
         """The loop over experts on the same values the kernel reads (its codes and scales where e4m3)."""
-        return reference.fused_moe(d.x.float(), self.w13 if self.fp8 else self.w13.float(),
-                                   self.w2 if self.fp8 else self.w2.float(), d.weights.float(), d.ids,
-                                   s13=self.s13, s2=self.s2)
+        return reference.fused_moe(d.x.float(), *self.loop_weights, d.weights.float(), d.ids, s13=self.s13,
+                                   s2=self.s2)
 
 
 @dataclass
