@@ -342,9 +342,10 @@ def test_fp8_blocks_round_trip_with_partial_blocks():
 def test_an_unsupported_quantization_is_refused_by_name(tmp_path):
     from worker_svc.model.config import ModelConfig
 
-    config = get_preset("qwen3-tiny") | {"quantization_config": {"quant_method": "gptq", "bits": 4}}
+    config = get_preset("qwen3-tiny") | {"quantization_config": {"quant_method": "bitsandbytes",
+                                                             "load_in_4bit": True}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported quantization_config.*gptq.*fp8 with weight_block_size"):
+    with pytest.raises(ValueError, match="unsupported quantization_config.*bitsandbytes.*fp8 with weight_block_size"):
         ModelConfig.from_dir(tmp_path)
 
 
