@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from worker_svc.model.compressed_tensors import dequantize_groups
-from worker_svc.model.loader import CheckpointTensor, joined
+from worker_svc.model.loader import CheckpointTensor, joined_qweights
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of the word's nibble p
 COLUMN_NIBBLE = tuple(ORDER.index(c) for c in range(8))  # the nibble of the word's column c
@@ -42,11 +42,7 @@ class Awq:
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
         `*.weight`; every other tensor as it is, still unread."""
-        def part_of(name: str) -> tuple[str, str] | None:
-            module, _, part = name.rpartition(".")
-            return (f"{module}.weight", part) if part in PARTS and f"{module}.qweight" in names else None
-
-        return joined(tensors, names, part_of, self.dequantize)
+        return joined_qweights(tensors, names, PARTS, self.dequantize)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's weight [out, in] in float32 from its qweight, qzeros and scales."""

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from worker_svc.model.compressed_tensors import dequantize_groups
-from worker_svc.model.loader import CheckpointTensor, joined
+from worker_svc.model.loader import CheckpointTensor, joined_qweights
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # what each format's stored zero points are less than the real ones
@@ -48,11 +48,7 @@ class Gptq:
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
         `*.weight`; every other tensor as it is, still unread."""
-        def part_of(name: str) -> tuple[str, str] | None:
-            module, _, part = name.rpartition(".")
-            return (f"{module}.weight", part) if part in PARTS and f"{module}.qweight" in names else None
-
-        return joined(tensors, names, part_of, self.dequantize)
+        return joined_qweights(tensors, names, PARTS, self.dequantize)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's weight [out, in] in float32 from its qweight, qzeros, scales and g_idx (where stored)."""

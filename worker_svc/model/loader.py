@@ -56,6 +56,17 @@ def joined(tensors: Iterator[CheckpointTensor], names: set[str], part_of: Callab
         raise KeyError(f"quantized weights without all their parts: {sorted(waiting)[:3]}")
 
 
+def joined_qweights(tensors: Iterator[CheckpointTensor], names: set[str], parts: tuple[str, ...],
+                    weight: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Iterator[CheckpointTensor]:
+    """joined() for the formats that store a quantized module as `qweight` beside its other `parts` (AutoAWQ's,
+    GPTQ's): each module with a `qweight` among `names` read as one `*.weight`."""
+    def part_of(name: str) -> tuple[str, str] | None:
+        module, _, part = name.rpartition(".")
+        return (f"{module}.weight", part) if part in parts and f"{module}.qweight" in names else None
+
+    return joined(tensors, names, part_of, weight)
+
+
 def checkpoint_names(model_dir: Path) -> set[str]:
     """Every tensor name of the checkpoint, from its index or its file's header (no tensor read)."""
     index = model_dir / "model.safetensors.index.json"
