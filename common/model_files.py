@@ -97,8 +97,14 @@ QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
 
 
 def config_json(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json's contents, `overrides` (the worker's --hf-overrides, vLLM's) replacing its top-level keys."""
-    return {**read_json(Path(model_dir) / "config.json"), **(overrides or {})}
+    """config.json's contents, `overrides` (the worker's --hf-overrides, vLLM's) replacing its top-level keys. A
+    ModelOpt checkpoint that says how it is quantized only in hf_quant_config.json (nvidia's earlier -FP8 models) gets
+    that as its quantization_config, as vLLM reads it."""
+    config = {**read_json(Path(model_dir) / "config.json"), **(overrides or {})}
+    modelopt = Path(model_dir) / "hf_quant_config.json"
+    if config and "quantization_config" not in config and modelopt.exists():
+        config["quantization_config"] = {"quant_method": "modelopt", **read_json(modelopt)}
+    return config
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,3 +251,51 @@ def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(
     (count, ours), (plain_count, theirs) = fp8(folder), fp8(tmp_path / "dq")
     assert count == plain_count == 4 * 4
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("algo, strategy", [("FP8", "tensor"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel")])
+@pytest.mark.parametrize("described_in", ["config.json", "hf_quant_config.json"])
+def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, strategy, described_in, source,
+                                                                        tmp_path):
+    """NVIDIA ModelOpt's FP8 layout is float-quantized compressed-tensors' (e4m3 `weight`, `weight_scale` per tensor
+    or channel) with a static `input_scale` beside each and the KV cache's scales on k_proj and v_proj. The library's
+    folder rewritten so serves its logits exactly (those proven against transformers above), whether config.json
+    or only hf_quant_config.json (nvidia's earlier -FP8 models) describes it, and an fp8 cache takes the k_proj /
+    v_proj scales as the attention's."""
+    from safetensors.torch import load_file, save_file
+
+    twin = compressed_checkpoint(source, tmp_path / "ct", "float-quantized",
+                                 dict(num_bits=8, type="float", strategy=strategy))
+    folder = shutil.copytree(twin, tmp_path / "modelopt")
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name] = tensors[name].reshape(() if strategy == "tensor" else -1)  # as ModelOpt stores them
+        tensors[name.replace(".weight_scale", ".input_scale")] = torch.tensor(0.02)
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.5 + i)
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    quantization = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    del config["quantization_config"]
+    if described_in == "config.json":
+        config["quantization_config"] = {"quant_method": "modelopt", **quantization}
+    else:
+        (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                                 "quantization": quantization}))
+    (folder / "config.json").write_text(json.dumps(config))
+
+    assert torch.equal(_logits(folder), _logits(twin))
+    fp8 = ModelRunner(folder, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                           limits=Limits(max_num_seqs=4), kv_cache_dtype="fp8"))
+    assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in fp8.model.layers] == [
+        (0.5 + i, 0.25) for i in range(layers)]
+
+
+def test_other_modelopt_algorithms_are_refused_by_name():
+    assert CompressedTensors.modelopt({"quant_method": "modelopt", "quantization": {"quant_algo": "fp8"}}).strategy \
+        == "tensor"
+    for algo in ("NVFP4", "W4A8_AWQ", None):
+        with pytest.raises(ValueError, match="unsupported ModelOpt checkpoint"):
+            CompressedTensors.modelopt({"quant_method": "modelopt", "quant_algo": algo})

@@ -11,6 +11,7 @@ and `weight_scale` per tensor, output row (channel), `group_size` input columns 
 scale, as compressed-tensors dequantises it. The activations' scheme (`input_activations`: dynamic per-token FP8 or
 INT8, or a static `input_scale`) is not applied: the served model computes with 16-bit activations over the
 dequantised weights, and `--quantization fp8` puts the projections back into FP8 blocks (model/quantized.py).
+NVIDIA ModelOpt's FP8 checkpoints store their Linears as float-quantized ones (CompressedTensors.modelopt).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quan
 STRATEGIES = ("tensor", "channel", "group", "block")
 PARTS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
 ACTIVATION_PARTS = ("input_scale", "input_zero_point")  # a static activation scheme's: not applied
+MODELOPT_STRATEGIES = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}  # ModelOpt's FP8 quant_algo
 UNPACK_ROWS = 1024  # rows unpacked at a time (int64 words per element while unpacking)
 
 
@@ -64,6 +66,18 @@ class CompressedTensors:
             raise refuse("actorder 'group' (columns permuted into their groups by weight_g_idx)")
         block = weights.get("block_structure")
         return cls(fmt, kind, bits, strategy, weights.get("group_size"), tuple(block) if block else None)
+
+    @classmethod
+    def modelopt(cls, quantization: dict) -> "CompressedTensors":
+        """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), which store each
+        quantized Linear as float-quantized compressed-tensors does: e4m3 `weight`, `weight_scale` per tensor
+        (`quant_algo: FP8`) or per output channel (FP8_PER_CHANNEL_PER_TOKEN), a static `input_scale` (not applied).
+        The algorithm is read from the config.json form or hf_quant_config.json's (under `quantization`)."""
+        algo = str((quantization.get("quantization") or quantization).get("quant_algo", "")).upper()
+        if algo not in MODELOPT_STRATEGIES:
+            raise ValueError(f"unsupported ModelOpt checkpoint: quant_algo {algo!r} (served: "
+                             f"{', '.join(MODELOPT_STRATEGIES)})")
+        return cls("float-quantized", "float", 8, MODELOPT_STRATEGIES[algo])
 
     @property
     def fp8_blocks(self) -> tuple[int, int] | None:

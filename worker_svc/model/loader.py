@@ -87,11 +87,13 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[CheckpointTensor]:
 def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = False) -> dict[str, float]:
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
     missing name (names_only: fails as a load would on names, copying nothing; tensors that a conversion below pairs
-    up are still read). FP8 block-scaled weights and compressed-tensors' and AWQ's quantized ones are dequantised,
-    an FP8 projection's shards staged until its last is in (model/quantized.py), and a model's `converted` (if it
-    has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4 experts).
-    Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale` -> value; `kv_scale` gives both), for an
-    fp8 cache: a scale per layer and tensor (the largest, where one is stored per head)."""
+    up are still read). FP8 block-scaled weights and the quantized ones of other formats (config.weight_scheme) are
+    dequantised, an FP8 projection's shards staged until its last is in (model/quantized.py), and a model's
+    `converted` (if it has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4
+    experts).
+    Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale`, or ModelOpt's `self_attn.k_proj.k_scale`,
+    -> value; `kv_scale` gives both), for an fp8 cache: a scale per layer and tensor (the largest, where one is stored
+    per head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
@@ -117,6 +119,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
     for hf_name, get_tensor, file in tensors:
         if hf_name.startswith(ignored):
             continue
+        module, _, leaf = hf_name.rpartition(".")
+        if leaf in KV_SCALE_NAMES and module.endswith((".k_proj", ".v_proj")):  # ModelOpt's: the attention's
+            hf_name = f"{module.rpartition('.')[0]}.{leaf}"
         name, shard_id = _our_name(hf_name, packed, prefixes, renamed)
         if name not in params and f"{name}.weight" in params:
             name += ".weight"  # stored without its `.weight` (experts as transformers 5 saves them)
