@@ -253,15 +253,18 @@ def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(
     assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("algo, strategy", [("FP8", "tensor"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel")])
-@pytest.mark.parametrize("described_in", ["config.json", "hf_quant_config.json"])
+@pytest.mark.parametrize("algo, strategy, described_in", [
+    ("FP8", "tensor", "config.json"), ("FP8", "tensor", "hf_quant_config.json"),
+    ("FP8_PER_CHANNEL_PER_TOKEN", "channel", "config.json"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel",
+                                                              "hf_quant_config.json"),
+    ("AutoFP8", "tensor", "config.json")])
 def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, strategy, described_in, source,
                                                                         tmp_path):
     """NVIDIA ModelOpt's FP8 layout is float-quantized compressed-tensors' (e4m3 `weight`, `weight_scale` per tensor
-    or channel) with a static `input_scale` beside each and the KV cache's scales on k_proj and v_proj. The library's
-    folder rewritten so serves its logits exactly (those proven against transformers above), whether config.json
-    or only hf_quant_config.json (nvidia's earlier -FP8 models) describes it, and an fp8 cache takes the k_proj /
-    v_proj scales as the attention's."""
+    or channel) with a static `input_scale` beside each and the KV cache's scales on k_proj and v_proj; AutoFP8's is
+    its per-tensor one (`quant_method: fp8` without blocks). The library's folder rewritten so serves its logits
+    exactly (those proven against transformers above), whether config.json or only hf_quant_config.json (nvidia's
+    earlier -FP8 models) describes it, and an fp8 cache takes the k_proj / v_proj scales as the attention's."""
     from safetensors.torch import load_file, save_file
 
     twin = compressed_checkpoint(source, tmp_path / "ct", "float-quantized",
@@ -279,7 +282,9 @@ def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, s
     config = json.loads((folder / "config.json").read_text())
     quantization = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
     del config["quantization_config"]
-    if described_in == "config.json":
+    if algo == "AutoFP8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    elif described_in == "config.json":
         config["quantization_config"] = {"quant_method": "modelopt", **quantization}
     else:
         (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},

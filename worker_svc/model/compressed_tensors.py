@@ -69,10 +69,13 @@ class CompressedTensors:
 
     @classmethod
     def modelopt(cls, quantization: dict) -> "CompressedTensors":
-        """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), which store each
-        quantized Linear as float-quantized compressed-tensors does: e4m3 `weight`, `weight_scale` per tensor
-        (`quant_algo: FP8`) or per output channel (FP8_PER_CHANNEL_PER_TOKEN), a static `input_scale` (not applied).
-        The algorithm is read from the config.json form or hf_quant_config.json's (under `quantization`)."""
+        """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), and AutoFP8's
+        (`quant_method: fp8` without blocks: Neural Magic's earlier -FP8 models), which store each quantized Linear
+        as float-quantized compressed-tensors does: e4m3 `weight`, `weight_scale` per tensor (ModelOpt's `quant_algo:
+        FP8`, AutoFP8's) or per output channel (FP8_PER_CHANNEL_PER_TOKEN), a static `input_scale` (not applied).
+        ModelOpt's algorithm is read from the config.json form or hf_quant_config.json's (under `quantization`)."""
+        if quantization.get("quant_method") == "fp8":
+            return cls("float-quantized", "float", 8, "tensor")
         algo = str((quantization.get("quantization") or quantization).get("quant_algo", "")).upper()
         if algo not in MODELOPT_STRATEGIES:
             raise ValueError(f"unsupported ModelOpt checkpoint: quant_algo {algo!r} (served: "
