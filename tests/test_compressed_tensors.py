@@ -299,8 +299,8 @@ def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, s
 
 
 def test_other_modelopt_algorithms_are_refused_by_name():
-    assert CompressedTensors.modelopt({"quant_method": "modelopt", "quantization": {"quant_algo": "fp8"}}).strategy \
+    assert CompressedTensors.scaled_fp8({"quant_method": "modelopt", "quantization": {"quant_algo": "fp8"}}).strategy \
         == "tensor"
     for algo in ("NVFP4", "W4A8_AWQ", None):
         with pytest.raises(ValueError, match="unsupported ModelOpt checkpoint"):
-            CompressedTensors.modelopt({"quant_method": "modelopt", "quant_algo": algo})
+            CompressedTensors.scaled_fp8({"quant_method": "modelopt", "quant_algo": algo})

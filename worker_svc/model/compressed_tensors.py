@@ -11,7 +11,8 @@ and `weight_scale` per tensor, output row (channel), `group_size` input columns 
 scale, as compressed-tensors dequantises it. The activations' scheme (`input_activations`: dynamic per-token FP8 or
 INT8, or a static `input_scale`) is not applied: the served model computes with 16-bit activations over the
 dequantised weights, and `--quantization fp8` puts the projections back into FP8 blocks (model/quantized.py).
-NVIDIA ModelOpt's FP8 checkpoints store their Linears as float-quantized ones (CompressedTensors.modelopt).
+NVIDIA ModelOpt's and AutoFP8's FP8 checkpoints store their Linears as float-quantized ones
+(CompressedTensors.scaled_fp8).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class CompressedTensors:
         return cls(fmt, kind, bits, strategy, weights.get("group_size"), tuple(block) if block else None)
 
     @classmethod
-    def modelopt(cls, quantization: dict) -> "CompressedTensors":
+    def scaled_fp8(cls, quantization: dict) -> "CompressedTensors":
         """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), and AutoFP8's
         (`quant_method: fp8` without blocks: Neural Magic's earlier -FP8 models), which store each quantized Linear
         as float-quantized compressed-tensors does: e4m3 `weight`, `weight_scale` per tensor (ModelOpt's `quant_algo:

@@ -242,7 +242,7 @@ def checkpoint_quantization(quantization: dict | None) -> dict:
         rows, cols = quantization["weight_block_size"]
         return {"fp8_weight_block": (rows, cols)}
     if method in ("fp8", "modelopt"):  # FP8 codes a scale per tensor or channel (AutoFP8's, ModelOpt's)
-        return {"weight_scheme": CompressedTensors.modelopt(quantization)}
+        return {"weight_scheme": CompressedTensors.scaled_fp8(quantization)}
     if method == "compressed-tensors":
         return {"weight_scheme": CompressedTensors.parse(quantization)}
     if method == "awq":
