@@ -257,14 +257,15 @@ def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(
     ("FP8", "tensor", "config.json"), ("FP8", "tensor", "hf_quant_config.json"),
     ("FP8_PER_CHANNEL_PER_TOKEN", "channel", "config.json"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel",
                                                               "hf_quant_config.json"),
-    ("AutoFP8", "tensor", "config.json")])
-def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, strategy, described_in, source,
-                                                                        tmp_path):
+    ("AutoFP8", "tensor", "config.json"), ("fbgemm_fp8", "channel", "config.json")])
+def test_a_scaled_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, strategy, described_in, source,
+                                                                       tmp_path):
     """NVIDIA ModelOpt's FP8 layout is float-quantized compressed-tensors' (e4m3 `weight`, `weight_scale` per tensor
     or channel) with a static `input_scale` beside each and the KV cache's scales on k_proj and v_proj; AutoFP8's is
-    its per-tensor one (`quant_method: fp8` without blocks). The library's folder rewritten so serves its logits
-    exactly (those proven against transformers above), whether config.json or only hf_quant_config.json (nvidia's
-    earlier -FP8 models) describes it, and an fp8 cache takes the k_proj / v_proj scales as the attention's."""
+    its per-tensor one (`quant_method: fp8` without blocks), FBGEMM's the per-channel one with a bound of the
+    activations' scale (`input_scale_ub`). The library's folder rewritten so serves its logits exactly (those proven
+    against transformers above), whether config.json or only hf_quant_config.json (nvidia's earlier -FP8 models)
+    describes it, and an fp8 cache takes the k_proj / v_proj scales as the attention's."""
     from safetensors.torch import load_file, save_file
 
     twin = compressed_checkpoint(source, tmp_path / "ct", "float-quantized",
@@ -284,6 +285,13 @@ def test_a_modelopt_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, s
     del config["quantization_config"]
     if algo == "AutoFP8":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    elif algo == "fbgemm_fp8":  # Meta's: an upper bound of the activations' scale in place of a static one
+        config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                         "modules_to_not_convert": ["lm_head"]}
+        tensors = load_file(folder / "model.safetensors")
+        for name in [n for n in tensors if n.endswith(".input_scale")]:
+            tensors[name.replace(".input_scale", ".input_scale_ub")] = tensors.pop(name) * 0 + 1200.0
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     elif described_in == "config.json":
         config["quantization_config"] = {"quant_method": "modelopt", **quantization}
     else:

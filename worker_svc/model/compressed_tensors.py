@@ -28,7 +28,7 @@ FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quan
            "pack-quantized": ("int",)}
 STRATEGIES = ("tensor", "channel", "group", "block")
 PARTS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
-ACTIVATION_PARTS = ("input_scale", "input_zero_point")  # a static activation scheme's: not applied
+ACTIVATION_PARTS = ("input_scale", "input_zero_point", "input_scale_ub")  # activation schemes': not applied
 MODELOPT_STRATEGIES = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}  # ModelOpt's FP8 quant_algo
 UNPACK_ROWS = 1024  # rows unpacked at a time (int64 words per element while unpacking)
 
@@ -70,13 +70,15 @@ class CompressedTensors:
 
     @classmethod
     def scaled_fp8(cls, quantization: dict) -> "CompressedTensors":
-        """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), and AutoFP8's
-        (`quant_method: fp8` without blocks: Neural Magic's earlier -FP8 models), which store each quantized Linear
-        as float-quantized compressed-tensors does: e4m3 `weight`, `weight_scale` per tensor (ModelOpt's `quant_algo:
-        FP8`, AutoFP8's) or per output channel (FP8_PER_CHANNEL_PER_TOKEN), a static `input_scale` (not applied).
-        ModelOpt's algorithm is read from the config.json form or hf_quant_config.json's (under `quantization`)."""
-        if quantization.get("quant_method") == "fp8":
-            return cls("float-quantized", "float", 8, "tensor")
+        """NVIDIA ModelOpt's FP8 checkpoints (`quant_method: modelopt`: nvidia's -FP8 models), AutoFP8's
+        (`quant_method: fp8` without blocks: Neural Magic's earlier -FP8 models) and FBGEMM's (`fbgemm_fp8`: Meta's
+        Llama-3.1-405B-Instruct-FP8), which store each quantized Linear as float-quantized compressed-tensors does:
+        e4m3 `weight`, `weight_scale` per tensor (ModelOpt's `quant_algo: FP8`, AutoFP8's) or per output channel
+        (FP8_PER_CHANNEL_PER_TOKEN, FBGEMM's), and an activation scale or bound (`input_scale`, `input_scale_ub`: not
+        applied). ModelOpt's algorithm is read from the config.json form or hf_quant_config.json's (`quantization`)."""
+        method = quantization.get("quant_method")
+        if method in ("fp8", "fbgemm_fp8"):
+            return cls("float-quantized", "float", 8, "tensor" if method == "fp8" else "channel")
         algo = str((quantization.get("quantization") or quantization).get("quant_algo", "")).upper()
         if algo not in MODELOPT_STRATEGIES:
             raise ValueError(f"unsupported ModelOpt checkpoint: quant_algo {algo!r} (served: "

@@ -227,12 +227,12 @@ class ModelConfig:
 
 
 QUANTIZATIONS = ("fp8 (blocks or per tensor)", "mxfp4 (gpt-oss)", "compressed-tensors", "awq (gemm)",
-                 "gptq (2, 4 or 8 bits)", "modelopt (FP8)")
+                 "gptq (2, 4 or 8 bits)", "modelopt (FP8)", "fbgemm_fp8")
 
 
 def checkpoint_quantization(quantization: dict | None) -> dict:
     """The ModelConfig fields that say how a checkpoint's weights are stored, by its `quant_method`: FP8 blocks
-    (model/quantized.py), compressed-tensors, AutoFP8's or ModelOpt's FP8 (model/compressed_tensors.py), AWQ
+    (model/quantized.py), compressed-tensors, scaled FP8 (model/compressed_tensors.py), AWQ
     (model/awq.py) or GPTQ (model/gptq.py) schemes; none for one not quantized or in MXFP4 (gpt-oss's experts,
     model/gpt_oss.py). Any other refused with the supported list, as is a scheme its parser does not serve."""
     method = (quantization or {}).get("quant_method")
@@ -241,7 +241,7 @@ def checkpoint_quantization(quantization: dict | None) -> dict:
     if method == "fp8" and quantization.get("weight_block_size"):
         rows, cols = quantization["weight_block_size"]
         return {"fp8_weight_block": (rows, cols)}
-    if method in ("fp8", "modelopt"):  # FP8 codes a scale per tensor or channel (AutoFP8's, ModelOpt's)
+    if method in ("fp8", "modelopt", "fbgemm_fp8"):  # FP8 codes, a scale per tensor or channel
         return {"weight_scheme": CompressedTensors.scaled_fp8(quantization)}
     if method == "compressed-tensors":
         return {"weight_scheme": CompressedTensors.parse(quantization)}
