@@ -11,7 +11,7 @@ and `weight_scale` per tensor, output row (channel), `group_size` input columns 
 scale, as compressed-tensors dequantises it. The activations' scheme (`input_activations`: dynamic per-token FP8 or
 INT8, or a static `input_scale`) is not applied: the served model computes with 16-bit activations over the
 dequantised weights, and `--quantization fp8` puts the projections back into FP8 blocks (model/quantized.py).
-NVIDIA ModelOpt's and AutoFP8's FP8 checkpoints store their Linears as float-quantized ones
+NVIDIA ModelOpt's, AutoFP8's and FBGEMM's FP8 checkpoints store their Linears as float-quantized ones
 (CompressedTensors.scaled_fp8).
 """
 from __future__ import annotations

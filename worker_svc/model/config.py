@@ -155,7 +155,7 @@ class ModelConfig:
     logit_scale: float = 1.0
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
-    # a compressed-tensors, AutoAWQ or GPTQ checkpoint's scheme: its weights dequantised as they load (`dequantized`)
+    # a compressed-tensors (or scaled FP8), AutoAWQ or GPTQ checkpoint's scheme: its weights dequantised as they load
     weight_scheme: CompressedTensors | Awq | Gptq | None = None
     # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
     classifier: model_files.Classifier | None = None
@@ -232,9 +232,9 @@ QUANTIZATIONS = ("fp8 (blocks or per tensor)", "mxfp4 (gpt-oss)", "compressed-te
 
 def checkpoint_quantization(quantization: dict | None) -> dict:
     """The ModelConfig fields that say how a checkpoint's weights are stored, by its `quant_method`: FP8 blocks
-    (model/quantized.py), compressed-tensors, scaled FP8 (model/compressed_tensors.py), AWQ
-    (model/awq.py) or GPTQ (model/gptq.py) schemes; none for one not quantized or in MXFP4 (gpt-oss's experts,
-    model/gpt_oss.py). Any other refused with the supported list, as is a scheme its parser does not serve."""
+    (model/quantized.py), compressed-tensors or scaled FP8 (model/compressed_tensors.py), AWQ (model/awq.py) or GPTQ
+    (model/gptq.py) schemes; none for one not quantized or in MXFP4 (gpt-oss's experts, model/gpt_oss.py). Any other
+    refused with the supported list, as is a scheme its parser does not serve."""
     method = (quantization or {}).get("quant_method")
     if method in (None, "mxfp4"):
         return {}
