@@ -342,10 +342,9 @@ def test_fp8_blocks_round_trip_with_partial_blocks():
 def test_an_unsupported_quantization_is_refused_by_name(tmp_path):
     from worker_svc.model.config import ModelConfig
 
-    config = get_preset("qwen3-tiny") | {"quantization_config": {"quant_method": "bitsandbytes",
-                                                             "load_in_4bit": True}}
+    config = get_preset("qwen3-tiny") | {"quantization_config": {"quant_method": "hqq", "nbits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported quantization_config.*bitsandbytes.*\(supported: fp8"):
+    with pytest.raises(ValueError, match=r"unsupported quantization_config.*hqq.*\(supported: fp8"):
         ModelConfig.from_dir(tmp_path)
 
 

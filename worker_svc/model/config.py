@@ -9,6 +9,7 @@ from pathlib import Path
 
 from common import model_files
 from worker_svc.model.awq import Awq
+from worker_svc.model.bitsandbytes import BitsAndBytes
 from worker_svc.model.compressed_tensors import CompressedTensors
 from worker_svc.model.gptq import Gptq
 from typing import Callable
@@ -155,8 +156,8 @@ class ModelConfig:
     logit_scale: float = 1.0
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last one (GLM-4.5's): not loaded
     fp8_weight_block: tuple[int, int] | None = None  # an FP8 block-scaled checkpoint's blocks (model/quantized.py)
-    # a compressed-tensors (or scaled FP8), AutoAWQ or GPTQ checkpoint's scheme: its weights dequantised as they load
-    weight_scheme: CompressedTensors | Awq | Gptq | None = None
+    # a compressed-tensors (or scaled FP8), AWQ, GPTQ or bitsandbytes checkpoint's scheme: dequantised as it loads
+    weight_scheme: CompressedTensors | Awq | Gptq | BitsAndBytes | None = None
     # a sequence classifier's head in the LM head's place (*ForSequenceClassification, vLLM's classifier_from_token)
     classifier: model_files.Classifier | None = None
     encoder: EncoderConfig | None = None  # an encoder-only model: bidirectional attention, embeddings only
@@ -227,14 +228,14 @@ class ModelConfig:
 
 
 QUANTIZATIONS = ("fp8 (blocks or per tensor)", "mxfp4 (gpt-oss)", "compressed-tensors", "awq (gemm)",
-                 "gptq (2, 4 or 8 bits)", "modelopt (FP8)", "fbgemm_fp8")
+                 "gptq (2, 4 or 8 bits)", "modelopt (FP8)", "fbgemm_fp8", "bitsandbytes")
 
 
 def checkpoint_quantization(quantization: dict | None) -> dict:
     """The ModelConfig fields that say how a checkpoint's weights are stored, by its `quant_method`: FP8 blocks
-    (model/quantized.py), compressed-tensors or scaled FP8 (model/compressed_tensors.py), AWQ (model/awq.py) or GPTQ
-    (model/gptq.py) schemes; none for one not quantized or in MXFP4 (gpt-oss's experts, model/gpt_oss.py). Any other
-    refused with the supported list, as is a scheme its parser does not serve."""
+    (model/quantized.py), compressed-tensors or scaled FP8 (model/compressed_tensors.py), AWQ (model/awq.py), GPTQ
+    (model/gptq.py) or bitsandbytes (model/bitsandbytes.py) schemes; none for one not quantized or in MXFP4 (gpt-oss's
+    experts, model/gpt_oss.py). Any other refused with the supported list, as is a scheme its parser does not serve."""
     method = (quantization or {}).get("quant_method")
     if method in (None, "mxfp4"):
         return {}
@@ -249,6 +250,8 @@ def checkpoint_quantization(quantization: dict | None) -> dict:
         return {"weight_scheme": Awq.parse(quantization)}
     if method == "gptq":
         return {"weight_scheme": Gptq.parse(quantization)}
+    if method == "bitsandbytes":
+        return {"weight_scheme": BitsAndBytes.parse(quantization)}
     raise ValueError(f"unsupported quantization_config {quantization!r} (supported: {', '.join(QUANTIZATIONS)}); its "
                      "weights would not load")
 
