@@ -26,8 +26,8 @@ CASES = {  # quantization_config, 4-bit quant type (None: 8 bits), double quanti
 }
 
 
-def quantized(weight: torch.Tensor, quant_type: str | None,
-              nested: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def quantized(weight: torch.Tensor, quant_type: str | None, nested: bool,
+              storage: torch.dtype = torch.uint8) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A module's tensors as transformers saves a bitsandbytes Linear (names relative to the module), and the weight
     the library dequantises from them."""
     import bitsandbytes.functional as F
@@ -36,7 +36,8 @@ def quantized(weight: torch.Tensor, quant_type: str | None,
         codes, scb, _ = F.int8_vectorwise_quant(weight.half())
         return ({"weight": codes, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)},
                 F.int8_vectorwise_dequant(codes, scb))
-    packed, state = F.quantize_4bit(weight, blocksize=64, quant_type=quant_type, compress_statistics=nested)
+    packed, state = F.quantize_4bit(weight, blocksize=64, quant_type=quant_type, compress_statistics=nested,
+                                    quant_storage=storage)
     stored = state.as_dict(packed=True)
     back = F.dequantize_4bit(packed, F.QuantState.from_dict(dict(stored), device=torch.device("cpu")))
     return {"weight": packed, **{f"weight.{k}": v for k, v in stored.items()}}, back
@@ -84,12 +85,14 @@ def test_a_bitsandbytes_checkpoint_reads_as_the_library_and_serves_transformers_
     assert (served - _logits(source)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
-def test_a_last_short_block_reads_as_the_library(quant_type, nested):
-    """63 values in blocks of 64: the last block (here the only one) short, as any weight whose size is not a
-    multiple of the block size leaves it."""
-    weight = torch.randn(7, 9)
-    parts, want = quantized(weight, quant_type, nested)
+@pytest.mark.parametrize("quant_type, nested, storage", [("nf4", True, torch.uint8), ("fp4", False, torch.uint8),
+                                                         ("nf4", True, torch.bfloat16)])
+def test_a_last_short_block_reads_as_the_library(quant_type, nested, storage):
+    """68 values in blocks of 64: the last block short, as any weight whose size is not a multiple of the block size
+    leaves it; the codes' bytes held as uint8 or, as QLoRA's FSDP recipe stores them, bfloat16."""
+    weight = torch.randn(4, 17)
+    parts, want = quantized(weight, quant_type, nested, storage)
+    assert parts["weight"].dtype == storage
     got = BitsAndBytes(4).dequantize({"codes" if k == "weight" else k.removeprefix("weight."): v
                                       for k, v in parts.items()})
     assert torch.equal(got, want)

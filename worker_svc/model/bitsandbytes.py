@@ -1,14 +1,14 @@
 """bitsandbytes checkpoints (`quantization_config.quant_method: bitsandbytes`: unsloth's and the community's -bnb-4bit
 and 8-bit models, as transformers saves a model quantized by bitsandbytes), read into 16-bit weights as they load.
 
-4 bits (`load_in_4bit`, NF4 or FP4): a module's `weight` is uint8, two codes a byte (the first in the high nibble) in
-row-major order of the weight's shape; `weight.quant_map` the 16 values a code stands for; `weight.absmax` the scale of
-each `blocksize` consecutive values, float32 or, with double quantization (`bnb_4bit_use_double_quant`), uint8 codes
-into `weight.nested_quant_map` scaled by `weight.nested_absmax` per `nested_blocksize` of them plus `nested_offset`;
-`weight.quant_state.bitsandbytes__nf4` (or `__fp4`) the JSON of the shape and block sizes, as bytes. 8 bits
-(`load_in_8bit`, LLM.int8): `weight` int8 and `SCB` each row's scale: a weight is code * SCB / 127. Each is read in
-float32 as bitsandbytes dequantises it. Activations stay 16-bit; skipped modules (`llm_int8_skip_modules`, the LM
-head) are stored as plain weights.
+4 bits (`load_in_4bit`, NF4 or FP4): a module's `weight` holds bytes (uint8, or as `bnb_4bit_quant_storage` says),
+two codes a byte (the first in the high nibble) in row-major order of the weight's shape; `weight.quant_map` the 16
+values a code stands for; `weight.absmax` the scale of each `blocksize` consecutive values, float32 or, with double
+quantization (`bnb_4bit_use_double_quant`), uint8 codes into `weight.nested_quant_map` scaled by
+`weight.nested_absmax` per `nested_blocksize` of them plus `nested_offset`; `weight.quant_state.bitsandbytes__nf4`
+(or `__fp4`) the JSON of the shape and block sizes, as bytes. 8 bits (`load_in_8bit`, LLM.int8): `weight` int8 and
+`SCB` each row's scale: a weight is code * SCB / 127. Each is read in float32 as bitsandbytes dequantises it.
+Activations stay 16-bit; skipped modules (`llm_int8_skip_modules`, the LM head) are stored as plain weights.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class BitsAndBytes:
         if "nested_absmax" in parts:  # double quantization: the scales are 8-bit codes themselves
             absmax = blockwise(parts["nested_quant_map"][absmax.long()], parts["nested_absmax"],
                                state["nested_blocksize"]) + state["nested_offset"]
-        packed = parts["codes"].reshape(-1)
+        packed = parts["codes"].reshape(-1).view(torch.uint8)  # bytes, whatever dtype held them (quant_storage)
         codes = torch.stack([packed >> 4, packed & 15], -1).reshape(-1).long()
         shape = state["shape"]
         values = parts["quant_map"][codes[:torch.Size(shape).numel()]]
