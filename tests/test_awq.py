@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_compressed_tensors import _hf_logits, _logits
+from tests.quantized_checkpoints import hf_logits, quantized_folder, served_logits
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.awq import ORDER, Awq
 
@@ -49,13 +49,9 @@ def awq_checkpoint(source: Path, out: Path, group_size: int, zero_point: bool) -
         tensors |= {f"{prefix}.qweight": pack(codes), f"{prefix}.scales": scale}
         if zero_point:
             tensors[f"{prefix}.qzeros"] = pack(zero)
-    shutil.copytree(source, out)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                                     "zero_point": zero_point, "version": "gemm", "modules_to_not_convert": None}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return quantized_folder(source, out, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                                   "zero_point": zero_point, "version": "gemm",
+                                                   "modules_to_not_convert": None})
 
 
 def converted(awq: Path, out: Path) -> tuple[Path, object]:
@@ -91,10 +87,10 @@ def test_an_awq_checkpoint_reads_as_the_library_converts_it_and_serves_transform
                              for k, t in library.items() if k.startswith(f"{m}.")}, scheme)["weight"]
         assert torch.equal(ours.dequantize(parts), theirs.float()), m
 
-    served, theirs = _logits(awq), _hf_logits(reference)
-    unquantized = (_logits(source) - _hf_logits(source)).abs().max().item()
+    served, theirs = served_logits(awq), hf_logits(reference)
+    unquantized = (served_logits(source) - hf_logits(source)).abs().max().item()
     assert (served - theirs).abs().max() <= max(2 * unquantized, 1e-4)
-    assert (served - _logits(source)).abs().max() > 1e-2
+    assert (served - served_logits(source)).abs().max() > 1e-2
 
 
 def test_other_awq_layouts_are_refused_by_name():

@@ -5,14 +5,13 @@ bit, and the served logits are transformers' over a plain checkpoint of those we
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.test_compressed_tensors import _hf_logits, _logits
+from tests.quantized_checkpoints import assert_serves_transformers_logits, quantized_folder
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.bitsandbytes import BitsAndBytes
 
@@ -54,13 +53,8 @@ def bnb_checkpoint(source: Path, out: Path, case: tuple) -> tuple[Path, dict[str
         module = name.removesuffix(".weight")
         parts, reference[name] = quantized(weight, quant_type, nested)
         tensors |= {f"{module}.{k}": v for k, v in parts.items()}
-    shutil.copytree(source, out)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "bnb_4bit_compute_dtype": "float32",
-                                     "llm_int8_skip_modules": None, **config_fields}
-    (out / "config.json").write_text(json.dumps(config))
-    return out, reference
+    return quantized_folder(source, out, tensors, {"quant_method": "bitsandbytes", "bnb_4bit_compute_dtype": "float32",
+                                                   "llm_int8_skip_modules": None, **config_fields}), reference
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -76,13 +70,7 @@ def test_a_bitsandbytes_checkpoint_reads_as_the_library_and_serves_transformers_
         assert torch.equal(read[name], weight.float()), name
     assert not any(".weight." in n or n.endswith((".SCB", ".weight_format")) for n in read)
 
-    dense = tmp_path / "dense"  # the library's weights as a plain checkpoint transformers reads
-    shutil.copytree(source, dense)
-    save_file(load_file(source / "model.safetensors") | {k: v.float() for k, v in reference.items()},
-              dense / "model.safetensors", metadata={"format": "pt"})
-    served, theirs = _logits(folder), _hf_logits(dense)
-    assert (served - theirs).abs().max() <= 2e-5 * theirs.abs().max()  # float32 sums in another order
-    assert (served - _logits(source)).abs().max() > 1e-2
+    assert_serves_transformers_logits(folder, source, reference, tmp_path)
 
 
 @pytest.mark.parametrize("quant_type, nested, storage", [("nf4", True, torch.uint8), ("fp4", False, torch.uint8),

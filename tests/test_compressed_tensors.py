@@ -8,7 +8,6 @@ Schemes the worker does not serve are refused at start by name."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import pytest
 import torch
 
 from common.limits import Limits
-from tests.hf_reference import from_pretrained
 from tests.paged_driver import prefill_logits
+from tests.quantized_checkpoints import hf_logits, prompts, served_logits
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.compressed_tensors import CompressedTensors, unpack_int32
 from worker_svc.model.loader import checkpoint_names, checkpoint_tensors
@@ -88,23 +87,6 @@ def compressed_checkpoint(source: Path, out: Path, fmt: str, weights: dict) -> P
     return out
 
 
-def _prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(0, 150000) for _ in range(n)] for n in (40, 90, 17)]
-
-
-def _logits(model_dir: Path) -> torch.Tensor:
-    runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                                 limits=Limits(max_num_seqs=4)))
-    return torch.cat(prefill_logits(runner, _prompts()))
-
-
-def _hf_logits(model_dir: Path) -> torch.Tensor:
-    reference = from_pretrained(model_dir)
-    with torch.inference_mode():
-        return torch.cat([reference(torch.tensor([p])).logits[0] for p in _prompts()])
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_compressed_checkpoint_serves_transformers_logits(scheme, source, tmp_path):
     """Each module's weight as the library decompresses it, bit for bit; the logits as transformers computes them
@@ -130,10 +112,10 @@ def test_a_compressed_checkpoint_serves_transformers_logits(scheme, source, tmp_
         expected = decompress(dict(stored), library_scheme)["weight"]
         assert torch.equal(ours.dequantize(stored), expected.float()), prefix
 
-    ours, theirs = _logits(folder), _hf_logits(folder)
-    unquantized = (_logits(source) - _hf_logits(source)).abs().max().item()
+    ours, theirs = served_logits(folder), hf_logits(folder)
+    unquantized = (served_logits(source) - hf_logits(source)).abs().max().item()
     assert (ours - theirs).abs().max() <= max(2 * unquantized, 1e-4)
-    assert (ours - _logits(source)).abs().max() > 1e-2  # the codes, not the 16-bit weights, were served
+    assert (ours - served_logits(source)).abs().max() > 1e-2  # the codes, not the 16-bit weights, were served
 
 
 def test_packed_integers_unpack_across_word_boundaries():
@@ -218,7 +200,7 @@ def test_a_moe_checkpoints_quantized_experts_load_as_the_library_decompresses_th
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json")}}, "ignore": ["lm_head"]}
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
-    assert torch.equal(_logits(tmp_path / "q"), _logits(tmp_path / "dq"))
+    assert torch.equal(served_logits(tmp_path / "q"), served_logits(tmp_path / "dq"))
 
 
 def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(source, tmp_path):
@@ -246,7 +228,7 @@ def test_quantization_fp8_puts_a_compressed_checkpoints_weights_into_fp8_blocks(
     def fp8(model_dir: Path) -> tuple[int, torch.Tensor]:
         runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
                                                      limits=Limits(max_num_seqs=4), quantization="fp8"))
-        return runner.fp8_linears, torch.cat(prefill_logits(runner, _prompts()))
+        return runner.fp8_linears, torch.cat(prefill_logits(runner, prompts()))
 
     (count, ours), (plain_count, theirs) = fp8(folder), fp8(tmp_path / "dq")
     assert count == plain_count == 4 * 4
@@ -299,7 +281,7 @@ def test_a_scaled_fp8_checkpoint_serves_as_its_compressed_tensors_twin(algo, str
                                                                  "quantization": quantization}))
     (folder / "config.json").write_text(json.dumps(config))
 
-    assert torch.equal(_logits(folder), _logits(twin))
+    assert torch.equal(served_logits(folder), served_logits(twin))
     fp8 = ModelRunner(folder, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
                                            limits=Limits(max_num_seqs=4), kv_cache_dtype="fp8"))
     assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in fp8.model.layers] == [

@@ -7,14 +7,13 @@ GPTQ itself only through gptqmodel, which does not install on a CPU-only machine
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.test_compressed_tensors import _hf_logits, _logits
+from tests.quantized_checkpoints import assert_serves_transformers_logits, quantized_folder
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.gptq import Gptq
 
@@ -74,14 +73,9 @@ def gptq_checkpoint(source: Path, out: Path, case: tuple) -> tuple[Path, dict[st
         tensors |= {f"{prefix}.qweight": pack(codes, bits), f"{prefix}.qzeros": pack(stored_zero.t() & (2 ** bits - 1),
                                                                                         bits).t().contiguous(),
                     f"{prefix}.scales": scale, f"{prefix}.g_idx": g_idx}
-    shutil.copytree(source, out)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                                     "desc_act": act_order, "sym": symmetric, "checkpoint_format": fmt,
-                                     "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
-    (out / "config.json").write_text(json.dumps(config))
-    return out, reference
+    return quantized_folder(source, out, tensors, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
+        "checkpoint_format": fmt, "damp_percent": 0.01, "true_sequential": True, "static_groups": False}), reference
 
 
 @pytest.mark.parametrize("preset, case", [("qwen3-small", case) for case in CASES]
@@ -97,14 +91,7 @@ def test_a_gptq_checkpoint_reads_its_codes_and_serves_transformers_logits(preset
         parts = {p: stored[f"{module}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
         assert torch.equal(ours.dequantize(parts), weight), name
 
-    dense = tmp_path / "dense"  # the weights the codes stand for, as a plain checkpoint transformers reads
-    shutil.copytree(source, dense)
-    save_file(load_file(source / "model.safetensors") | reference, dense / "model.safetensors",
-              metadata={"format": "pt"})
-    served, theirs = _logits(folder), _hf_logits(dense)
-    # float32 sums in another order: logits of ~50 differ by a few 1e-4 (the unquantized model's by ~2e-4)
-    assert (served - theirs).abs().max() <= 2e-5 * theirs.abs().max()
-    assert (served - _logits(source)).abs().max() > 1e-2
+    assert_serves_transformers_logits(folder, source, reference, tmp_path)
 
 
 def test_groups_in_row_order_need_no_g_idx():
