@@ -1,6 +1,7 @@
 """python -m bench {offline,online,latency,prefix,multiturn,embed,scale,floor,scheduler-cpu,runner-step,lora-loads,
                  weight-updates,decode-attention,kernel-sass,prefill-attention,attention-policy,skinny-gemm,fp8-gemm,
-                 pdl-chain,l2-weights,fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,thirdparty,all}
+                 int-gemm,pdl-chain,l2-weights,fused-layer,moe-kernel,fp8-accuracy,grpc-stream,grpc-accept,
+                 thirdparty,all}
                  [flags]
 
 `all` runs offline (in-process and services), latency, online and
@@ -34,6 +35,7 @@ MODULES = {
     "kernel-sass": "bench.kernel_sass",
     "skinny-gemm": "bench.skinny_gemm",
     "fp8-gemm": "bench.fp8_gemm",
+    "int-gemm": "bench.int_gemm",
     "pdl-chain": "bench.pdl_chain",
     "l2-weights": "bench.l2_weights",
     "fused-layer": "bench.fused_layer",

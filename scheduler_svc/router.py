@@ -37,7 +37,7 @@ class GroupInfo:
     vocab_size: int
     epoch: int
     kv_cache_dtype: str
-    projection_dtype: str = ""  # its projections' weights: the model's dtype, or float8_e4m3fn (--quantization)
+    projection_dtype: str = ""  # its projections' weights: the model's dtype, float8_e4m3fn or int4 / int8 / int2
     num_host_blocks: int = 0
     sliding_window: int = 0
     hidden_size: int = 0  # of its embeddings

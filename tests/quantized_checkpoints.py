@@ -21,12 +21,48 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(0, 150000) for _ in range(n)] for n in (40, 90, 17)]
 
 
-def served_logits(model_dir: Path) -> torch.Tensor:
+def serve(model_dir: Path, quantization: str = "auto") -> tuple[torch.Tensor, str]:
+    """The prompts' logits served over the folder, and what its projections' weights were held in."""
     from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 
     runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                                 limits=Limits(max_num_seqs=4)))
-    return torch.cat(prefill_logits(runner, prompts()))
+                                                 limits=Limits(max_num_seqs=4), quantization=quantization))
+    return torch.cat(prefill_logits(runner, prompts())), runner.projection_dtype
+
+
+def served_logits(model_dir: Path) -> torch.Tensor:
+    return serve(model_dir)[0]
+
+
+def assert_served_packed(folder: Path, bits: int) -> None:
+    """The folder's projections are served as packed integer groups (model/packed_ints.py) by default, and give the
+    logits of its weights dequantised as they load (`--quantization none`) bit for bit."""
+    packed, held = serve(folder)
+    dequantised, dense = serve(folder, "none")
+    assert (held, dense) == (f"int{bits}", "float32")
+    assert torch.equal(packed, dequantised)
+
+
+def gptq_folder(source: Path, out: Path, bits: int = 4, group_size: int = 32) -> Path:
+    """`source` with every projection in GPTQModel's gptq_v2 layout: asymmetric min-max codes by group of input
+    columns (in row order), qweight packed along the input rows, qzeros along the output columns."""
+    from worker_svc.model.packed_ints import pack
+
+    maxq, tensors = 2 ** bits - 1, {}
+    for name, weight in load_file(source / "model.safetensors").items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = weight
+            continue
+        groups = weight.float().unflatten(1, (-1, group_size))  # [out, groups, size]
+        low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scale = ((high - low).clamp_min(1e-6) / maxq).half()
+        zero = (-low / scale.float()).round().clamp(0, maxq)
+        codes = (groups / scale.float()[..., None] + zero[..., None]).round().clamp(0, maxq).flatten(1)
+        prefix = name.removesuffix(".weight")
+        tensors |= {f"{prefix}.qweight": pack(codes, bits).t().contiguous(), f"{prefix}.qzeros": pack(zero.t(), bits),
+                    f"{prefix}.scales": scale.t().contiguous()}
+    return quantized_folder(source, out, tensors, {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                                   "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"})
 
 
 def hf_logits(model_dir: Path) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.quantized_checkpoints import hf_logits, quantized_folder, served_logits
+from tests.quantized_checkpoints import assert_served_packed, hf_logits, quantized_folder, served_logits
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.awq import ORDER, Awq
 
@@ -91,6 +91,7 @@ def test_an_awq_checkpoint_reads_as_the_library_converts_it_and_serves_transform
     unquantized = (served_logits(source) - hf_logits(source)).abs().max().item()
     assert (served - theirs).abs().max() <= max(2 * unquantized, 1e-4)
     assert (served - served_logits(source)).abs().max() > 1e-2
+    assert_served_packed(awq, 4)
 
 
 def test_other_awq_layouts_are_refused_by_name():

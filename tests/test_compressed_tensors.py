@@ -16,7 +16,7 @@ import torch
 
 from common.limits import Limits
 from tests.paged_driver import prefill_logits
-from tests.quantized_checkpoints import hf_logits, prompts, served_logits
+from tests.quantized_checkpoints import assert_served_packed, hf_logits, prompts, served_logits
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.compressed_tensors import CompressedTensors, unpack_int32
 from worker_svc.model.loader import checkpoint_names, checkpoint_tensors
@@ -116,6 +116,8 @@ def test_a_compressed_checkpoint_serves_transformers_logits(scheme, source, tmp_
     unquantized = (served_logits(source) - hf_logits(source)).abs().max().item()
     assert (ours - theirs).abs().max() <= max(2 * unquantized, 1e-4)
     assert (ours - served_logits(source)).abs().max() > 1e-2  # the codes, not the 16-bit weights, were served
+    if fmt == "pack-quantized":
+        assert_served_packed(folder, weights["num_bits"])
 
 
 def test_packed_integers_unpack_across_word_boundaries():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.quantized_checkpoints import assert_serves_transformers_logits, quantized_folder
+from tests.quantized_checkpoints import assert_served_packed, assert_serves_transformers_logits, quantized_folder, serve
 from worker_svc.checkpoints.writer import make_model
 from worker_svc.model.gptq import Gptq
 
@@ -92,6 +92,11 @@ def test_a_gptq_checkpoint_reads_its_codes_and_serves_transformers_logits(preset
         assert torch.equal(ours.dequantize(parts), weight), name
 
     assert_serves_transformers_logits(folder, source, reference, tmp_path)
+    _, bits, _, _, act_order = CASES[case]
+    if act_order:  # any input row in any group: dequantised as it loads
+        assert serve(folder)[1] == "float32"
+    else:
+        assert_served_packed(folder, bits)
 
 
 def test_groups_in_row_order_need_no_g_idx():

@@ -302,9 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_NAMES,
                    help="the projections' GEMMs. auto: an FP8 checkpoint's (128 x 128 blocks: Qwen3's -FP8, "
                         "DeepSeek-V3's) in FP8 where the GPU has cuBLAS's block-scaled GEMM (sm_90, CUDA >= 12.9), "
-                        "each input quantised per token and 128 columns; dequantised to 16 bits elsewhere; fp8: any "
+                        "each input quantised per token and 128 columns; dequantised to 16 bits elsewhere; a "
+                        "checkpoint's 2/4/8-bit integer groups (AWQ, GPTQ, pack-quantized) served packed as stored; "
+                        "fp8: any "
                         "checkpoint's projections quantised to such blocks at load (half their memory; outputs not "
-                        "bit-identical); none: 16-bit GEMMs. MoE experts of whole blocks too; embeddings, the LM head, "
+                        "bit-identical); none: 16-bit GEMMs (integer groups dequantised as they load). MoE experts of whole blocks too; embeddings, the LM head, "
                         "routers and MLA's absorbed kv_b_proj stay 16-bit")
     p.add_argument("--kernel-cache-dir", default=os.environ.get(KERNEL_CACHE_ENV) or None, metavar="PATH",
                    help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "

@@ -1,6 +1,6 @@
 """The worker's kernels, and the one place they are picked: `select(device, attention)` returns the Kernels a
 runner builds its model with. On a CUDA GPU: splitserve's Triton kernels (elementwise.py, gumbel.py,
-skinny_gemm.py, moe.py) and the attention backend asked for (attention.py); elsewhere the torch references
+skinny_gemm.py, int_gemm.py, moe.py) and the attention backend asked for (attention.py); elsewhere the torch references
 (reference.py). Triton and flash-attn-4 are imported only when a GPU's kernels are selected."""
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ class Kernels:
     # (qkv, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, heads, kv_heads,
     #  k_scale=1.0, v_scale=1.0) -> q
     qk_norm_rope_store: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]  # (x, weight, bias=None, scale=None): scale, an FP8 weight's blocks'
+    # (x, weight, bias=None, scale=None, zero=None): with zero, weight packed integer groups with these zero points
+    # and scales (model/packed_ints.py); with scale alone, an FP8 weight's blocks
+    linear: Callable[..., torch.Tensor]
     # (router logits, top_k, renormalize) -> each token's top-k (weights, expert ids) (model/moe.py)
     router_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (x, w13, w2, topk_weights, topk_ids, first_expert, *, b13=None, b2=None, act=None, s13=None, s2=None) -> the

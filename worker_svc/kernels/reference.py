@@ -168,9 +168,32 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     return F.linear(xs, dequantize_blocks(weight, scale), None if bias is None else bias.float()).to(x.dtype)
 
 
+def unpack_ints(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows, w] -> int64 [rows, w * 32 / bits]: each word's 32 / bits unsigned codes, the lowest bits first."""
+    shifts = torch.arange(0, 32, bits, device=words.device)
+    return ((words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def dequantize_ints(words: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer groups packed along the input columns (model/packed_ints.py) -> float32 [rows, cols]: (code - zero)
+    * scale of the column's group."""
+    grouped = unpack_ints(words, bits).float().unflatten(-1, (scale.shape[-1], -1))
+    return ((grouped - zero[..., None]) * scale[..., None]).flatten(-2)
+
+
+def int_linear(x: torch.Tensor, words: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T over a packed integer weight, dequantised in float32 and rounded once to x's dtype."""
+    bits = 32 * words.shape[-1] // x.shape[-1]
+    return F.linear(x, dequantize_ints(words, zero, scale, bits).to(x.dtype), bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; with `scale`, `weight` is FP8 in blocks with those scales (model/quantized.py)."""
+           scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; with `zero`, `weight` is integer groups packed with those zero points and `scale`s
+    (model/packed_ints.py); with `scale` alone, FP8 in blocks with those scales (model/quantized.py)."""
+    if zero is not None:
+        return int_linear(x, weight, zero, scale, bias)
     if scale is not None:
         return fp8_linear(x, weight, scale, bias)
     return F.linear(x, weight, bias)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.kernels import fp8_gemm
+from worker_svc.kernels import fp8_gemm, int_gemm
 
 
 @triton.jit
@@ -63,9 +63,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.T
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with this kernel where supported() (no bias); with `scale`, `weight` is FP8 in blocks with those
-    scales (fp8_gemm.py)."""
+           scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with this kernel where supported() (no bias); with `zero`, `weight` is packed integer groups with
+    those zero points and `scale`s (int_gemm.py); with `scale` alone, FP8 in blocks with those scales (fp8_gemm.py)."""
+    if zero is not None:
+        return int_gemm.linear(x, weight, zero, scale, bias)
     if scale is not None:
         return fp8_gemm.linear(x, weight, scale, bias)
     if bias is None and supported(x, weight):

@@ -1,5 +1,5 @@
 """AutoAWQ checkpoints (`quantization_config.quant_method: awq`, GEMM layout: Qwen's and the community's -AWQ
-models), read into 16-bit weights as they load.
+models), each quantized Linear read as packed integer groups (model/packed_ints.py), served so or dequantised.
 
 Each quantized Linear stores `qweight` int32 [in, out / 8] (eight 4-bit codes a word along the output columns, in
 AWQ's order: the word's nibble p, from the lowest, holds column 8c + ORDER[p]), `qzeros` int32 [in / group_size,
@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from worker_svc.model.compressed_tensors import dequantize_groups
 from worker_svc.model.loader import CheckpointTensor, joined_qweights
+from worker_svc.model.packed_ints import PackedInts, pack
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of the word's nibble p
 COLUMN_NIBBLE = tuple(ORDER.index(c) for c in range(8))  # the nibble of the word's column c
@@ -39,16 +39,29 @@ class Awq:
             raise ValueError(f"unsupported AWQ checkpoint: version {version!r}, {bits} bits (served: gemm, 4 bits)")
         return cls(int(quantization.get("group_size", 128)), bool(quantization.get("zero_point", True)))
 
+    @property
+    def packed_groups(self) -> tuple[int, int]:
+        """(bits, group_size) of the packed integer groups its Linears read as."""
+        return 4, self.group_size
+
+    def packed_weights(self, names: set[str]) -> set[str]:
+        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
+        return {f"{n.removesuffix('.qweight')}.weight" for n in names if n.endswith(".qweight")}
+
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
-        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
-        `*.weight`; every other tensor as it is, still unread."""
-        return joined_qweights(tensors, names, PARTS, self.dequantize)
+        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight`, its
+        PackedInts; every other tensor as it is, still unread."""
+        return joined_qweights(tensors, names, PARTS, self.packed)
+
+    def packed(self, parts: dict[str, torch.Tensor]) -> PackedInts:
+        """One module's weight [out, in] from its qweight, qzeros and scales."""
+        scale = parts["scales"].t().float()
+        zero = unpack(parts["qzeros"]).t().float() if self.zero_point else torch.full(scale.shape, 8.0)
+        return PackedInts(pack(unpack(parts["qweight"]).t(), 4), zero.contiguous(), scale.contiguous(), 4)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One module's weight [out, in] in float32 from its qweight, qzeros and scales."""
-        scale = parts["scales"].t()
-        zero = unpack(parts["qzeros"]).t() if self.zero_point else torch.full(scale.shape, 8)
-        return dequantize_groups(unpack(parts["qweight"]).t(), zero, scale, self.group_size)
+        """One module's weight [out, in] in float32."""
+        return self.packed(parts).dequantized()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

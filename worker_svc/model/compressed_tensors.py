@@ -1,5 +1,7 @@
 """Checkpoints in the compressed-tensors format (llm-compressor's: RedHatAI's and Neural Magic's quantized models,
-`quantization_config.quant_method: compressed-tensors`), read into 16-bit weights as they load.
+`quantization_config.quant_method: compressed-tensors`), read into 16-bit weights as they load, or pack-quantized
+integers of 2, 4 or 8 bits by group or channel as packed integer groups (model/packed_ints.py: their own layout),
+served so or dequantised.
 
 One scheme serves every Linear (one config group targeting `Linear`; the `ignore`d modules, the LM head as a rule,
 are stored as plain weights). Each quantized module stores its codes as
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc.model.loader import CheckpointTensor, joined
+from worker_svc.model.packed_ints import BITS, PackedInts
 from worker_svc.model.quantized import dequantize_fp8_blocks
 
 FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quantized": ("float", "int"),
@@ -90,20 +93,47 @@ class CompressedTensors:
         """The blocks of e4m3 codes stored in blocks, as DeepSeek's FP8 checkpoints store them; None otherwise."""
         return self.block if self.kind == "float" and self.strategy == "block" else None
 
+    @property
+    def packed_groups(self) -> tuple[int, int] | None:
+        """(bits, group_size: -1 for one group a row) of the packed integer groups its Linears read as; None where
+        they read as float32 weights."""
+        if self.fmt != "pack-quantized" or self.num_bits not in BITS or self.strategy not in ("group", "channel"):
+            return None
+        return self.num_bits, self.group_size if self.strategy == "group" else -1
+
+    def packed_weights(self, names: set[str]) -> set[str]:
+        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
+        return set() if self.packed_groups is None else {
+            f"{n.removesuffix('.weight_packed')}.weight" for n in names if n.endswith(".weight_packed")}
+
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
-        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
-        `*.weight`, its activation scales dropped; every other tensor as it is, still unread."""
+        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight` (its
+        PackedInts where `packed_groups`, else the weight in float32), its activation scales dropped; every other
+        tensor as it is, still unread."""
         quantized = {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
 
         def part_of(name: str) -> tuple[str, str] | None:
             module, _, part = name.rpartition(".")
             return (f"{module}.weight", part) if module in quantized and part in PARTS + ACTIVATION_PARTS else None
 
-        return joined(tensors, names, part_of, self.dequantize)
+        return joined(tensors, names, part_of, self.packed if self.packed_groups else self.dequantize)
+
+    def packed(self, parts: dict[str, torch.Tensor]) -> PackedInts:
+        """One module's pack-quantized weight as packed integer groups: the words as stored, the zero points
+        offset as the codes are."""
+        scale, zero = parts["weight_scale"].float().reshape(parts["weight_shape"][0].item(), -1), 1 << (
+            self.num_bits - 1)
+        if (stored := parts.get("weight_zero_point")) is not None:  # packed along the rows
+            zero = unpack_int32(stored.t(), self.num_bits, scale.shape[0]).t() + zero
+        return PackedInts(parts["weight_packed"], torch.broadcast_to(torch.as_tensor(zero, dtype=torch.float32),
+                                                                     scale.shape).contiguous(),
+                          scale.contiguous(), self.num_bits)
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """One module's weight from its stored parts, in float32 (one rounding, to the model's dtype, when it loads:
         transformers casts the scales to the model's dtype first and computes there)."""
+        if self.packed_groups:
+            return self.packed(parts).dequantized()
         scale, zero = parts["weight_scale"].float(), parts.get("weight_zero_point")
         if "weight_packed" in parts:
             rows, cols = (int(v) for v in parts["weight_shape"])

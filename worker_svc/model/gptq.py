@@ -1,5 +1,6 @@
 """GPTQ checkpoints (`quantization_config.quant_method: gptq`: AutoGPTQ's and GPTQModel's, Qwen's -GPTQ-Int4 / -Int8
-models and the community's), read into 16-bit weights as they load.
+models and the community's), each quantized Linear read as packed integer groups (model/packed_ints.py: its qweight
+transposed is their layout), served so or dequantised; in activation order, dequantised as they load.
 
 Each quantized Linear stores `qweight` int32 [in * bits / 32, out] (32 / bits codes a word along the input rows, the
 first in the lowest bits), `qzeros` int32 [groups, out * bits / 32] packed the same way along the output columns,
@@ -18,8 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from worker_svc.model.compressed_tensors import dequantize_groups
 from worker_svc.model.loader import CheckpointTensor, joined_qweights
+from worker_svc.model.packed_ints import PackedInts
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # what each format's stored zero points are less than the real ones
@@ -31,6 +32,7 @@ class Gptq:
     bits: int
     group_size: int  # -1: one group of every input row
     zero_offset: int  # added to each stored zero point
+    act_order: bool = False  # desc_act: any input row in any group
     fp8_blocks: ClassVar[None] = None  # integer codes, never FP8 blocks (CompressedTensors.fp8_blocks)
 
     @classmethod
@@ -43,24 +45,40 @@ class Gptq:
                              f"{' or '.join(FORMATS)}, {', '.join(map(str, BITS))} bits packed in int32)")
         if quantization.get("dynamic"):
             raise ValueError("unsupported GPTQ checkpoint: per-module overrides (`dynamic`)")
-        return cls(bits, int(quantization.get("group_size", 128)), FORMATS[fmt])
+        return cls(bits, int(quantization.get("group_size", 128)), FORMATS[fmt], bool(quantization.get("desc_act")))
+
+    @property
+    def packed_groups(self) -> tuple[int, int] | None:
+        """(bits, group_size) of the packed integer groups its Linears read as; None in activation order."""
+        return None if self.act_order else (self.bits, self.group_size)
+
+    def packed_weights(self, names: set[str]) -> set[str]:
+        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
+        return set() if self.act_order else {f"{n.removesuffix('.qweight')}.weight" for n in names
+                                             if n.endswith(".qweight")}
 
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
-        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one float32
-        `*.weight`; every other tensor as it is, still unread."""
-        return joined_qweights(tensors, names, PARTS, self.dequantize)
+        """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight`: its
+        PackedInts where its groups are in row order, else the weight in float32; every other tensor as it is, still
+        unread."""
+        return joined_qweights(tensors, names, PARTS, self.read)
 
-    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One module's weight [out, in] in float32 from its qweight, qzeros, scales and g_idx (where stored)."""
-        codes = unpack_rows(parts["qweight"], self.bits)  # [in, out]
+    def read(self, parts: dict[str, torch.Tensor]) -> PackedInts | torch.Tensor:
+        """One module's weight [out, in] from its qweight, qzeros, scales and g_idx (where stored)."""
         zero = unpack_rows(parts["qzeros"].t(), self.bits).t() + self.zero_offset  # [groups, out]
-        scale, rows = parts["scales"], codes.shape[0]
+        scale, rows = parts["scales"], parts["qweight"].shape[0] * 32 // self.bits
         group_size = rows if self.group_size == -1 else self.group_size
         group = parts.get("g_idx")
         if group is None or torch.equal(group.long(), torch.arange(rows) // group_size):
-            return dequantize_groups(codes.t(), zero.t(), scale.t(), group_size)
-        group = group.long()  # activation order
+            return PackedInts(parts["qweight"].t().contiguous(), zero.t().float().contiguous(),
+                              scale.t().float().contiguous(), self.bits)
+        codes, group = unpack_rows(parts["qweight"], self.bits), group.long()  # [in, out]; activation order
         return ((codes - zero[group]).float() * scale[group].float()).t()
+
+    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One module's weight [out, in] in float32."""
+        weight = self.read(parts)
+        return weight.dequantized() if isinstance(weight, PackedInts) else weight
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

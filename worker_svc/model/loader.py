@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker_svc.model.packed_ints import PackedInts, part_names
+
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
@@ -135,30 +137,25 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
             continue  # tied checkpoints may still store the head; the embedding is the source
         if name not in params:
             raise KeyError(f"unexpected checkpoint tensor {hf_name!r} in {file}")
-        param = params[name]
         if names_only:
-            fused = shard_id is None and hasattr(param, "split_fused")
-            loaded.update(f"{name}:{s}" for s in (_shards_of(name, param, packed) if fused else [shard_id]))
+            for part_name in part_names(name) if params[name].dtype == torch.int32 else [name]:
+                param = params[part_name]
+                fused = shard_id is None and hasattr(param, "split_fused")
+                loaded.update(f"{part_name}:{s}" for s in (_shards_of(name, param, packed) if fused else [shard_id]))
             continue
         tensor = get_tensor()
-        if tensor.dtype == torch.float8_e4m3fn:  # dequantised with its scale before this, where it has one
+        if isinstance(tensor, PackedInts):  # integer groups: served packed where the weight was allocated so
+            parts = tensor.parts(name) if params[name].dtype == torch.int32 else [(name, tensor.dequantized())]
+        elif tensor.dtype == torch.float8_e4m3fn:  # dequantised with its scale before this, where it has one
             raise KeyError(f"FP8 weight {hf_name!r} in {file} without its weight_scale_inv")
-        staged = getattr(param, "staged", None)  # an FP8 projection's: its shards go to a buffer first
-        target = param if staged is None else staged.target()
-        if target.dtype != torch.float8_e4m3fn:  # an FP8 parameter's own loader quantises (the experts')
-            tensor = tensor.to(target.dtype)
-        loader = getattr(param, "weight_loader", None)
-        # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
-        fused = shard_id is None and hasattr(param, "split_fused")
-        for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
-            with torch.no_grad():
-                if loader is None:
-                    target.data.copy_(part)
-                elif shard_id is None:
-                    loader(target, part)
-                else:
-                    loader(target, part, shard_id)
-            loaded.add(f"{name}:{shard_id}")
+        elif params[name].dtype == torch.int32:
+            raise KeyError(f"{hf_name!r} in {file} is not stored in integer groups, as its module's other parts are")
+        else:
+            parts = [(name, tensor)]
+        for part_name, tensor in parts:
+            _load(params[part_name], part_name, tensor, shard_id, loaded)
+        param = params[name]
+        staged = getattr(param, "staged", None)
         if staged is not None and all(f"{name}:{s}" in loaded for s in _shards_of(name, param, packed)):
             staged.finish()
     expected = {f"{name}:{shard}" for name, param in params.items() for shard in _shards_of(name, param, packed)}
@@ -168,6 +165,40 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
     if missing:
         raise KeyError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     return kv_scales
+
+
+def wholly_loaded(model: nn.Module, hf_names: set[str]) -> set[str]:
+    """The model's parameters whose every shard (or the whole of a fused one) comes from a checkpoint tensor among
+    `hf_names`."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    prefixes = getattr(model, "checkpoint_prefixes", ("model.",))
+    shards: dict[str, set[object]] = {}
+    for hf_name in hf_names:
+        name, shard_id = _our_name(hf_name, packed, prefixes, getattr(model, "renamed_fragments", {}))
+        shards.setdefault(name, set()).add(shard_id)
+    return {name for name, got in shards.items()
+            if name in params and (got == set(_shards_of(name, params[name], packed)) or got == {None})}
+
+
+def _load(param: nn.Parameter, name: str, tensor: torch.Tensor, shard_id: object, loaded: set[str]) -> None:
+    """Copies one checkpoint tensor into `param` (named `name`) by its loader, as shard `shard_id`."""
+    staged = getattr(param, "staged", None)  # an FP8 projection's: its shards go to a buffer first
+    target = param if staged is None else staged.target()
+    if target.dtype != torch.float8_e4m3fn:  # an FP8 parameter's own loader quantises (the experts')
+        tensor = tensor.to(target.dtype)
+    loader = getattr(param, "weight_loader", None)
+    # a packed parameter stored fused (Phi-3's qkv_proj, gate_up_proj): split into its shards
+    fused = shard_id is None and hasattr(param, "split_fused")
+    for shard_id, part in param.split_fused(tensor) if fused else [(shard_id, tensor)]:
+        with torch.no_grad():
+            if loader is None:
+                target.data.copy_(part)
+            elif shard_id is None:
+                loader(target, part)
+            else:
+                loader(target, part, shard_id)
+        loaded.add(f"{name}:{shard_id}")
 
 
 def lm_head_rows(model_dir: str | Path, token_ids: list[int], tied: bool) -> torch.Tensor:

@@ -127,7 +127,7 @@ class LoraSlots:
                 width = max_rank * (sum(target == leaf for target, _ in packed.values()) or 1)
                 weight = module.weight
                 module.lora = LoraWeights(
-                    torch.zeros(slots * width, weight.shape[1], dtype=dtype, device=weight.device),
+                    torch.zeros(slots * width, module.input_size, dtype=dtype, device=weight.device),
                     torch.zeros(weight.shape[0], slots * width, dtype=dtype, device=weight.device), width)
                 self.modules[path] = module
 

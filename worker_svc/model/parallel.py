@@ -73,15 +73,22 @@ def _divide(n: int, d: int) -> int:
     return n // d
 
 
+def _quantized_parts(linear: nn.Module) -> None:
+    """A projection's weight_scale (its FP8 weight's block scales, model/quantized.py, or its integer groups' scales,
+    model/packed_ints.py) and weight_zero (those groups' zero points): none until its weight is allocated so."""
+    linear.weight_scale = linear.weight_zero = None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; each rank produces a slice of y."""
     lora = None  # its LoRA adapters (model/lora.py), where some adapt it
-    weight_scale = None  # its FP8 weight's block scales, where model/quantized.py made it FP8
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.kernels = kernels
+        self.input_size = in_features  # its shard's input width (its weight's, unless packed_ints.py packed it)
+        _quantized_parts(self)
         self.weight = projection_weight(_divide(out_features, self.tp_size), in_features)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -93,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight, self.bias, self.weight_scale)
+        y = self.kernels.linear(x, self.weight, self.bias, self.weight_scale, self.weight_zero)
         return y if self.lora is None else self.lora.apply(x, y)
 
 
@@ -182,14 +189,15 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks, or left to the caller
     (`reduce=False`: a sum of several such outputs takes one all-reduce)."""
     lora = None
-    weight_scale = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, bias: bool = False,
                  reduce: bool = True):
         super().__init__()
         self.tp_rank, self.tp_size, self.reduce = tp_rank(), tp_size(), reduce
         self.kernels = kernels
-        self.weight = projection_weight(out_features, _divide(in_features, self.tp_size))
+        self.input_size = _divide(in_features, self.tp_size)
+        _quantized_parts(self)
+        self.weight = projection_weight(out_features, self.input_size)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
@@ -200,7 +208,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight, None, self.weight_scale)
+        y = self.kernels.linear(x, self.weight, None, self.weight_scale, self.weight_zero)
         if self.lora is not None:  # before the all-reduce: each rank's delta is a partial sum too
             y = self.lora.apply(x, y)
         if self.tp_size > 1 and self.reduce:
@@ -214,17 +222,18 @@ class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every rank (a projection too small to shard: MLA's latent ones). `row_order`:
     the checkpoint's rows as stored here."""
     lora = None
-    weight_scale = None
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels, row_order: list[int] | None = None):
         super().__init__()
         self.kernels = kernels
+        self.input_size = in_features
+        _quantized_parts(self)
         self.weight = projection_weight(out_features, in_features)
         if row_order is not None:
             self.weight.weight_loader = lambda param, w: param.data.copy_(w[row_order])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear(x, self.weight, None, self.weight_scale)
+        y = self.kernels.linear(x, self.weight, None, self.weight_scale, self.weight_zero)
         return y if self.lora is None else self.lora.apply(x, y)
 
 

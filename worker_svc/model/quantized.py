@@ -165,10 +165,7 @@ def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dt
         if not isinstance(weight, nn.Parameter) or not weight.is_meta:
             continue
         fp8 = fp8_blocks(module, k_blocks)
-        allocated = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn if fp8 else dtype,
-                                             device=device), requires_grad=False)
-        allocated.__dict__.update(weight.__dict__)  # its weight_loader, split_fused
-        module.weight = allocated
+        allocated = allocate(module, "weight", weight.shape, torch.float8_e4m3fn if fp8 else dtype, device)
         if fp8:
             *lead, n, k = weight.shape
             module.weight_scale = torch.zeros(*lead, n // FP8_GROUP, k // FP8_GROUP, dtype=torch.float32,
@@ -177,3 +174,13 @@ def allocate_projections(model: nn.Module, device: torch.device, dtype: torch.dt
                 allocated.staged = StagedFp8(module)
             count += 1
     return count
+
+
+def allocate(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> nn.Parameter:
+    """Storage for a parameter of a module built under parallel.deferred_projections, loaded as its deferred weight
+    is (its weight_loader, split_fused)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.__dict__.update(module.weight.__dict__)
+    setattr(module, name, param)
+    return param

@@ -36,6 +36,7 @@ from worker_svc.model.loader import checkpoint_names, lm_head_rows, load_weights
 from worker_svc.model.lora import LoraSlots, adapter_rank, step_adapters
 from worker_svc.model.parallel import (ReplicatedLinear, all_over_ranks, deferred_projections, min_over_ranks,
                                        tp_size)
+from worker_svc.model.packed_ints import allocate_packed
 from worker_svc.model.quantized import allocate_projections, fp8_gemms
 from worker_svc.model.registry import ARCHITECTURES
 from worker_svc.runtime.batch import (POOLING, BatchStep, PersistentBatch, PlanError, SamplingArrays,
@@ -73,7 +74,8 @@ class RunnerConfig:
 
 
 # --quantization: `auto` multiplies an FP8 checkpoint's projections in FP8 where the GPU can (kernels/fp8_gemm.py), in
-# 16 bits elsewhere; `fp8` quantises any checkpoint's projections to FP8 blocks at load; `none` keeps them in 16 bits
+# 16 bits elsewhere, and serves integer groups (AWQ, GPTQ, pack-quantized) packed (model/packed_ints.py); `fp8`
+# quantises any checkpoint's projections to FP8 blocks at load; `none` keeps them in 16 bits
 QUANTIZATIONS = ("auto", "fp8", "none")
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
@@ -221,7 +223,8 @@ class ModelRunner:
         self.classifier = mc.classifier
         torch.set_default_dtype(self.dtype)
         fp8 = self._fp8_projections()
-        with torch.device(self.device), deferred_projections() if fp8 else contextlib.nullcontext():
+        packed = None if fp8 else self._packed_projections()
+        with torch.device(self.device), deferred_projections() if fp8 or packed else contextlib.nullcontext():
             self.model = ARCHITECTURES[mc.architecture](served, self.kernels)
             if self.classifier is not None and not self.classifier.from_tokens and mc.causal:  # loaded below (an
                 # encoder's head is its own)
@@ -230,8 +233,16 @@ class ModelRunner:
         self.fp8_linears = allocate_projections(self.model, self.device, self.dtype) if fp8 else 0
         if fp8:
             log.info("%d projections in FP8 blocks of %d x %d", self.fp8_linears, FP8_GROUP, FP8_GROUP)
+        self.packed_linears = allocate_packed(self.model, self.device, self.dtype, *packed) if packed else 0
+        # what the projections' weights hold (DescribeResponse.projection_dtype)
+        self.projection_dtype = "float8_e4m3fn" if fp8 else str(self.dtype).removeprefix("torch.")
+        if self.packed_linears:
+            self.projection_dtype = f"int{packed[1]}"
+            log.info("%d projections in packed %d-bit integer groups of %s", self.packed_linears, packed[1],
+                     "a row" if packed[2] == -1 else packed[2])
         if mc.weight_scheme is not None and not fp8:
-            log.info("the checkpoint's quantized weights (%s) dequantised to %s as they load", mc.weight_scheme,
+            log.info("the checkpoint's quantized weights (%s) %s to %s as they load", mc.weight_scheme,
+                     "otherwise dequantised" if self.packed_linears else "dequantised",
                      str(self.dtype).removeprefix("torch."))
         # A checkpoint without an LM head (an embedding model's: Qwen3-Embedding-4B, gte-Qwen2; a classifier's)
         # serves embeddings (or classifications) only
@@ -340,6 +351,15 @@ class ModelRunner:
         if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8_gemms(self.device):
             raise ValueError("quantization fp8 needs cuBLAS's block-scaled FP8 GEMM: an sm_90 GPU and CUDA >= 12.9")
         return True
+
+    def _packed_projections(self) -> tuple[set[str], int, int] | None:
+        """Where `quantization` is auto and the checkpoint stores its Linears in integer groups (model/packed_ints.py):
+        the checkpoint weights that read so, their bits and group size; None: 16-bit projections."""
+        scheme = self.model_config.weight_scheme
+        groups = getattr(scheme, "packed_groups", None)
+        if self.config.quantization != "auto" or groups is None:
+            return None
+        return scheme.packed_weights(checkpoint_names(self.model_dir)), *groups
 
     def reload_weights(self, folder: str) -> str:
         """StepPlan.load_weights: the weights read again from another checkpoint of the served model, in place (the
@@ -526,7 +546,7 @@ class ModelRunner:
             device=str(self.device), max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), num_host_blocks=self.num_host_blocks,
-            projection_dtype="float8_e4m3fn" if self.fp8_linears else str(self.dtype).removeprefix("torch."),
+            projection_dtype=self.projection_dtype,
             sliding_window=self.batch.sliding_window, hidden_size=self.model_config.hidden_size,
             embedding_only=self.embedding_only, lora_adapters=list(self.lora.registered),
             lora_paths=list(self.lora.folders.values()), dropped_loras=list(self.lora.dropped),
