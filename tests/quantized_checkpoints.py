@@ -48,8 +48,11 @@ def gptq_folder(source: Path, out: Path, bits: int = 4, group_size: int = 32) ->
     columns (in row order), qweight packed along the input rows, qzeros along the output columns."""
     from worker_svc.model.packed_ints import pack
 
+    from worker_svc.model.loader import checkpoint_tensors
+
     maxq, tensors = 2 ** bits - 1, {}
-    for name, weight in load_file(source / "model.safetensors").items():
+    for name, get, _ in checkpoint_tensors(source):
+        weight = get()
         if not name.endswith("_proj.weight"):
             tensors[name] = weight
             continue
@@ -72,8 +75,9 @@ def hf_logits(model_dir: Path) -> torch.Tensor:
 
 
 def quantized_folder(source: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict) -> Path:
-    """A copy of the checkpoint folder `source` holding `tensors` and `quantization` as its quantization_config."""
-    shutil.copytree(source, out)
+    """A copy of the checkpoint folder `source` holding `tensors` (in one file) and `quantization` as its
+    quantization_config."""
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = quantization
