@@ -92,9 +92,12 @@ def test_lora_slots_over_packed_projections_take_their_input_width(folders):
 
 
 def test_packed_weights_read_again_in_place_serve_the_new_checkpoints_logits(folders):
-    _, folder, other = folders
+    source, folder, other = folders
     runner = _runner(folder)
     words = runner.model.layers[0].mlp.down_proj.weight
+    before = words.clone()
+    assert "packed integer groups" in runner.reload_weights(str(source))  # 16-bit weights: refused untouched
+    assert torch.equal(words, before)
     assert runner.reload_weights(str(other)) == ""
     assert runner.model.layers[0].mlp.down_proj.weight is words  # the same memory (CUDA graphs keep reading it)
     assert torch.equal(torch.cat(prefill_logits(runner, prompts())), torch.cat(prefill_logits(_runner(other),

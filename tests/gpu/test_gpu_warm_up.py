@@ -3,7 +3,7 @@ of every step shape within its limits (prefills from 1 token to the batch budget
 decode batches from 1 to max_num_seqs, mixed steps, sampling and greedy, and rows that need the general sampler:
 a grammar, logprobs, penalties, a bias, filters, bad words) builds nothing
 (`splitserve:worker_kernel_builds_total{phase="serving"}` stays 0). One worker per attention choice and KV
-cache dtype, with FP8 projections, and a MoE's experts in 16 bits and FP8. Run: pytest tests/gpu (skipped without
+cache dtype, with FP8 projections and packed 4-bit ones, and a MoE's experts in 16 bits and FP8. Run: pytest tests/gpu (skipped without
 a CUDA GPU)."""
 from __future__ import annotations
 
@@ -48,14 +48,19 @@ def _traffic(address: str) -> None:
 
 @pytest.mark.parametrize("preset,worker_flags", [
     ("qwen3-small", []), ("qwen3-small", ["--attention", "triton"]), ("qwen3-small", ["--kv-cache-dtype", "fp8"]),
-    ("qwen3-small", ["--quantization", "fp8"]), ("qwen3-30b-a3b", []), ("qwen3-30b-a3b", ["--quantization", "fp8"])],
-    ids=["auto", "triton", "fp8", "fp8_projections", "moe", "moe_fp8_experts"])
+    ("qwen3-small", ["--quantization", "fp8"]), ("qwen3-30b-a3b", []), ("qwen3-30b-a3b", ["--quantization", "fp8"]),
+    ("qwen3-small-gptq", [])],
+    ids=["auto", "triton", "fp8", "fp8_projections", "moe", "moe_fp8_experts", "packed_int4"])
 def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, preset, worker_flags):
-    """(qwen3-30b-a3b: its first layer, whose experts' shape has measured tile tables, 16-bit and FP8.)"""
+    """(qwen3-30b-a3b: its first layer, whose experts' shape has measured tile tables, 16-bit and FP8;
+    qwen3-small-gptq: qwen3-small as a 4-bit GPTQ checkpoint, served packed.)"""
+    from tests.quantized_checkpoints import gptq_folder
     from worker_svc.checkpoints.writer import make_model
 
     layers = 1 if preset == "qwen3-30b-a3b" else None
-    model = make_model(preset, tmp_path / "m", seed=0, dtype="bfloat16", num_layers=layers)
+    model = make_model(preset.removesuffix("-gptq"), tmp_path / "m", seed=0, dtype="bfloat16", num_layers=layers)
+    if preset.endswith("-gptq"):
+        model = gptq_folder(model, tmp_path / "gptq")
     port = free_port()
     worker = ["--metrics-port", str(port), *LIMITS, *worker_flags]
     with LocalCluster(model, device="cuda", worker_args=worker, scheduler_args=LIMITS,

@@ -375,6 +375,9 @@ class ModelRunner:
                                    weight_scheme=served.weight_scheme) != served:
                 raise ValueError(f"the config.json in {folder} describes another model than the one served "
                                  f"({self.model_dir.name}): its weights cannot take their place")
+            if self.packed_linears and theirs.weight_scheme != served.weight_scheme:
+                raise ValueError(f"{folder} does not store its projections as the served ones are held (packed "
+                                 f"integer groups: {served.weight_scheme})")
             load_weights(self.model, folder, names_only=True)  # a tensor short or too many: refused untouched
             touched = True
             kv_scales = self._read_weights(folder)
