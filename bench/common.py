@@ -34,7 +34,7 @@ def add_model_args(ap: argparse.ArgumentParser, out: str | None) -> None:
     ap.add_argument("--attention", default="auto", help="the worker's --attention (not with --simulate)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the worker's --kv-cache-dtype (not with --simulate)")
-    ap.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+    ap.add_argument("--quantization", default="auto", choices=["auto", "fp8", "packed", "none"],
                     help="the worker's --quantization (not with --simulate)")
     ap.add_argument("--kv-offload-gib", type=float, default=0.0,
                     help="the worker's host KV tier, GiB (--kv-offload-gib)")

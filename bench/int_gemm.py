@@ -1,5 +1,5 @@
-"""Projections in packed integer groups (worker_svc/kernels/int_gemm.py: the fused kernel up to SMALL_M rows, the
-weight dequantised then cuBLAS's GEMM above) against cuBLAS's bfloat16 GEMM, per call, at decode and prefill rows.
+"""Projections in packed integer groups (worker_svc/kernels/int_gemm.py: the weight dequantised by a Triton kernel,
+then cuBLAS's GEMM) against cuBLAS's bfloat16 GEMM, per call, at decode and prefill rows.
 
 Each call reads a different copy of the weight (copies fill well past the 50 MB L2, as a model's layers do), 20
 calls per CUDA graph, replayed: GPU time with cold weights. Reports each against the bfloat16 product of the same

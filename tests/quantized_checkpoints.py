@@ -35,10 +35,10 @@ def served_logits(model_dir: Path) -> torch.Tensor:
 
 
 def assert_served_packed(folder: Path, bits: int) -> None:
-    """The folder's projections are served as packed integer groups (model/packed_ints.py) by default, and give the
-    logits of its weights dequantised as they load (`--quantization none`) bit for bit."""
-    packed, held = serve(folder)
-    dequantised, dense = serve(folder, "none")
+    """The folder's projections are served as packed integer groups (model/packed_ints.py: `--quantization packed`),
+    and give the logits of its weights dequantised as they load (the default) bit for bit."""
+    packed, held = serve(folder, "packed")
+    dequantised, dense = serve(folder)
     assert (held, dense) == (f"int{bits}", "float32")
     assert torch.equal(packed, dequantised)
 

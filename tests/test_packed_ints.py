@@ -20,9 +20,9 @@ from worker_svc.runtime.model_runner import ModelRunner, RunnerConfig
 pytestmark = pytest.mark.timeout(300)
 
 
-def _runner(folder, **kw) -> ModelRunner:
+def _runner(folder, quantization: str = "packed", **kw) -> ModelRunner:
     return ModelRunner(folder, RunnerConfig(device="cpu", dtype="float32", block_size=16, num_blocks=64,
-                                            limits=Limits(max_num_seqs=4), **kw))
+                                            limits=Limits(max_num_seqs=4), quantization=quantization, **kw))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -66,7 +66,7 @@ def folders(tmp_path_factory):
 
 def test_packed_projections_hold_a_quarter_of_16_bit_weights_bytes(folders):
     source, folder, _ = folders
-    packed, dense = _runner(folder), _runner(folder, quantization="none")
+    packed, dense = _runner(folder), _runner(folder, quantization="auto")
     assert packed.packed_linears == 4 * 4 and dense.packed_linears == 0
     for name, module in packed.model.named_modules():
         if getattr(module, "weight_zero", None) is None:

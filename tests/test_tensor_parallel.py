@@ -548,21 +548,23 @@ def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path):
 
 
 def test_tp2_with_packed_projections_equals_tp1_with_them(tp_model_dir, tmp_path):
-    """A GPTQ checkpoint's projections served in its packed integer groups: each rank keeps its rows of words and
-    groups of a column-parallel projection (qkv, gate_up) and its columns' words and groups of a row-parallel one (o,
-    down: 64 and 128 of their columns, groups of 32), so TP 2 computes TP 1's weights and gives its tokens."""
+    """A GPTQ checkpoint's projections served in its packed integer groups (`--quantization packed`): each rank keeps
+    its rows of words and groups of a column-parallel projection (qkv, gate_up) and its columns' words and groups of a
+    row-parallel one (o, down: 64 and 128 of their columns, groups of 32), so TP 2 computes TP 1's weights and gives
+    its tokens."""
     from offline.llm import LLM
     from scheduler_svc.sampling import SamplingParams
     from tests.quantized_checkpoints import gptq_folder
 
     model = gptq_folder(tp_model_dir, tmp_path / "gptq")
     prompts = _prompts(seed=14)
-    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8) as llm:
+    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
+             quantization="packed") as llm:
         runner = llm.engine.executor.runner
         assert runner.packed_linears == 4 * runner.model_config.num_hidden_layers
         tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
                                                                          ignore_eos=True), use_tqdm=False)]
-    cluster = _cluster(model, 2, tmp_path)
+    cluster = _cluster(model, 2, tmp_path, "--quantization", "packed")
     try:
         assert _describe(cluster.worker_ports[0]).projection_dtype == "int4"
         assert _generate_all(cluster.address, prompts) == tp1

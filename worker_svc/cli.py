@@ -20,7 +20,7 @@ from worker_svc.checkpoints.presets import PRESETS
 # worker_svc.kernels.attention.NAMES, without importing torch for the parser
 ATTENTION_NAMES = ("auto", "triton", "flash_attn", "torch")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8")  # worker_svc.model.config.KV_CACHE_DTYPES
-QUANTIZATION_NAMES = ("auto", "fp8", "none")  # worker_svc.runtime.model_runner.QUANTIZATIONS
+QUANTIZATION_NAMES = ("auto", "fp8", "packed", "none")  # worker_svc.runtime.model_runner.QUANTIZATIONS
 
 
 def resolve_model(model: str) -> Path:
@@ -302,12 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_NAMES,
                    help="the projections' GEMMs. auto: an FP8 checkpoint's (128 x 128 blocks: Qwen3's -FP8, "
                         "DeepSeek-V3's) in FP8 where the GPU has cuBLAS's block-scaled GEMM (sm_90, CUDA >= 12.9), "
-                        "each input quantised per token and 128 columns; dequantised to 16 bits elsewhere; a "
-                        "checkpoint's 2/4/8-bit integer groups (AWQ, GPTQ, pack-quantized) served packed as stored; "
-                        "fp8: any "
+                        "each input quantised per token and 128 columns; dequantised to 16 bits elsewhere; fp8: any "
                         "checkpoint's projections quantised to such blocks at load (half their memory; outputs not "
-                        "bit-identical); none: 16-bit GEMMs (integer groups dequantised as they load). MoE experts of whole blocks too; embeddings, the LM head, "
-                        "routers and MLA's absorbed kv_b_proj stay 16-bit")
+                        "bit-identical); packed: an AWQ, GPTQ or pack-quantized checkpoint's 2/4/8-bit integer "
+                        "groups kept as stored (a quarter of the 16-bit memory at 4 bits; each GEMM dequantises its "
+                        "weight first, about twice a 16-bit one's time at decode rows); none: 16-bit GEMMs. MoE "
+                        "experts of whole blocks in FP8 too; embeddings, the LM head, routers and MLA's absorbed "
+                        "kv_b_proj stay 16-bit")
     p.add_argument("--kernel-cache-dir", default=os.environ.get(KERNEL_CACHE_ENV) or None, metavar="PATH",
                    help="keep compiled GPU kernels (Triton's and flash-attn-4's) here across restarts: a restarted "
                         f"worker loads them instead of compiling (default: ${KERNEL_CACHE_ENV}; without it Triton's "

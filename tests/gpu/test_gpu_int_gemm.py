@@ -1,6 +1,6 @@
-"""Packed integer groups on the GPU (kernels/int_gemm.py: the fused kernel up to SMALL_M rows, dequantise + cuBLAS
-above) against the weights reference.dequantize_ints gives, and a runner serving a GPTQ checkpoint's packed
-projections: under CUDA graphs as eager, and its prefills as the same weights dequantised at load serve them.
+"""Packed integer groups on the GPU (kernels/int_gemm.py: the weight dequantised by a Triton kernel, then cuBLAS)
+against the weights reference.dequantize_ints gives, and a runner serving a GPTQ checkpoint's packed projections
+(`--quantization packed`): under CUDA graphs and eager alike, the tokens of the same weights dequantised as they load.
 Run: pytest tests/gpu (skipped without a CUDA GPU)."""
 from __future__ import annotations
 
@@ -21,25 +21,25 @@ def _packed(n: int, k: int, bits: int, group: int, gen: torch.Generator):
     return pack(codes, bits).cuda(), zero.cuda(), scale.cuda()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 65, 2048])
+@pytest.mark.parametrize("rows", [1, 16, 65, 2048])
 @pytest.mark.parametrize("n,k", [(256, 512), (6144, 4096)])
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 128), (2, 64), (4, -1)])
-def test_the_kernels_multiply_the_dequantised_weight(rows, n, k, bits, group):
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 128), (2, 64), (4, -1), (4, 96)])
+def test_the_kernel_dequantises_as_the_reference_and_cublas_multiplies(rows, n, k, bits, group):
     from worker_svc.kernels import int_gemm
 
+    if k % group if group > 0 else False:
+        pytest.skip("not whole groups")
     gen = torch.Generator().manual_seed(rows + bits)
     words, zero, scale = _packed(n, k, bits, group, gen)
     x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
     weight = reference.dequantize_ints(words, zero, scale, bits).to(torch.bfloat16)  # the weight the loader stores
-    y = int_gemm.linear(x, words, zero, scale, bias)
-    expected = x.float() @ weight.float().t() + bias.float()
-    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2 * expected.abs().mean().item())
-    assert torch.equal(int_gemm.dequantize(words, zero, scale, k, torch.bfloat16), weight)
+    if int_gemm.supported(k, scale.shape[1]):
+        assert torch.equal(int_gemm.dequantize(words, zero, scale, k, torch.bfloat16), weight)
+    assert torch.equal(int_gemm.linear(x, words, zero, scale, bias), torch.nn.functional.linear(x, weight, bias))
 
 
-def test_a_runner_with_packed_projections_decodes_under_graphs_as_eager_and_prefills_as_dequantised(tmp_path):
+def test_a_runner_with_packed_projections_decodes_as_over_the_dequantised_weights(tmp_path):
     from common.limits import Limits
     from tests.paged_driver import PagedDriver
     from tests.quantized_checkpoints import gptq_folder
@@ -48,15 +48,13 @@ def test_a_runner_with_packed_projections_decodes_under_graphs_as_eager_and_pref
 
     folder = gptq_folder(make_model("qwen3-0.6b", tmp_path / "model", seed=0, num_layers=2), tmp_path / "gptq",
                          group_size=128)
-    tokens, firsts = [], []
-    for quantization, graphs in (("auto", True), ("auto", False), ("none", False)):
+    tokens = []
+    for quantization, graphs in (("packed", True), ("packed", False), ("auto", True)):
         runner = ModelRunner(folder, RunnerConfig(device="cuda", quantization=quantization, cuda_graphs=graphs,
                                                   num_blocks=64, limits=Limits(max_num_seqs=8)))
-        assert runner.packed_linears == (2 * 4 if quantization == "auto" else 0)
+        assert runner.packed_linears == (2 * 4 if quantization == "packed" else 0)
         driver = PagedDriver(runner)
-        seqs = [driver.add([5 + i, 17, 400 + 3 * i, 9] * (20 + i), 24) for i in range(6)]  # > 64 prompt rows a step
+        seqs = [driver.add([5 + i, 17, 400 + 3 * i, 9] * (i + 1), 24) for i in range(6)]
         driver.run_all()
         tokens.append([s.generated for s in seqs])
-        firsts.append([s.generated[0] for s in seqs])
-    assert tokens[0] == tokens[1]
-    assert firsts[0] == firsts[2]  # the prefill multiplies the same bfloat16 weights with cuBLAS
+    assert tokens[0] == tokens[1] == tokens[2]  # the same bfloat16 weights, multiplied by cuBLAS

@@ -49,7 +49,7 @@ def _traffic(address: str) -> None:
 @pytest.mark.parametrize("preset,worker_flags", [
     ("qwen3-small", []), ("qwen3-small", ["--attention", "triton"]), ("qwen3-small", ["--kv-cache-dtype", "fp8"]),
     ("qwen3-small", ["--quantization", "fp8"]), ("qwen3-30b-a3b", []), ("qwen3-30b-a3b", ["--quantization", "fp8"]),
-    ("qwen3-small-gptq", [])],
+    ("qwen3-small-gptq", ["--quantization", "packed"])],
     ids=["auto", "triton", "fp8", "fp8_projections", "moe", "moe_fp8_experts", "packed_int4"])
 def test_a_fresh_worker_builds_no_kernel_after_it_reports_serving(tmp_path, preset, worker_flags):
     """(qwen3-30b-a3b: its first layer, whose experts' shape has measured tile tables, 16-bit and FP8;

@@ -1,6 +1,6 @@
-"""Projections served in the integer groups a checkpoint stores them in (W4A16, W8A16: AWQ's, GPTQ's and
-compressed-tensors' pack-quantized Linears), instead of dequantised to 16 bits as they load: a quarter (4-bit) or
-half (8-bit) of a 16-bit weight's memory, and of the bytes a decode step reads.
+"""Projections served in the integer groups a checkpoint stores them in (`--quantization packed`: AWQ's, GPTQ's and
+compressed-tensors' pack-quantized Linears of 2, 4 or 8 bits), instead of dequantised to 16 bits as they load: a
+quarter (4-bit) or half (8-bit) of a 16-bit weight's memory.
 
 A packed weight keeps its codes along its input columns, 32 / bits unsigned codes an int32 word, the first in the
 lowest bits (GPTQ's and compressed-tensors' own layout), and a float32 scale and zero point per output row and group
@@ -8,10 +8,10 @@ of input columns: weight[n, k] = (code - zero) * scale of k's group, in float32,
 dtype, the value the dequantising path stores. kernels/int_gemm.py multiplies such weights on a GPU,
 reference.int_linear elsewhere.
 
-Which projections (`--quantization auto`, the default, for such a checkpoint): each linear whose every checkpoint
-module is stored so and whose shard holds whole groups (the columns a row-parallel rank keeps). The embeddings, the
-LM head, a MoE's experts, MLA's absorbed projections, modules_to_not_convert and GPTQ's activation-order checkpoints
-(any input column in any group) are dequantised as before."""
+Which projections: each linear whose every checkpoint module is stored so and whose shard holds whole groups (the
+columns a row-parallel rank keeps). The embeddings, the LM head, a MoE's experts, MLA's absorbed projections and
+modules_to_not_convert stay dequantised; GPTQ's activation-order checkpoints (any input column in any group) are not
+served packed."""
 from __future__ import annotations
 
 from dataclasses import dataclass

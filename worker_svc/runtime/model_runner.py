@@ -74,9 +74,9 @@ class RunnerConfig:
 
 
 # --quantization: `auto` multiplies an FP8 checkpoint's projections in FP8 where the GPU can (kernels/fp8_gemm.py), in
-# 16 bits elsewhere, and serves integer groups (AWQ, GPTQ, pack-quantized) packed (model/packed_ints.py); `fp8`
-# quantises any checkpoint's projections to FP8 blocks at load; `none` keeps them in 16 bits
-QUANTIZATIONS = ("auto", "fp8", "none")
+# 16 bits elsewhere; `fp8` quantises any checkpoint's projections to FP8 blocks at load; `packed` keeps an integer-group
+# checkpoint's (AWQ, GPTQ, pack-quantized) as stored (model/packed_ints.py); `none` keeps them in 16 bits
+QUANTIZATIONS = ("auto", "fp8", "packed", "none")
 
 PROMPT_SCORE_SLICE = 1024  # prompt positions per LM-head call when scoring prompts (bounds the logits' memory)
 
@@ -345,7 +345,7 @@ class ModelRunner:
         cfg = self.config
         if cfg.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {cfg.quantization!r} ({', '.join(QUANTIZATIONS)})")
-        if cfg.quantization == "none" or cfg.quantization == "auto" and (
+        if cfg.quantization in ("none", "packed") or cfg.quantization == "auto" and (
                 self.model_config.fp8_blocks != (FP8_GROUP, FP8_GROUP) or not fp8_gemms(self.device)):
             return False  # an FP8 checkpoint is dequantised as it loads
         if cfg.quantization == "fp8" and self.device.type == "cuda" and not fp8_gemms(self.device):
@@ -353,12 +353,16 @@ class ModelRunner:
         return True
 
     def _packed_projections(self) -> tuple[set[str], int, int] | None:
-        """Where `quantization` is auto and the checkpoint stores its Linears in integer groups (model/packed_ints.py):
-        the checkpoint weights that read so, their bits and group size; None: 16-bit projections."""
+        """Where `quantization` is packed (model/packed_ints.py): the checkpoint weights that read as integer groups,
+        their bits and group size; None: no packed projections. ValueError for a checkpoint not stored so."""
+        if self.config.quantization != "packed":
+            return None
         scheme = self.model_config.weight_scheme
         groups = getattr(scheme, "packed_groups", None)
-        if self.config.quantization != "auto" or groups is None:
-            return None
+        if groups is None:
+            raise ValueError(f"quantization packed serves checkpoints stored in integer groups of 2, 4 or 8 bits (AWQ, "
+                             f"GPTQ in row order, compressed-tensors pack-quantized by group or channel), not "
+                             f"{scheme or 'one not quantized'}")
         return scheme.packed_weights(checkpoint_names(self.model_dir)), *groups
 
     def reload_weights(self, folder: str) -> str:
