@@ -90,7 +90,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, names_only: bool = Fal
     """Copies every checkpoint tensor into its (sharded, packed) parameter; fails on any unexpected or
     missing name (names_only: fails as a load would on names, copying nothing; tensors that a conversion below pairs
     up are still read). FP8 block-scaled weights and the quantized ones of other formats (config.weight_scheme) are
-    dequantised, an FP8 projection's shards staged until its last is in (model/quantized.py), and a model's
+    dequantised (integer groups kept as stored where their projection was allocated so, model/packed_ints.py), an FP8
+    projection's shards staged until its last is in (model/quantized.py), and a model's
     `converted` (if it has one) turns its checkpoint's own forms into the layout its parameters load (gpt-oss's MXFP4
     experts).
     Returns the checkpoint's KV-cache scales (`layers.0.self_attn.k_scale`, or ModelOpt's `self_attn.k_proj.k_scale`,
