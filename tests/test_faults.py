@@ -101,7 +101,13 @@ def assert_same(streams: list[Stream], reference: list[Stream]) -> None:
 
 
 def live_workers(client: Client) -> dict[str, dict]:
-    return {w["address"]: w for w in client.model_info(timeout=10)["workers"] if w["alive"]}
+    try:
+        info = client.model_info(timeout=10)
+    except grpc.RpcError as e:  # a front-end that knows no serving worker (yet, as a cluster starts) says UNAVAILABLE
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            return {}
+        raise
+    return {w["address"]: w for w in info["workers"] if w["alive"]}
 
 
 def all_idle(client: Client) -> bool:
