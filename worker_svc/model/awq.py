@@ -29,6 +29,7 @@ PARTS = ("qweight", "qzeros", "scales")
 class Awq:
     group_size: int
     zero_point: bool
+    codes_part: ClassVar[str] = "qweight"  # the part a quantized module stores its codes in
     fp8_blocks: ClassVar[None] = None  # 4-bit integer codes, never FP8 blocks (CompressedTensors.fp8_blocks)
 
     @classmethod
@@ -43,10 +44,6 @@ class Awq:
     def packed_groups(self) -> tuple[int, int]:
         """(bits, group_size) of the packed integer groups its Linears read as."""
         return 4, self.group_size
-
-    def packed_weights(self, names: set[str]) -> set[str]:
-        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
-        return {f"{n.removesuffix('.qweight')}.weight" for n in names if n.endswith(".qweight")}
 
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight`, its

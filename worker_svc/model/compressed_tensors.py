@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +45,7 @@ class CompressedTensors:
     strategy: str
     group_size: int | None = None
     block: tuple[int, int] | None = None
+    codes_part: ClassVar[str] = "weight_packed"  # the part a pack-quantized module stores its codes in
 
     @classmethod
     def parse(cls, quantization: dict) -> "CompressedTensors":
@@ -100,11 +102,6 @@ class CompressedTensors:
         if self.fmt != "pack-quantized" or self.num_bits not in BITS or self.strategy not in ("group", "channel"):
             return None
         return self.num_bits, self.group_size if self.strategy == "group" else -1
-
-    def packed_weights(self, names: set[str]) -> set[str]:
-        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
-        return set() if self.packed_groups is None else {
-            f"{n.removesuffix('.weight_packed')}.weight" for n in names if n.endswith(".weight_packed")}
 
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight` (its

@@ -33,6 +33,7 @@ class Gptq:
     group_size: int  # -1: one group of every input row
     zero_offset: int  # added to each stored zero point
     act_order: bool = False  # desc_act: any input row in any group
+    codes_part: ClassVar[str] = "qweight"  # the part a quantized module stores its codes in
     fp8_blocks: ClassVar[None] = None  # integer codes, never FP8 blocks (CompressedTensors.fp8_blocks)
 
     @classmethod
@@ -51,11 +52,6 @@ class Gptq:
     def packed_groups(self) -> tuple[int, int] | None:
         """(bits, group_size) of the packed integer groups its Linears read as; None in activation order."""
         return None if self.act_order else (self.bits, self.group_size)
-
-    def packed_weights(self, names: set[str]) -> set[str]:
-        """The checkpoint's `*.weight`s (of tensors `names`) that read as PackedInts."""
-        return set() if self.act_order else {f"{n.removesuffix('.qweight')}.weight" for n in names
-                                             if n.endswith(".qweight")}
 
     def dequantized(self, tensors: Iterator[CheckpointTensor], names: set[str]) -> Iterator[CheckpointTensor]:
         """The checkpoint's tensors with each quantized module's parts (among `names`) read as one `*.weight`: its

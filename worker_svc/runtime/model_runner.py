@@ -363,7 +363,9 @@ class ModelRunner:
             raise ValueError(f"quantization packed serves checkpoints stored in integer groups of 2, 4 or 8 bits (AWQ, "
                              f"GPTQ in row order, compressed-tensors pack-quantized by group or channel), not "
                              f"{scheme or 'one not quantized'}")
-        return scheme.packed_weights(checkpoint_names(self.model_dir)), *groups
+        part = f".{scheme.codes_part}"  # a module stored in integer groups: its codes part beside its others
+        quantized = {f"{n.removesuffix(part)}.weight" for n in checkpoint_names(self.model_dir) if n.endswith(part)}
+        return quantized, *groups
 
     def reload_weights(self, folder: str) -> str:
         """StepPlan.load_weights: the weights read again from another checkpoint of the served model, in place (the
