@@ -410,6 +410,25 @@ def _cluster(model_dir: Path, tp: int, tmp: Path, *extra: str) -> LocalCluster:
                         log_dir=tmp).start(timeout=180)
 
 
+def _tp1_tokens(model: Path, prompts: list[list[int]], **options):
+    """Greedy tokens of one process at TP 1 (offline.LLM with these options), and its runner."""
+    from offline.llm import LLM
+    from scheduler_svc.sampling import SamplingParams
+
+    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8, **options) as llm:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm.engine.executor.runner
+
+
+def _tp2_tokens(model: Path, prompts: list[list[int]], tmp: Path, *worker_flags: str):
+    """Greedy tokens through a cluster whose worker runs at TP 2 with these flags, and its handshake."""
+    cluster = _cluster(model, 2, tmp, *worker_flags)
+    try:
+        return _generate_all(cluster.address, prompts), _describe(cluster.worker_ports[0])
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def tp2_cluster(tp_model_dir, tmp_path_factory):
     cluster = _cluster(tp_model_dir, 2, tmp_path_factory.mktemp("tp2-logs"))
@@ -420,18 +439,12 @@ def tp2_cluster(tp_model_dir, tmp_path_factory):
 
 
 def test_tp2_generations_equal_tp1_and_transformers(tp2_cluster, tp_model_dir, tp_reference):
-    from offline.llm import LLM
-    from scheduler_svc.sampling import SamplingParams
-
     info = _describe(tp2_cluster.worker_ports[0])
     assert info.tensor_parallel_size == 2 and info.num_blocks == 64
     prompts = _prompts()
     got = _generate_all(tp2_cluster.address, prompts)
     assert got == tp_reference
-    with LLM(tp_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8) as llm:
-        tp1 = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
-                           use_tqdm=False)
-    assert [o.token_ids for o in tp1] == got
+    assert _tp1_tokens(tp_model_dir, prompts)[0] == got
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny", "mixtral-tiny", "qwen2-moe-tiny", "granite-tiny",
@@ -507,21 +520,11 @@ def test_expert_weights_keep_only_this_ranks_experts(monkeypatch):
 
 def test_tp2_over_an_fp8_cache_equals_tp1_over_one(tp_model_dir, tmp_path):
     """Each rank quantises its own KV heads, as the one rank of TP 1 quantises all of them."""
-    from offline.llm import LLM
-    from scheduler_svc.sampling import SamplingParams
-
     prompts = _prompts(seed=12)
-    with LLM(tp_model_dir, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
-             kv_cache_dtype="fp8") as llm:
-        tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
-                                                                         ignore_eos=True), use_tqdm=False)]
-    cluster = _cluster(tp_model_dir, 2, tmp_path, "--kv-cache-dtype", "fp8")
-    try:
-        info = _describe(cluster.worker_ports[0])
-        assert info.tensor_parallel_size == 2 and info.kv_cache_dtype == "float8_e4m3fn"
-        assert _generate_all(cluster.address, prompts) == tp1
-    finally:
-        cluster.stop()
+    tp1, _ = _tp1_tokens(tp_model_dir, prompts, kv_cache_dtype="fp8")
+    tp2, info = _tp2_tokens(tp_model_dir, prompts, tmp_path, "--kv-cache-dtype", "fp8")
+    assert info.tensor_parallel_size == 2 and info.kv_cache_dtype == "float8_e4m3fn"
+    assert tp2 == tp1
 
 
 def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path):
@@ -529,22 +532,13 @@ def test_tp2_with_fp8_projections_equals_tp1_with_them(tmp_path):
     column-parallel qkv, row-parallel o), and a row-parallel projection's input per 128 of its own columns: the blocks
     and groups of TP 1's, so the same tokens. The MoE's ranks each hold half its experts whole, in FP8 as TP 1 holds
     them."""
-    from offline.llm import LLM
-    from scheduler_svc.sampling import SamplingParams
-
     model = make_model("qwen3-moe-fp8", tmp_path / "model", seed=5)
     prompts = _prompts(seed=13)
-    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
-             quantization="fp8") as llm:
-        assert llm.engine.executor.runner.fp8_linears == 2 * 4
-        tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
-                                                                         ignore_eos=True), use_tqdm=False)]
-    cluster = _cluster(model, 2, tmp_path, "--quantization", "fp8")
-    try:
-        assert _describe(cluster.worker_ports[0]).projection_dtype == "float8_e4m3fn"
-        assert _generate_all(cluster.address, prompts) == tp1
-    finally:
-        cluster.stop()
+    tp1, runner = _tp1_tokens(model, prompts, quantization="fp8")
+    assert runner.fp8_linears == 2 * 4
+    tp2, info = _tp2_tokens(model, prompts, tmp_path, "--quantization", "fp8")
+    assert info.projection_dtype == "float8_e4m3fn"
+    assert tp2 == tp1
 
 
 def test_tp2_with_packed_projections_equals_tp1_with_them(tp_model_dir, tmp_path):
@@ -552,24 +546,15 @@ def test_tp2_with_packed_projections_equals_tp1_with_them(tp_model_dir, tmp_path
     its rows of words and groups of a column-parallel projection (qkv, gate_up) and its columns' words and groups of a
     row-parallel one (o, down: 64 and 128 of their columns, groups of 32), so TP 2 computes TP 1's weights and gives
     its tokens."""
-    from offline.llm import LLM
-    from scheduler_svc.sampling import SamplingParams
     from tests.quantized_checkpoints import gptq_folder
 
     model = gptq_folder(tp_model_dir, tmp_path / "gptq")
     prompts = _prompts(seed=14)
-    with LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=8,
-             quantization="packed") as llm:
-        runner = llm.engine.executor.runner
-        assert runner.packed_linears == 4 * runner.model_config.num_hidden_layers
-        tp1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
-                                                                         ignore_eos=True), use_tqdm=False)]
-    cluster = _cluster(model, 2, tmp_path, "--quantization", "packed")
-    try:
-        assert _describe(cluster.worker_ports[0]).projection_dtype == "int4"
-        assert _generate_all(cluster.address, prompts) == tp1
-    finally:
-        cluster.stop()
+    tp1, runner = _tp1_tokens(model, prompts, quantization="packed")
+    assert runner.packed_linears == 4 * runner.model_config.num_hidden_layers
+    tp2, info = _tp2_tokens(model, prompts, tmp_path, "--quantization", "packed")
+    assert info.projection_dtype == "int4"
+    assert tp2 == tp1
 
 
 def test_sigterm_stops_every_rank(tp2_cluster):
