@@ -54,19 +54,27 @@ class HTTPMetrics:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route, start, status = self._route(scope), time.perf_counter(), 500
+        route, start, status, done = self._route(scope), time.perf_counter(), 500, False
+        gauge = IN_FLIGHT.labels(route)
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                gauge.dec()
+                REQUESTS.labels(route, scope["method"], str(status)).inc()
+                LATENCY.labels(route).observe(time.perf_counter() - start)
 
         async def sending(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finish()  # before the last byte leaves: a client that saw its response sees it counted
             await send(message)
 
-        gauge = IN_FLIGHT.labels(route)
         gauge.inc()
         try:
             await self.app(scope, receive, sending)
         finally:
-            gauge.dec()
-            REQUESTS.labels(route, scope["method"], str(status)).inc()
-            LATENCY.labels(route).observe(time.perf_counter() - start)
+            finish()
