@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='generation_config.json fields set over those --generation-config reads, e.g. '
                         '\'{"temperature": 0.5, "max_new_tokens": 512}\' (as vLLM\'s)')
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port (0: off)")
+    p.add_argument("--debug-table-delay", type=float, default=0.0, help="testing only: front-ends other than the "
+                   "first wait this many seconds before reading each table of worker groups the supervisor sends")
     g = p.add_argument_group("worker failure detection and membership (seconds)")
     g.add_argument("--worker-keepalive-time", type=float, default=10.0,
                    help="heartbeat: keepalive ping interval on each worker channel (default 10)")

@@ -174,7 +174,7 @@ class Completion:
 class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def __init__(self, index: int, num_frontends: int, run_dir: str, tokenizer: ModelTokenizer, model_dir: str,
                  allow_lora_updating: bool = False, lora_resolver_dir: str | None = None,
-                 sampling_defaults: dict | None = None, allow_weight_updates: bool = False):
+                 sampling_defaults: dict | None = None, allow_weight_updates: bool = False, table_delay: float = 0.0):
         self.index, self.num_frontends, self.run_dir, self.tokenizer = index, num_frontends, run_dir, tokenizer
         self.sampling_defaults = sampling_defaults or {}  # the model's, for fields a request leaves unset
         self.model_dir, self.allow_lora_updating = model_dir, allow_lora_updating
@@ -188,6 +188,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
+        self._table_asked: asyncio.Future | None = None
+        self.table_delay = table_delay  # testing only: seconds before each table from the supervisor is read
         self.accepting = True
         self.health = health.aio.HealthServicer()
         self.metrics = FrontendMetrics()
@@ -212,6 +214,16 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     def lora_adapters(self) -> list[str]:
         """The LoRA adapters some live group serves (a request under one goes to a group that serves it)."""
         return list(dict.fromkeys(name for g in self.live_groups() for name in g.info.lora_adapters))
+
+    async def serving_groups(self) -> list[GroupView]:
+        """The live groups. With none known here, the supervisor is asked for its table first: as a cluster starts
+        (or its first worker comes back) another front-end on this port may already report SERVING to a client
+        whose next connection lands here before the table pushed to every front-end is read."""
+        if not self.live_groups() and self.accepting:
+            if self._table_asked is None or self._table_asked.done():
+                self._table_asked = asyncio.ensure_future(self.ask_supervisor(["table"]))
+            await asyncio.shield(self._table_asked)  # the table came before the reply: live_groups() is current
+        return self.live_groups()
 
     def _candidates(self, c: Completion, tried: set[int]) -> list[GroupView]:
         """The live groups a completion may go to: not tried yet, and serving its LoRA adapter."""
@@ -253,6 +265,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def receive(self, inbox: zmq.asyncio.Socket) -> None:
         while True:
             data = await inbox.recv()
+            if self.table_delay and ipc.unpack(data)[0] == "groups":
+                await asyncio.sleep(self.table_delay)
             try:
                 self._handle(ipc.unpack(data))
             except Exception:
@@ -425,7 +439,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         deadline = None if remaining is None else started + remaining
         if not self.accepting:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        if not self.live_groups():
+        if not await self.serving_groups():
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         await self._resolve_adapter(request.lora, context)
         try:
@@ -618,7 +632,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def _pooling_groups(self, context: grpc.aio.ServicerContext) -> list[GroupView]:
         if not self.accepting:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        groups = self.live_groups()
+        groups = await self.serving_groups()
         if not groups:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         return groups
@@ -733,7 +747,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.metrics.e2e.observe(time.monotonic() - arrived)
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
-        groups = self.live_groups()
+        groups = await self.serving_groups()
         if not groups:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         info = groups[0].info
@@ -854,7 +868,7 @@ async def serve(index: int, num_frontends: int, run_dir: str, args, port: int) -
     tokenizer = load_tokenizer(args.model, args.chat_template, args.trust_request_chat_template)
     frontend = Frontend(index, num_frontends, run_dir, tokenizer, args.model,
                         args.allow_runtime_lora_updating, args.lora_resolver_dir, args.sampling_defaults,
-                        args.allow_weight_updates)
+                        args.allow_weight_updates, args.debug_table_delay if index else 0.0)
     interceptors = []
     keys = ApiKeys(args.api_keys)
     if keys:  # the Generation service only; a refused Generate counts as a rejected request

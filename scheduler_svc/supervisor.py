@@ -270,6 +270,10 @@ class Supervisor:
             self._answered(ticket, gid, dropped)
         elif op == "reset_prefix_cache":
             self._spawn_task(self._reset_prefix_cache(*message[1:]))
+        elif op == "table":  # [table, front-end, req_id]: the table now, then the reply that says it came
+            _, index, req_id = message
+            self.out.send(ipc.frontend_name(index), ["groups", self._table()])
+            self._reply(index, req_id)
         elif op == "register":
             self._spawn_task(self._register(*message[1:]))
         elif op == "deregister":
