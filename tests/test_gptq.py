@@ -79,13 +79,14 @@ def gptq_checkpoint(source: Path, out: Path, case: tuple) -> tuple[Path, dict[st
 
 
 @pytest.mark.parametrize("preset, case", [("qwen3-small", case) for case in CASES]
-                         + [("qwen3-moe-tiny", "gptq int4 sym")])  # each expert's projections a module of its own
+                         + [("qwen3-moe-tiny", "gptq int4 sym"),  # each expert's projections a module of its own
+                            ("phi3-tiny", "gptq int4 sym")])  # q, k and v one module, gate and up another
 def test_a_gptq_checkpoint_reads_its_codes_and_serves_transformers_logits(preset, case, tmp_path):
     source = make_model(preset, tmp_path / "src", seed=0)
     folder, reference = gptq_checkpoint(source, tmp_path / "gptq", CASES[case])
     ours = Gptq.parse(json.loads((folder / "config.json").read_text())["quantization_config"])
     stored = load_file(folder / "model.safetensors")
-    assert len(reference) == {"qwen3-small": 4 * 7, "qwen3-moe-tiny": 2 * (4 + 8 * 3)}[preset]
+    assert len(reference) == {"qwen3-small": 4 * 7, "qwen3-moe-tiny": 2 * (4 + 8 * 3), "phi3-tiny": 2 * 4}[preset]
     for name, weight in reference.items():
         module = name.removesuffix(".weight")
         parts = {p: stored[f"{module}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
