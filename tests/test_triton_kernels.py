@@ -1,5 +1,6 @@
 """The GPU's Triton kernels, run by Triton's interpreter on the CPU against the eager/reference paths:
-split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler, the skinny GEMM.
+split-KV paged decode attention, the fused q/k norm + rope + KV store, the Gumbel-max sampler, the skinny GEMM, the
+packed integer dequantiser.
 (The interpreter emulates no bfloat16, so float32/float16 here; tests/gpu checks bfloat16 on the GPU.)
 The interpreter is switched on by tests/conftest.py before anything imports triton."""
 from __future__ import annotations
@@ -946,3 +947,24 @@ def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first
     assert slots.numel() == block_expert.numel() * block_m
     ref_slots, ref_blocks = align_by_sorting(topk_ids, first, local, block_m, slots.numel())
     assert torch.equal(slots, ref_slots) and torch.equal(block_expert, ref_blocks)
+
+
+@pytest.mark.parametrize("n,k,bits,group", [(70, 256, 4, 128), (64, 256, 4, 32), (33, 128, 8, 64), (64, 128, 2, 16),
+                                            (40, 256, 4, -1)])
+def test_the_packed_integer_dequantiser_gives_the_references_weight(n, k, bits, group):
+    """kernels/int_gemm.py's dequantising kernel (then cuBLAS, F.linear here): the weight reference.dequantize_ints
+    gives, rounded once to the activations' dtype (a row count that is no multiple of its block; one group a row)."""
+    from worker_svc.kernels import int_gemm, reference
+    from worker_svc.model.packed_ints import pack
+
+    gen = torch.Generator().manual_seed(n + bits)
+    groups = 1 if group == -1 else k // group
+    words = pack(torch.randint(0, 2 ** bits, (n, k), generator=gen), bits)
+    zero = torch.randint(0, 2 ** bits, (n, groups), generator=gen).float()
+    scale = torch.rand(n, groups, generator=gen) * 0.02
+    assert int_gemm.supported(k, groups)
+    for dtype in (torch.float32, torch.float16):
+        weight = reference.dequantize_ints(words, zero, scale, bits).to(dtype)
+        assert torch.equal(int_gemm.dequantize(words, zero, scale, k, dtype), weight)
+        x = torch.randn(5, k, generator=gen).to(dtype)
+        assert torch.equal(int_gemm.linear(x, words, zero, scale), torch.nn.functional.linear(x, weight))
