@@ -106,9 +106,13 @@ class Backend:
     async def resolve_model(self, requested: str | None, may_load: bool = True) -> str:
         """The served name a request's `model` gives (the base model's where none); a name the scheduler's resolver
         may load passes where the request would run under it (`may_load`), else it is a 404 as any unknown name."""
+        arrived = time.monotonic()
         names = await self.model_names()
         if not requested:
             return names[0]
+        if requested not in names and self._info_at < arrived:  # loaded since, maybe through another HTTP worker
+            self.forget_model_info()
+            names = await self.model_names()
         if requested not in names and not (may_load and (await self.model_info()).get("lora_resolver")):
             raise APIError(404, f"The model `{requested}` does not exist (served: {', '.join(names)}).",
                            "invalid_request_error", "model", "model_not_found")

@@ -188,7 +188,6 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
-        self._table_asked: asyncio.Future | None = None
         self.table_delay = table_delay  # testing only: seconds before each table from the supervisor is read
         self.accepting = True
         self.health = health.aio.HealthServicer()
@@ -215,14 +214,17 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         """The LoRA adapters some live group serves (a request under one goes to a group that serves it)."""
         return list(dict.fromkeys(name for g in self.live_groups() for name in g.info.lora_adapters))
 
-    async def serving_groups(self) -> list[GroupView]:
-        """The live groups. With none known here, the supervisor is asked for its table first: as a cluster starts
-        (or its first worker comes back) another front-end on this port may already report SERVING to a client
-        whose next connection lands here before the table pushed to every front-end is read."""
-        if not self.live_groups() and self.accepting:
-            if self._table_asked is None or self._table_asked.done():
-                self._table_asked = asyncio.ensure_future(self.ask_supervisor(["table"]))
-            await asyncio.shield(self._table_asked)  # the table came before the reply: live_groups() is current
+    async def read_current_table(self) -> None:
+        """Reads the supervisor's table of groups as it is now (it sends the table ahead of its reply). This
+        front-end's view may lag what another front-end on the port has told a client (SERVING as a cluster starts or
+        a worker comes back, an adapter loaded), which that client's next connection, landing here, may rely on."""
+        await self.ask_supervisor(["table"])
+
+    async def serving_groups(self, lora: str = "") -> list[GroupView]:
+        """The live groups, the current table read first where this front-end's view would refuse the call: no
+        group, or none serving the LoRA adapter `lora`."""
+        if self.accepting and (not self.live_groups() or lora and lora not in self.lora_adapters):
+            await self.read_current_table()
         return self.live_groups()
 
     def _candidates(self, c: Completion, tried: set[int]) -> list[GroupView]:
@@ -439,7 +441,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         deadline = None if remaining is None else started + remaining
         if not self.accepting:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        if not await self.serving_groups():
+        if not await self.serving_groups(request.lora):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         await self._resolve_adapter(request.lora, context)
         try:
@@ -583,7 +585,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         """Each input runs as a sequence that computes its prompt and samples nothing (max_tokens 0, the model's
         pooling); its pooled row comes with its end, then is truncated and normalised here."""
         arrived = time.monotonic()
-        groups = await self._pooling_groups(context)
+        groups = await self._pooling_groups(context, request.lora)
         if groups[0].info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is a sequence classifier "
                                "(its worker's head is a classifier's): it serves Classify, not Embed")
@@ -611,7 +613,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         """As Embed, with the pooled row of the token the classifier reads (the last, or an encoder's first)
         through its head (on the worker), then its activation here."""
         arrived = time.monotonic()
-        info = (await self._pooling_groups(context))[0].info
+        info = (await self._pooling_groups(context, request.lora))[0].info
         if not info.labels:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "this model is not a sequence classifier "
                                "(config.json, with the worker's --hf-overrides, names no ForSequenceClassification): "
@@ -629,10 +631,10 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                                          prompt_tokens=len(c.prompt_ids))
         return response
 
-    async def _pooling_groups(self, context: grpc.aio.ServicerContext) -> list[GroupView]:
+    async def _pooling_groups(self, context: grpc.aio.ServicerContext, lora: str) -> list[GroupView]:
         if not self.accepting:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        groups = await self.serving_groups()
+        groups = await self.serving_groups(lora)
         if not groups:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         return groups
@@ -747,7 +749,9 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         self.metrics.e2e.observe(time.monotonic() - arrived)
 
     async def GetModelInfo(self, request, context) -> api.ModelInfo:
-        groups = await self.serving_groups()
+        if self.accepting:
+            await self.read_current_table()  # what any front-end has told a client, e.g. an adapter just loaded
+        groups = self.live_groups()
         if not groups:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         info = groups[0].info

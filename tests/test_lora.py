@@ -400,6 +400,50 @@ def _wait_for(check, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def test_an_adapter_loaded_through_one_front_end_serves_at_once_through_every_other(tiny_model_dir, adapters,
+                                                                                      reference, tmp_path):
+    """The second of two front-ends reads each table of worker groups 1.5 s late (--debug-table-delay, a test knob
+    standing in for a busy process). An adapter loaded through one connection serves at once on 8 fresh ones (the
+    kernel spreads connections over both front-ends): where its name is not in a front-end's table yet, it asks the
+    supervisor for the table before it would refuse the name. Four loads, each on a fresh connection: on both
+    front-ends, all but surely. Then the same through a gateway of two HTTP workers, each caching the model list."""
+    cluster = LocalCluster(tiny_model_dir, num_workers=1, log_dir=tmp_path / "logs",
+                           worker_args=["--dtype", "float32", "--num-blocks", "64", "--max-loras", "4",
+                                        "--max-lora-rank", "8"],
+                           scheduler_args=["--frontends", "2", "--allow-runtime-lora-updating",
+                                           "--debug-table-delay", "1.5"]).start(180)
+    try:
+        for k in range(4):
+            name = f"all-{k}"
+            with Client(cluster.address, timeout=60) as c:
+                assert name in c.load_lora_adapter(name, str(adapters["all"]))
+            clients = [Client(cluster.address, timeout=60) for _ in range(8)]
+            with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+                got = list(pool.map(lambda c: c.complete(token_ids=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0,
+                                                         ignore_eos=True, lora=name)[0].token_ids, clients))
+            for c in clients:
+                c.close()
+            assert got == [reference["all"][0]] * len(clients), name
+
+        # the gateway's HTTP workers each cache the model list: one that has not seen a load asks again before a 404
+        gateway = Gateway(cluster.address, tmp_path / "gateway.log", "--workers", "2").wait_healthy()
+        try:
+            for _ in range(8):  # every HTTP worker's cache filled
+                assert httpx.get(f"{gateway.url}/v1/models", timeout=30).status_code == 200
+            loaded = httpx.post(f"{gateway.url}/v1/load_lora_adapter", json={
+                "lora_name": "via-http", "lora_path": str(adapters["all"])}, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            for _ in range(8):  # a connection each: both HTTP workers
+                answer = httpx.post(f"{gateway.url}/v1/completions", json={
+                    "model": "via-http", "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0,
+                    "ignore_eos": True}, timeout=60)
+                assert answer.status_code == 200 and answer.json()["model"] == "via-http", answer.text
+        finally:
+            gateway.stop()
+    finally:
+        cluster.stop()
+
+
 def test_adapters_loaded_while_serving_through_the_services_and_the_gateway(tiny_model_dir, adapters, reference,
                                                                              tmp_path):
     """Two registered workers of one slot each (a step slowed to 20 ms, so a request is in flight when asked): an
