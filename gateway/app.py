@@ -180,6 +180,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(request: Request) -> JSONResponse:
         backend = backend_of(request)
+        backend.forget_model_info()  # as the scheduler has it now: another HTTP worker may have (un)loaded an adapter
         return JSONResponse({"object": "list", "data": [await _model_card(backend, name)
                                                         for name in await backend.model_names()]})
 

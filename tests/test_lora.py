@@ -438,6 +438,11 @@ def test_an_adapter_loaded_through_one_front_end_serves_at_once_through_every_ot
                     "model": "via-http", "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0,
                     "ignore_eos": True}, timeout=60)
                 assert answer.status_code == 200 and answer.json()["model"] == "via-http", answer.text
+            unloaded = httpx.post(f"{gateway.url}/v1/unload_lora_adapter", json={"lora_name": "via-http"}, timeout=60)
+            assert unloaded.status_code == 200, unloaded.text
+            for _ in range(8):
+                models = httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]
+                assert "via-http" not in [m["id"] for m in models]
         finally:
             gateway.stop()
     finally:
