@@ -267,10 +267,11 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def receive(self, inbox: zmq.asyncio.Socket) -> None:
         while True:
             data = await inbox.recv()
-            if self.table_delay and ipc.unpack(data)[0] == "groups":
-                await asyncio.sleep(self.table_delay)
             try:
-                self._handle(ipc.unpack(data))
+                message = ipc.unpack(data)
+                if self.table_delay and message[0] == "groups":
+                    await asyncio.sleep(self.table_delay)
+                self._handle(message)
             except Exception:
                 log.exception("front-end %d: a message failed", self.index)
             await asyncio.sleep(0)  # a waiting recv() does not yield: let the streams write between messages
