@@ -393,9 +393,8 @@ def test_every_frontend_serves_once_the_port_reports_serving(tiny_model_dir, tmp
     c = sim_cluster(tiny_model_dir, tmp_path / "logs", 1, ["--debug-table-delay", "1.5"])
     try:
         clients = [Client(c.address, timeout=WAIT_S) for _ in range(16)]
-        streams = [Stream(r) for r in sim_requests(len(clients), seed=9, max_tokens=2)]
-        for client, s in zip(clients, streams):
-            threading.Thread(target=s.run, args=(client,), daemon=True).start()
+        streams = [start_streams(client, [r])[0]
+                   for client, r in zip(clients, sim_requests(len(clients), seed=9, max_tokens=2))]
         for s in join(streams):
             assert s.error is None, f"{s.error.code()}: {s.error.details()}"
             assert len(s.token_ids) == 2
