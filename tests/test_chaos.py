@@ -26,8 +26,8 @@ from tests.test_faults import (Stream, all_idle, kill, live_workers, run_streams
 
 pytestmark = pytest.mark.timeout(600)
 
-FAULTS = 10
-IN_FLIGHT = 24  # streams the clients keep running
+FAULTS = 8
+IN_FLIGHT = 12  # streams the clients keep running (a 2-core CI box runs another test module beside it)
 STEP_TIMEOUT_S = 2.0
 RECONNECT_S = 2.5  # client/channel.py: a channel whose connection failed is back within 2 s of backoff
 
@@ -58,6 +58,8 @@ class Load:
                 request["seed"] = 7919 * n
             s, started = Stream(request), time.monotonic()
             s.run(client)
+            if s.error is not None:  # a front-end just killed: its channel fails fast until it reconnects
+                time.sleep(0.2)
             with self._lock:
                 self.streams.append((s, started, time.monotonic()))
 
