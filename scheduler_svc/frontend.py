@@ -43,7 +43,7 @@ from scheduler_svc.prefix_hash import PromptHashes
 from scheduler_svc.registration import MembershipService
 from scheduler_svc.requests import (InvalidRequest, ParsedEmbed, ParsedRequest, check_text_size, max_prompt_bytes,
                                     parse_classify, parse_embed, parse_generate, prompt_ids)
-from scheduler_svc.responses import FINISH, REASON, hold, response_of, write
+from scheduler_svc.responses import FINISH, REASON, abort, hold, response_of, write
 from scheduler_svc.router import GroupInfo, GroupView, pick_group, serving
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import TokenLogprob
@@ -434,7 +434,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
     async def _reject(self, context, code: grpc.StatusCode, message: str) -> None:
         """Refuse a request before (or at) admission: counted by status, then the call ends."""
         self.metrics.requests_rejected.labels(code.name).inc()
-        await context.abort(code, message)
+        await abort(context, code, message)
 
     async def Generate(self, request: api.GenerateRequest, context: grpc.aio.ServicerContext):
         started, arrived = time.perf_counter(), time.monotonic()
@@ -488,7 +488,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             while pending:
                 await stream.wait()
                 if stream.failed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.failed)
+                    await abort(context, grpc.StatusCode.UNAVAILABLE, stream.failed)
                 slot = await self.write_slots.take()  # given back by its hold time at the latest
                 try:
                     # All that arrived until now, the wait for a slot included: coalesced when the client or the
@@ -655,7 +655,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
         completions = self._completions(subs, parsed.inputs, params, parsed.priority)
         await self._run_all(completions, context, counted=True)
         if any(c.pooled is None for c in completions):  # never from this project's workers
-            await context.abort(grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
+            await abort(context, grpc.StatusCode.INTERNAL, "a worker returned no pooled row")
         for c in completions:
             self.metrics.observe_end(c.text.usage(), arrived, 0.0, c.scheduled_at)
         elapsed = time.monotonic() - arrived
@@ -693,7 +693,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             while pending:
                 await stream.wait()
                 if stream.failed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.failed)
+                    await abort(context, grpc.StatusCode.UNAVAILABLE, stream.failed)
                 for c in stream.take():
                     pending.discard(c.index)
         finally:
@@ -754,7 +754,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             await self.read_current_table()  # what any front-end has told a client, e.g. an adapter just loaded
         groups = self.live_groups()
         if not groups:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is serving")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "no worker is serving")
         info = groups[0].info
         return api.ModelInfo(
             model=info.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
@@ -782,7 +782,7 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
             else:
                 ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size, limit, add_special_tokens=special)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api.TokenizeResponse(token_ids=ids, tokens=[self.tokenizer.tokenizer.id_to_token(i) or ""
                                                            for i in ids])
 
@@ -798,32 +798,32 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
 
     async def UpdateWeights(self, request: api.UpdateWeightsRequest, context) -> api.UpdateWeightsResponse:
         if not self.allow_weight_updates:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "weights are read again while serving only where "
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED, "weights are read again while serving only where "
                                 "the scheduler runs with --allow-weight-updates")
         if not request.model_path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path must name a checkpoint folder")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "model_path must name a checkpoint folder")
         reply = await asyncio.shield(  # not undone by a cancel
             self.ask_supervisor(["weights", request.model_path, request.abort_requests,
                                  request.weight_version or request.model_path]))
         if reply.get("code"):
-            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+            await abort(context, grpc.StatusCode[reply["code"]], reply["message"])
         return api.UpdateWeightsResponse(model_path=reply["model_path"], num_workers=reply["num_workers"],
                                          weight_version=reply["weight_version"])
 
     async def _update_adapter(self, name: str, path: str, context, load: bool) -> api.LoraAdaptersResponse:
         """A load (of the folder at path) or unload, by the supervisor on every worker group."""
         if not self.allow_lora_updating:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "LoRA adapters are loaded and unloaded while "
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED, "LoRA adapters are loaded and unloaded while "
                                 "serving only where the scheduler runs with --allow-runtime-lora-updating")
         if load and not path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name the adapter's folder")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "lora_path must name the adapter's folder")
         groups = self.live_groups()
         if not name or len(name) > MAX_ADAPTER_NAME or (groups and name == groups[0].info.model):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name must be 1 to {MAX_ADAPTER_NAME} "
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"lora_name must be 1 to {MAX_ADAPTER_NAME} "
                                 "characters, other than the base model's name")
         reply = await self.ask_supervisor(["lora", name, path])
         if reply.get("code"):
-            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+            await abort(context, grpc.StatusCode[reply["code"]], reply["message"])
         return api.LoraAdaptersResponse(lora_adapters=self.lora_adapters)
 
     async def _resolve_adapter(self, name: str, context) -> None:

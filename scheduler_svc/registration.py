@@ -11,6 +11,7 @@ import grpc
 from common.security import RegistrationPolicy
 from protos import membership_pb2 as mpb
 from protos import membership_pb2_grpc
+from scheduler_svc.responses import abort
 
 if TYPE_CHECKING:
     from scheduler_svc.frontend import Frontend
@@ -35,17 +36,17 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         if reason is not None:
             log.warning("membership call refused from %s for worker %r: %s", context.peer(), request.address,
                         reason, extra={"worker": request.address})
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, reason)
 
     async def Register(self, request: mpb.RegisterRequest, context) -> mpb.RegisterResponse:
         await self._authorize(context, request)
         if not self.frontend.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not _valid_address(request.address):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
         reply = await self.frontend.ask_supervisor(["register", request.address, request.worker_id, request.epoch])
         if reply.get("code"):
-            await context.abort(grpc.StatusCode[reply["code"]], reply["message"])
+            await abort(context, grpc.StatusCode[reply["code"]], reply["message"])
         return mpb.RegisterResponse(scheduler_id=reply["scheduler_id"], already_member=reply["already_member"])
 
     async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:

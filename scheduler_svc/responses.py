@@ -1,10 +1,13 @@
-"""The messages of a Generate stream: a completion's output as one GenerateResponse, held back to the request's
-stream_interval, and written to the call."""
+"""What goes out on a call: a completion's output as one GenerateResponse, held back to the request's
+stream_interval and written to the call, and the status that ends a call early."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+import grpc
+import grpc.aio
 
 from protos import splitserve_pb2 as api
 
@@ -83,3 +86,18 @@ async def write(context, response: api.GenerateResponse) -> bool:
         log.debug("a write failed as the call ended: %r", e)
         await asyncio.sleep(CLOSE_NOTICE_S)
         return False
+
+
+async def abort(context, code: grpc.StatusCode, message: str) -> NoReturn:
+    """Ends the call with `code` and `message`. A call past its deadline has ended in gRPC's core already (the client
+    holds DEADLINE_EXCEEDED) and a status sent after it fails. gRPC ignores that failure once it has seen the call
+    close and logs it as the servicer's error before, which a busy front-end can reach first: the failure is raised
+    only after the wait a failed write takes."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:
+        log.debug("a status could not go out as the call ended: %r", e)
+        await asyncio.sleep(CLOSE_NOTICE_S)
+        raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import grpc.aio
 import pytest
 
 from protos import splitserve_pb2 as api
@@ -19,6 +21,14 @@ class ClosedContext:
     async def write(self, response) -> None:
         self.writes += 1
         raise RuntimeError('Failed "execute_batch"')
+
+    async def abort(self, code, message) -> None:
+        raise RuntimeError('Failed "execute_batch"')
+
+
+class OpenContext:
+    async def abort(self, code, message) -> None:
+        raise grpc.aio.AbortError(message)
 
 
 def test_a_failed_write_ends_as_the_cancellation_that_follows(monkeypatch):
@@ -40,6 +50,22 @@ def test_a_failed_write_without_a_notice_ends_the_stream(monkeypatch):
     context = ClosedContext()
     assert asyncio.run(responses.write(context, api.GenerateResponse())) is False
     assert context.writes == 1
+
+
+def test_a_status_that_fails_to_go_out_is_raised_once_grpc_has_seen_the_call_close(monkeypatch):
+    """A call past its deadline has ended in gRPC's core, and a status sent then fails; gRPC logs that failure as the
+    servicer's error unless it has seen the call close by then, so abort raises it only after CLOSE_NOTICE_S."""
+    monkeypatch.setattr(responses, "CLOSE_NOTICE_S", 0.2)
+
+    async def run():
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(RuntimeError, match="execute_batch"):
+            await responses.abort(ClosedContext(), grpc.StatusCode.INVALID_ARGUMENT, "bad")
+        assert asyncio.get_running_loop().time() - started >= 0.2
+        with pytest.raises(grpc.aio.AbortError):  # a status that went out ends the handler at once
+            await asyncio.wait_for(responses.abort(OpenContext(), grpc.StatusCode.INVALID_ARGUMENT, "bad"), 0.1)
+
+    asyncio.run(run())
 
 
 def _group(group_id: int) -> dict:
@@ -77,3 +103,4 @@ def test_a_groups_loss_reported_twice_moves_each_request_once(tmp_path):
         fe.out.close()
 
     asyncio.run(run())
+
