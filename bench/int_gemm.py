@@ -1,5 +1,6 @@
-"""Projections in packed integer groups (worker_svc/kernels/int_gemm.py: the weight dequantised by a Triton kernel,
-then cuBLAS's GEMM) against cuBLAS's bfloat16 GEMM, per call, at decode and prefill rows.
+"""Projections in packed integer groups (worker_svc/kernels/int_gemm.py: the fused kernel up to its FUSED_ROWS, the
+weight dequantised by a Triton kernel then cuBLAS's GEMM past them; `int4 dequantised` is the latter at every row
+count) against cuBLAS's bfloat16 GEMM, per call, at decode and prefill rows.
 
 Each call reads a different copy of the weight (copies fill well past the 50 MB L2, as a model's layers do), 20
 calls per CUDA graph, replayed: GPU time with cold weights. Reports each against the bfloat16 product of the same
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 read = n * k * bits // 8 + n * groups * 8  # words, zero points and scales
                 kernels[f"int{bits}"] = (lambda x, w: int_gemm.linear(x, *w), parts, read,
                                          F.linear(x.float(), w.float()))
+                if rows <= int_gemm.FUSED_ROWS:
+                    kernels[f"int{bits} dequantised"] = (
+                        lambda x, w: F.linear(x, int_gemm.dequantize(*w, x.shape[-1], x.dtype)), parts, read,
+                        F.linear(x.float(), w.float()))
             for name, (fn, ws, bytes_, expected) in kernels.items():
                 y = fn(x, ws[0]).float()
                 us = time_us(fn, ws, x)

@@ -952,8 +952,9 @@ def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first
 @pytest.mark.parametrize("n,k,bits,group", [(70, 256, 4, 128), (64, 256, 4, 32), (33, 128, 8, 64), (64, 128, 2, 16),
                                             (40, 256, 4, -1)])
 def test_the_packed_integer_dequantiser_gives_the_references_weight(n, k, bits, group):
-    """kernels/int_gemm.py's dequantising kernel (then cuBLAS, F.linear here): the weight reference.dequantize_ints
-    gives, rounded once to the activations' dtype (a row count that is no multiple of its block; one group a row)."""
+    """kernels/int_gemm.py's dequantising kernel (then cuBLAS, F.linear here, past the fused kernel's rows): the weight
+    reference.dequantize_ints gives, rounded once to the activations' dtype (a row count that is no multiple of its
+    block; one group a row)."""
     from worker_svc.kernels import int_gemm, reference
     from worker_svc.model.packed_ints import pack
 
@@ -966,5 +967,33 @@ def test_the_packed_integer_dequantiser_gives_the_references_weight(n, k, bits, 
     for dtype in (torch.float32, torch.float16):
         weight = reference.dequantize_ints(words, zero, scale, bits).to(dtype)
         assert torch.equal(int_gemm.dequantize(words, zero, scale, k, dtype), weight)
-        x = torch.randn(5, k, generator=gen).to(dtype)
+        x = torch.randn(int_gemm.FUSED_ROWS + 1, k, generator=gen).to(dtype)
         assert torch.equal(int_gemm.linear(x, words, zero, scale), torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("n,k,bits,group", [(70, 256, 4, 128), (64, 512, 4, -1), (33, 128, 8, 64), (16, 512, 2, 256),
+                                            (130, 128, 4, 128)])
+def test_the_fused_packed_integer_product_matches_the_float64_product(rows, n, k, bits, group):
+    """kernels/int_gemm.py's fused kernel (decode rows): x W^T over the exact dequantised weight, to float32's
+    rounding (the codes as 16-bit floats by their bits; split-K over the columns merged by the last program, whose
+    counters are left at zero; one tile, so no split, in the last case)."""
+    from worker_svc.kernels import int_gemm, reference
+    from worker_svc.model.packed_ints import pack
+
+    gen = torch.Generator().manual_seed(rows + n + bits)
+    groups = 1 if group == -1 else k // group
+    words = pack(torch.randint(0, 2 ** bits, (n, k), generator=gen), bits)
+    zero = torch.randint(0, 2 ** bits, (n, groups), generator=gen).float()
+    scale = torch.rand(n, groups, generator=gen) * 0.02
+    assert int_gemm.fused_fits(k, groups, bits) and rows <= int_gemm.FUSED_ROWS
+    exact = reference.dequantize_ints(words, zero, scale, bits).double()
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype)
+        want = x.double() @ exact.T + bias.double()
+        got = int_gemm.linear(x, words, zero, scale, bias)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3  # float16: the output's rounding
+        assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert not int_gemm._counters(torch.device("cpu")).any()

@@ -1,21 +1,37 @@
 """y = x W^T over packed integer groups (model/packed_ints.py: 32 / bits unsigned codes an int32 word along the input
-columns, a float32 zero point and scale per output row and group of columns), on a GPU: one Triton kernel dequantises
-the weight into a scratch tensor ((code - zero) * scale in float32, rounded to x's dtype: the weight the dequantising
-path stores), then cuBLAS's GEMM. reference.int_linear computes the same in torch ops.
+columns, a float32 zero point and scale per output row and group of columns), on a GPU. reference.int_linear computes
+the same in torch ops.
 
-A step reads the packed weight and writes and reads its 16-bit copy, so each GEMM takes about twice a 16-bit one's
-time at decode rows, the price of a quarter of the memory at 4 bits (bench/NOTES.md, "Packed integer groups": a
-kernel multiplying the tiles as it dequantises them was slower still)."""
+Up to FUSED_ROWS rows (decode steps), one kernel reads the words and multiplies as it unpacks (`fused`): a program
+takes BLOCK_N weight rows and a range of the input columns (split-K, so that a few rows' product fills the GPU) and
+computes y^T = W x^T on the tensor cores, the weight as the MMA's first operand, which it takes from registers. A tile
+of 16 words a row holds 16 x (32 / bits) codes; the codes at bit offset j of the 16 words (columns c0 + j, c0 + j +
+32 / bits, ...) form a [BLOCK_N, 16] operand against the x columns of the same indices, so unpacking is a shift and a
+mask of the words as loaded, with no reshape. A code becomes a 16-bit float by its bits alone (OR-ed into the mantissa
+of 128.0 in bfloat16 or 1,024.0 in float16: OFFSET + code exactly), and the group's zero point and scale apply to the
+tile's sums, y += scale * (sum((OFFSET + code) x) - (OFFSET + zero) * sum(x)), in float32 throughout. The last
+program of a row block to finish, counted on an atomic counter, adds the splits in their fixed order (the same sums
+in a graph as eagerly).
+
+Past FUSED_ROWS (prefills), a kernel dequantises the weight into a scratch tensor ((code - zero) * scale in float32,
+rounded to x's dtype: the weight the dequantising path stores), then cuBLAS's GEMM multiplies: there the product is
+bound by its FLOPs, and reading a 16-bit copy costs little beside them."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from common.util import cdiv
 from worker_svc.kernels import reference
 
 BLOCK_N = 64
+FUSED_ROWS = 64  # rows multiplied by the fused kernel; more go through a dequantised copy and cuBLAS
+WORDS = 16  # words of a row in a fused tile: the MMA's depth
+COUNTERS = 4096  # row blocks of one product at most (BLOCK_N x COUNTERS output rows)
 
 
 @triton.jit
@@ -37,11 +53,72 @@ def _dequantize(W, Z, S, OUT, N, stride_w, stride_g, stride_o, BITS: tl.constexp
              mask=present[:, None])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_g, stride_y, tiles_per_split,
+           BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, SPLITS: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = WORDS * PER
+    block, split = tl.program_id(0), tl.program_id(1)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    i = tl.arange(0, WORDS)
+    row_ok, m_ok = n < N, m < M
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_w + i[None, :]
+    x_ptrs = X + m[None, :] * stride_x + (i * PER)[:, None]  # column c0 + PER i + j of x^T is x_ptrs + c0 + j
+    out = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    first = split * tiles_per_split
+    for t in tl.range(first, first + tiles_per_split):
+        c0 = t * TILE_K
+        words = tl.load(w_ptrs + t * WORDS, mask=row_ok[:, None], other=0)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_sum = tl.zeros([BLOCK_M], tl.float32)
+        for j in tl.static_range(PER):
+            codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+            if MAGIC:
+                w = (codes | MAGIC).to(tl.int16).to(X.dtype.element_ty, bitcast=True)  # OFFSET + code
+            else:
+                w = codes.to(X.dtype.element_ty)
+            xt = tl.load(x_ptrs + c0 + j, mask=m_ok[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")  # float32 models: no TF32
+            x_sum += tl.sum(xt.to(tl.float32), axis=0)
+        g = c0 // GROUP
+        zero = tl.load(Z + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
+        scale = tl.load(S + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
+        out += scale[:, None] * (acc - (zero + OFFSET)[:, None] * x_sum[None, :])
+    live = row_ok[:, None] & m_ok[None, :]
+    y_ptrs = Y + m[None, :] * stride_y + n[:, None]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            out += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=live)
+    else:
+        # the splits' partials, [SPLITS, BLOCK_M, N]; the last program to store its own adds them in split order
+        part_ptrs = Part + m[None, :] * N + n[:, None]
+        tl.store(part_ptrs + split * BLOCK_M * N, out, mask=live)
+        tl.debug_barrier()
+        if tl.atomic_add(Counters + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.debug_barrier()
+            tl.store(Counters + block, 0)  # for the next product (and graph replay)
+            total = tl.load(part_ptrs, mask=live, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLITS):
+                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=live, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=live)
+
+
 def supported(k: int, groups: int) -> bool:
-    """Whether the kernel takes a weight `k` columns wide in `groups` groups: of 16, 32, 64 or a multiple of 128
+    """Whether the kernels take a weight `k` columns wide in `groups` groups: of 16, 32, 64 or a multiple of 128
     columns (the torch reference does the rest)."""
     group = k // groups
     return k % groups == 0 and (group % 128 == 0 or group in (16, 32, 64))
+
+
+def fused_fits(k: int, groups: int, bits: int) -> bool:
+    """Whether the fused kernel takes such a weight: groups of whole tiles (WORDS words a row: 128 columns at 4 bits,
+    64 at 8, 256 at 2)."""
+    return k % groups == 0 and (k // groups) % (WORDS * 32 // bits) == 0
 
 
 def block_k(group: int) -> int:
@@ -61,10 +138,60 @@ def dequantize(weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, k:
     return out
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split counters of the fused kernel: zeros, which every product leaves zero again. Made by the first
+    product on `device` (a warm-up's, before any graph is captured)."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def splits_for(n: int, tiles: int, sms: int) -> int:
+    """Splits of the input columns for `n` output rows in `tiles` tiles: the fewest (a divisor of `tiles`) that give
+    every SM two programs, so that a product of a few rows reads the weight with the whole GPU."""
+    blocks = cdiv(n, BLOCK_N)
+    for s in range(1, tiles + 1):
+        if tiles % s == 0 and blocks * s >= 2 * sms:
+            return s
+    return tiles
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T by the fused kernel, for x of at most FUSED_ROWS rows and a weight that fused_fits."""
+    rows, k = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n, groups = scale.shape
+    bits = 32 * weight.shape[1] // k
+    tiles = k // (WORDS * 32 // bits)
+    splits = splits_for(n, tiles, _sm_count(x.device))
+    block_m = max(16, triton.next_power_of_2(rows))
+    magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
+    if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
+        magic, offset = 0, 0.0
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits if splits > 1 else 0, block_m, n, dtype=torch.float32, device=x.device)
+    assert cdiv(n, BLOCK_N) <= COUNTERS
+    _fused[(cdiv(n, BLOCK_N), splits)](
+        x, weight, zero, scale, y if bias is None else bias, y, part, _counters(x.device), rows, n, x.stride(0),
+        weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
+        OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
+        num_warps=4, num_stages=3)
+    return y
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T: `weight` int32 words [N, K * bits / 32], `zero` and `scale` float32 [N, groups]; y in x's
     dtype."""
-    if not supported(x.shape[-1], scale.shape[1]):
+    k, groups = x.shape[-1], scale.shape[1]
+    if not supported(k, groups):
         return reference.int_linear(x, weight, zero, scale, bias)
-    return F.linear(x, dequantize(weight, zero, scale, x.shape[-1], x.dtype), bias)
+    rows = x.numel() // k
+    if rows <= FUSED_ROWS and fused_fits(k, groups, 32 * weight.shape[1] // k):
+        return fused(x.reshape(rows, k), weight, zero, scale, bias).reshape(*x.shape[:-1], -1)
+    return F.linear(x, dequantize(weight, zero, scale, k, x.dtype), bias)
