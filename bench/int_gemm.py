@@ -8,6 +8,7 @@ dequantised weight, and the bytes read: the words and the groups' zero points an
 
 python -m bench int-gemm
 python -m bench int-gemm --shapes qkv,o,gate_up,down --rows 1,64,256 --bits 4,8 --group 128
+python -m bench int-gemm --rows 1,16,64 --bits 4 --configs 64:2:4:3,32:4:4:3   # fused tilings, beside the default
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shapes", default="qkv_8b,o_8b,gate_up_8b,down_8b")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--group", type=int, default=128, help="input columns a group (-1: one group a row)")
+    ap.add_argument("--configs", default="", help="fused kernel tilings to time at its rows as well: "
+                                                   "block_n:waves:num_warps:num_stages, comma-separated")
     ap.add_argument("--out", default="bench/results/int_gemm.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels import int_gemm, reference
@@ -54,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 read = n * k * bits // 8 + n * groups * 8  # words, zero points and scales
                 kernels[f"int{bits}"] = (lambda x, w: int_gemm.linear(x, *w), parts, read,
                                          F.linear(x.float(), w.float()))
+                for config in filter(None, args.configs.split(",")) if rows <= int_gemm.FUSED_ROWS else ():
+                    block_n, waves, warps, stages = map(int, config.split(":"))
+                    kernels[f"int{bits} {config}"] = (
+                        lambda x, w, b=block_n, v=waves, nw=warps, ns=stages: int_gemm.fused(
+                            x, *w, block_n=b, waves=v, num_warps=nw, num_stages=ns), parts, read,
+                        F.linear(x.float(), w.float()))
                 if rows <= int_gemm.FUSED_ROWS:
                     kernels[f"int{bits} dequantised"] = (
                         lambda x, w: F.linear(x, int_gemm.dequantize(*w, x.shape[-1], x.dtype)), parts, read,

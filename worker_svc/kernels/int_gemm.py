@@ -72,7 +72,8 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
         c0 = t * TILE_K
         words = tl.load(w_ptrs + t * WORDS, mask=row_ok[:, None], other=0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        x_sum = tl.zeros([BLOCK_M], tl.float32)
+        x_row = tl.load(X + m[:, None] * stride_x + c0 + tl.arange(0, TILE_K)[None, :], mask=m_ok[:, None], other=0.0)
+        x_sum = tl.sum(x_row.to(tl.float32), axis=1)
         for j in tl.static_range(PER):
             codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
             if MAGIC:
@@ -81,7 +82,6 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
                 w = codes.to(X.dtype.element_ty)
             xt = tl.load(x_ptrs + c0 + j, mask=m_ok[None, :], other=0.0)
             acc = tl.dot(w, xt, acc, input_precision="ieee")  # float32 models: no TF32
-            x_sum += tl.sum(xt.to(tl.float32), axis=0)
         g = c0 // GROUP
         zero = tl.load(Z + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
         scale = tl.load(S + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
@@ -150,37 +150,39 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-def splits_for(n: int, tiles: int, sms: int) -> int:
+def splits_for(n: int, tiles: int, sms: int, block_n: int = BLOCK_N, waves: int = 2) -> int:
     """Splits of the input columns for `n` output rows in `tiles` tiles: the fewest (a divisor of `tiles`) that give
-    every SM two programs, so that a product of a few rows reads the weight with the whole GPU."""
-    blocks = cdiv(n, BLOCK_N)
+    every SM `waves` programs, so that a product of a few rows reads the weight with the whole GPU."""
+    blocks = cdiv(n, block_n)
     for s in range(1, tiles + 1):
-        if tiles % s == 0 and blocks * s >= 2 * sms:
+        if tiles % s == 0 and blocks * s >= waves * sms:
             return s
     return tiles
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
-          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T by the fused kernel, for x of at most FUSED_ROWS rows and a weight that fused_fits."""
+          bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N, waves: int = 2, num_warps: int = 4,
+          num_stages: int = 3) -> torch.Tensor:
+    """y = x W^T by the fused kernel, for x of at most FUSED_ROWS rows and a weight that fused_fits (the keywords:
+    its tiling, for `bench int-gemm`'s sweeps)."""
     rows, k = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     n, groups = scale.shape
     bits = 32 * weight.shape[1] // k
     tiles = k // (WORDS * 32 // bits)
-    splits = splits_for(n, tiles, _sm_count(x.device))
+    splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
     block_m = max(16, triton.next_power_of_2(rows))
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
     if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
         magic, offset = 0, 0.0
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     part = torch.empty(splits if splits > 1 else 0, block_m, n, dtype=torch.float32, device=x.device)
-    assert cdiv(n, BLOCK_N) <= COUNTERS
-    _fused[(cdiv(n, BLOCK_N), splits)](
+    assert cdiv(n, block_n) <= COUNTERS
+    _fused[(cdiv(n, block_n), splits)](
         x, weight, zero, scale, y if bias is None else bias, y, part, _counters(x.device), rows, n, x.stride(0),
         weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
-        OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
-        num_warps=4, num_stages=3)
+        OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
