@@ -160,6 +160,15 @@ def splits_for(n: int, tiles: int, sms: int, block_n: int = BLOCK_N, waves: int 
     return tiles
 
 
+def block_m_for(rows: int) -> int:
+    """x's rows a fused program holds (the MMA's least is 16): one build of the kernel each."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+# a row count of each build of the fused kernel, for the runner's warm-up
+WARM_UP_ROWS = tuple(sorted({block_m_for(r): r for r in range(FUSED_ROWS, 0, -1)}.values()))
+
+
 def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
           bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N, waves: int = 2, num_warps: int = 4,
           num_stages: int = 3) -> torch.Tensor:
@@ -171,7 +180,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     bits = 32 * weight.shape[1] // k
     tiles = k // (WORDS * 32 // bits)
     splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
-    block_m = max(16, triton.next_power_of_2(rows))
+    block_m = block_m_for(rows)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
     if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
         magic, offset = 0, 0.0

@@ -490,6 +490,11 @@ class ModelRunner:
         if hasattr(attention, "forced"):
             attention.forced = None
             attention.steps = dict.fromkeys(attention.steps, 0)
+        if self.packed_linears and self.device.type == "cuda":  # a step of each build of the fused packed kernel
+            from worker_svc.kernels.int_gemm import WARM_UP_ROWS
+
+            for rows in WARM_UP_ROWS:
+                self._warm_up_step([rows])
         moe = self.model_config.moe
         if moe is not None and self.device.type == "cuda":  # a step of each token count that changes the tiles
             from worker_svc.kernels.moe import hopper_table, warm_up_token_counts
