@@ -971,13 +971,14 @@ def test_the_packed_integer_dequantiser_gives_the_references_weight(n, k, bits, 
         assert torch.equal(int_gemm.linear(x, words, zero, scale), torch.nn.functional.linear(x, weight))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33])
 @pytest.mark.parametrize("n,k,bits,group", [(70, 256, 4, 128), (64, 512, 4, -1), (33, 128, 8, 64), (16, 512, 2, 256),
                                             (130, 128, 4, 128)])
 def test_the_fused_packed_integer_product_matches_the_float64_product(rows, n, k, bits, group):
     """kernels/int_gemm.py's fused kernel (decode rows): x W^T over the exact dequantised weight, to float32's
-    rounding (the codes as 16-bit floats by their bits; split-K over the columns merged by the last program, whose
-    counters are left at zero; one tile, so no split, in the last case)."""
+    rounding (by FMAs up to FMA_ROWS rows, on the tensor cores past them, the codes as 16-bit floats by their bits;
+    split-K over the columns merged by the last program, whose counters are left at zero; one tile, so no split, in
+    the last case)."""
     from worker_svc.kernels import int_gemm, reference
     from worker_svc.model.packed_ints import pack
 

@@ -30,6 +30,7 @@ from worker_svc.kernels import reference
 
 BLOCK_N = 64
 FUSED_ROWS = 64  # rows multiplied by the fused kernel; more go through a dequantised copy and cuBLAS
+FMA_ROWS = 1  # rows the fused kernel multiplies by FMAs rather than on the tensor cores (at most 1)
 WORDS = 16  # words of a row in a fused tile: the MMA's depth
 COUNTERS = 4096  # row blocks of one product at most (BLOCK_N x COUNTERS output rows)
 
@@ -53,10 +54,42 @@ def _dequantize(W, Z, S, OUT, N, stride_w, stride_g, stride_o, BITS: tl.constexp
              mask=present[:, None])
 
 
+@triton.jit
+def _dot_tile(out, words, x_ptrs, x_row_ptrs, m_ok, zero, scale, BITS: tl.constexpr, MAGIC: tl.constexpr,
+              OFFSET: tl.constexpr, PER: tl.constexpr):
+    # out [BLOCK_N, BLOCK_M] += the tile's product on the tensor cores, x^T as the MMA's second operand
+    x_sum = tl.sum(tl.load(x_row_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32), axis=1)
+    acc = tl.zeros(out.shape, tl.float32)
+    for j in tl.static_range(PER):
+        codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+        if MAGIC:
+            w = (codes | MAGIC).to(tl.int16).to(x_ptrs.dtype.element_ty, bitcast=True)  # OFFSET + code
+        else:
+            w = codes.to(x_ptrs.dtype.element_ty)
+        xt = tl.load(x_ptrs + j, mask=m_ok[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision="ieee")  # float32 models: no TF32
+    return out + scale[:, None] * (acc - (zero + OFFSET)[:, None] * x_sum[None, :])
+
+
+@triton.jit
+def _fma_tile(out, words, x_ptrs, zero, scale, BITS: tl.constexpr, PER: tl.constexpr):
+    # out [BLOCK_N, WORDS] += the tile's products with one row of x by float32 FMAs (an MMA would pad it to 16 rows);
+    # a code as a float: its bits in the mantissa of 2^23, less 2^23
+    t = tl.zeros(out.shape, tl.float32)
+    x_sum = tl.zeros([out.shape[1]], tl.float32)
+    for j in tl.static_range(PER):
+        codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+        f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        xj = tl.load(x_ptrs + j).to(tl.float32)
+        t += f * xj[None, :]
+        x_sum += xj
+    return out + scale[:, None] * (t - zero[:, None] * x_sum[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_g, stride_y, tiles_per_split,
            BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, SPLITS: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr):
     PER: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = WORDS * PER
     block, split = tl.program_id(0), tl.program_id(1)
@@ -65,27 +98,25 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
     i = tl.arange(0, WORDS)
     row_ok, m_ok = n < N, m < M
     w_ptrs = W + n[:, None].to(tl.int64) * stride_w + i[None, :]
-    x_ptrs = X + m[None, :] * stride_x + (i * PER)[:, None]  # column c0 + PER i + j of x^T is x_ptrs + c0 + j
-    out = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if DOT:
+        out = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_ptrs = X + m[None, :] * stride_x + (i * PER)[:, None]  # x^T's rows c0 + PER i + j: x_ptrs + c0 + j
+        x_row_ptrs = X + m[:, None] * stride_x + tl.arange(0, TILE_K)[None, :]
+    else:  # one row
+        out = tl.zeros([BLOCK_N, WORDS], tl.float32)
+        x_ptrs = X + i * PER
     first = split * tiles_per_split
     for t in tl.range(first, first + tiles_per_split):
         c0 = t * TILE_K
         words = tl.load(w_ptrs + t * WORDS, mask=row_ok[:, None], other=0)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        x_row = tl.load(X + m[:, None] * stride_x + c0 + tl.arange(0, TILE_K)[None, :], mask=m_ok[:, None], other=0.0)
-        x_sum = tl.sum(x_row.to(tl.float32), axis=1)
-        for j in tl.static_range(PER):
-            codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
-            if MAGIC:
-                w = (codes | MAGIC).to(tl.int16).to(X.dtype.element_ty, bitcast=True)  # OFFSET + code
-            else:
-                w = codes.to(X.dtype.element_ty)
-            xt = tl.load(x_ptrs + c0 + j, mask=m_ok[None, :], other=0.0)
-            acc = tl.dot(w, xt, acc, input_precision="ieee")  # float32 models: no TF32
-        g = c0 // GROUP
-        zero = tl.load(Z + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
-        scale = tl.load(S + n.to(tl.int64) * stride_g + g, mask=row_ok, other=0.0)
-        out += scale[:, None] * (acc - (zero + OFFSET)[:, None] * x_sum[None, :])
+        zero = tl.load(Z + n.to(tl.int64) * stride_g + c0 // GROUP, mask=row_ok, other=0.0)
+        scale = tl.load(S + n.to(tl.int64) * stride_g + c0 // GROUP, mask=row_ok, other=0.0)
+        if DOT:
+            out = _dot_tile(out, words, x_ptrs + c0, x_row_ptrs + c0, m_ok, zero, scale, BITS, MAGIC, OFFSET, PER)
+        else:
+            out = _fma_tile(out, words, x_ptrs + c0, zero, scale, BITS, PER)
+    if not DOT:
+        out = tl.sum(out, axis=1)[:, None]
     live = row_ok[:, None] & m_ok[None, :]
     y_ptrs = Y + m[None, :] * stride_y + n[:, None]
     if SPLITS == 1:
@@ -160,9 +191,9 @@ def splits_for(n: int, tiles: int, sms: int, block_n: int = BLOCK_N, waves: int 
     return tiles
 
 
-def block_m_for(rows: int) -> int:
+def block_m_for(rows: int, fma_rows: int = FMA_ROWS) -> int:
     """x's rows a fused program holds (the MMA's least is 16): one build of the kernel each."""
-    return max(16, triton.next_power_of_2(rows))
+    return triton.next_power_of_2(rows) if rows <= fma_rows else max(16, triton.next_power_of_2(rows))
 
 
 # a row count of each build of the fused kernel, for the runner's warm-up
@@ -171,7 +202,7 @@ WARM_UP_ROWS = tuple(sorted({block_m_for(r): r for r in range(FUSED_ROWS, 0, -1)
 
 def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
           bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N, waves: int = 2, num_warps: int = 4,
-          num_stages: int = 3) -> torch.Tensor:
+          num_stages: int = 3, fma_rows: int = FMA_ROWS) -> torch.Tensor:
     """y = x W^T by the fused kernel, for x of at most FUSED_ROWS rows and a weight that fused_fits (the keywords:
     its tiling, for `bench int-gemm`'s sweeps)."""
     rows, k = x.shape
@@ -180,7 +211,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     bits = 32 * weight.shape[1] // k
     tiles = k // (WORDS * 32 // bits)
     splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
-    block_m = block_m_for(rows)
+    block_m = block_m_for(rows, fma_rows)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
     if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
         magic, offset = 0, 0.0
@@ -191,7 +222,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
         x, weight, zero, scale, y if bias is None else bias, y, part, _counters(x.device), rows, n, x.stride(0),
         weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
         OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
-        num_warps=num_warps, num_stages=num_stages)
+        DOT=rows > fma_rows, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
