@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--group", type=int, default=128, help="input columns a group (-1: one group a row)")
     ap.add_argument("--configs", default="", help="fused kernel tilings to time at its rows as well: "
-                                                   "block_n:waves:num_warps:num_stages, comma-separated")
+                                                   "block_n:waves:num_warps:num_stages[:fma_rows], comma-separated")
     ap.add_argument("--out", default="bench/results/int_gemm.json")
     args = ap.parse_args(argv)
     from worker_svc.kernels import int_gemm, reference
@@ -58,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 kernels[f"int{bits}"] = (lambda x, w: int_gemm.linear(x, *w), parts, read,
                                          F.linear(x.float(), w.float()))
                 for config in filter(None, args.configs.split(",")) if rows <= int_gemm.FUSED_ROWS else ():
-                    block_n, waves, warps, stages = map(int, config.split(":"))
+                    block_n, waves, warps, stages, *fma = map(int, config.split(":"))
                     kernels[f"int{bits} {config}"] = (
-                        lambda x, w, b=block_n, v=waves, nw=warps, ns=stages: int_gemm.fused(
-                            x, *w, block_n=b, waves=v, num_warps=nw, num_stages=ns), parts, read,
+                        lambda x, w, b=block_n, v=waves, nw=warps, ns=stages, f=(fma or [int_gemm.FMA_ROWS])[0]:
+                        int_gemm.fused(x, *w, block_n=b, waves=v, num_warps=nw, num_stages=ns, fma_rows=f), parts, read,
                         F.linear(x.float(), w.float()))
                 if rows <= int_gemm.FUSED_ROWS:
                     kernels[f"int{bits} dequantised"] = (

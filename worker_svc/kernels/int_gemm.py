@@ -73,16 +73,22 @@ def _dot_tile(out, words, x_ptrs, x_row_ptrs, m_ok, zero, scale, BITS: tl.conste
 
 @triton.jit
 def _fma_tile(out, words, x_ptrs, zero, scale, BITS: tl.constexpr, PER: tl.constexpr):
-    # out [BLOCK_N, WORDS] += the tile's products with one row of x by float32 FMAs (an MMA would pad it to 16 rows);
-    # a code as a float: its bits in the mantissa of 2^23, less 2^23
+    # out [BLOCK_N, WORDS] += the tile's products with one row of x by float32 FMAs (an MMA would pad it to 16 rows).
+    # A code as a float without shifting it down: a half word in the mantissa of 2^23, masked to one code's field,
+    # less 2^23, is the code times 2^(BITS h) (h: its place in the half), which x's column takes back exactly.
+    HALF: tl.constexpr = PER // 2
     t = tl.zeros(out.shape, tl.float32)
     x_sum = tl.zeros([out.shape[1]], tl.float32)
-    for j in tl.static_range(PER):
-        codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
-        f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        xj = tl.load(x_ptrs + j).to(tl.float32)
-        t += f * xj[None, :]
-        x_sum += xj
+    for half in tl.static_range(2):
+        part = ((words >> (16 * half)) & 0xFFFF) | 0x4B000000
+        factor = 1.0  # 2^-(BITS h)
+        for h in tl.static_range(HALF):
+            field = part & ((((1 << BITS) - 1) << (h * BITS)) | 0x4B000000)
+            f = field.to(tl.float32, bitcast=True) - 8388608.0
+            xj = tl.load(x_ptrs + half * HALF + h).to(tl.float32)
+            t += f * (xj * factor)[None, :]
+            x_sum += xj
+            factor = factor / (1 << BITS)
     return out + scale[:, None] * (t - zero[:, None] * x_sum[None, :])
 
 
