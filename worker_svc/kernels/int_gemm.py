@@ -29,7 +29,7 @@ from common.util import cdiv
 from worker_svc.kernels import reference
 
 BLOCK_N = 64
-FUSED_ROWS = 64  # rows multiplied by the fused kernel; more go through a dequantised copy and cuBLAS
+FUSED_ROWS = 32  # rows multiplied by the fused kernel; more go through a dequantised copy and cuBLAS
 FMA_ROWS = 1  # rows the fused kernel multiplies by FMAs rather than on the tensor cores (at most 1)
 WORDS = 16  # words of a row in a fused tile: the MMA's depth
 COUNTERS = 4096  # row blocks of one product at most (BLOCK_N x COUNTERS output rows)
@@ -207,7 +207,7 @@ WARM_UP_ROWS = tuple(sorted({block_m_for(r): r for r in range(FUSED_ROWS, 0, -1)
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
-          bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N, waves: int = 2, num_warps: int = 4,
+          bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N, waves: int | None = None, num_warps: int = 4,
           num_stages: int = 3, fma_rows: int = FMA_ROWS) -> torch.Tensor:
     """y = x W^T by the fused kernel, for x of at most FUSED_ROWS rows and a weight that fused_fits (the keywords:
     its tiling, for `bench int-gemm`'s sweeps)."""
@@ -216,6 +216,8 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     n, groups = scale.shape
     bits = 32 * weight.shape[1] // k
     tiles = k // (WORDS * 32 // bits)
+    if waves is None:  # FMA programs are short of loads in flight: more of them an SM
+        waves = 2 if rows > fma_rows else 4
     splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
     block_m = block_m_for(rows, fma_rows)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
