@@ -112,16 +112,26 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
         out = tl.zeros([BLOCK_N, WORDS], tl.float32)
         x_ptrs = X + i * PER
     first = split * tiles_per_split
-    for t in tl.range(first, first + tiles_per_split):
-        c0 = t * TILE_K
-        words = tl.load(w_ptrs + t * WORDS, mask=row_ok[:, None], other=0)
-        zero = tl.load(Z + n.to(tl.int64) * stride_g + c0 // GROUP, mask=row_ok, other=0.0)
-        scale = tl.load(S + n.to(tl.int64) * stride_g + c0 // GROUP, mask=row_ok, other=0.0)
-        if DOT:
+    last = first + tiles_per_split
+    g_ptrs = n.to(tl.int64) * stride_g
+    if DOT:  # Triton pipelines the words' loads into the MMAs
+        for t in tl.range(first, last):
+            c0 = t * TILE_K
+            words = tl.load(w_ptrs + t * WORDS, mask=row_ok[:, None], other=0)
+            zero = tl.load(Z + g_ptrs + c0 // GROUP, mask=row_ok, other=0.0)
+            scale = tl.load(S + g_ptrs + c0 // GROUP, mask=row_ok, other=0.0)
             out = _dot_tile(out, words, x_ptrs + c0, x_row_ptrs + c0, m_ok, zero, scale, BITS, MAGIC, OFFSET, PER)
-        else:
-            out = _fma_tile(out, words, x_ptrs + c0, zero, scale, BITS, PER)
-    if not DOT:
+    else:  # nor does it pipeline a loop without a dot: the next tile's loads go out before this one's arithmetic
+        words = tl.load(w_ptrs + first * WORDS, mask=row_ok[:, None], other=0)
+        zero = tl.load(Z + g_ptrs + first * TILE_K // GROUP, mask=row_ok, other=0.0)
+        scale = tl.load(S + g_ptrs + first * TILE_K // GROUP, mask=row_ok, other=0.0)
+        for t in tl.range(first, last):
+            ahead = n < tl.where(t + 1 < last, N, 0)  # rows present, while a next tile is
+            next_words = tl.load(w_ptrs + (t + 1) * WORDS, mask=ahead[:, None], other=0)
+            next_zero = tl.load(Z + g_ptrs + (t + 1) * TILE_K // GROUP, mask=ahead, other=0.0)
+            next_scale = tl.load(S + g_ptrs + (t + 1) * TILE_K // GROUP, mask=ahead, other=0.0)
+            out = _fma_tile(out, words, x_ptrs + t * TILE_K, zero, scale, BITS, PER)
+            words, zero, scale = next_words, next_zero, next_scale
         out = tl.sum(out, axis=1)[:, None]
     live = row_ok[:, None] & m_ok[None, :]
     y_ptrs = Y + m[None, :] * stride_y + n[:, None]
