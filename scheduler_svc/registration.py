@@ -43,7 +43,8 @@ class MembershipService(membership_pb2_grpc.MembershipServicer):
         if not self.frontend.accepting:
             await abort(context, grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if not _valid_address(request.address):
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"address must be HOST:PORT, got {request.address!r}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"address must be HOST:PORT, got {request.address!r}")
         reply = await self.frontend.ask_supervisor(["register", request.address, request.worker_id, request.epoch])
         if reply.get("code"):
             await abort(context, grpc.StatusCode[reply["code"]], reply["message"])

@@ -568,7 +568,8 @@ def test_soak_500_random_requests_with_cancellations(soak):
         v for (name, _), v in before.items() if name == "splitserve:request_rejected_total")
     assert len(scrapes) >= 10
     print(f"soak: {SOAK_REQUESTS} requests, {completions} completions in {soak_s:.1f} s; finished {finished}, "
-          f"cut {cut} (of which finished at the server first: {late}; never reached an engine: {completions - reached}); "
+          f"cut {cut} (of which finished at the server first: {late}; never reached an engine: "
+          f"{completions - reached}); "
           f"server {server}; scrapes {len(scrapes)}")
 
 
