@@ -61,7 +61,7 @@ def test_a_status_that_fails_to_go_out_is_raised_once_grpc_has_seen_the_call_clo
         started = asyncio.get_running_loop().time()
         with pytest.raises(RuntimeError, match="execute_batch"):
             await responses.abort(ClosedContext(), grpc.StatusCode.INVALID_ARGUMENT, "bad")
-        assert asyncio.get_running_loop().time() - started >= 0.2
+        assert asyncio.get_running_loop().time() - started >= 0.19  # the loop may wake a hair early
         with pytest.raises(grpc.aio.AbortError):  # a status that went out ends the handler at once
             await asyncio.wait_for(responses.abort(OpenContext(), grpc.StatusCode.INVALID_ARGUMENT, "bad"), 0.1)
 
