@@ -557,7 +557,8 @@ def test_n_completions(client):
 
 def test_stream_interval_joins_tokens_into_fewer_messages(client):
     """1: a message per token; 4: messages of 4 tokens and the rest at the end; 0: one message per
-    completion. The tokens, text, logprobs and finish are the same whatever the interval."""
+    completion (tokens that arrived together may share a message). The tokens, text, logprobs and finish are the same
+    whatever the interval."""
     kw = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True, "seed": 9, "logprobs": 1, "n": 2}
 
     def run_with(interval):
@@ -568,10 +569,12 @@ def test_stream_interval_joins_tokens_into_fewer_messages(client):
             collector.add(d)
         return sizes, collector.completions()
 
+    # A front-end that finds several tokens of a stream waiting at once (a busy machine) sends them together, so
+    # message sizes are lower bounds: at least one token, at least 4 but for the last, all at once.
     sizes, streamed = run_with(None)
-    assert sizes == {0: [1] * 10, 1: [1] * 10}
+    assert all(sum(s) == 10 and min(s) >= 1 for s in sizes.values()), sizes
     sizes, by_four = run_with(4)
-    assert sizes == {0: [4, 4, 2], 1: [4, 4, 2]}
+    assert all(sum(s) == 10 and len(s) <= 3 and min(s[:-1], default=4) >= 4 for s in sizes.values()), sizes
     sizes, whole = run_with(0)
     assert sizes == {0: [10], 1: [10]}
     for completions in (by_four, whole, client.complete("Count with me", **kw)):
