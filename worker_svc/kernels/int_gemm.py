@@ -197,6 +197,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
+@functools.cache  # eager steps ask it for every projection
 def splits_for(n: int, tiles: int, sms: int, block_n: int = BLOCK_N, waves: int = 2) -> int:
     """Splits of the input columns for `n` output rows in `tiles` tiles: the fewest (a divisor of `tiles`) that give
     every SM `waves` programs, so that a product of a few rows reads the weight with the whole GPU."""
@@ -226,8 +227,9 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     n, groups = scale.shape
     bits = 32 * weight.shape[1] // k
     tiles = k // (WORDS * 32 // bits)
+    dot = rows > fma_rows
     if waves is None:  # FMA programs are short of loads in flight: more of them an SM
-        waves = 2 if rows > fma_rows else 4
+        waves = 2 if dot else 4
     splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
     block_m = block_m_for(rows, fma_rows)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
@@ -240,7 +242,7 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
         x, weight, zero, scale, y if bias is None else bias, y, part, _counters(x.device), rows, n, x.stride(0),
         weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
         OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
-        DOT=rows > fma_rows, num_warps=num_warps, num_stages=num_stages)
+        DOT=dot, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
