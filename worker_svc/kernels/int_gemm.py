@@ -92,6 +92,14 @@ def _fma_tile(out, words, x_ptrs, zero, scale, BITS: tl.constexpr, PER: tl.const
     return out + scale[:, None] * (t - zero[:, None] * x_sum[None, :])
 
 
+@triton.jit
+def _store(y_ptrs, out, Bias, n, row_ok, live, HAS_BIAS: tl.constexpr):
+    # y^T's tile [BLOCK_N, BLOCK_M], plus the bias (one a weight row), in Y's dtype
+    if HAS_BIAS:
+        out += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptrs, out.to(y_ptrs.dtype.element_ty), mask=live)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_g, stride_y, tiles_per_split,
            BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -136,9 +144,7 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
     live = row_ok[:, None] & m_ok[None, :]
     y_ptrs = Y + m[None, :] * stride_y + n[:, None]
     if SPLITS == 1:
-        if HAS_BIAS:
-            out += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=live)
+        _store(y_ptrs, out, Bias, n, row_ok, live, HAS_BIAS)
     else:
         # the splits' partials, [SPLITS, BLOCK_M, N]; the last program to store its own adds them in split order
         part_ptrs = Part + m[None, :] * N + n[:, None]
@@ -150,9 +156,7 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
             total = tl.load(part_ptrs, mask=live, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLITS):
                 total += tl.load(part_ptrs + s * BLOCK_M * N, mask=live, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=live)
+            _store(y_ptrs, total, Bias, n, row_ok, live, HAS_BIAS)
 
 
 def supported(k: int, groups: int) -> bool:
