@@ -527,7 +527,8 @@ class Frontend(splitserve_pb2_grpc.GenerationServicer):
                     slot.give_back()
         finally:
             # sent to an engine and not refused, also where the call ended while the engine's answer was on its way
-            reached = reached or completions[0].group is not None
+            if not reached and completions[0].group is not None:
+                reached, where = True, completions[0].group.address
             for c in completions:
                 self._streams.pop(c.sub_id, None)
                 if c.sub_id in pending:  # cancelled, failed or deadline passed: free its blocks now

@@ -540,16 +540,22 @@ def test_soak_500_random_requests_with_cancellations(soak):
                     for r in ("stop", "length", "abort"))
         reached = sum(n_of[rid] for rid, e in logged.items() if e["worker"] != "-")
         unseen = [rid for rid in n_of if rid not in logged]
+        pending = [(rid, fates[rid][0], fates[rid][1]["error"]) for rid in unseen if fates[rid][0] != "deadline"]
+        waiting.update(counted=total, reached=reached, unlogged_without_deadline=pending[:5])
+        if pending:
+            return None  # their handlers have not ended yet
         for rid in unseen:
-            fate, out = fates[rid]
-            if fate != "deadline":
-                return None  # its handler has not ended yet
+            out = fates[rid][1]
             assert out["error"] == grpc.StatusCode.DEADLINE_EXCEEDED and not any(out["deltas"].values()), (rid, out)
         return (samples, reached, sum(n_of[rid] for rid in unseen)) if total == reached else None
 
     # A cut stream counts its abort when its handler sees the cancellation, which may come after the engine has
     # freed its blocks (its sequence ended there first): wait for every count before comparing them.
-    after, reached, unseen = wait_for("every completion counted", counted)
+    waiting: dict = {}  # what counted() last saw, for the message if it never holds
+    try:
+        after, reached, unseen = wait_for("every completion counted", counted)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {waiting}") from None
     assert unseen <= completions // 10, unseen
 
     def delta(name: str, **labels) -> float:
