@@ -244,6 +244,30 @@ def test_cancel_mid_stream_frees_blocks_within_a_step(slow, client):
     assert entry["status"] == "cancelled" and entry["completion_tokens"] < R_TOKENS
 
 
+def test_calls_ended_around_their_admission_are_logged_where_they_were_counted(slow, client):
+    """Deadlines of 20-70 ms while a 100 ms step runs (an engine answers adds between steps) end calls before,
+    during and after their admission: a call's log line names a group exactly when its completion was counted
+    (an abort), also for one that ended while its add was on its way to the engine."""
+    aborts = "splitserve:request_success_total"
+    before = sample(scrape(slow.metrics_port), aborts, finished_reason="abort")
+    running = client.generate(token_ids=_ids(R_PROMPT), max_tokens=R_TOKENS, ignore_eos=True)
+    next(running)
+    ids = [f"admission-{i}" for i in range(12)]
+    for i, rid in enumerate(ids):
+        with pytest.raises(grpc.RpcError) as e:
+            client.complete(token_ids=_ids(8), max_tokens=4, timeout=0.02 + 0.01 * (i % 6), request_id=rid)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    running.close()
+    wait_for("every block free", lambda: all_idle(client), FREED_S)
+
+    def matched() -> bool:  # a handler counts, then logs: polled until every ended call did both
+        logged = [e for e in _log_entries(slow) if e["request_id"] in ids]
+        counted = sample(scrape(slow.metrics_port), aborts, finished_reason="abort") - before - 1  # less `running`
+        return counted == sum(e["worker"] != "-" for e in logged)
+
+    wait_for("log lines naming a group for every counted call", matched)
+
+
 # --- priority -----------------------------------------------------------------------------------------------
 
 
