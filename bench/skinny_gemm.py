@@ -8,6 +8,7 @@ bytes. Checks every kernel against F.linear in float32.
 python -m bench skinny-gemm
 python -m bench skinny-gemm --rows 1,16,64 --configs 16:256:4:4,32:128:6:4
 python -m bench skinny-gemm --shapes qkv_8b,o_8b,gate_up_8b,down_8b --rows 64,128,256 --configs 64:64:4:4,128:64:4:8
+python -m bench skinny-gemm --rows 16,64,128,256 --configs "" --split-k 64:128:2:4:4,128:64:2:8:4
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default="16:256:4:4,32:256:4:4",
                     help="block_n:block_k:num_stages:num_warps, comma-separated")
+    ap.add_argument("--split-k", default="",
+                    help="skinny_gemm.split_k_linear's tilings too: block_n:block_k:waves:num_warps:num_stages, "
+                         "comma-separated")
     ap.add_argument("--quack", action="store_true", help="also quack's autotuned CuTe-DSL GEMMs (with and without "
                                                             "split-K in the search)")
     ap.add_argument("--out", default="bench/results/skinny_gemm.json")
     args = ap.parse_args(argv)
-    from worker_svc.kernels.skinny_gemm import skinny_linear
+    from worker_svc.kernels.skinny_gemm import skinny_linear, split_k_linear
 
     gen = torch.Generator().manual_seed(0)
     rows_out = []
@@ -69,6 +73,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 kernels[f"triton {config}"] = (lambda x, w, bn=bn, bk=bk, st=st, wp=wp:
                                                skinny_linear(x, w, BLOCK_N=bn, BLOCK_K=bk, num_stages=st,
                                                              num_warps=wp))
+            for config in filter(None, args.split_k.split(",")):
+                bn, bk, wv, wp, st = (int(v) for v in config.split(":"))
+                kernels[f"split-k {config}"] = (lambda x, w, bn=bn, bk=bk, wv=wv, wp=wp, st=st:
+                                                split_k_linear(x, w, block_n=bn, block_k=bk, waves=wv, num_warps=wp,
+                                                               num_stages=st))
             for name, fn in kernels.items():
                 try:
                     err = (fn(x, weights[0]).float() - reference).abs().max().item()

@@ -31,7 +31,7 @@ def test_the_kernels_multiply_as_the_reference(rows, n, k, bits, group):
     """Past FUSED_ROWS: the weight dequantised as the reference does, then cuBLAS, bit for bit. Up to it, where the
     fused kernel takes the weight: the float64 product of the exact weight, to within the output's rounding, and no
     further from it than the product over the weight rounded to bfloat16."""
-    from worker_svc.kernels import int_gemm
+    from worker_svc.kernels import int_gemm, split_k
 
     gen = torch.Generator().manual_seed(rows + bits)
     words, zero, scale = _packed(n, k, bits, group, gen)
@@ -49,14 +49,14 @@ def test_the_kernels_multiply_as_the_reference(rows, n, k, bits, group):
     want = x.double() @ exact.double().T + bias.double()
     err, err_dequantised = (y.double() - want).abs().max().item(), (dequantised.double() - want).abs().max().item()
     assert err <= 2 ** -7 * want.abs().max().item() and err <= err_dequantised * 1.25 + 1e-3, (err, err_dequantised)
-    assert not int_gemm._counters(x.device).any()
+    assert not split_k.counters(x.device).any()
     graph = torch.cuda.CUDAGraph()  # captured: the same values, counters back at zero after each replay
     with torch.cuda.graph(graph):
         captured = int_gemm.linear(x, words, zero, scale, bias)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, y) and not int_gemm._counters(x.device).any()
+        assert torch.equal(captured, y) and not split_k.counters(x.device).any()
 
 
 def test_a_runner_with_packed_projections_decodes_as_over_the_dequantised_weights(tmp_path):

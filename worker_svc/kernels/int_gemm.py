@@ -18,7 +18,6 @@ rounded to x's dtype: the weight the dequantising path stores), then cuBLAS's GE
 bound by its FLOPs, and reading a 16-bit copy costs little beside them."""
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +25,13 @@ import triton
 import triton.language as tl
 
 from common.util import cdiv
-from worker_svc.kernels import reference
+from worker_svc.kernels import reference, split_k
+from worker_svc.kernels.split_k import store_or_merge
 
 BLOCK_N = 64
 FUSED_ROWS = 32  # rows multiplied by the fused kernel; more go through a dequantised copy and cuBLAS
 FMA_ROWS = 1  # rows the fused kernel multiplies by FMAs rather than on the tensor cores (at most 1)
 WORDS = 16  # words of a row in a fused tile: the MMA's depth
-COUNTERS = 4096  # row blocks of one product at most (BLOCK_N x COUNTERS output rows)
 
 
 @triton.jit
@@ -92,14 +91,6 @@ def _fma_tile(out, words, x_ptrs, zero, scale, BITS: tl.constexpr, PER: tl.const
     return out + scale[:, None] * (t - zero[:, None] * x_sum[None, :])
 
 
-@triton.jit
-def _store(y_ptrs, out, Bias, n, row_ok, live, HAS_BIAS: tl.constexpr):
-    # y^T's tile [BLOCK_N, BLOCK_M], plus the bias (one a weight row), in Y's dtype
-    if HAS_BIAS:
-        out += tl.load(Bias + n, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptrs, out.to(y_ptrs.dtype.element_ty), mask=live)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_g, stride_y, tiles_per_split,
            BITS: tl.constexpr, GROUP: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -141,22 +132,8 @@ def _fused(X, W, Z, S, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride
             out = _fma_tile(out, words, x_ptrs + t * TILE_K, zero, scale, BITS, PER)
             words, zero, scale = next_words, next_zero, next_scale
         out = tl.sum(out, axis=1)[:, None]
-    live = row_ok[:, None] & m_ok[None, :]
-    y_ptrs = Y + m[None, :] * stride_y + n[:, None]
-    if SPLITS == 1:
-        _store(y_ptrs, out, Bias, n, row_ok, live, HAS_BIAS)
-    else:
-        # the splits' partials, [SPLITS, BLOCK_M, N]; the last program to store its own adds them in split order
-        part_ptrs = Part + m[None, :] * N + n[:, None]
-        tl.store(part_ptrs + split * BLOCK_M * N, out, mask=live)
-        tl.debug_barrier()
-        if tl.atomic_add(Counters + block, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.debug_barrier()
-            tl.store(Counters + block, 0)  # for the next product (and graph replay)
-            total = tl.load(part_ptrs, mask=live, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLITS):
-                total += tl.load(part_ptrs + s * BLOCK_M * N, mask=live, other=0.0, cache_modifier=".cg")
-            _store(y_ptrs, total, Bias, n, row_ok, live, HAS_BIAS)
+    store_or_merge(out, Y, Part, Counters, Bias, n, m, row_ok, m_ok, block, split, N, stride_y, HAS_BIAS, BLOCK_M,
+                   SPLITS)
 
 
 def supported(k: int, groups: int) -> bool:
@@ -189,29 +166,6 @@ def dequantize(weight: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, k:
     return out
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split counters of the fused kernel: zeros, which every product leaves zero again. Made by the first
-    product on `device` (a warm-up's, before any graph is captured)."""
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-
-
-@functools.cache  # eager steps ask it for every projection
-def splits_for(n: int, tiles: int, sms: int, block_n: int = BLOCK_N, waves: int = 2) -> int:
-    """Splits of the input columns for `n` output rows in `tiles` tiles: the fewest (a divisor of `tiles`) that give
-    every SM `waves` programs, so that a product of a few rows reads the weight with the whole GPU."""
-    blocks = cdiv(n, block_n)
-    for s in range(1, tiles + 1):
-        if tiles % s == 0 and blocks * s >= waves * sms:
-            return s
-    return tiles
-
-
 def block_m_for(rows: int, fma_rows: int = FMA_ROWS) -> int:
     """x's rows a fused program holds (the MMA's least is 16): one build of the kernel each."""
     return triton.next_power_of_2(rows) if rows <= fma_rows else max(16, triton.next_power_of_2(rows))
@@ -234,16 +188,16 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     dot = rows > fma_rows
     if waves is None:  # FMA programs are short of loads in flight: more of them an SM
         waves = 2 if dot else 4
-    splits = splits_for(n, tiles, _sm_count(x.device), block_n, waves)
+    splits = split_k.splits_for(n, tiles, split_k.sm_count(x.device), block_n, waves)
     block_m = block_m_for(rows, fma_rows)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
     if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
         magic, offset = 0, 0.0
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits if splits > 1 else 0, block_m, n, dtype=torch.float32, device=x.device)
-    assert cdiv(n, block_n) <= COUNTERS
+    assert cdiv(n, block_n) <= split_k.COUNTERS
     _fused[(cdiv(n, block_n), splits)](
-        x, weight, zero, scale, y if bias is None else bias, y, part, _counters(x.device), rows, n, x.stride(0),
+        x, weight, zero, scale, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
+        split_k.counters(x.device), rows, n, x.stride(0),
         weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
         OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
         DOT=dot, num_warps=num_warps, num_stages=num_stages)

@@ -4,6 +4,11 @@ At 1-64 rows cuBLAS and this kernel run at the same per-kernel floor for the pro
 except for a single row with K <= 2048, where cuBLAS takes a split-K kernel about twice as slow
 (bench/results/skinny_gemm.md). So a batch of one uses this kernel for those shapes, cuBLAS does the rest. Every program owns BLOCK_N output columns and streams them through
 num_stages loads in flight; the row is padded to a tensor-core tile of 16.
+
+`split_k_linear` (timed against cuBLAS by `bench skinny-gemm --split-k`, not served yet) takes a few rows the other
+way round: y^T = W x^T, the weight as the MMA's first operand (BLOCK_N of its rows a program, so that the rows of x
+are the narrow side of the tile) over one range of the input columns (split_k.py: the splits give every SM programs,
+the last one of a row block adds them).
 """
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.kernels import fp8_gemm, int_gemm
+from common.util import cdiv
+from worker_svc.kernels import fp8_gemm, int_gemm, split_k
+from worker_svc.kernels.precision import dot
+from worker_svc.kernels.split_k import store_or_merge
 
 
 @triton.jit
@@ -31,6 +39,50 @@ def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows & (n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_gemm(X, W, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_y, k_per_split,
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    block, split = tl.program_id(0), tl.program_id(1)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    k = split * k_per_split + tl.arange(0, BLOCK_K)
+    row_ok, m_ok = n < N, m < M
+    w_ptrs = W + n[:, None].to(tl.int64) * stride_w + k[None, :]
+    x_ptrs = X + m[None, :] * stride_x + k[:, None]  # x^T's tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        acc += dot(w, xt)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    store_or_merge(acc, Y, Part, Counters, Bias, n, m, row_ok, m_ok, block, split, N, stride_y, HAS_BIAS, BLOCK_M,
+                   SPLITS)
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 64,
+                   block_k: int = 128, waves: int = 2, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x: [rows, K] (K a multiple of block_k); weight: [N, K]. Returns [rows, N] in x's dtype: each output column's
+    sum in float32 over the splits' partials in split order."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if k % block_k:
+        raise ValueError(f"K={k} is not a multiple of the {block_k}-wide tile")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    tiles = k // block_k
+    splits = split_k.splits_for(n, tiles, split_k.sm_count(x.device), block_n, waves)
+    block_m = max(16, triton.next_power_of_2(rows))
+    assert cdiv(n, block_n) <= split_k.COUNTERS
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _split_k_gemm[(cdiv(n, block_n), splits)](
+        x, weight, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
+        split_k.counters(x.device), rows, n, x.stride(0), weight.stride(0), y.stride(0), tiles // splits * block_k,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages)
+    return y
 
 
 def tiles(n: int) -> dict:
