@@ -2,8 +2,9 @@
 
 At 1-64 rows cuBLAS and this kernel run at the same per-kernel floor for the projections of small models,
 except for a single row with K <= 2048, where cuBLAS takes a split-K kernel about twice as slow
-(bench/results/skinny_gemm.md). So a batch of one uses this kernel for those shapes, cuBLAS does the rest. Every program owns BLOCK_N output columns and streams them through
-num_stages loads in flight; the row is padded to a tensor-core tile of 16.
+(bench/results/skinny_gemm.md). So a batch of one uses this kernel for those shapes, cuBLAS does the rest. Every
+program owns BLOCK_N output columns and streams them through num_stages loads in flight; the row is padded to a
+tensor-core tile of 16.
 
 `split_k_linear` (timed against cuBLAS by `bench skinny-gemm --split-k`, not served yet) takes a few rows the other
 way round: y^T = W x^T, the weight as the MMA's first operand (BLOCK_N of its rows a program, so that the rows of x
