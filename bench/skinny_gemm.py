@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--configs", default="16:256:4:4,32:256:4:4",
                     help="block_n:block_k:num_stages:num_warps, comma-separated")
     ap.add_argument("--split-k", default="",
-                    help="skinny_gemm.split_k_linear's tilings too: block_n:block_k:waves:num_warps:num_stages, "
-                         "comma-separated")
+                    help="skinny_gemm.split_k_linear's tilings too: block_n:block_k:waves:num_warps:num_stages[:tma], "
+                         "comma-separated (tma: 1 loads the tiles by the tensor memory accelerator)")
     ap.add_argument("--quack", action="store_true", help="also quack's autotuned CuTe-DSL GEMMs (with and without "
                                                             "split-K in the search)")
     ap.add_argument("--out", default="bench/results/skinny_gemm.json")
@@ -74,10 +74,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                skinny_linear(x, w, BLOCK_N=bn, BLOCK_K=bk, num_stages=st,
                                                              num_warps=wp))
             for config in filter(None, args.split_k.split(",")):
-                bn, bk, wv, wp, st = (int(v) for v in config.split(":"))
-                kernels[f"split-k {config}"] = (lambda x, w, bn=bn, bk=bk, wv=wv, wp=wp, st=st:
+                bn, bk, wv, wp, st, *tma = (int(v) for v in config.split(":"))
+                kernels[f"split-k {config}"] = (lambda x, w, bn=bn, bk=bk, wv=wv, wp=wp, st=st, tma=any(tma):
                                                 split_k_linear(x, w, block_n=bn, block_k=bk, waves=wv, num_warps=wp,
-                                                               num_stages=st))
+                                                               num_stages=st, tma=tma))
             for name, fn in kernels.items():
                 try:
                     err = (fn(x, weights[0]).float() - reference).abs().max().item()

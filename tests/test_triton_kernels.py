@@ -1010,16 +1010,18 @@ def test_the_fused_packed_integer_product_matches_the_float64_product(rows, n, k
 def test_the_split_k_gemm_matches_the_float64_product(rows, n, k, block_n, block_k):
     """skinny_gemm.split_k_linear: y^T = W x^T over ranges of the input columns (split_k.py), the splits added by the
     last program of each row block: the float64 product to float32's rounding, with a bias, over N not a multiple of
-    the tile and more than one split; the counters left at zero."""
+    the tile and more than one split, the tiles loaded by pointers and by TMA; the counters left at zero."""
     from worker_svc.kernels import split_k
     from worker_svc.kernels.skinny_gemm import split_k_linear
 
     gen = torch.Generator().manual_seed(rows + n)
     x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     want = x.double() @ w.double().T + bias.double()
-    got = split_k_linear(x, w, bias, block_n=block_n, block_k=block_k, waves=64)
     assert split_k.splits_for(n, k // block_k, split_k.sm_count(x.device), block_n, 64) > 1
-    assert got.shape == (rows, n) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for tma in (False, True):
+        got = split_k_linear(x, w, bias, block_n=block_n, block_k=block_k, waves=64, tma=tma)
+        assert got.shape == (rows, n)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.allclose(split_k_linear(x, w).double(), want - bias.double(), rtol=1e-5,
                           atol=1e-5 * want.abs().max().item())
     assert not split_k.counters(torch.device("cpu")).any()

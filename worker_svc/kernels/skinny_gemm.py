@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.util import cdiv
 from worker_svc.kernels import fp8_gemm, int_gemm, split_k
@@ -45,29 +46,37 @@ def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 @triton.jit(do_not_specialize=["M"])
 def _split_k_gemm(X, W, Bias, Y, Part, Counters, M, N, stride_x, stride_w, stride_y, k_per_split,
                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, TMA: tl.constexpr):
+    # TMA: X and W are tensor descriptors ([BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] tiles, zeros past the edges)
     block, split = tl.program_id(0), tl.program_id(1)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    k = split * k_per_split + tl.arange(0, BLOCK_K)
+    k0 = split * k_per_split
     row_ok, m_ok = n < N, m < M
-    w_ptrs = W + n[:, None].to(tl.int64) * stride_w + k[None, :]
-    x_ptrs = X + m[None, :] * stride_x + k[:, None]  # x^T's tile [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
-        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        acc += dot(w, xt)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if TMA:
+        for k in range(k0, k0 + k_per_split, BLOCK_K):
+            acc += dot(W.load([block * BLOCK_N, k]), tl.trans(X.load([0, k])))
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = W + n[:, None].to(tl.int64) * stride_w + k[None, :]
+        x_ptrs = X + m[None, :] * stride_x + k[:, None]  # x^T's tile [BLOCK_K, BLOCK_M]
+        for _ in range(0, k_per_split, BLOCK_K):
+            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            acc += dot(w, xt)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     store_or_merge(acc, Y, Part, Counters, Bias, n, m, row_ok, m_ok, block, split, N, stride_y, HAS_BIAS, BLOCK_M,
                    SPLITS)
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 64,
-                   block_k: int = 128, waves: int = 2, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                   block_k: int = 128, waves: int = 2, num_warps: int = 4, num_stages: int = 4,
+                   tma: bool = False) -> torch.Tensor:
     """x: [rows, K] (K a multiple of block_k); weight: [N, K]. Returns [rows, N] in x's dtype: each output column's
-    sum in float32 over the splits' partials in split order."""
+    sum in float32 over the splits' partials in split order. tma: the tiles loaded by the tensor memory accelerator
+    (Hopper and later, or Triton's interpreter)."""
     rows, k = x.shape
     n = weight.shape[0]
     if k % block_k:
@@ -78,10 +87,14 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     block_m = max(16, triton.next_power_of_2(rows))
     assert cdiv(n, block_n) <= split_k.COUNTERS
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    xs, ws = x, weight
+    if tma:
+        xs = TensorDescriptor(x, [rows, k], [x.stride(0), 1], [block_m, block_k])
+        ws = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     _split_k_gemm[(cdiv(n, block_n), splits)](
-        x, weight, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
+        xs, ws, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
         split_k.counters(x.device), rows, n, x.stride(0), weight.stride(0), y.stride(0), tiles // splits * block_k,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits, TMA=tma,
         num_warps=num_warps, num_stages=num_stages)
     return y
 
