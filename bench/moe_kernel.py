@@ -23,7 +23,6 @@ python -m bench moe-kernel
 python -m bench moe-kernel --tokens 1,130 --budget-s 60
 python -m bench moe-kernel --block-m 16 --block-n 64,128 --warps 4 --stages 3,4
 python -m bench moe-kernel --fp8
-python -m bench moe-kernel --tokens 1,8,130,256,512 --budget-s 0 --align-one-program 0  (align's stage, three launches)
 """
 from __future__ import annotations
 
@@ -462,9 +461,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--fp8", action="store_true", help="experts in e4m3 128 x 128 blocks (HOPPER_FP8_CONFIGS' entry)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--align-one-program", type=int, default=moe.ALIGN_ONE_PROGRAM,
-                    help="slots up to which one program aligns (0: three launches at every size; align's stage "
-                         "times either)")
     ap.add_argument("--out", default="bench/results/moe_kernel.json")
     ap.set_defaults(model=None, preset="random experts")  # what save() records as the model
     args = ap.parse_args(argv)
@@ -510,7 +506,6 @@ def measure(case: Case, shape: Shape, experts: Experts, deadline: float, trials:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
-    moe.ALIGN_ONE_PROGRAM = args.align_one_program
     started = time.perf_counter()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shape = Shape(args.experts, args.top_k, args.hidden, args.intermediate)

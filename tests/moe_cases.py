@@ -47,17 +47,6 @@ def align_by_sorting(topk_ids: torch.Tensor, first_expert: int, num_experts: int
     return sorted_slots, torch.where(block_expert < num_experts, block_expert, -1).int()
 
 
-def in_slot_order(sorted_slots: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
-    """align()'s slots with each expert's rows sorted (the empty id, the largest, last): align_by_sorting's order,
-    which align() keeps past its one-program size and need not keep up to it."""
-    rows = sorted_slots.cpu().view(block_expert.numel(), -1).clone()
-    experts = block_expert.cpu()
-    for e in experts.unique().tolist():
-        mine = experts == e
-        rows[mine] = rows[mine].flatten().sort().values.view(-1, rows.shape[1])
-    return rows.flatten()
-
-
 def check_router_choice(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, renormalize: bool,
                         tol: float) -> None:
     """weights / ids are a top-k choice of softmax(logits) whatever the order among equal probabilities: distinct

@@ -14,7 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from common.limits import Limits
 from common.util import cdiv
-from tests.moe_cases import align_by_sorting, check_router_choice, in_slot_order, moe_inputs
+from tests.moe_cases import align_by_sorting, check_router_choice, moe_inputs
 from worker_svc import kernels
 from worker_svc.kernels import elementwise, skinny_gemm
 from worker_svc.kernels.attention import AttentionMetadata
@@ -907,14 +907,13 @@ def _tables() -> list:
 @pytest.mark.parametrize("max_tokens,top_k", [(16384, 8), (500, 8), (3000, 2), (1, 4)])
 def test_moe_warm_up_reaches_every_config_a_step_can_use(table, max_tokens, top_k):
     """The worker's warm-up runs a step of each count warm_up_token_counts gives: together they use every
-    configuration (and align kernel) a step of 1 .. max_tokens tokens can, so no MoE kernel is built while
-    serving."""
+    configuration a step of 1 .. max_tokens tokens can, so no MoE kernel is built while serving."""
     from worker_svc.kernels import moe
 
     counts = moe.warm_up_token_counts(max_tokens, top_k, table)
     assert all(1 <= n <= max_tokens for n in counts)
-    reached = {moe.kernel_variant(n, top_k, table) for n in counts}
-    assert reached == {moe.kernel_variant(n, top_k, table) for n in range(1, max_tokens + 1)}
+    reached = {moe.moe_config(n, top_k, table) for n in counts}
+    assert reached == {moe.moe_config(n, top_k, table) for n in range(1, max_tokens + 1)}
     assert len(reached) == len(counts)
 
 
@@ -936,14 +935,10 @@ def test_moe_align_groups_slots_by_expert_in_whole_blocks():
     (130, 8, 128, 0, 128, 16),   # slots past the count and scatter kernels' 64-slot chunks
     (130, 8, 128, 64, 64, 32),   # tensor parallelism: the second half of the experts
     (37, 3, 10, 0, 10, 128),     # experts not a power of two, a block larger than any expert's share
-    (600, 2, 6, 2, 3, 64),       # a one-program align's slots past its 1,024-slot chunks
-    (600, 8, 128, 0, 128, 16),   # three launches (past ALIGN_ONE_PROGRAM slots)
-    (4000, 2, 6, 2, 3, 64),      # three launches: more chunks than the offsets kernel's tile of them
+    (600, 2, 6, 2, 3, 64),       # more chunks than the offsets kernel's tile of them
 ])
 def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first, local, block_m):
-    """align() groups the slots as a stable sort by expert does (in any order within an expert up to
-    ALIGN_ONE_PROGRAM slots, in slot order past it)."""
-    from worker_svc.kernels.moe import ALIGN_ONE_PROGRAM, align, num_blocks
+    from worker_svc.kernels.moe import align, num_blocks
 
     gen = torch.Generator().manual_seed(tokens + first)
     topk_ids = torch.rand(tokens, experts, generator=gen).argsort(-1)[:, :top_k]
@@ -951,8 +946,7 @@ def test_moe_align_matches_a_stable_sort_by_expert(tokens, top_k, experts, first
     assert block_expert.numel() == num_blocks(tokens * top_k, local, block_m)
     assert slots.numel() == block_expert.numel() * block_m
     ref_slots, ref_blocks = align_by_sorting(topk_ids, first, local, block_m, slots.numel())
-    assert torch.equal(block_expert, ref_blocks)
-    assert torch.equal(slots if tokens * top_k > ALIGN_ONE_PROGRAM else in_slot_order(slots, block_expert), ref_slots)
+    assert torch.equal(slots, ref_slots) and torch.equal(block_expert, ref_blocks)
 
 
 @pytest.mark.parametrize("n,k,bits,group", [(70, 256, 4, 128), (64, 256, 4, 32), (33, 128, 8, 64), (64, 128, 2, 16),

@@ -163,20 +163,14 @@ def moe_config(tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> M
     return lookup(table, tokens) if table else default_config(tokens, top_k)
 
 
-def kernel_variant(tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> tuple[MoeConfig, bool]:
-    """What decides which MoE kernels a step of `tokens` builds: its configuration and whether one program aligns
-    its slots."""
-    return moe_config(tokens, top_k, table), tokens * top_k <= ALIGN_ONE_PROGRAM
-
-
 def warm_up_token_counts(max_tokens: int, top_k: int, table: dict[int, MoeConfig] | None) -> list[int]:
-    """A token count up to max_tokens for each kernel variant a step can hit with `table`: a step of each, run
-    before serving, builds them all."""
-    edges = [*(table or ()), 1024 // top_k, ALIGN_ONE_PROGRAM // top_k]
-    first: dict[tuple[MoeConfig, bool], int] = {}
+    """A token count up to max_tokens for each configuration moe_config can choose from `table`: a step of each,
+    run before serving, builds every kernel variant a step can hit."""
+    edges = [*(table or ()), 1024 // top_k]
+    first: dict[MoeConfig, int] = {}
     for n in sorted({1, max_tokens, *edges, *(e + 1 for e in edges)}):
         if 1 <= n <= max_tokens:
-            first.setdefault(kernel_variant(n, top_k, table), n)
+            first.setdefault(moe_config(n, top_k, table), n)
     return sorted(first.values())
 
 
@@ -243,10 +237,8 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, sigmoid: bo
     return weights, ids
 
 
-# ---- align: slots grouped by expert (one program up to ALIGN_ONE_PROGRAM slots; past that three launches:
-# counts per chunk, offsets, scatter) ------------------------------------------------------------------------
+# ---- align: slots grouped by expert (three launches: counts per chunk, offsets, scatter) ----------------
 ALIGN_CHUNK = 64  # slots per program of the count and scatter kernels
-ALIGN_ONE_PROGRAM = 4096  # slots (a decode step's) that one program groups, each slot's row from an atomic cursor
 _NO_END = 2 ** 31 - 1
 
 
@@ -262,50 +254,6 @@ def _one_hot(e, local, E_PAD: tl.constexpr):
     return ((e[:, None] == tl.arange(0, E_PAD)[None, :]) & local[:, None]).to(tl.int32)
 
 
-@triton.jit
-def _block_experts(BlockExpert, end, lo, hi, num_experts, BLOCK_M: tl.constexpr, TILE: tl.constexpr):
-    """BlockExpert[lo:hi]: each block's expert (how many experts end at or before its first row: searchsorted,
-    right), -1 past the last. end: each expert's end row, NO_END past the experts."""
-    for b0 in range(lo, hi, TILE):
-        b = b0 + tl.arange(0, TILE)
-        owner = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), 1)
-        tl.store(BlockExpert + b, tl.where(owner < num_experts, owner, -1), mask=b < hi)
-
-
-@triton.jit
-def _fill(SortedSlots, lo, hi, empty, FILL: tl.constexpr):
-    for r0 in range(lo, hi, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(SortedSlots + r, tl.full([FILL], 0, tl.int32) + empty, mask=r < hi)
-
-
-@triton.jit(do_not_specialize=["num_slots", "first_expert", "num_rows", "num_blocks"])
-def _align_one(TopkIds, Cursor, SortedSlots, BlockExpert, num_slots, first_expert, num_experts, num_rows,
-               num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-               TILE: tl.constexpr, NO_END: tl.constexpr):
-    """align() in one program: the experts' counts, their rows in whole blocks, BlockExpert and the empty rows;
-    then each local slot takes the next row of its expert from Cursor (so slots stand in no fixed order within
-    an expert: each row's product is its own, so no output depends on it)."""
-    experts = tl.arange(0, E_PAD)
-    has = experts < num_experts
-    counts = tl.zeros([E_PAD], tl.int32)
-    for s0 in range(0, num_slots, CHUNK):
-        e, local = _local_expert(TopkIds, s0 + tl.arange(0, CHUNK), num_slots, first_expert, num_experts)
-        others = tl.sum((~local).to(tl.int32), 0)  # counted in expert 0's bin, taken out again
-        counts += tl.histogram(tl.where(local, e, 0), E_PAD) - tl.where(experts == 0, others, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    tl.store(Cursor + experts, end - padded, mask=has)
-    _fill(SortedSlots, 0, num_rows, num_slots, FILL)
-    _block_experts(BlockExpert, tl.where(has, end, NO_END), 0, num_blocks, num_experts, BLOCK_M, TILE)
-    tl.debug_barrier()  # the cursors and the empty rows are written before any slot takes a row
-    for s0 in range(0, num_slots, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        e, local = _local_expert(TopkIds, s, num_slots, first_expert, num_experts)
-        row = tl.atomic_add(Cursor + e, 1, mask=local)
-        tl.store(SortedSlots + row, s, mask=local)
-
-
 @triton.jit(do_not_specialize=["num_slots", "first_expert", "num_rows", "rows_per_program"])
 def _align_count(TopkIds, Counts, SortedSlots, num_slots, first_expert, num_experts, num_rows, rows_per_program,
                  E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
@@ -316,7 +264,10 @@ def _align_count(TopkIds, Counts, SortedSlots, num_slots, first_expert, num_expe
     experts = tl.arange(0, E_PAD)
     tl.store(Counts + pid * num_experts + experts, tl.sum(_one_hot(e, local, E_PAD), 0), mask=experts < num_experts)
     lo = pid * rows_per_program
-    _fill(SortedSlots, lo, tl.minimum(lo + rows_per_program, num_rows), num_slots, FILL)
+    hi = tl.minimum(lo + rows_per_program, num_rows)
+    for r0 in range(lo, hi, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(SortedSlots + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < hi)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -356,30 +307,28 @@ def _align_scatter(TopkIds, Counts, Bounds, SortedSlots, BlockExpert, num_slots,
     experts = tl.arange(0, E_PAD)
     end = tl.load(Bounds + num_experts + experts, mask=experts < num_experts, other=NO_END)
     lo = pid * blocks_per_program
-    _block_experts(BlockExpert, end, lo, tl.minimum(lo + blocks_per_program, num_blocks), num_experts, BLOCK_M,
-                   TILE)
+    hi = tl.minimum(lo + blocks_per_program, num_blocks)
+    for b0 in range(lo, hi, TILE):
+        b = b0 + tl.arange(0, TILE)
+        # how many experts end at or before the block's first row: its expert (searchsorted, right)
+        owner = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(owner < num_experts, owner, -1), mask=b < hi)
 
 
 def align(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot ids grouped by expert in blocks of block_m, padded with the empty id T*top_k; each block's local
-    expert, -1 past the last). Slots routed to experts outside [first_expert, first_expert + num_experts) are left
-    out. Within an expert slots stand in slot order past ALIGN_ONE_PROGRAM slots, in no fixed order up to it.
-    Static shapes: num_blocks() blocks."""
+    """(slot ids sorted by expert in blocks of block_m, in slot order within an expert, padded with the empty
+    id T*top_k; each block's local expert, -1 past the last). Slots routed to experts outside
+    [first_expert, first_expert + num_experts) are left out. Static shapes: num_blocks() blocks."""
     slots, device = topk_ids.numel(), topk_ids.device
     blocks = num_blocks(slots, num_experts, block_m)
+    chunks = cdiv(slots, ALIGN_CHUNK)
     e_pad = triton.next_power_of_2(num_experts)
     ids = topk_ids.reshape(-1)
-    sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    if slots <= ALIGN_ONE_PROGRAM:
-        cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-        _align_one[(1,)](ids, cursor, sorted_slots, block_expert, slots, first_expert, num_experts, blocks * block_m,
-                         blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, FILL=1024, TILE=32, NO_END=_NO_END)
-        return sorted_slots, block_expert
-    chunks = cdiv(slots, ALIGN_CHUNK)
     counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=device)
     bounds = torch.empty(2, num_experts, dtype=torch.int32, device=device)
+    sorted_slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     _align_count[(chunks,)](ids, counts, sorted_slots, slots, first_expert, num_experts, blocks * block_m,
                             cdiv(blocks * block_m, chunks), E_PAD=e_pad, CHUNK=ALIGN_CHUNK, FILL=1024)
     _align_offsets[(1,)](counts, bounds, chunks, num_experts, BLOCK_M=block_m, E_PAD=e_pad, TILE=32)
