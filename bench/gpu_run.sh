@@ -42,6 +42,10 @@ for b in $benches; do
              grep -E "^(FAILED|ERROR)|passed|failed" $OUT/checks_moe.txt | tail -8
              timeout 330 python3 -m bench moe-kernel ${MOE_KERNEL_ARGS:-} --out $OUT/moe_kernel.json > $OUT/moe_kernel.txt 2>&1
              grep -E "^built|^[|]|MoeConfig|^HOPPER|^}|^# " $OUT/moe_kernel.txt; tail -3 $OUT/moe_kernel.txt | grep -i error ;;
+    splitk)  # the split-K GEMM for a few rows against cuBLAS (bench/NOTES.md "Next" 1), after its interpreter checks
+             timeout 400 python3 -m bench skinny-gemm --rows 16,64,128,256 --configs "" \
+               --split-k ${SPLIT_K_CONFIGS:-64:128:2:4:4,128:64:2:8:4,64:128:2:4:4:1,128:64:2:8:4:1} \
+               --out $OUT/skinny_gemm_split_k.json 2>&1 | grep '^{' ;;
     profile) timeout 400 python3 -m bench runner-step --block-sizes 256 --batches "${PROFILE_BATCHES:-1,32,256}" --graphs-only \
                --profile --out $OUT/runner_step.json > $OUT/profile.txt 2>&1; grep -E '^[{]|host time|replay alone' $OUT/profile.txt ;;
     pyspy)   # where the worker's time goes on short requests (batch-1 TTFT): py-spy carried to /tmp/py-spy
