@@ -999,6 +999,7 @@ def test_the_fused_packed_integer_product_matches_the_float64_product(rows, n, k
         assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert not split_k.counters(torch.device("cpu")).any()
 
+
 @pytest.mark.parametrize("rows", [2, 16, 33])
 @pytest.mark.parametrize("n,k,block_n,block_k", [(70, 256, 32, 64), (64, 512, 64, 128), (16, 128, 16, 32)])
 def test_the_split_k_gemm_matches_the_float64_product(rows, n, k, block_n, block_k):

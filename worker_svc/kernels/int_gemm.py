@@ -18,7 +18,6 @@ rounded to x's dtype: the weight the dequantising path stores), then cuBLAS's GE
 bound by its FLOPs, and reading a 16-bit copy costs little beside them."""
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -188,19 +187,17 @@ def fused(x: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor, scale: torc
     dot = rows > fma_rows
     if waves is None:  # FMA programs are short of loads in flight: more of them an SM
         waves = 2 if dot else 4
-    splits = split_k.splits_for(n, tiles, split_k.sm_count(x.device), block_n, waves)
     block_m = block_m_for(rows, fma_rows)
+    splits, part, counters = split_k.plan(n, tiles, block_n, block_m, waves, x.device)
     magic, offset = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(x.dtype, (0, 0.0))
     if x.dtype == torch.bfloat16 and bits > 7:  # 128 + code needs 8 mantissa bits: converted instead
         magic, offset = 0, 0.0
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    assert cdiv(n, block_n) <= split_k.COUNTERS
     _fused[(cdiv(n, block_n), splits)](
-        x, weight, zero, scale, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
-        split_k.counters(x.device), rows, n, x.stride(0),
-        weight.stride(0), scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic,
-        OFFSET=offset, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits,
-        DOT=dot, num_warps=num_warps, num_stages=num_stages)
+        x, weight, zero, scale, y if bias is None else bias, y, part, counters, rows, n, x.stride(0), weight.stride(0),
+        scale.stride(0), y.stride(0), tiles // splits, BITS=bits, GROUP=k // groups, MAGIC=magic, OFFSET=offset,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, WORDS=WORDS, SPLITS=splits, DOT=dot,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 

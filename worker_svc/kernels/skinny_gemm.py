@@ -83,17 +83,16 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"K={k} is not a multiple of the {block_k}-wide tile")
     x = x if x.stride(1) == 1 else x.contiguous()
     tiles = k // block_k
-    splits = split_k.splits_for(n, tiles, split_k.sm_count(x.device), block_n, waves)
     block_m = max(16, triton.next_power_of_2(rows))
-    assert cdiv(n, block_n) <= split_k.COUNTERS
+    splits, part, counters = split_k.plan(n, tiles, block_n, block_m, waves, x.device)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     xs, ws = x, weight
     if tma:
         xs = TensorDescriptor(x, [rows, k], [x.stride(0), 1], [block_m, block_k])
         ws = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k])
     _split_k_gemm[(cdiv(n, block_n), splits)](
-        xs, ws, y if bias is None else bias, y, split_k.partials(splits, block_m, n, x.device),
-        split_k.counters(x.device), rows, n, x.stride(0), weight.stride(0), y.stride(0), tiles // splits * block_k,
+        xs, ws, y if bias is None else bias, y, part, counters, rows, n, x.stride(0), weight.stride(0), y.stride(0),
+        tiles // splits * block_k,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, SPLITS=splits, TMA=tma,
         num_warps=num_warps, num_stages=num_stages)
     return y

@@ -69,6 +69,11 @@ def splits_for(n: int, tiles: int, sms: int, block_n: int, waves: int = 2) -> in
     return tiles
 
 
-def partials(splits: int, block_m: int, n: int, device: torch.device) -> torch.Tensor:
-    """The splits' partials store_or_merge takes (none for one split)."""
-    return torch.empty(splits if splits > 1 else 0, block_m, n, dtype=torch.float32, device=device)
+def plan(n: int, tiles: int, block_n: int, block_m: int, waves: int, device: torch.device
+         ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A product's launch: (its splits, the partials store_or_merge takes (none for one split), the counters), for
+    `n` output rows in `tiles` tiles of the input columns."""
+    assert cdiv(n, block_n) <= COUNTERS
+    splits = splits_for(n, tiles, sm_count(device), block_n, waves)
+    part = torch.empty(splits if splits > 1 else 0, block_m, n, dtype=torch.float32, device=device)
+    return splits, part, counters(device)
